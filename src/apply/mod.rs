@@ -1,0 +1,455 @@
+//! The applyinator: carries out one plan. It writes the plan's files, runs the one-time
+//! instructions in order (stopping at the first failure), runs due periodic instructions, and obeys
+//! interrupts: a pause stops at the next instruction boundary, a cancel (or agent shutdown) runs the
+//! stop ladder on the running instruction's whole tree and starts nothing more.
+//!
+//! It owns the execution directory layout, the instruction environment, the applied-plan archive,
+//! the interlock directory and the result of a run. It must not talk to Kubernetes or read the plan
+//! directory (its callers decide what to run and record what happened), and it never spawns or
+//! signals a process itself: every process goes through [`crate::process`].
+
+mod archive;
+pub mod files;
+pub mod periodic;
+
+use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
+use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor};
+use chrono::{DateTime, Utc};
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// What the applyinator needs from the agent's configuration.
+#[derive(Debug, Clone)]
+pub struct ApplyConfig {
+    /// Per-apply execution directories live here; wiped at each apply unless preserved.
+    pub work_dir: PathBuf,
+    pub preserve_work_dir: bool,
+    /// Archive of applied plans (newest 64 kept); `None` = no archive.
+    pub applied_plan_dir: Option<PathBuf>,
+    /// system-agent's upgrade interlock (`applyinator-active`, `restart-pending`).
+    pub interlock_dir: Option<PathBuf>,
+    /// The environment instructions start from (the agent's own).
+    pub base_env: Vec<(OsString, OsString)>,
+}
+
+impl ApplyConfig {
+    pub fn new(work_dir: impl Into<PathBuf>) -> ApplyConfig {
+        ApplyConfig {
+            work_dir: work_dir.into(),
+            preserve_work_dir: false,
+            applied_plan_dir: None,
+            interlock_dir: None,
+            base_env: std::env::vars_os().collect(),
+        }
+    }
+}
+
+/// The latest interrupt requests (a `watch` value: latest wins).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Interrupt {
+    pub pause: bool,
+    pub cancel: bool,
+    /// The agent is stopping: treated like cancel for the running tree, recorded differently.
+    pub shutdown: bool,
+}
+
+impl Interrupt {
+    fn stop_reason(&self) -> Option<StopReason> {
+        if self.cancel {
+            Some(StopReason::Cancel)
+        } else if self.shutdown {
+            Some(StopReason::Shutdown)
+        } else {
+            None
+        }
+    }
+    fn boundary(&self) -> Option<Interruption> {
+        if self.cancel {
+            Some(Interruption::Canceled)
+        } else if self.shutdown {
+            Some(Interruption::Shutdown)
+        } else if self.pause {
+            Some(Interruption::Paused)
+        } else {
+            None
+        }
+    }
+}
+
+/// Why a run stopped early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interruption {
+    Paused,
+    Canceled,
+    Shutdown,
+}
+
+impl Interruption {
+    fn from_stop(r: StopReason) -> Option<Interruption> {
+        match r {
+            StopReason::Cancel => Some(Interruption::Canceled),
+            StopReason::Shutdown => Some(Interruption::Shutdown),
+            StopReason::Timeout(_) => None,
+        }
+    }
+}
+
+/// A source of "now" (UTC), so schedules can be tested with a fixed clock.
+pub trait Clock: Send + Sync {
+    fn now(&self) -> DateTime<Utc>;
+}
+
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// Progress callbacks (the CLI's live display).
+pub trait Observer: Send + Sync {
+    fn instruction_started(&self, _index: usize, _total: usize, _name: &str, _periodic: bool) {}
+    fn instruction_finished(&self, _report: &InstructionReport) {}
+}
+
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+/// What to apply and from where.
+pub struct ApplyInput<'a> {
+    pub plan: &'a ValidPlan,
+    pub reconcile_files: bool,
+    pub run_one_time: bool,
+    /// `CATTLE_AGENT_ATTEMPT_NUMBER` for one-time instructions.
+    pub attempt: i64,
+    /// Absolute index of the first one-time instruction to run (a checkpoint's completed count).
+    pub resume_from: usize,
+    /// Saved outputs of earlier attempts (kept for instructions that are not re-run).
+    pub one_time_output: BTreeMap<String, Vec<u8>>,
+    pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
+    pub run_periodic: bool,
+    pub interrupts: watch::Receiver<Interrupt>,
+    /// Prefix of the PID records' owner label.
+    pub owner: String,
+    pub observer: Arc<dyn Observer>,
+}
+
+/// One instruction's outcome.
+#[derive(Debug, Clone)]
+pub struct InstructionReport {
+    pub index: usize,
+    pub name: String,
+    pub periodic: bool,
+    pub outcome: Outcome,
+    pub elapsed: Duration,
+    /// What the instruction wrote (each stream and the interleaved capture, capped).
+    pub output: Output,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ApplyResult {
+    /// All one-time instructions ran and succeeded (false when they were not run).
+    pub one_time_succeeded: bool,
+    /// Absolute index: one past the last completed one-time instruction.
+    pub completed: usize,
+    pub total: usize,
+    pub interruption: Option<Interruption>,
+    /// A stopped tree may have survivors (see the outcomes).
+    pub termination_incomplete: bool,
+    pub one_time_output: BTreeMap<String, Vec<u8>>,
+    pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
+    pub reports: Vec<InstructionReport>,
+}
+
+impl ApplyResult {
+    pub fn failed_reports(&self) -> impl Iterator<Item = &InstructionReport> {
+        self.reports.iter().filter(|r| !r.outcome.success())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("files: {0}")]
+    Files(String),
+    #[error("interlock: {0}")]
+    Interlock(String),
+    #[error("work directory: {0}")]
+    WorkDir(String),
+}
+
+/// Executes plans, one at a time.
+pub struct Applyinator {
+    config: ApplyConfig,
+    sup: Supervisor,
+    clock: Arc<dyn Clock>,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl Applyinator {
+    pub fn new(config: ApplyConfig, sup: Supervisor) -> Applyinator {
+        Applyinator::with_clock(config, sup, Arc::new(SystemClock))
+    }
+
+    pub fn with_clock(config: ApplyConfig, sup: Supervisor, clock: Arc<dyn Clock>) -> Applyinator {
+        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()) }
+    }
+
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.sup
+    }
+
+    /// Apply one plan. Interruptions are not errors: they are reported in the result.
+    pub async fn apply(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
+        let plan = &input.plan.plan;
+        let total = plan.instructions.len();
+        let resume_from = input.resume_from.min(total);
+        let mut result = ApplyResult {
+            completed: resume_from,
+            total,
+            one_time_output: input.one_time_output.clone(),
+            periodic_output: input.periodic_output.clone(),
+            ..Default::default()
+        };
+        let current = || *input.interrupts.borrow();
+        if let Some(i) = current().boundary() {
+            result.interruption = Some(i);
+            return Ok(result);
+        }
+        let _guard = self.lock.lock().await;
+        if let Some(i) = current().boundary() {
+            result.interruption = Some(i);
+            return Ok(result);
+        }
+        let _interlock = match &self.config.interlock_dir {
+            Some(d) => Some(archive::Interlock::enter(d, self.clock.now()).map_err(ApplyError::Interlock)?),
+            None => None,
+        };
+        let exec_dir = self.execution_dir();
+        if let Some(dir) = &self.config.applied_plan_dir {
+            archive::archive_plan(dir, &input.plan.plan, &input.plan.checksum, self.clock.now());
+        }
+        if input.reconcile_files {
+            for op in &input.plan.files {
+                tokio::task::block_in_place(|| files::apply_file(op)).map_err(ApplyError::Files)?;
+            }
+        }
+        if !self.config.preserve_work_dir {
+            wipe_work_dir(&self.config.work_dir).map_err(ApplyError::WorkDir)?;
+        }
+
+        if input.run_one_time {
+            for (index, ins) in plan.instructions.iter().enumerate().skip(resume_from) {
+                if let Some(i) = current().boundary() {
+                    result.interruption = Some(i);
+                    return Ok(result);
+                }
+                let dir = exec_dir.join(format!("{}_{index}", input.plan.checksum));
+                let report = self.run_one(&input, &dir, index, total, &ins.common, input.attempt, false).await;
+                result.termination_incomplete |= report.outcome.termination_incomplete();
+                save_output(&mut result.one_time_output, ins, &report);
+                let outcome = report.outcome.clone();
+                input.observer.instruction_finished(&report);
+                result.reports.push(report);
+                if outcome.success() {
+                    result.completed = index + 1;
+                    continue;
+                }
+                // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
+                // pause never masks a failure (R5).
+                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
+                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
+                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                        warn_partial(index, &ins.common.name);
+                    }
+                    result.interruption = Some(i);
+                    return Ok(result);
+                }
+                tracing::error!("instruction {index} ({}) failed: {outcome}", display_name(&ins.common.name));
+                break;
+            }
+            result.one_time_succeeded = result.completed == total;
+        }
+
+        if input.run_periodic {
+            let forced = input.run_one_time;
+            for (index, p) in plan.periodic_instructions.iter().enumerate() {
+                if p.common.name.is_empty() {
+                    tracing::warn!("periodicInstructions[{index}] has no name; skipped");
+                    continue;
+                }
+                let prev = result.periodic_output.get(&p.common.name).cloned();
+                if !periodic::is_due(prev.as_ref(), p.period(), self.clock.now(), forced) {
+                    continue;
+                }
+                if let Some(i) = current().boundary() {
+                    result.interruption = Some(i);
+                    return Ok(result);
+                }
+                let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
+                let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
+                let report = self.run_one(&input, &dir, index, plan.periodic_instructions.len(), &p.common, attempt, true).await;
+                input.observer.instruction_finished(&report);
+                result.termination_incomplete |= report.outcome.termination_incomplete();
+                let outcome = report.outcome.clone();
+                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
+                if let Some(i) = stopped {
+                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                        warn_partial(index, &p.common.name);
+                    }
+                    result.reports.push(report);
+                    result.interruption = Some(i);
+                    return Ok(result);
+                }
+                let out = periodic::record_run(
+                    prev.as_ref(),
+                    &p.common.name,
+                    report.output.stdout.clone(),
+                    p.save_stderr_output.then(|| report.output.stderr.clone()),
+                    outcome.exit_code() as i64,
+                    self.clock.now(),
+                );
+                result.periodic_output.insert(p.common.name.clone(), out);
+                result.reports.push(report);
+                if !outcome.success() {
+                    break;
+                }
+            }
+        }
+        // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
+        // pass genuinely failed (the failure is what gets recorded).
+        if !(input.run_one_time && !result.one_time_succeeded) {
+            result.interruption = current().boundary();
+        }
+        Ok(result)
+    }
+
+    fn execution_dir(&self) -> PathBuf {
+        let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S").to_string();
+        let mut dir = self.config.work_dir.join(&stamp);
+        let mut n = 1;
+        while dir.exists() && self.config.preserve_work_dir {
+            dir = self.config.work_dir.join(format!("{stamp}-{n}"));
+            n += 1;
+        }
+        dir
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_one(
+        &self,
+        input: &ApplyInput<'_>,
+        dir: &Path,
+        index: usize,
+        total: usize,
+        ins: &crate::plan::CommonInstruction,
+        attempt: i64,
+        periodic: bool,
+    ) -> InstructionReport {
+        input.observer.instruction_started(index, total, &ins.name, periodic);
+        let started = Instant::now();
+        let prefix = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let report = |outcome: Outcome, output: Output| InstructionReport {
+            index,
+            name: ins.name.clone(),
+            periodic,
+            outcome,
+            elapsed: started.elapsed(),
+            output,
+        };
+        if !ins.image.is_empty() {
+            return report(
+                Outcome::StartFailed(format!("image {:?}: container image instructions are not supported by nodeplan yet", ins.image)),
+                Output::default(),
+            );
+        }
+        let made = tokio::task::block_in_place(|| {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir)
+        });
+        if let Err(e) = made {
+            return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
+        }
+        let program: OsString =
+            if ins.command.is_empty() { dir.join("run.sh").into_os_string() } else { OsString::from(&ins.command) };
+        let spec = SpawnSpec {
+            program,
+            args: ins.args.iter().map(OsString::from).collect(),
+            env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
+            cwd: Some(dir.to_path_buf()),
+            owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
+            timeout: (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64)),
+            sink: Arc::new(LogSink { prefix }),
+        };
+        let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        let run = self.sup.run(spec, &mut stop).await;
+        let mut r = report(run.outcome, run.output);
+        r.elapsed = run.elapsed;
+        r
+    }
+}
+
+fn save_output(map: &mut BTreeMap<String, Vec<u8>>, ins: &OneTimeInstruction, report: &InstructionReport) {
+    if !ins.save_output || matches!(report.outcome, Outcome::NotStarted(_)) {
+        return;
+    }
+    if ins.common.name.is_empty() {
+        tracing::error!("instruction {} has saveOutput but no name; output not saved", report.index);
+        return;
+    }
+    map.insert(ins.common.name.clone(), report.output.combined.clone());
+}
+
+fn display_name(name: &str) -> &str {
+    if name.is_empty() { "unnamed" } else { name }
+}
+
+/// R11: every cancel that interrupts a running instruction warns that the node may be partly changed.
+fn warn_partial(index: usize, name: &str) {
+    tracing::warn!(
+        "plan canceled while instruction {index} ({}) was running; the node may be left partly changed",
+        display_name(name)
+    );
+}
+
+/// The agent's environment, then the instruction's `env`, then `CATTLE_AGENT_EXECUTION_PWD`,
+/// `CATTLE_AGENT_ATTEMPT_NUMBER` and `PATH` extended with the execution directory. Later entries win.
+pub fn instruction_env(base: &[(OsString, OsString)], env: &[String], dir: &Path, attempt: i64) -> Vec<(OsString, OsString)> {
+    fn set(out: &mut Vec<(OsString, OsString)>, k: OsString, v: OsString) {
+        out.retain(|(ek, _)| *ek != k);
+        out.push((k, v));
+    }
+    let mut out: Vec<(OsString, OsString)> = base.to_vec();
+    for e in env {
+        if let Some((k, v)) = e.split_once('=') {
+            set(&mut out, k.into(), v.into());
+        }
+    }
+    set(&mut out, "CATTLE_AGENT_EXECUTION_PWD".into(), dir.as_os_str().to_owned());
+    set(&mut out, "CATTLE_AGENT_ATTEMPT_NUMBER".into(), attempt.to_string().into());
+    let path = out.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.clone()).unwrap_or_default();
+    let mut new_path = path;
+    if !new_path.is_empty() {
+        new_path.push(":");
+    }
+    new_path.push(dir.as_os_str());
+    set(&mut out, "PATH".into(), new_path);
+    out
+}
+
+fn wipe_work_dir(dir: &Path) -> Result<(), String> {
+    if !dir.is_absolute() || dir.parent().is_none() || dir.parent() == Some(Path::new("/")) {
+        return Err(format!("refusing to wipe {}: the work directory must be an absolute path at least two levels deep", dir.display()));
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("wiping {}: {e}", dir.display())),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

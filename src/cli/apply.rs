@@ -1,0 +1,239 @@
+//! `nodeplan apply FILE`: one plan in the foreground with live progress.
+
+use super::{PROGRESS, exit};
+use crate::apply::{ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer};
+use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+#[derive(Args, Debug)]
+pub struct ApplyArgs {
+    /// The plan file (system-agent plan JSON).
+    pub file: PathBuf,
+    /// Skip the first N one-time instructions (they finished in an earlier, paused run).
+    #[arg(long, default_value_t = 0)]
+    pub resume_from: usize,
+    /// Directory for execution directories (wiped before the instructions run).
+    #[arg(long, default_value = "/var/lib/nodeplan/work")]
+    pub work_dir: PathBuf,
+    /// Keep earlier execution directories instead of wiping the work directory.
+    #[arg(long)]
+    pub preserve_work_dir: bool,
+    /// Where PID records of running instructions are kept.
+    #[arg(long, default_value = "/run/nodeplan/pids")]
+    pub pid_dir: PathBuf,
+    /// Grace period after SIGTERM when an instruction is stopped.
+    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    pub stop_timeout: Duration,
+    /// How long to wait after SIGKILL.
+    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    pub kill_timeout: Duration,
+    /// Bytes of output kept per instruction (head and tail).
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub output_cap: usize,
+    /// Skip the periodic instructions.
+    #[arg(long)]
+    pub no_periodic: bool,
+}
+
+struct Progress {
+    bar: ProgressBar,
+    started: Instant,
+}
+
+impl Observer for Progress {
+    fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
+        let kind = if periodic { "periodic " } else { "" };
+        self.bar.set_length(total as u64);
+        self.bar.set_position(index as u64);
+        self.bar.set_message(format!("{kind}{}", if name.is_empty() { "(unnamed)" } else { name }));
+        self.bar.reset_elapsed();
+    }
+    fn instruction_finished(&self, r: &InstructionReport) {
+        let mark = if r.outcome.success() { "ok" } else { "FAILED" };
+        let kind = if r.periodic { "periodic " } else { "" };
+        let name = if r.name.is_empty() { "(unnamed)" } else { &r.name };
+        let line = format!(
+            "{kind}instruction {} {name}: {mark} ({}, {})",
+            r.index,
+            r.outcome,
+            crate::process::human_duration(Duration::from_millis(r.elapsed.as_millis() as u64))
+        );
+        self.bar.suspend(|| eprintln!("{line}"));
+        let _ = self.started;
+    }
+}
+
+pub async fn run(args: ApplyArgs) -> u8 {
+    let raw = match std::fs::read(&args.file) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("nodeplan: cannot read {}: {e}", args.file.display());
+            return exit::BAD_INPUT;
+        }
+    };
+    let plan = match crate::plan::parse(&raw) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("nodeplan: {}: {e}", args.file.display());
+            return exit::BAD_INPUT;
+        }
+    };
+    let total = plan.plan.instructions.len();
+    if args.resume_from > total {
+        eprintln!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from);
+        return exit::BAD_INPUT;
+    }
+    let sup = Supervisor::new(SupervisorConfig {
+        policy: StopPolicy { grace: args.stop_timeout, kill_timeout: args.kill_timeout, kill: true },
+        capture_limit: args.output_cap,
+        pid_dir: Some(args.pid_dir.clone()),
+        ..Default::default()
+    });
+    let owner = format!("apply:{}", plan.checksum);
+    // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
+    for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
+        if let RecoveryResult::NotStopped(o) = r.result {
+            eprintln!("nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy");
+            return exit::FAILED;
+        }
+    }
+
+    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{pos}/{len}] {msg} ({elapsed})").unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let _ = PROGRESS.set(bar.clone());
+    let started = Instant::now();
+    let observer = Arc::new(Progress { bar: bar.clone(), started });
+
+    let (tx, rx) = watch::channel(Interrupt::default());
+    let signals = tokio::spawn(interrupt_on_signals(tx, bar.clone()));
+
+    let mut cfg = ApplyConfig::new(&args.work_dir);
+    cfg.preserve_work_dir = args.preserve_work_dir;
+    let applyinator = Applyinator::new(cfg, sup);
+    let result = applyinator
+        .apply(ApplyInput {
+            plan: &plan,
+            reconcile_files: true,
+            run_one_time: true,
+            attempt: 1,
+            resume_from: args.resume_from,
+            one_time_output: BTreeMap::new(),
+            periodic_output: BTreeMap::new(),
+            run_periodic: !args.no_periodic,
+            interrupts: rx,
+            owner,
+            observer,
+        })
+        .await;
+    signals.abort();
+    bar.finish_and_clear();
+    let result = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("nodeplan: {}: {e}", args.file.display());
+            return exit::FAILED;
+        }
+    };
+    for r in result.failed_reports() {
+        if matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
+            continue;
+        }
+        eprintln!("instruction {} ({}) failed: {}", r.index, if r.name.is_empty() { "unnamed" } else { &r.name }, r.outcome);
+        let text = String::from_utf8_lossy(&r.output.combined);
+        let lines: Vec<&str> = text.lines().collect();
+        for l in &lines[lines.len().saturating_sub(20)..] {
+            eprintln!("  | {l}");
+        }
+    }
+    if result.termination_incomplete {
+        eprintln!("nodeplan: warning: some processes could not be stopped (their PID records are kept in {})", args.pid_dir.display());
+    }
+    let took = crate::process::human_duration(Duration::from_millis(started.elapsed().as_millis() as u64));
+    let short = &plan.checksum[..12];
+    match result.interruption {
+        Some(Interruption::Paused) => {
+            eprintln!("plan {short} paused after {}/{total} instructions ({took}); resume with:", result.completed);
+            eprintln!("  {}", resume_command(&args, result.completed));
+            exit::PAUSED
+        }
+        Some(Interruption::Canceled) | Some(Interruption::Shutdown) => {
+            eprintln!("plan {short} canceled after {}/{total} instructions ({took})", result.completed);
+            exit::CANCELED
+        }
+        None if result.one_time_succeeded && result.failed_reports().next().is_none() => {
+            eprintln!("plan {short} succeeded: {total}/{total} instructions ({took})");
+            exit::OK
+        }
+        None => {
+            eprintln!("plan {short} failed after {}/{total} instructions ({took})", result.completed);
+            exit::FAILED
+        }
+    }
+}
+
+fn resume_command(args: &ApplyArgs, completed: usize) -> String {
+    let mut cmd = format!("nodeplan apply {} --resume-from {completed}", shell_quote(&args.file.to_string_lossy()));
+    if args.work_dir != PathBuf::from("/var/lib/nodeplan/work") {
+        cmd.push_str(&format!(" --work-dir {}", shell_quote(&args.work_dir.to_string_lossy())));
+    }
+    if args.pid_dir != PathBuf::from("/run/nodeplan/pids") {
+        cmd.push_str(&format!(" --pid-dir {}", shell_quote(&args.pid_dir.to_string_lossy())));
+    }
+    cmd
+}
+
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:,".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel.
+async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
+        return;
+    };
+    let mut seen_int = false;
+    loop {
+        tokio::select! {
+            _ = int.recv() => {
+                if seen_int {
+                    bar.suspend(|| eprintln!("canceling: stopping the running instruction"));
+                    tx.send_modify(|i| i.cancel = true);
+                } else {
+                    seen_int = true;
+                    bar.suspend(|| eprintln!("pausing after the running instruction; press Ctrl-C again to cancel it"));
+                    tx.send_modify(|i| i.pause = true);
+                }
+            }
+            _ = term.recv() => {
+                bar.suspend(|| eprintln!("SIGTERM: canceling"));
+                tx.send_modify(|i| i.cancel = true);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("/a/b.plan"), "/a/b.plan");
+        assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
+    }
+}

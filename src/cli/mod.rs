@@ -1,0 +1,150 @@
+//! Commands, progress display, logging set-up and exit codes. Business rules live in the library
+//! modules; this module only parses arguments, wires the pieces together and reports.
+
+mod apply;
+mod supervise;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::process::ExitCode;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Exit codes shared by the commands.
+pub mod exit {
+    pub const OK: u8 = 0;
+    /// The plan failed, or the supervised process could not be stopped.
+    pub const FAILED: u8 = 1;
+    /// Bad input: unreadable or invalid plan, bad arguments.
+    pub const BAD_INPUT: u8 = 2;
+    /// The plan was paused at an instruction boundary.
+    pub const PAUSED: u8 = 3;
+    /// The plan was canceled.
+    pub const CANCELED: u8 = 4;
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "nodeplan", version, about = "Apply plans to this node; supervise processes that never hang", propagate_version = true)]
+struct Cli {
+    /// Log level (trace, debug, info, warn, error); also NODEPLAN_LOG or CATTLE_LOGLEVEL.
+    #[arg(long, global = true)]
+    log_level: Option<String>,
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Apply one plan file in the foreground with live progress; exit 0 only if it succeeded.
+    /// The first Ctrl-C pauses at the next instruction boundary, a second one cancels.
+    Apply(apply::ApplyArgs),
+    /// Run one long-lived command under the supervisor: respawn with backoff, the stop ladder on
+    /// SIGTERM/SIGINT, a PID record with identity.
+    Supervise(supervise::SuperviseArgs),
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { exit::BAD_INPUT } else { exit::OK };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    if let Err(e) = init_logging(cli.log_level.as_deref(), cli.log_format) {
+        eprintln!("nodeplan: {e}");
+        return ExitCode::from(exit::BAD_INPUT);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nodeplan: cannot start the runtime: {e}");
+            return ExitCode::from(exit::FAILED);
+        }
+    };
+    let code = rt.block_on(async move {
+        match cli.command {
+            Command::Apply(a) => apply::run(a).await,
+            Command::Supervise(s) => supervise::run(s).await,
+        }
+    });
+    // Do not wait for blocking tasks (a stuck /proc read) on the way out.
+    rt.shutdown_timeout(Duration::from_millis(100));
+    ExitCode::from(code)
+}
+
+/// The progress bar that log lines must not tear; set by `apply`.
+pub(crate) static PROGRESS: OnceLock<indicatif::ProgressBar> = OnceLock::new();
+
+/// Writes log lines to stderr, suspending the progress bar around each one.
+struct StderrAroundProgress;
+
+impl std::io::Write for StderrAroundProgress {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match PROGRESS.get() {
+            Some(pb) => pb.suspend(|| std::io::stderr().write_all(buf))?,
+            None => std::io::stderr().write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
+    let level = level
+        .map(str::to_string)
+        .or_else(|| std::env::var("NODEPLAN_LOG").ok())
+        .or_else(|| std::env::var("CATTLE_LOGLEVEL").ok())
+        .unwrap_or_else(|| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&level).map_err(|e| format!("invalid log level {level:?}: {e}"))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| StderrAroundProgress).with_target(false);
+    let r = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+    r.map_err(|e| format!("cannot set up logging: {e}"))
+}
+
+/// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration such as 10s, 500ms or 5m"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5m"), Ok(Duration::from_secs(90)));
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("5d").is_err());
+        assert!(parse_duration("").is_err());
+    }
+}

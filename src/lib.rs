@@ -1,0 +1,14 @@
+//! nodeplan: a node agent that applies plans (files, one-time instructions, periodic instructions,
+//! health probes) with safe pause and cancel, and a process supervisor that never hangs and never
+//! loses track of what it started. Wire-compatible with Rancher's system-agent.
+//!
+//! Module boundaries (each module's own doc says what it owns and must not touch):
+//! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
+//! - [`process`]: the only place that spawns, waits for or signals a process.
+//! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
+//! - [`cli`]: commands, progress display, logging, exit codes.
+
+pub mod apply;
+pub mod cli;
+pub mod plan;
+pub mod process;

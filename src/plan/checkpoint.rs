@@ -1,0 +1,139 @@
+//! Plan states, the checkpoint (`plan-checkpoint`) and the pause/cancel annotation values.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+pub const ANNOTATION_PAUSED: &str = "plan.cattle.io/paused";
+pub const ANNOTATION_CANCELED: &str = "plan.cattle.io/canceled";
+
+/// The `plan-state` values. Unknown values are kept verbatim and treated as terminal.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PlanState {
+    Pending,
+    InProgress,
+    Succeeded,
+    Failed,
+    Canceled,
+    Paused,
+    Other(String),
+}
+
+impl PlanState {
+    pub fn parse(s: &str) -> PlanState {
+        match s {
+            "pending" => PlanState::Pending,
+            "in-progress" => PlanState::InProgress,
+            "succeeded" => PlanState::Succeeded,
+            "failed" => PlanState::Failed,
+            "canceled" => PlanState::Canceled,
+            "paused" => PlanState::Paused,
+            other => PlanState::Other(other.to_string()),
+        }
+    }
+    pub fn as_str(&self) -> &str {
+        match self {
+            PlanState::Pending => "pending",
+            PlanState::InProgress => "in-progress",
+            PlanState::Succeeded => "succeeded",
+            PlanState::Failed => "failed",
+            PlanState::Canceled => "canceled",
+            PlanState::Paused => "paused",
+            PlanState::Other(s) => s,
+        }
+    }
+    /// succeeded, failed and canceled (rancher `IsTerminal`).
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, PlanState::Succeeded | PlanState::Failed | PlanState::Canceled)
+    }
+}
+
+impl fmt::Display for PlanState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `plan-checkpoint`: where a paused or canceled plan stopped. Field order and omitted empty
+/// fields match system-agent exactly.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    pub checksum: String,
+    pub completed_instructions: usize,
+    pub total_instructions: usize,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub resume_state: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub termination_incomplete: bool,
+}
+
+impl Checkpoint {
+    /// Read a stored checkpoint for the plan with `checksum`. A missing or empty value, bad JSON,
+    /// the wrong shape or another plan's checksum all mean "no checkpoint".
+    pub fn read(raw: Option<&[u8]>, checksum: &str) -> Option<Checkpoint> {
+        let raw = raw?;
+        if raw.is_empty() {
+            return None;
+        }
+        let cp: Checkpoint = serde_json::from_slice(raw).ok()?;
+        (cp.checksum == checksum).then_some(cp)
+    }
+
+    pub fn to_json(&self) -> String {
+        // Serialising a struct of strings, integers and booleans cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// Parse one annotation value (R1): absent is `false`, only exactly `"true"` and `"false"` are
+/// valid.
+pub fn parse_annotation_value(v: Option<&str>) -> Result<bool, String> {
+    match v {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(other.to_string()),
+    }
+}
+
+/// The raw annotation values (or control-file contents in local mode).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Annotations<'a> {
+    pub paused: Option<&'a str>,
+    pub canceled: Option<&'a str>,
+}
+
+/// What the annotations ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    None,
+    Pause,
+    Cancel,
+}
+
+/// An invalid annotation value (R3); the message names every bad key with its quoted value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", .0.iter().map(|(k, v)| format!("invalid value {v:?} for {k} (expected \"true\" or \"false\")")).collect::<Vec<_>>().join("; "))]
+pub struct InvalidAnnotation(pub Vec<(String, String)>);
+
+/// R1 + R2: a valid `canceled="true"` wins even when `paused` is invalid; otherwise any invalid
+/// value is an error; otherwise `paused="true"` pauses.
+pub fn resolve_annotations(a: &Annotations<'_>) -> Result<Hold, InvalidAnnotation> {
+    let canceled = parse_annotation_value(a.canceled);
+    if canceled == Ok(true) {
+        return Ok(Hold::Cancel);
+    }
+    let paused = parse_annotation_value(a.paused);
+    let mut bad = Vec::new();
+    if let Err(v) = &paused {
+        bad.push((ANNOTATION_PAUSED.to_string(), v.clone()));
+    }
+    if let Err(v) = &canceled {
+        bad.push((ANNOTATION_CANCELED.to_string(), v.clone()));
+    }
+    if !bad.is_empty() {
+        return Err(InvalidAnnotation(bad));
+    }
+    Ok(if paused == Ok(true) { Hold::Pause } else { Hold::None })
+}

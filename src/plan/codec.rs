@@ -1,0 +1,92 @@
+//! Output codecs: gzip'd JSON maps of base64 values (`applied-output`, `failed-output`,
+//! `applied-periodic-output`) and Go's `time.UnixDate` timestamps.
+
+use super::PeriodicInstructionOutput;
+use base64::Engine as _;
+use chrono::{DateTime, NaiveDateTime, TimeZone, Utc};
+use flate2::Compression;
+use flate2::read::GzDecoder;
+use flate2::write::GzEncoder;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("not gzip data: {0}")]
+    Gzip(std::io::Error),
+    #[error("bad JSON inside the gzip data: {0}")]
+    Json(serde_json::Error),
+    #[error("bad base64 value for {0:?}: {1}")]
+    Base64(String, base64::DecodeError),
+}
+
+fn gzip(json: &[u8]) -> Vec<u8> {
+    let mut enc = GzEncoder::new(Vec::new(), Compression::default());
+    // Writing into a Vec cannot fail.
+    let _ = enc.write_all(json);
+    enc.finish().unwrap_or_default()
+}
+
+fn gunzip(data: &[u8]) -> Result<Vec<u8>, CodecError> {
+    let mut out = Vec::new();
+    GzDecoder::new(data).read_to_end(&mut out).map_err(CodecError::Gzip)?;
+    Ok(out)
+}
+
+/// gzip(JSON map name → base64(bytes)), the encoding of `applied-output` and `failed-output`.
+pub fn encode_one_time_output(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let m: BTreeMap<&str, String> = map.iter().map(|(k, v)| (k.as_str(), b64.encode(v))).collect();
+    gzip(&serde_json::to_vec(&m).unwrap_or_default())
+}
+
+/// Inverse of [`encode_one_time_output`]; empty input is an empty map.
+pub fn decode_one_time_output(data: &[u8]) -> Result<BTreeMap<String, Vec<u8>>, CodecError> {
+    if data.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let json = gunzip(data)?;
+    let m: BTreeMap<String, Option<String>> =
+        serde_json::from_slice(&json).map_err(CodecError::Json)?;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    m.into_iter()
+        .map(|(k, v)| {
+            let bytes = b64
+                .decode(v.unwrap_or_default().as_bytes())
+                .map_err(|e| CodecError::Base64(k.clone(), e))?;
+            Ok((k, bytes))
+        })
+        .collect()
+}
+
+/// gzip(JSON map name → PeriodicInstructionOutput), the encoding of `applied-periodic-output`.
+pub fn encode_periodic_output(map: &BTreeMap<String, PeriodicInstructionOutput>) -> Vec<u8> {
+    gzip(&serde_json::to_vec(map).unwrap_or_default())
+}
+
+pub fn decode_periodic_output(
+    data: &[u8],
+) -> Result<BTreeMap<String, PeriodicInstructionOutput>, CodecError> {
+    if data.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    serde_json::from_slice(&gunzip(data)?).map_err(CodecError::Json)
+}
+
+/// Go `time.UnixDate` (`Mon Jan _2 15:04:05 MST 2006`), always in UTC.
+pub fn format_unix_date(t: DateTime<Utc>) -> String {
+    t.format("%a %b %e %H:%M:%S UTC %Y").to_string()
+}
+
+/// Parse a Go `time.UnixDate` string. The zone abbreviation is read as UTC, as Go does for a
+/// zone it does not know on a UTC host. `None` when unparsable.
+pub fn parse_unix_date(s: &str) -> Option<DateTime<Utc>> {
+    let parts: Vec<&str> = s.split_whitespace().collect();
+    // weekday month day time zone year
+    let [_, month, day, time, _zone, year] = parts.as_slice() else {
+        return None;
+    };
+    let normal = format!("{month} {day} {time} {year}");
+    let naive = NaiveDateTime::parse_from_str(&normal, "%b %d %H:%M:%S %Y").ok()?;
+    Some(Utc.from_utc_datetime(&naive))
+}

@@ -1,0 +1,361 @@
+//! The plan model: Rancher-compatible wire types, validation, the checksum, the output codecs, the
+//! checkpoint, plan states and the pause/cancel annotation values (R1, R2).
+//!
+//! This module owns the vocabulary every other module speaks; it does no I/O at all (no files, no
+//! processes, no network, no clock), so everything here is a pure function tested with tables.
+//! Unknown JSON fields are ignored, as Go's `encoding/json` does.
+
+mod checkpoint;
+mod codec;
+
+pub use checkpoint::{
+    Annotations, Checkpoint, Hold, InvalidAnnotation, PlanState, parse_annotation_value,
+    resolve_annotations, ANNOTATION_CANCELED, ANNOTATION_PAUSED,
+};
+pub use codec::{
+    CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output,
+    encode_periodic_output, format_unix_date, parse_unix_date,
+};
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+
+/// Default period of a periodic instruction whose `periodSeconds` is 0 (system-agent's default).
+pub const DEFAULT_PERIOD_SECONDS: u64 = 600;
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+/// A node plan, as `rancher/pkg/plan.NodePlan` serialises it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Plan {
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
+    pub files: Vec<File>,
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
+    pub instructions: Vec<OneTimeInstruction>,
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
+    pub periodic_instructions: Vec<PeriodicInstruction>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "null_as_default")]
+    pub probes: BTreeMap<String, Probe>,
+}
+
+/// Go writes `null` for nil slices and maps; read it as empty.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// One file entry of a plan.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct File {
+    /// Standard base64 (padded) of the file's bytes.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub content: String,
+    #[serde(skip_serializing_if = "is_false")]
+    pub directory: bool,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub uid: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub gid: i64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub path: String,
+    /// Octal string such as `"0644"` or `"644"`; empty means 0600 for files, 0755 for directories.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub permissions: String,
+    /// Only `"delete"` has a meaning.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub action: String,
+    #[serde(skip_serializing_if = "is_false")]
+    pub dynamic: bool,
+    #[serde(skip_serializing_if = "is_false")]
+    pub minor: bool,
+}
+
+impl File {
+    pub fn is_delete(&self) -> bool {
+        self.action == "delete"
+    }
+}
+
+/// The fields one-time and periodic instructions share.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct CommonInstruction {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub image: String,
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
+    pub env: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
+    pub args: Vec<String>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub command: String,
+    /// nodeplan extension (ignored by Rancher's parser): stop the instruction through the stop
+    /// ladder after this many seconds; the instruction then fails. 0 = no timeout.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub timeout_seconds: i64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct OneTimeInstruction {
+    #[serde(flatten)]
+    pub common: CommonInstruction,
+    #[serde(skip_serializing_if = "is_false")]
+    pub save_output: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PeriodicInstruction {
+    #[serde(flatten)]
+    pub common: CommonInstruction,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub period_seconds: i64,
+    #[serde(skip_serializing_if = "is_false")]
+    pub save_stderr_output: bool,
+}
+
+impl PeriodicInstruction {
+    /// The period, with 0 (or a negative value) meaning system-agent's default of 600 s.
+    pub fn period(&self) -> std::time::Duration {
+        let secs = if self.period_seconds > 0 {
+            self.period_seconds as u64
+        } else {
+            DEFAULT_PERIOD_SECONDS
+        };
+        std::time::Duration::from_secs(secs)
+    }
+}
+
+/// An HTTP(S) health probe. `name` is overwritten with the map key when a plan is parsed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Probe {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub initial_delay_seconds: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub timeout_seconds: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub success_threshold: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub failure_threshold: i64,
+    pub http_get: HttpGetAction,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct HttpGetAction {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub url: String,
+    #[serde(skip_serializing_if = "is_false")]
+    pub insecure: bool,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub client_cert: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub client_key: String,
+    #[serde(rename = "caCert", skip_serializing_if = "String::is_empty")]
+    pub ca_cert: String,
+}
+
+/// A probe's health as written to `probe-statuses`; every field is omitted when empty, so an
+/// unhealthy zero-count status is `{}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ProbeStatus {
+    #[serde(skip_serializing_if = "is_false")]
+    pub healthy: bool,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub success_count: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub failure_count: i64,
+}
+
+/// The saved result of a periodic instruction (`applied-periodic-output` values). No field is
+/// omitted; `stdout`/`stderr` are base64 strings on the wire (Go `[]byte`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PeriodicInstructionOutput {
+    pub name: String,
+    #[serde(with = "b64_bytes")]
+    pub stdout: Vec<u8>,
+    #[serde(with = "b64_bytes")]
+    pub stderr: Vec<u8>,
+    pub exit_code: i64,
+    /// Go `time.UnixDate`, empty when never.
+    pub last_successful_run_time: String,
+    pub failures: i64,
+    pub last_failed_run_time: String,
+}
+
+/// Go's `[]byte` JSON encoding: a standard base64 string, `null` for nil.
+pub(crate) mod b64_bytes {
+    use base64::Engine as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = Option::<String>::deserialize(d)?.unwrap_or_default();
+        base64::engine::general_purpose::STANDARD
+            .decode(s.as_bytes())
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Lowercase hex SHA-256 of the plan bytes exactly as stored (whitespace matters).
+pub fn checksum(raw: &[u8]) -> String {
+    let digest = Sha256::digest(raw);
+    let mut out = String::with_capacity(64);
+    for b in digest {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+/// A plan that failed validation; the message names the field (and index) and what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid plan: {0}")]
+pub struct PlanError(pub String);
+
+/// A validated plan: parsed, every field checked, with the values the applyinator needs decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidPlan {
+    pub plan: Plan,
+    pub checksum: String,
+    /// Decoded file contents and modes, parallel to `plan.files`.
+    pub files: Vec<FileOp>,
+}
+
+/// What to do for one file entry, fully decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FileOp {
+    Delete { path: String, directory: bool },
+    Directory { path: String, mode: u32, uid: u32, gid: u32 },
+    Write { path: String, content: Vec<u8>, mode: u32, uid: u32, gid: u32 },
+}
+
+impl FileOp {
+    pub fn path(&self) -> &str {
+        match self {
+            FileOp::Delete { path, .. }
+            | FileOp::Directory { path, .. }
+            | FileOp::Write { path, .. } => path,
+        }
+    }
+}
+
+/// Parse an octal permission string (`"0644"`, `"644"`); empty gives `default`.
+pub fn parse_permissions(s: &str, default: u32) -> Result<u32, String> {
+    if s.is_empty() {
+        return Ok(default);
+    }
+    let mode = u32::from_str_radix(s, 8)
+        .map_err(|_| format!("{s:?} is not an octal permission string such as \"0644\""))?;
+    if mode > 0o7777 {
+        return Err(format!("{s:?} is larger than 07777"));
+    }
+    Ok(mode)
+}
+
+fn id_of(v: i64, what: &str) -> Result<u32, String> {
+    u32::try_from(v).map_err(|_| format!("{what} {v} is not a valid id"))
+}
+
+/// Parse and validate raw plan bytes. Nothing about the node is touched; the first problem found
+/// is returned, naming the field.
+pub fn parse(raw: &[u8]) -> Result<ValidPlan, PlanError> {
+    let mut plan: Plan = serde_json::from_slice(raw)
+        .map_err(|e| PlanError(format!("malformed JSON: {e}")))?;
+    for (key, probe) in plan.probes.iter_mut() {
+        probe.name = key.clone();
+    }
+    let files = validate(&plan)?;
+    Ok(ValidPlan { plan, checksum: checksum(raw), files })
+}
+
+fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
+    let mut ops = Vec::with_capacity(plan.files.len());
+    for (i, f) in plan.files.iter().enumerate() {
+        let field = |name: &str, msg: String| PlanError(format!("files[{i}].{name}: {msg}"));
+        if f.path.is_empty() {
+            return Err(field("path", "is empty; an absolute path is required".into()));
+        }
+        if !f.path.starts_with('/') {
+            return Err(field("path", format!("{:?} is not an absolute path", f.path)));
+        }
+        if f.path.split('/').any(|c| c == "..") {
+            return Err(field("path", format!("{:?} contains \"..\"", f.path)));
+        }
+        let uid = id_of(f.uid, "uid").map_err(|m| field("uid", m))?;
+        let gid = id_of(f.gid, "gid").map_err(|m| field("gid", m))?;
+        let path = f.path.clone();
+        let op = if f.is_delete() {
+            FileOp::Delete { path, directory: f.directory }
+        } else if f.directory {
+            let mode = parse_permissions(&f.permissions, 0o755).map_err(|m| field("permissions", m))?;
+            FileOp::Directory { path, mode, uid, gid }
+        } else {
+            let mode = parse_permissions(&f.permissions, 0o600).map_err(|m| field("permissions", m))?;
+            let content = base64::engine::general_purpose::STANDARD
+                .decode(f.content.as_bytes())
+                .map_err(|e| field("content", format!("bad base64: {e}")))?;
+            FileOp::Write { path, content, mode, uid, gid }
+        };
+        ops.push(op);
+    }
+    let commons = plan
+        .instructions
+        .iter()
+        .map(|i| ("instructions", &i.common))
+        .chain(plan.periodic_instructions.iter().map(|p| ("periodicInstructions", &p.common)));
+    let mut counters: BTreeMap<&str, usize> = BTreeMap::new();
+    for (list, c) in commons {
+        let idx = counters.entry(list).or_default();
+        let i = *idx;
+        *idx += 1;
+        let field = |name: &str, msg: String| PlanError(format!("{list}[{i}].{name}: {msg}"));
+        if c.command.is_empty() && c.image.is_empty() {
+            return Err(field("command", "neither command nor image is set".into()));
+        }
+        if c.command.contains('\0') {
+            return Err(field("command", "contains a NUL byte".into()));
+        }
+        for (j, e) in c.env.iter().enumerate() {
+            match e.split_once('=') {
+                Some((k, _)) if !k.is_empty() && !k.contains('\0') && !e.contains('\0') => {}
+                _ => return Err(field(&format!("env[{j}]"), format!("{e:?} is not KEY=VALUE"))),
+            }
+        }
+        if let Some(j) = c.args.iter().position(|a| a.contains('\0')) {
+            return Err(field(&format!("args[{j}]"), "contains a NUL byte".into()));
+        }
+        if c.timeout_seconds < 0 {
+            return Err(field("timeoutSeconds", format!("{} is negative", c.timeout_seconds)));
+        }
+    }
+    for (name, p) in &plan.probes {
+        if p.http_get.url.is_empty() {
+            return Err(PlanError(format!("probes[{name:?}].httpGet.url: is empty")));
+        }
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests;

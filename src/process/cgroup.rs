@@ -1,0 +1,150 @@
+//! A thin cgroup v2 layer: find the cgroup2 mount, create one leaf per run, join it before exec,
+//! ask whether it is populated, kill it, remove it. No controllers are enabled.
+
+use rustix::fd::OwnedFd;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Where runs' cgroups go.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CgroupMode {
+    /// `<cgroup2 mount><own cgroup>/nodeplan`, discovered from /proc/self/{mountinfo,cgroup}.
+    #[default]
+    Auto,
+    /// This directory, which must be inside a cgroup2 mount.
+    Root(PathBuf),
+    /// Process groups only.
+    Off,
+}
+
+/// The cgroup2 mount point from `/proc/self/mountinfo` content.
+pub fn find_cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        if post.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        Some(PathBuf::from(unescape(pre.split_whitespace().nth(4)?)))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The v2 path (`0::<path>` line) from `/proc/self/cgroup` content.
+pub fn own_cgroup(proc_cgroup: &str) -> Option<String> {
+    proc_cgroup.lines().find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
+}
+
+/// A writable directory under which one leaf cgroup per run is created.
+#[derive(Debug, Clone)]
+pub struct CgroupRoot {
+    pub dir: PathBuf,
+}
+
+impl CgroupRoot {
+    /// Resolve and create the root; an error says why cgroups cannot be used.
+    pub fn discover(mode: &CgroupMode) -> Result<Option<CgroupRoot>, String> {
+        let dir = match mode {
+            CgroupMode::Off => return Ok(None),
+            CgroupMode::Root(d) => d.clone(),
+            CgroupMode::Auto => {
+                let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("reading mountinfo: {e}"))?;
+                let mount = find_cgroup2_mount(&mi).ok_or("no cgroup2 filesystem is mounted")?;
+                let own = std::fs::read_to_string("/proc/self/cgroup")
+                    .ok()
+                    .and_then(|c| own_cgroup(&c))
+                    .unwrap_or_else(|| "/".into());
+                mount.join(own.trim_start_matches('/')).join("nodeplan")
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create cgroup root {}: {e}", dir.display()))?;
+        if !dir.join("cgroup.procs").exists() {
+            return Err(format!("{} is not a cgroup2 directory", dir.display()));
+        }
+        Ok(Some(CgroupRoot { dir }))
+    }
+
+    /// Create the leaf `name` and open its `cgroup.procs` for the child to join before exec.
+    pub fn create_leaf(&self, name: &str) -> io::Result<(PathBuf, OwnedFd)> {
+        let dir = self.dir.join(name);
+        std::fs::create_dir(&dir)?;
+        let procs = rustix::fs::open(
+            dir.join("cgroup.procs"),
+            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        );
+        match procs {
+            Ok(fd) => Ok((dir, fd)),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// `populated` from `cgroup.events`; a cgroup that no longer exists is not populated.
+pub fn populated(dir: &Path) -> bool {
+    match std::fs::read_to_string(dir.join("cgroup.events")) {
+        Ok(s) => s.lines().any(|l| l == "populated 1"),
+        Err(_) => false,
+    }
+}
+
+/// The pids listed in `cgroup.procs` (may include exiting tasks).
+pub fn procs(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// SIGKILL every process in the cgroup atomically via `cgroup.kill` (Linux 5.14+). `Ok(false)`
+/// when the kernel has no `cgroup.kill`.
+pub fn kill(dir: &Path) -> io::Result<bool> {
+    let f = dir.join("cgroup.kill");
+    if !f.exists() {
+        return Ok(false);
+    }
+    std::fs::write(f, "1")?;
+    Ok(true)
+}
+
+/// Remove an empty leaf; a populated or missing one is left alone.
+pub fn remove(dir: &Path) {
+    let _ = std::fs::remove_dir(dir);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount_wherever_it_is() {
+        let mi = "24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+        assert_eq!(find_cgroup2_mount(mi), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        let escaped = "41 31 0:38 / /mnt/my\\040cg rw shared:1 - cgroup2 none rw\n";
+        assert_eq!(find_cgroup2_mount(escaped), Some(PathBuf::from("/mnt/my cg")));
+        assert_eq!(find_cgroup2_mount("24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"), None);
+    }
+
+    #[test]
+    fn own_cgroup_reads_the_v2_line() {
+        assert_eq!(own_cgroup("9:name=systemd:/\n0::/system.slice/x.service\n").as_deref(), Some("/system.slice/x.service"));
+        assert_eq!(own_cgroup("1:cpu:/\n"), None);
+    }
+}

@@ -1,0 +1,586 @@
+//! The process layer: the only place in nodeplan that spawns, waits for or signals a process.
+//!
+//! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup v2
+//! leaf joined before exec when cgroup2 is writable), concurrent capture of stdout and stderr, the
+//! stop ladder (SIGTERM+SIGCONT to the tree, grace, SIGKILL/`cgroup.kill`, kill timeout), typed
+//! outcomes, PID records and crash recovery, and the respawn loop of `nodeplan supervise`. It knows
+//! nothing about plans: callers hand it a [`SpawnSpec`] and a [`StopSignal`] and get a
+//! [`RunResult`] back. Nothing here ever waits on pipe EOF alone, so an escaped grandchild that
+//! holds a pipe cannot hang a run.
+
+mod capture;
+pub mod cgroup;
+mod outcome;
+mod procfs;
+mod record;
+pub mod supervise;
+mod tree;
+
+pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
+pub use cgroup::CgroupMode;
+pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
+pub use record::{PidRecord, write_atomic};
+pub use tree::MARKER_ENV;
+
+use capture::Captures;
+use record::Identity;
+use std::ffi::OsString;
+use std::future::Future;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tree::Tree;
+
+/// How often the ladder looks at the tree while waiting for it to empty.
+const POLL: Duration = Duration::from_millis(5);
+
+/// Settings of the stop ladder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopPolicy {
+    /// How long the tree gets after SIGTERM.
+    pub grace: Duration,
+    /// How long the tree gets after SIGKILL.
+    pub kill_timeout: Duration,
+    /// false = k0s's policy: give up after the grace period and leave the processes.
+    pub kill: bool,
+}
+
+impl Default for StopPolicy {
+    fn default() -> Self {
+        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    pub policy: StopPolicy,
+    /// Bytes kept per stream (and for the interleaved capture), head and tail.
+    pub capture_limit: usize,
+    pub cgroup: CgroupMode,
+    /// Where PID records go; `None` = no records.
+    pub pid_dir: Option<PathBuf>,
+    /// After the process exits by itself, how long to keep reading pipes that a leftover process
+    /// still holds open.
+    pub drain_timeout: Duration,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        SupervisorConfig {
+            policy: StopPolicy::default(),
+            capture_limit: 64 * 1024,
+            cgroup: CgroupMode::Auto,
+            pid_dir: None,
+            drain_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone)]
+pub struct SpawnSpec {
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    /// The complete environment of the process (nothing is inherited implicitly).
+    pub env: Vec<(OsString, OsString)>,
+    pub cwd: Option<PathBuf>,
+    /// What the process belongs to; stored in its PID record.
+    pub owner: String,
+    /// Run the stop ladder after this long.
+    pub timeout: Option<Duration>,
+    pub sink: Arc<dyn LineSink>,
+}
+
+impl SpawnSpec {
+    /// `program args…` with the agent's own environment and no sink.
+    pub fn new(program: impl Into<OsString>, args: impl IntoIterator<Item = impl Into<OsString>>) -> SpawnSpec {
+        SpawnSpec {
+            program: program.into(),
+            args: args.into_iter().map(Into::into).collect(),
+            env: std::env::vars_os().collect(),
+            cwd: None,
+            owner: String::new(),
+            timeout: None,
+            sink: Arc::new(NullSink),
+        }
+    }
+}
+
+/// The result of one run.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub outcome: Outcome,
+    pub output: Output,
+    pub pid: Option<i32>,
+    pub marker: String,
+    pub elapsed: Duration,
+}
+
+type Changed<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
+
+trait StopSource: Send + Sync {
+    fn requested(&self) -> Option<StopReason>;
+    /// Resolves when the value may have changed; false when it never will again.
+    fn changed(&mut self) -> Changed<'_>;
+    fn boxed_clone(&self) -> Box<dyn StopSource>;
+}
+
+struct Mapped<T> {
+    rx: watch::Receiver<T>,
+    f: fn(&T) -> Option<StopReason>,
+}
+
+impl<T: Send + Sync + 'static> StopSource for Mapped<T> {
+    fn requested(&self) -> Option<StopReason> {
+        (self.f)(&self.rx.borrow())
+    }
+    fn changed(&mut self) -> Changed<'_> {
+        Box::pin(async move { self.rx.changed().await.is_ok() })
+    }
+    fn boxed_clone(&self) -> Box<dyn StopSource> {
+        Box::new(Mapped { rx: self.rx.clone(), f: self.f })
+    }
+}
+
+/// How a run learns that it must stop: a view of some `watch` channel. A stop that is already
+/// requested prevents the spawn.
+pub struct StopSignal {
+    src: Box<dyn StopSource>,
+}
+
+impl Clone for StopSignal {
+    fn clone(&self) -> Self {
+        StopSignal { src: self.src.boxed_clone() }
+    }
+}
+
+impl StopSignal {
+    /// A signal and the sender that triggers it.
+    pub fn channel() -> (watch::Sender<Option<StopReason>>, StopSignal) {
+        let (tx, rx) = watch::channel(None);
+        (tx, StopSignal::from_watch(rx, |v| *v))
+    }
+
+    /// Never requests a stop (timeouts still apply).
+    pub fn never() -> StopSignal {
+        let (tx, s) = StopSignal::channel();
+        // Keep the sender alive forever so `changed` never reports "closed" in a busy loop.
+        std::mem::forget(tx);
+        s
+    }
+
+    /// A view of any watch channel through a projection.
+    pub fn from_watch<T: Send + Sync + 'static>(rx: watch::Receiver<T>, f: fn(&T) -> Option<StopReason>) -> StopSignal {
+        StopSignal { src: Box::new(Mapped { rx, f }) }
+    }
+
+    pub fn requested(&self) -> Option<StopReason> {
+        self.src.requested()
+    }
+
+    /// Resolves with the reason once a stop is requested; never resolves otherwise.
+    pub async fn wait(&mut self) -> StopReason {
+        loop {
+            if let Some(r) = self.src.requested() {
+                return r;
+            }
+            if !self.src.changed().await {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Spawns, supervises and stops processes. Cheap to clone.
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: SupervisorConfig,
+    cgroups: Option<cgroup::CgroupRoot>,
+    seq: AtomicU64,
+    leaf_warned: AtomicBool,
+}
+
+static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
+
+impl Supervisor {
+    pub fn new(config: SupervisorConfig) -> Supervisor {
+        let cgroups = match cgroup::CgroupRoot::discover(&config.cgroup) {
+            Ok(c) => c,
+            Err(e) => {
+                CGROUP_WARNING.get_or_init(|| {
+                    tracing::warn!("cgroup v2 unavailable ({e}); process trees are tracked by process group and run marker only, so a setsid escapee that clears its environment cannot be stopped");
+                });
+                None
+            }
+        };
+        Supervisor { inner: Arc::new(Inner { config, cgroups, seq: AtomicU64::new(0), leaf_warned: AtomicBool::new(false) }) }
+    }
+
+    pub fn config(&self) -> &SupervisorConfig {
+        &self.inner.config
+    }
+
+    /// The directory under which runs get their cgroups, if cgroups are in use.
+    pub fn cgroup_root(&self) -> Option<&Path> {
+        self.inner.cgroups.as_ref().map(|c| c.dir.as_path())
+    }
+
+    fn new_marker(&self) -> String {
+        let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        format!("np{}-{n}-{nanos:08x}", std::process::id())
+    }
+
+    /// Run `spec` to completion: until it exits by itself, or until `stop` or its timeout runs the
+    /// stop ladder. Never hangs: every wait is bounded once a stop is requested.
+    pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
+        let started = Instant::now();
+        let marker = self.new_marker();
+        let finish = |outcome, output, pid| RunResult { outcome, output, pid, marker: marker.clone(), elapsed: started.elapsed() };
+        if let Some(r) = stop.requested() {
+            return finish(Outcome::NotStarted(r), Output::default(), None);
+        }
+        let cfg = &self.inner.config;
+        let leaf = self.inner.cgroups.as_ref().and_then(|root| match root.create_leaf(&marker) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("cannot create a cgroup under {}: {e}; using the process group", root.dir.display());
+                }
+                None
+            }
+        });
+        let mut cmd = tokio::process::Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .env(MARKER_ENV, &marker)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        if let Some(cwd) = &spec.cwd {
+            cmd.current_dir(cwd);
+        }
+        if let Some((_, procs)) = &leaf {
+            let fd = procs.as_raw_fd();
+            // SAFETY: the closure only calls write(2), which is async-signal-safe, on an fd opened
+            // before the fork; it allocates nothing.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        let cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
+        // The last look before the process exists: a stop requested during the set-up above
+        // prevents the spawn (R7).
+        if let Some(r) = stop.requested() {
+            if let Some(d) = &cgroup_dir {
+                cgroup::remove(d);
+            }
+            return finish(Outcome::NotStarted(r), Output::default(), None);
+        }
+        let spawned = cmd.spawn();
+        drop(leaf.map(|(_, fd)| fd));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(d) = &cgroup_dir {
+                    cgroup::remove(d);
+                }
+                let what = spec.program.to_string_lossy();
+                return finish(Outcome::StartFailed(format!("{what}: {e}")), Output::default(), None);
+            }
+        };
+        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+        let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
+
+        let record_path = match &cfg.pid_dir {
+            Some(dir) => {
+                let record = PidRecord {
+                    pid,
+                    start_time: procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0),
+                    boot_id: procfs::boot_id().unwrap_or_default(),
+                    cgroup: cgroup_dir.clone(),
+                    marker: marker.clone(),
+                    owner: spec.owner.clone(),
+                    command: spec.program.to_string_lossy().into_owned(),
+                };
+                let dir = dir.clone();
+                match tokio::task::spawn_blocking(move || record.write(&dir)).await {
+                    Ok(Ok(p)) => Some(p),
+                    Ok(Err(e)) => {
+                        tracing::warn!("cannot write the PID record of pid {pid}: {e}");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!("cannot write the PID record of pid {pid}: {e}");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+
+        let captures = Captures::new(cfg.capture_limit);
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
+        }
+
+        let timeout = spec.timeout;
+        let stop_reason = tokio::select! {
+            biased;
+            status = child.wait() => {
+                let outcome = match status {
+                    Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
+                    Err(e) => Outcome::WaitFailed(e.to_string()),
+                };
+                // The leader is gone; the pgid is no longer ours to signal.
+                let tree = Tree { pgid: None, ..tree };
+                self.drain(&mut readers, cfg.drain_timeout).await;
+                let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
+                if leftovers > 0 {
+                    tracing::warn!("{} exited ({outcome}) and left {leftovers} process(es) running", spec.program.to_string_lossy());
+                }
+                if !outcome.termination_incomplete() {
+                    remove_record(record_path.as_deref());
+                }
+                blocking(tree, |t| t.cleanup()).await;
+                return finish(outcome, captures.take(), Some(pid));
+            }
+            r = stop.wait() => r,
+            _ = sleep_opt(timeout) => StopReason::Timeout(timeout.unwrap_or_default()),
+        };
+
+        let outcome = ladder(&tree, Some(&mut child), &cfg.policy, stop_reason, || {
+            for r in &readers {
+                r.abort();
+            }
+        })
+        .await;
+        // After a successful stop the pipes are at EOF or were closed; never wait long on them.
+        self.drain(&mut readers, Duration::from_millis(100)).await;
+        if !outcome.termination_incomplete() {
+            remove_record(record_path.as_deref());
+            blocking(Tree { pgid: None, ..tree }, |t| t.cleanup()).await;
+        }
+        finish(outcome, captures.take(), Some(pid))
+    }
+
+    async fn drain(&self, readers: &mut Vec<tokio::task::JoinHandle<()>>, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        for r in readers.iter_mut() {
+            if tokio::time::timeout_at(deadline, &mut *r).await.is_err() {
+                tracing::warn!("an output pipe is still held open by a leftover process; stopped reading it");
+                r.abort();
+            }
+        }
+        readers.clear();
+    }
+
+    /// Verify and stop what a previous agent left behind: every PID record in the PID directory
+    /// accepted by `filter`. Records that do not match a live process of ours are discarded and
+    /// their pid is never signalled.
+    pub async fn recover(&self, filter: impl Fn(&PidRecord) -> bool) -> Vec<Recovered> {
+        let Some(dir) = self.inner.config.pid_dir.clone() else { return Vec::new() };
+        let records = blocking(dir, |d| PidRecord::load_all(&d)).await;
+        let mut out = Vec::new();
+        for (path, rec) in records {
+            let rec = match rec {
+                Ok(r) => r,
+                Err(e) => {
+                    let kept = path.with_extension("invalid");
+                    tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
+                    let _ = std::fs::rename(&path, &kept);
+                    out.push(Recovered { path, record: None, result: RecoveryResult::Invalid(e) });
+                    continue;
+                }
+            };
+            if !filter(&rec) {
+                continue;
+            }
+            let result = self.recover_one(&rec).await;
+            match &result {
+                RecoveryResult::Stopped(o) => tracing::info!("stopped leftover pid {} ({}) of {}: {o}", rec.pid, rec.command, rec.owner),
+                RecoveryResult::NotStopped(o) => tracing::error!("leftover pid {} ({}) of {} could not be stopped: {o}", rec.pid, rec.command, rec.owner),
+                RecoveryResult::Mismatch(why) => tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid),
+                _ => {}
+            }
+            if !matches!(result, RecoveryResult::NotStopped(_)) {
+                remove_record(Some(&path));
+            }
+            out.push(Recovered { path, record: Some(rec), result });
+        }
+        out
+    }
+
+    async fn recover_one(&self, rec: &PidRecord) -> RecoveryResult {
+        let identity = blocking(rec.clone(), |r| r.verify()).await;
+        // The tree is the run's own cgroup (named by its unique marker) or the processes carrying
+        // its marker; never the recorded pid or pgid by number.
+        let cgroup = rec.cgroup.clone().filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
+        let tree = Tree { cgroup, pgid: None, marker: rec.marker.clone() };
+        if blocking(tree.clone(), |t| t.is_empty()).await {
+            blocking(tree, |t| t.cleanup()).await;
+            return match identity {
+                Identity::Mismatch(why) => RecoveryResult::Mismatch(why),
+                _ => RecoveryResult::Gone,
+            };
+        }
+        if let Identity::Mismatch(why) = &identity {
+            tracing::warn!("PID record of {}: {why}; stopping only the processes that carry its marker", rec.owner);
+        }
+        let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
+        if outcome.termination_incomplete() {
+            RecoveryResult::NotStopped(outcome)
+        } else {
+            blocking(tree, |t| t.cleanup()).await;
+            RecoveryResult::Stopped(outcome)
+        }
+    }
+}
+
+/// One PID record found by [`Supervisor::recover`].
+#[derive(Debug)]
+pub struct Recovered {
+    pub path: PathBuf,
+    pub record: Option<PidRecord>,
+    pub result: RecoveryResult,
+}
+
+#[derive(Debug)]
+pub enum RecoveryResult {
+    /// The record could not be parsed; it was renamed to `*.invalid` and nothing was signalled.
+    Invalid(String),
+    /// Nothing of the run is left.
+    Gone,
+    /// The pid is someone else's now; it was not signalled.
+    Mismatch(String),
+    /// Leftovers were found and stopped through the ladder.
+    Stopped(Outcome),
+    /// Leftovers could not be stopped; the record is kept.
+    NotStopped(Outcome),
+}
+
+fn remove_record(path: Option<&Path>) {
+    if let Some(p) = path
+        && let Err(e) = std::fs::remove_file(p)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!("cannot remove PID record {}: {e}", p.display());
+    }
+}
+
+async fn sleep_opt(d: Option<Duration>) {
+    match d {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Run /proc and cgroup work off the async threads.
+async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) -> R + Send + 'static) -> R {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let handle = tokio::task::spawn_blocking(move || {
+        let _ = tx.send(f(v));
+    });
+    drop(handle);
+    match rx.await {
+        Ok(r) => r,
+        // Only if the blocking pool is shutting down; there is nothing sensible left to do.
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// Wait until the leader (if any) has been reaped and the tree is empty, or until `deadline`.
+/// Returns the leader's status if it was reaped, and whether everything is gone.
+async fn wait_gone(tree: &Tree, leader: &mut Option<&mut tokio::process::Child>, status: &mut Option<ExitKind>, wait_err: &mut Option<String>, deadline: tokio::time::Instant) -> bool {
+    loop {
+        if status.is_none() && wait_err.is_none() {
+            if let Some(child) = leader.as_deref_mut() {
+                tokio::select! {
+                    r = child.wait() => match r {
+                        Ok(s) => *status = Some(ExitKind::from_status(s)),
+                        Err(e) => *wait_err = Some(e.to_string()),
+                    },
+                    _ = tokio::time::sleep(POLL) => {}
+                }
+            } else {
+                tokio::time::sleep(POLL).await;
+            }
+        } else {
+            tokio::time::sleep(POLL).await;
+        }
+        let leader_done = leader.is_none() || status.is_some() || wait_err.is_some();
+        if leader_done && blocking(tree.clone(), |t| t.is_empty()).await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+    }
+}
+
+/// The stop ladder: SIGTERM+SIGCONT to the tree, wait up to the grace period for it to empty,
+/// then (unless the policy forbids it) SIGKILL the tree, close the pipes (`close_pipes`) and wait
+/// up to the kill timeout.
+async fn ladder(tree: &Tree, mut leader: Option<&mut tokio::process::Child>, policy: &StopPolicy, reason: StopReason, close_pipes: impl FnOnce()) -> Outcome {
+    let mut status = None;
+    let mut wait_err = None;
+    if let Err(e) = blocking(tree.clone(), |t| t.request_stop()).await {
+        return Outcome::SignalFailed { reason, error: e.to_string() };
+    }
+    let grace_deadline = tokio::time::Instant::now() + policy.grace;
+    if wait_gone(tree, &mut leader, &mut status, &mut wait_err, grace_deadline).await {
+        return match (wait_err, status) {
+            (Some(e), _) => Outcome::WaitFailed(e),
+            (None, Some(s)) => Outcome::ExitedAfterStop { reason, status: s },
+            (None, None) => Outcome::ExitedAfterStop { reason, status: ExitKind::Code(-1) },
+        };
+    }
+    if !policy.kill {
+        close_pipes();
+        let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
+        return Outcome::GaveUp { reason, grace: policy.grace, survivors };
+    }
+    let killed = blocking(tree.clone(), |t| t.kill()).await;
+    if let Some(child) = leader.as_deref_mut()
+        && status.is_none()
+    {
+        let _ = child.start_kill();
+    }
+    close_pipes();
+    if let Err(e) = killed {
+        return Outcome::SignalFailed { reason, error: e.to_string() };
+    }
+    let kill_deadline = tokio::time::Instant::now() + policy.kill_timeout;
+    if wait_gone(tree, &mut leader, &mut status, &mut wait_err, kill_deadline).await {
+        return match wait_err {
+            Some(e) => Outcome::WaitFailed(e),
+            None => Outcome::Killed { reason, grace: policy.grace },
+        };
+    }
+    let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
+    Outcome::Incomplete { reason, survivors }
+}

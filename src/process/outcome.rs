@@ -1,0 +1,233 @@
+//! The typed outcome of a supervised run, printed the way people read it.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Why a stop was requested.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// An operator canceled the work (R7).
+    Cancel,
+    /// The agent is shutting down.
+    Shutdown,
+    /// The run exceeded its timeout.
+    Timeout(Duration),
+}
+
+/// How a process ended by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitKind {
+    Code(i32),
+    Signal(i32),
+}
+
+impl ExitKind {
+    pub fn from_status(s: std::process::ExitStatus) -> ExitKind {
+        use std::os::unix::process::ExitStatusExt;
+        match (s.code(), s.signal()) {
+            (Some(c), _) => ExitKind::Code(c),
+            (None, Some(sig)) => ExitKind::Signal(sig),
+            (None, None) => ExitKind::Code(-1),
+        }
+    }
+}
+
+impl fmt::Display for ExitKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitKind::Code(c) => write!(f, "exit status {c}"),
+            ExitKind::Signal(s) => write!(f, "signal: {}", signal_name(*s)),
+        }
+    }
+}
+
+/// Go-style signal descriptions (`signal: terminated`, `signal: killed`).
+pub fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGHUP => "hangup".into(),
+        libc::SIGINT => "interrupt".into(),
+        libc::SIGQUIT => "quit".into(),
+        libc::SIGILL => "illegal instruction".into(),
+        libc::SIGABRT => "aborted".into(),
+        libc::SIGBUS => "bus error".into(),
+        libc::SIGFPE => "floating point exception".into(),
+        libc::SIGKILL => "killed".into(),
+        libc::SIGSEGV => "segmentation fault".into(),
+        libc::SIGPIPE => "broken pipe".into(),
+        libc::SIGALRM => "alarm clock".into(),
+        libc::SIGTERM => "terminated".into(),
+        libc::SIGUSR1 => "user defined signal 1".into(),
+        libc::SIGUSR2 => "user defined signal 2".into(),
+        other => format!("signal {other}"),
+    }
+}
+
+/// Which rung of the stop ladder ended a stopped run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rung {
+    /// The tree emptied within the grace period after SIGTERM.
+    Term,
+    /// SIGKILL was needed.
+    Kill,
+    /// The policy forbids SIGKILL and the tree outlived the grace period.
+    GaveUp,
+}
+
+/// What happened to one supervised run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The process ended by itself; no stop was requested.
+    Exited(ExitKind),
+    /// A stop was already requested before the process could start; it was never spawned.
+    NotStarted(StopReason),
+    /// The process could not be started.
+    StartFailed(String),
+    /// A stop was requested and the whole tree was gone within the grace period.
+    ExitedAfterStop { reason: StopReason, status: ExitKind },
+    /// The tree outlived the grace period and SIGKILL ended it.
+    Killed { reason: StopReason, grace: Duration },
+    /// The no-kill policy gave up after the grace period; processes are left running.
+    GaveUp { reason: StopReason, grace: Duration, survivors: usize },
+    /// Processes survived SIGKILL and the kill timeout.
+    Incomplete { reason: StopReason, survivors: usize },
+    /// Signalling the tree failed.
+    SignalFailed { reason: StopReason, error: String },
+    /// Waiting for the process failed.
+    WaitFailed(String),
+}
+
+impl Outcome {
+    /// Only a process that exited by itself with status 0 succeeded.
+    pub fn success(&self) -> bool {
+        matches!(self, Outcome::Exited(ExitKind::Code(0)))
+    }
+
+    /// The exit code, or -1 when there is none (signals, start failures, stops).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::Exited(ExitKind::Code(c)) | Outcome::ExitedAfterStop { status: ExitKind::Code(c), .. } => *c,
+            _ => -1,
+        }
+    }
+
+    /// Whether a stop was requested, and why.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        match self {
+            Outcome::NotStarted(r) => Some(*r),
+            Outcome::ExitedAfterStop { reason, .. }
+            | Outcome::Killed { reason, .. }
+            | Outcome::GaveUp { reason, .. }
+            | Outcome::Incomplete { reason, .. }
+            | Outcome::SignalFailed { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
+
+    /// Which rung ended a stopped run (`None` when no ladder ran to completion).
+    pub fn rung(&self) -> Option<Rung> {
+        match self {
+            Outcome::ExitedAfterStop { .. } => Some(Rung::Term),
+            Outcome::Killed { .. } | Outcome::Incomplete { .. } => Some(Rung::Kill),
+            Outcome::GaveUp { .. } => Some(Rung::GaveUp),
+            _ => None,
+        }
+    }
+
+    /// Processes may still be running: the PID record is kept and `terminationIncomplete` set.
+    pub fn termination_incomplete(&self) -> bool {
+        matches!(
+            self,
+            Outcome::GaveUp { .. } | Outcome::Incomplete { .. } | Outcome::SignalFailed { .. } | Outcome::WaitFailed(_)
+        )
+    }
+
+    pub fn timed_out(&self) -> bool {
+        matches!(self.stop_reason(), Some(StopReason::Timeout(_)))
+    }
+}
+
+/// `10s`, `1.5s`, `250ms`.
+pub fn human_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(StopReason::Timeout(d)) = self.stop_reason() {
+            write!(f, "timed out after {}: ", human_duration(d))?;
+        }
+        match self {
+            Outcome::Exited(k) => write!(f, "{k}"),
+            Outcome::NotStarted(StopReason::Cancel) => f.write_str("not started: canceled"),
+            Outcome::NotStarted(StopReason::Shutdown) => f.write_str("not started: agent shutting down"),
+            Outcome::NotStarted(StopReason::Timeout(_)) => f.write_str("not started"),
+            Outcome::StartFailed(e) => write!(f, "failed to start: {e}"),
+            Outcome::ExitedAfterStop { status, .. } => write!(f, "exited after stop request: {status}"),
+            Outcome::Killed { grace, .. } => write!(f, "killed after {} grace", human_duration(*grace)),
+            Outcome::GaveUp { grace, survivors, .. } => write!(
+                f,
+                "termination incomplete: {survivors} {} still running after {} grace (not killed by policy)",
+                processes(*survivors),
+                human_duration(*grace)
+            ),
+            Outcome::Incomplete { survivors, .. } => {
+                write!(f, "termination incomplete: {survivors} {} survived SIGKILL", processes(*survivors))
+            }
+            Outcome::SignalFailed { error, .. } => write!(f, "failed to signal: {error}"),
+            Outcome::WaitFailed(e) => write!(f, "failed to wait: {e}"),
+        }
+    }
+}
+
+fn processes(n: usize) -> &'static str {
+    if n == 1 { "process" } else { "processes" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn displays_like_people_read_them() {
+        let c = StopReason::Cancel;
+        let ten = Duration::from_secs(10);
+        let cases = [
+            (Outcome::Exited(ExitKind::Code(1)), "exit status 1"),
+            (Outcome::Exited(ExitKind::Signal(libc::SIGTERM)), "signal: terminated"),
+            (Outcome::ExitedAfterStop { reason: c, status: ExitKind::Code(0) }, "exited after stop request: exit status 0"),
+            (Outcome::Killed { reason: c, grace: ten }, "killed after 10s grace"),
+            (Outcome::Incomplete { reason: c, survivors: 2 }, "termination incomplete: 2 processes survived SIGKILL"),
+            (Outcome::SignalFailed { reason: c, error: "EPERM".into() }, "failed to signal: EPERM"),
+            (Outcome::WaitFailed("ECHILD".into()), "failed to wait: ECHILD"),
+            (Outcome::StartFailed("No such file".into()), "failed to start: No such file"),
+            (
+                Outcome::Killed { reason: StopReason::Timeout(Duration::from_millis(1500)), grace: ten },
+                "timed out after 1.5s: killed after 10s grace",
+            ),
+        ];
+        for (o, want) in cases {
+            assert_eq!(o.to_string(), want);
+        }
+    }
+
+    #[test]
+    fn classification() {
+        let c = StopReason::Cancel;
+        assert!(Outcome::Exited(ExitKind::Code(0)).success());
+        assert!(!Outcome::ExitedAfterStop { reason: c, status: ExitKind::Code(0) }.success());
+        assert_eq!(Outcome::Killed { reason: c, grace: Duration::ZERO }.rung(), Some(Rung::Kill));
+        assert_eq!(Outcome::GaveUp { reason: c, grace: Duration::ZERO, survivors: 1 }.rung(), Some(Rung::GaveUp));
+        assert!(Outcome::Incomplete { reason: c, survivors: 1 }.termination_incomplete());
+        assert!(!Outcome::Killed { reason: c, grace: Duration::ZERO }.termination_incomplete());
+        assert_eq!(Outcome::Exited(ExitKind::Code(3)).exit_code(), 3);
+        assert_eq!(Outcome::Exited(ExitKind::Signal(9)).exit_code(), -1);
+        assert_eq!(Outcome::Exited(ExitKind::Code(1)).stop_reason(), None);
+    }
+}

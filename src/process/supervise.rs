@@ -1,0 +1,112 @@
+//! `nodeplan supervise`: run one long-lived command, respawn it with exponential backoff, stop it
+//! through the ladder on request, and refuse to start a second copy of a previous instance that
+//! could not be stopped.
+
+use super::{Outcome, RecoveryResult, RunResult, SpawnSpec, StopSignal, Supervisor};
+use std::time::Duration;
+
+/// Exponential respawn delay: `initial` doubling up to `max`, back to `initial` after a run that
+/// stayed up for `healthy_after`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub healthy_after: Duration,
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff::new(Duration::from_secs(1), Duration::from_secs(300), Duration::from_secs(600))
+    }
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, max: Duration, healthy_after: Duration) -> Backoff {
+        Backoff { initial, max, healthy_after, next: initial }
+    }
+
+    /// The delay before the next start, given how long the last run lasted.
+    pub fn after_run(&mut self, ran_for: Duration) -> Duration {
+        if ran_for >= self.healthy_after {
+            self.next = self.initial;
+        }
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SuperviseError {
+    #[error("a previous instance (pid {pid}) could not be stopped: {outcome}; not starting a second copy")]
+    PreviousInstance { pid: i32, outcome: Outcome },
+    #[error("could not be stopped: {0}")]
+    NotStopped(Outcome),
+}
+
+/// Observations of the respawn loop, for logs and tests.
+pub trait SuperviseObserver: Send {
+    fn started(&mut self, _attempt: u64) {}
+    fn exited(&mut self, _result: &RunResult, _delay: Duration) {}
+}
+
+impl SuperviseObserver for () {}
+
+/// Supervise `spec` until `stop` fires. The PID records of a previous instance with the same owner
+/// are verified and stopped first. Returns the final outcome of the stop.
+pub async fn supervise(
+    sup: &Supervisor,
+    spec: SpawnSpec,
+    mut stop: StopSignal,
+    mut backoff: Backoff,
+    observer: &mut dyn SuperviseObserver,
+) -> Result<Outcome, SuperviseError> {
+    let owner = spec.owner.clone();
+    for r in sup.recover(|rec| rec.owner == owner).await {
+        if let RecoveryResult::NotStopped(outcome) = r.result {
+            let pid = r.record.map(|r| r.pid).unwrap_or(0);
+            return Err(SuperviseError::PreviousInstance { pid, outcome });
+        }
+    }
+    let mut attempt = 0u64;
+    loop {
+        attempt += 1;
+        observer.started(attempt);
+        let result = sup.run(spec.clone(), &mut stop).await;
+        if let Some(_reason) = result.outcome.stop_reason() {
+            if result.outcome.termination_incomplete() {
+                return Err(SuperviseError::NotStopped(result.outcome));
+            }
+            return Ok(result.outcome);
+        }
+        let delay = backoff.after_run(result.elapsed);
+        tracing::warn!(
+            "{} exited after {}: {}; restarting in {}",
+            spec.program.to_string_lossy(),
+            super::human_duration(result.elapsed),
+            result.outcome,
+            super::human_duration(delay)
+        );
+        observer.exited(&result, delay);
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            r = stop.wait() => return Ok(Outcome::NotStarted(r)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_caps_and_resets_after_a_healthy_run() {
+        let mut b = Backoff::default();
+        let short = Duration::from_secs(1);
+        let got: Vec<u64> = (0..12).map(|_| b.after_run(short).as_secs()).collect();
+        assert_eq!(got, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300]);
+        assert_eq!(b.after_run(Duration::from_secs(600)).as_secs(), 1, "reset after 10 min up");
+        assert_eq!(b.after_run(short).as_secs(), 2);
+    }
+}

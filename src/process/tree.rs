@@ -1,0 +1,111 @@
+//! The process tree of one run, behind one type: its cgroup when there is one, otherwise its
+//! process group plus every process that still carries the run's environment marker (which also
+//! finds `setsid` escapees that kept their environment). Members are always opened through
+//! `/proc/<pid>` dirfds and signalled through them.
+
+use super::cgroup;
+use super::procfs::{self, ProcHandle};
+use rustix::process::Signal;
+use std::collections::HashSet;
+use std::io;
+use std::path::PathBuf;
+
+/// The environment variable that marks every process of a run.
+pub const MARKER_ENV: &str = "NODEPLAN_RUN";
+
+#[derive(Debug, Clone)]
+pub(crate) struct Tree {
+    pub cgroup: Option<PathBuf>,
+    /// The run's process group, only while its leader has not been reaped (so the id is ours).
+    pub pgid: Option<i32>,
+    pub marker: String,
+}
+
+impl Tree {
+    fn marker_entry(&self) -> Vec<u8> {
+        format!("{MARKER_ENV}={}", self.marker).into_bytes()
+    }
+
+    /// Live (non-zombie) members, each opened and checked through its dirfd.
+    pub fn members(&self) -> Vec<ProcHandle> {
+        if let Some(dir) = &self.cgroup {
+            return cgroup::procs(dir)
+                .into_iter()
+                .filter_map(|pid| ProcHandle::open(pid).ok())
+                .filter(|h| h.alive())
+                .collect();
+        }
+        let entry = self.marker_entry();
+        let me = std::process::id() as i32;
+        procfs::all_pids()
+            .into_iter()
+            .filter(|pid| *pid != me)
+            .filter_map(|pid| ProcHandle::open(pid).ok())
+            .filter(|h| {
+                let Ok(st) = h.stat() else { return false };
+                if matches!(st.state, 'Z' | 'X' | 'x') {
+                    return false;
+                }
+                Some(st.pgrp) == self.pgid || h.has_env(&entry)
+            })
+            .collect()
+    }
+
+    /// Send `sig` to every member, repeating until a pass finds no member it has not signalled yet
+    /// (so processes forked meanwhile are caught too). Returns how many were signalled.
+    pub fn signal(&self, sig: Signal) -> io::Result<usize> {
+        let mut seen: HashSet<(i32, u64)> = HashSet::new();
+        for _ in 0..16 {
+            let mut new = 0;
+            for h in self.members() {
+                let key = (h.pid, h.stat().map(|s| s.start_time).unwrap_or(0));
+                if seen.insert(key) {
+                    h.signal(sig)?;
+                    new += 1;
+                }
+            }
+            if new == 0 {
+                break;
+            }
+        }
+        Ok(seen.len())
+    }
+
+    /// SIGTERM then SIGCONT (so stopped processes can act on the SIGTERM).
+    pub fn request_stop(&self) -> io::Result<()> {
+        self.signal(Signal::TERM)?;
+        self.signal(Signal::CONT)?;
+        Ok(())
+    }
+
+    /// SIGKILL the whole tree: `cgroup.kill` where available, else each member.
+    pub fn kill(&self) -> io::Result<()> {
+        if let Some(dir) = &self.cgroup {
+            match cgroup::kill(dir) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        self.signal(Signal::KILL).map(|_| ())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        match &self.cgroup {
+            Some(dir) => !cgroup::populated(dir),
+            None => self.members().is_empty(),
+        }
+    }
+
+    pub fn survivors(&self) -> usize {
+        self.members().len()
+    }
+
+    /// Remove the run's cgroup once it is empty.
+    pub fn cleanup(&self) {
+        if let Some(dir) = &self.cgroup {
+            cgroup::remove(dir);
+        }
+    }
+}
