@@ -18,8 +18,12 @@ pub fn archive_plan(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>)
 }
 
 fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> std::io::Result<()> {
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let body = serde_json::to_vec(&serde_json::json!({ "Plan": plan, "Checksum": checksum })).map_err(std::io::Error::other)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let body = serde_json::to_vec(&serde_json::json!({ "Plan": plan, "Checksum": checksum }))
+        .map_err(std::io::Error::other)?;
     let mut existing = archived(dir);
     if let Some(newest) = existing.last()
         && std::fs::read(newest).is_ok_and(|b| b == body)
@@ -44,7 +48,10 @@ fn archived(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().ends_with("-applied.plan")))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().ends_with("-applied.plan"))
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -61,7 +68,11 @@ impl Interlock {
     /// system-agent's protocol: a stale `applyinator-active` is removed; a `restart-pending`
     /// younger than 5 minutes (or unparsable, which starts the 5 minutes now) blocks the apply.
     pub fn enter(dir: &Path, now: DateTime<Utc>) -> Result<Interlock, String> {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
         let active = dir.join("applyinator-active");
         let _ = std::fs::remove_file(&active);
         let pending = dir.join("restart-pending");
@@ -72,7 +83,8 @@ impl Interlock {
                     return Err("restart is pending; waiting 5m0s".into());
                 }
                 Some(t) if now < t + chrono::Duration::seconds(RESTART_PENDING_WAIT) => {
-                    let left = (t + chrono::Duration::seconds(RESTART_PENDING_WAIT) - now).num_seconds();
+                    let left =
+                        (t + chrono::Duration::seconds(RESTART_PENDING_WAIT) - now).num_seconds();
                     return Err(format!("restart is pending; waiting {left}s more"));
                 }
                 Some(_) => {

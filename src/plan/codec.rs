@@ -29,14 +29,19 @@ fn gzip(json: &[u8]) -> Vec<u8> {
 
 fn gunzip(data: &[u8]) -> Result<Vec<u8>, CodecError> {
     let mut out = Vec::new();
-    GzDecoder::new(data).read_to_end(&mut out).map_err(CodecError::Gzip)?;
+    GzDecoder::new(data)
+        .read_to_end(&mut out)
+        .map_err(CodecError::Gzip)?;
     Ok(out)
 }
 
 /// gzip(JSON map name → base64(bytes)), the encoding of `applied-output` and `failed-output`.
 pub fn encode_one_time_output(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let m: BTreeMap<&str, String> = map.iter().map(|(k, v)| (k.as_str(), b64.encode(v))).collect();
+    let m: BTreeMap<&str, String> = map
+        .iter()
+        .map(|(k, v)| (k.as_str(), b64.encode(v)))
+        .collect();
     gzip(&serde_json::to_vec(&m).unwrap_or_default())
 }
 

@@ -51,7 +51,11 @@ pub struct StopPolicy {
 
 impl Default for StopPolicy {
     fn default() -> Self {
-        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true }
+        StopPolicy {
+            grace: Duration::from_secs(10),
+            kill_timeout: Duration::from_secs(5),
+            kill: true,
+        }
     }
 }
 
@@ -97,7 +101,10 @@ pub struct SpawnSpec {
 
 impl SpawnSpec {
     /// `program args…` with the agent's own environment and no sink.
-    pub fn new(program: impl Into<OsString>, args: impl IntoIterator<Item = impl Into<OsString>>) -> SpawnSpec {
+    pub fn new(
+        program: impl Into<OsString>,
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+    ) -> SpawnSpec {
         SpawnSpec {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
@@ -142,7 +149,10 @@ impl<T: Send + Sync + 'static> StopSource for Mapped<T> {
         Box::pin(async move { self.rx.changed().await.is_ok() })
     }
     fn boxed_clone(&self) -> Box<dyn StopSource> {
-        Box::new(Mapped { rx: self.rx.clone(), f: self.f })
+        Box::new(Mapped {
+            rx: self.rx.clone(),
+            f: self.f,
+        })
     }
 }
 
@@ -154,7 +164,9 @@ pub struct StopSignal {
 
 impl Clone for StopSignal {
     fn clone(&self) -> Self {
-        StopSignal { src: self.src.boxed_clone() }
+        StopSignal {
+            src: self.src.boxed_clone(),
+        }
     }
 }
 
@@ -174,8 +186,13 @@ impl StopSignal {
     }
 
     /// A view of any watch channel through a projection.
-    pub fn from_watch<T: Send + Sync + 'static>(rx: watch::Receiver<T>, f: fn(&T) -> Option<StopReason>) -> StopSignal {
-        StopSignal { src: Box::new(Mapped { rx, f }) }
+    pub fn from_watch<T: Send + Sync + 'static>(
+        rx: watch::Receiver<T>,
+        f: fn(&T) -> Option<StopReason>,
+    ) -> StopSignal {
+        StopSignal {
+            src: Box::new(Mapped { rx, f }),
+        }
     }
 
     pub fn requested(&self) -> Option<StopReason> {
@@ -221,7 +238,14 @@ impl Supervisor {
                 None
             }
         };
-        Supervisor { inner: Arc::new(Inner { config, cgroups, seq: AtomicU64::new(0), leaf_warned: AtomicBool::new(false) }) }
+        Supervisor {
+            inner: Arc::new(Inner {
+                config,
+                cgroups,
+                seq: AtomicU64::new(0),
+                leaf_warned: AtomicBool::new(false),
+            }),
+        }
     }
 
     pub fn config(&self) -> &SupervisorConfig {
@@ -247,20 +271,33 @@ impl Supervisor {
     pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
         let started = Instant::now();
         let marker = self.new_marker();
-        let finish = |outcome, output, pid| RunResult { outcome, output, pid, marker: marker.clone(), elapsed: started.elapsed() };
+        let finish = |outcome, output, pid| RunResult {
+            outcome,
+            output,
+            pid,
+            marker: marker.clone(),
+            elapsed: started.elapsed(),
+        };
         if let Some(r) = stop.requested() {
             return finish(Outcome::NotStarted(r), Output::default(), None);
         }
         let cfg = &self.inner.config;
-        let leaf = self.inner.cgroups.as_ref().and_then(|root| match root.create_leaf(&marker) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
-                    tracing::warn!("cannot create a cgroup under {}: {e}; using the process group", root.dir.display());
+        let leaf = self
+            .inner
+            .cgroups
+            .as_ref()
+            .and_then(|root| match root.create_leaf(&marker) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "cannot create a cgroup under {}: {e}; using the process group",
+                            root.dir.display()
+                        );
+                    }
+                    None
                 }
-                None
-            }
-        });
+            });
         let mut cmd = tokio::process::Command::new(&spec.program);
         cmd.args(&spec.args)
             .env_clear()
@@ -306,17 +343,28 @@ impl Supervisor {
                     cgroup::remove(d);
                 }
                 let what = spec.program.to_string_lossy();
-                return finish(Outcome::StartFailed(format!("{what}: {e}")), Output::default(), None);
+                return finish(
+                    Outcome::StartFailed(format!("{what}: {e}")),
+                    Output::default(),
+                    None,
+                );
             }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
+        let tree = Tree {
+            cgroup: cgroup_dir.clone(),
+            pgid: Some(pid),
+            marker: marker.clone(),
+        };
 
         let record_path = match &cfg.pid_dir {
             Some(dir) => {
                 let record = PidRecord {
                     pid,
-                    start_time: procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0),
+                    start_time: procfs::ProcHandle::open(pid)
+                        .and_then(|h| h.stat())
+                        .map(|s| s.start_time)
+                        .unwrap_or(0),
                     boot_id: procfs::boot_id().unwrap_or_default(),
                     cgroup: cgroup_dir.clone(),
                     marker: marker.clone(),
@@ -342,10 +390,20 @@ impl Supervisor {
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
         if let Some(out) = child.stdout.take() {
-            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
+            readers.push(tokio::spawn(capture::read_lines(
+                out,
+                Stream::Stdout,
+                captures.clone(),
+                spec.sink.clone(),
+            )));
         }
         if let Some(err) = child.stderr.take() {
-            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
+            readers.push(tokio::spawn(capture::read_lines(
+                err,
+                Stream::Stderr,
+                captures.clone(),
+                spec.sink.clone(),
+            )));
         }
 
         let timeout = spec.timeout;
@@ -392,7 +450,9 @@ impl Supervisor {
         let deadline = tokio::time::Instant::now() + limit;
         for r in readers.iter_mut() {
             if tokio::time::timeout_at(deadline, &mut *r).await.is_err() {
-                tracing::warn!("an output pipe is still held open by a leftover process; stopped reading it");
+                tracing::warn!(
+                    "an output pipe is still held open by a leftover process; stopped reading it"
+                );
                 r.abort();
             }
         }
@@ -403,7 +463,9 @@ impl Supervisor {
     /// accepted by `filter`. Records that do not match a live process of ours are discarded and
     /// their pid is never signalled.
     pub async fn recover(&self, filter: impl Fn(&PidRecord) -> bool) -> Vec<Recovered> {
-        let Some(dir) = self.inner.config.pid_dir.clone() else { return Vec::new() };
+        let Some(dir) = self.inner.config.pid_dir.clone() else {
+            return Vec::new();
+        };
         let records = blocking(dir, |d| PidRecord::load_all(&d)).await;
         let mut out = Vec::new();
         for (path, rec) in records {
@@ -411,9 +473,17 @@ impl Supervisor {
                 Ok(r) => r,
                 Err(e) => {
                     let kept = path.with_extension("invalid");
-                    tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
+                    tracing::warn!(
+                        "{}: {e}; renamed to {} and ignored",
+                        path.display(),
+                        kept.display()
+                    );
                     let _ = std::fs::rename(&path, &kept);
-                    out.push(Recovered { path, record: None, result: RecoveryResult::Invalid(e) });
+                    out.push(Recovered {
+                        path,
+                        record: None,
+                        result: RecoveryResult::Invalid(e),
+                    });
                     continue;
                 }
             };
@@ -422,15 +492,33 @@ impl Supervisor {
             }
             let result = self.recover_one(&rec).await;
             match &result {
-                RecoveryResult::Stopped(o) => tracing::info!("stopped leftover pid {} ({}) of {}: {o}", rec.pid, rec.command, rec.owner),
-                RecoveryResult::NotStopped(o) => tracing::error!("leftover pid {} ({}) of {} could not be stopped: {o}", rec.pid, rec.command, rec.owner),
-                RecoveryResult::Mismatch(why) => tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid),
+                RecoveryResult::Stopped(o) => tracing::info!(
+                    "stopped leftover pid {} ({}) of {}: {o}",
+                    rec.pid,
+                    rec.command,
+                    rec.owner
+                ),
+                RecoveryResult::NotStopped(o) => tracing::error!(
+                    "leftover pid {} ({}) of {} could not be stopped: {o}",
+                    rec.pid,
+                    rec.command,
+                    rec.owner
+                ),
+                RecoveryResult::Mismatch(why) => tracing::warn!(
+                    "discarding PID record {}: {why}; pid {} not signalled",
+                    path.display(),
+                    rec.pid
+                ),
                 _ => {}
             }
             if !matches!(result, RecoveryResult::NotStopped(_)) {
                 remove_record(Some(&path));
             }
-            out.push(Recovered { path, record: Some(rec), result });
+            out.push(Recovered {
+                path,
+                record: Some(rec),
+                result,
+            });
         }
         out
     }
@@ -439,8 +527,15 @@ impl Supervisor {
         let identity = blocking(rec.clone(), |r| r.verify()).await;
         // The tree is the run's own cgroup (named by its unique marker) or the processes carrying
         // its marker; never the recorded pid or pgid by number.
-        let cgroup = rec.cgroup.clone().filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
-        let tree = Tree { cgroup, pgid: None, marker: rec.marker.clone() };
+        let cgroup = rec
+            .cgroup
+            .clone()
+            .filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
+        let tree = Tree {
+            cgroup,
+            pgid: None,
+            marker: rec.marker.clone(),
+        };
         if blocking(tree.clone(), |t| t.is_empty()).await {
             blocking(tree, |t| t.cleanup()).await;
             return match identity {
@@ -449,9 +544,19 @@ impl Supervisor {
             };
         }
         if let Identity::Mismatch(why) = &identity {
-            tracing::warn!("PID record of {}: {why}; stopping only the processes that carry its marker", rec.owner);
+            tracing::warn!(
+                "PID record of {}: {why}; stopping only the processes that carry its marker",
+                rec.owner
+            );
         }
-        let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
+        let outcome = ladder(
+            &tree,
+            None,
+            &self.inner.config.policy,
+            StopReason::Shutdown,
+            || {},
+        )
+        .await;
         if outcome.termination_incomplete() {
             RecoveryResult::NotStopped(outcome)
         } else {
@@ -500,7 +605,10 @@ async fn sleep_opt(d: Option<Duration>) {
 }
 
 /// Run /proc and cgroup work off the async threads.
-async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) -> R + Send + 'static) -> R {
+async fn blocking<T: Send + 'static, R: Send + 'static>(
+    v: T,
+    f: impl FnOnce(T) -> R + Send + 'static,
+) -> R {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let handle = tokio::task::spawn_blocking(move || {
         let _ = tx.send(f(v));
@@ -515,7 +623,13 @@ async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) 
 
 /// Wait until the leader (if any) has been reaped and the tree is empty, or until `deadline`.
 /// Returns the leader's status if it was reaped, and whether everything is gone.
-async fn wait_gone(tree: &Tree, leader: &mut Option<&mut tokio::process::Child>, status: &mut Option<ExitKind>, wait_err: &mut Option<String>, deadline: tokio::time::Instant) -> bool {
+async fn wait_gone(
+    tree: &Tree,
+    leader: &mut Option<&mut tokio::process::Child>,
+    status: &mut Option<ExitKind>,
+    wait_err: &mut Option<String>,
+    deadline: tokio::time::Instant,
+) -> bool {
     loop {
         if status.is_none() && wait_err.is_none() {
             if let Some(child) = leader.as_deref_mut() {
@@ -545,24 +659,48 @@ async fn wait_gone(tree: &Tree, leader: &mut Option<&mut tokio::process::Child>,
 /// The stop ladder: SIGTERM+SIGCONT to the tree, wait up to the grace period for it to empty,
 /// then (unless the policy forbids it) SIGKILL the tree, close the pipes (`close_pipes`) and wait
 /// up to the kill timeout.
-async fn ladder(tree: &Tree, mut leader: Option<&mut tokio::process::Child>, policy: &StopPolicy, reason: StopReason, close_pipes: impl FnOnce()) -> Outcome {
+async fn ladder(
+    tree: &Tree,
+    mut leader: Option<&mut tokio::process::Child>,
+    policy: &StopPolicy,
+    reason: StopReason,
+    close_pipes: impl FnOnce(),
+) -> Outcome {
     let mut status = None;
     let mut wait_err = None;
     if let Err(e) = blocking(tree.clone(), |t| t.request_stop()).await {
-        return Outcome::SignalFailed { reason, error: e.to_string() };
+        return Outcome::SignalFailed {
+            reason,
+            error: e.to_string(),
+        };
     }
     let grace_deadline = tokio::time::Instant::now() + policy.grace;
-    if wait_gone(tree, &mut leader, &mut status, &mut wait_err, grace_deadline).await {
+    if wait_gone(
+        tree,
+        &mut leader,
+        &mut status,
+        &mut wait_err,
+        grace_deadline,
+    )
+    .await
+    {
         return match (wait_err, status) {
             (Some(e), _) => Outcome::WaitFailed(e),
             (None, Some(s)) => Outcome::ExitedAfterStop { reason, status: s },
-            (None, None) => Outcome::ExitedAfterStop { reason, status: ExitKind::Code(-1) },
+            (None, None) => Outcome::ExitedAfterStop {
+                reason,
+                status: ExitKind::Code(-1),
+            },
         };
     }
     if !policy.kill {
         close_pipes();
         let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
-        return Outcome::GaveUp { reason, grace: policy.grace, survivors };
+        return Outcome::GaveUp {
+            reason,
+            grace: policy.grace,
+            survivors,
+        };
     }
     let killed = blocking(tree.clone(), |t| t.kill()).await;
     if let Some(child) = leader.as_deref_mut()
@@ -572,13 +710,19 @@ async fn ladder(tree: &Tree, mut leader: Option<&mut tokio::process::Child>, pol
     }
     close_pipes();
     if let Err(e) = killed {
-        return Outcome::SignalFailed { reason, error: e.to_string() };
+        return Outcome::SignalFailed {
+            reason,
+            error: e.to_string(),
+        };
     }
     let kill_deadline = tokio::time::Instant::now() + policy.kill_timeout;
     if wait_gone(tree, &mut leader, &mut status, &mut wait_err, kill_deadline).await {
         return match wait_err {
             Some(e) => Outcome::WaitFailed(e),
-            None => Outcome::Killed { reason, grace: policy.grace },
+            None => Outcome::Killed {
+                reason,
+                grace: policy.grace,
+            },
         };
     }
     let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);

@@ -1,0 +1,132 @@
+//! Shared test support: the helper program, line handshakes, survivor scans, loud skips.
+#![allow(dead_code)]
+
+use nodeplan::process::{LineSink, MARKER_ENV, SpawnSpec, Stream, Supervisor};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+pub const HELPER: &str = env!("CARGO_BIN_EXE_nodeplan-test-helper");
+pub const NODEPLAN: &str = env!("CARGO_BIN_EXE_nodeplan");
+
+/// Hang guard for awaits that must finish: a failure message instead of a stuck test.
+pub const GUARD: Duration = Duration::from_secs(30);
+
+/// True when running under `.ci/run`: skips become failures there.
+pub fn in_ci() -> bool {
+    std::env::var_os("NODEPLAN_CI").is_some()
+}
+
+/// Skip loudly when a requirement is missing outside CI; fail in CI.
+pub fn require(ok: bool, what: &str) -> bool {
+    if ok {
+        return true;
+    }
+    if in_ci() {
+        panic!("required in CI but missing: {what}");
+    }
+    eprintln!("\n*** SKIPPED: {what} is not available on this machine ***\n");
+    false
+}
+
+pub fn require_cgroup(sup: &Supervisor) -> bool {
+    require(
+        sup.cgroup_root().is_some(),
+        "a writable cgroup v2 hierarchy",
+    )
+}
+
+/// A sink that forwards every line to a channel.
+pub struct ChanSink(pub mpsc::UnboundedSender<(Stream, String)>);
+
+impl LineSink for ChanSink {
+    fn line(&self, stream: Stream, line: &[u8]) {
+        let _ = self
+            .0
+            .send((stream, String::from_utf8_lossy(line).into_owned()));
+    }
+}
+
+/// The receiving end of a [`ChanSink`], keeping lines it has not been asked for yet.
+pub struct Lines {
+    rx: mpsc::UnboundedReceiver<(Stream, String)>,
+    backlog: Vec<String>,
+}
+
+pub fn chan_sink() -> (Arc<ChanSink>, Lines) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (
+        Arc::new(ChanSink(tx)),
+        Lines {
+            rx,
+            backlog: Vec::new(),
+        },
+    )
+}
+
+pub fn helper(args: &[&str], sink: Arc<dyn LineSink>) -> SpawnSpec {
+    let mut spec = SpawnSpec::new(HELPER, args.iter().copied());
+    spec.sink = sink;
+    spec.owner = "test".into();
+    spec
+}
+
+/// Wait for a line starting with `prefix` (lines seen earlier included, each used once); returns
+/// the rest of it.
+pub async fn wait_line(lines: &mut Lines, prefix: &str) -> String {
+    if let Some(i) = lines.backlog.iter().position(|l| l.starts_with(prefix)) {
+        return lines.backlog.remove(i)[prefix.len()..].trim().to_string();
+    }
+    let fut = async {
+        while let Some((_, l)) = lines.rx.recv().await {
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+            lines.backlog.push(l);
+        }
+        panic!("output ended before a line starting with {prefix:?}");
+    };
+    tokio::time::timeout(GUARD, fut)
+        .await
+        .unwrap_or_else(|_| panic!("no line starting with {prefix:?}"))
+}
+
+/// Live (non-zombie) processes whose environment carries `NODEPLAN_RUN=<marker>`.
+pub fn survivors(marker: &str) -> Vec<i32> {
+    let entry = format!("{MARKER_ENV}={marker}").into_bytes();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if !alive(pid) {
+            continue;
+        }
+        if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ"))
+            && env.split(|b| *b == 0).any(|x| x == entry)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The process exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s
+            .rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .is_some_and(|st| st != "Z" && st != "X"),
+        Err(_) => false,
+    }
+}
+
+/// SIGKILL leftovers a failing test may have left, so they do not pile up.
+pub fn kill_all(pids: &[i32]) {
+    for p in pids {
+        unsafe {
+            libc::kill(*p, libc::SIGKILL);
+        }
+    }
+}
