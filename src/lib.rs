@@ -6,9 +6,11 @@
 //! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
+//! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 
 pub mod apply;
 pub mod cli;
 pub mod plan;
+pub mod probe;
 pub mod process;

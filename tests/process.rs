@@ -8,11 +8,7 @@ use nodeplan::process::supervise::{Backoff, SuperviseError, SuperviseObserver, s
 use nodeplan::process::*;
 use std::time::Duration;
 
-fn sup_with(
-    policy: StopPolicy,
-    cgroup: CgroupMode,
-    pid_dir: Option<&std::path::Path>,
-) -> Supervisor {
+fn sup_with(policy: StopPolicy, cgroup: CgroupMode, pid_dir: Option<&std::path::Path>) -> Supervisor {
     Supervisor::new(SupervisorConfig {
         policy,
         cgroup,
@@ -23,19 +19,11 @@ fn sup_with(
 }
 
 fn short(kill: bool) -> StopPolicy {
-    StopPolicy {
-        grace: Duration::from_millis(300),
-        kill_timeout: Duration::from_secs(5),
-        kill,
-    }
+    StopPolicy { grace: Duration::from_millis(300), kill_timeout: Duration::from_secs(5), kill }
 }
 
 fn long() -> StopPolicy {
-    StopPolicy {
-        grace: Duration::from_secs(20),
-        kill_timeout: Duration::from_secs(5),
-        kill: true,
-    }
+    StopPolicy { grace: Duration::from_secs(20), kill_timeout: Duration::from_secs(5), kill: true }
 }
 
 /// Start `args`, wait for `ready`, request a stop, return the result.
@@ -47,10 +35,7 @@ async fn stop_after_ready(sup: &Supervisor, args: &[&str], ready: &str) -> RunRe
     let run = tokio::spawn(async move { sup2.run(spec, &mut stop).await });
     wait_line(&mut lines, ready).await;
     tx.send(Some(StopReason::Cancel)).unwrap();
-    let r = tokio::time::timeout(GUARD, run)
-        .await
-        .expect("run hung")
-        .unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.expect("run hung").unwrap();
     drop(tx);
     r
 }
@@ -59,18 +44,11 @@ async fn stop_after_ready(sup: &Supervisor, args: &[&str], ready: &str) -> RunRe
 async fn natural_exits() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let (sink, _l) = chan_sink();
-    let r = sup
-        .run(
-            helper(&["exit", "1"], sink.clone()),
-            &mut StopSignal::never(),
-        )
-        .await;
+    let r = sup.run(helper(&["exit", "1"], sink.clone()), &mut StopSignal::never()).await;
     assert_eq!(r.outcome, Outcome::Exited(ExitKind::Code(1)));
     assert_eq!(r.outcome.to_string(), "exit status 1");
     assert!(!r.outcome.success());
-    let r = sup
-        .run(helper(&["exit", "0"], sink), &mut StopSignal::never())
-        .await;
+    let r = sup.run(helper(&["exit", "0"], sink), &mut StopSignal::never()).await;
     assert!(r.outcome.success());
     assert_eq!(r.outcome.stop_reason(), None);
 }
@@ -80,33 +58,16 @@ async fn start_failure_is_an_outcome() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let spec = SpawnSpec::new("/nonexistent/program", Vec::<String>::new());
     let r = sup.run(spec, &mut StopSignal::never()).await;
-    assert!(
-        matches!(r.outcome, Outcome::StartFailed(_)),
-        "{:?}",
-        r.outcome
-    );
-    assert!(
-        r.outcome
-            .to_string()
-            .starts_with("failed to start: /nonexistent/program")
-    );
+    assert!(matches!(r.outcome, Outcome::StartFailed(_)), "{:?}", r.outcome);
+    assert!(r.outcome.to_string().starts_with("failed to start: /nonexistent/program"));
 }
 
 #[tokio::test]
 async fn exits_on_sigterm() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let r = stop_after_ready(&sup, &["term-exit"], "ready").await;
-    assert_eq!(
-        r.outcome,
-        Outcome::ExitedAfterStop {
-            reason: StopReason::Cancel,
-            status: ExitKind::Code(0)
-        }
-    );
-    assert_eq!(
-        r.outcome.to_string(),
-        "exited after stop request: exit status 0"
-    );
+    assert_eq!(r.outcome, Outcome::ExitedAfterStop { reason: StopReason::Cancel, status: ExitKind::Code(0) });
+    assert_eq!(r.outcome.to_string(), "exited after stop request: exit status 0");
     assert_eq!(r.outcome.rung(), Some(Rung::Term));
     assert!(survivors(&r.marker).is_empty());
 }
@@ -115,10 +76,7 @@ async fn exits_on_sigterm() {
 async fn exits_non_zero_on_sigterm() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let r = stop_after_ready(&sup, &["term-fail"], "ready").await;
-    assert_eq!(
-        r.outcome.to_string(),
-        "exited after stop request: exit status 3"
-    );
+    assert_eq!(r.outcome.to_string(), "exited after stop request: exit status 3");
     assert_eq!(r.outcome.stop_reason(), Some(StopReason::Cancel));
 }
 
@@ -128,28 +86,16 @@ async fn dies_of_sigterm() {
     let r = stop_after_ready(&sup, &["term-die"], "ready").await;
     assert_eq!(
         r.outcome,
-        Outcome::ExitedAfterStop {
-            reason: StopReason::Cancel,
-            status: ExitKind::Signal(libc::SIGTERM)
-        }
+        Outcome::ExitedAfterStop { reason: StopReason::Cancel, status: ExitKind::Signal(libc::SIGTERM) }
     );
-    assert_eq!(
-        r.outcome.to_string(),
-        "exited after stop request: signal: terminated"
-    );
+    assert_eq!(r.outcome.to_string(), "exited after stop request: signal: terminated");
 }
 
 #[tokio::test]
 async fn ignoring_sigterm_gets_killed_after_the_grace() {
     let sup = sup_with(short(true), CgroupMode::Auto, None);
     let r = stop_after_ready(&sup, &["term-ignore"], "ready").await;
-    assert_eq!(
-        r.outcome,
-        Outcome::Killed {
-            reason: StopReason::Cancel,
-            grace: Duration::from_millis(300)
-        }
-    );
+    assert_eq!(r.outcome, Outcome::Killed { reason: StopReason::Cancel, grace: Duration::from_millis(300) });
     assert_eq!(r.outcome.to_string(), "killed after 300ms grace");
     assert_eq!(r.outcome.rung(), Some(Rung::Kill));
     assert!(!r.outcome.termination_incomplete());
@@ -160,10 +106,7 @@ async fn ignoring_sigterm_gets_killed_after_the_grace() {
 async fn stopped_process_gets_sigcont_and_acts_on_sigterm() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let r = stop_after_ready(&sup, &["sigstop"], "ready").await;
-    assert_eq!(
-        r.outcome.to_string(),
-        "exited after stop request: exit status 0"
-    );
+    assert_eq!(r.outcome.to_string(), "exited after stop request: exit status 0");
 }
 
 #[tokio::test]
@@ -173,8 +116,7 @@ async fn children_in_the_group_are_stopped_too() {
         let (sink, mut lines) = chan_sink();
         let (tx, mut stop) = StopSignal::channel();
         let sup2 = sup.clone();
-        let run =
-            tokio::spawn(async move { sup2.run(helper(&["fork", "3"], sink), &mut stop).await });
+        let run = tokio::spawn(async move { sup2.run(helper(&["fork", "3"], sink), &mut stop).await });
         let mut kids = Vec::new();
         for _ in 0..3 {
             kids.push(wait_line(&mut lines, "child").await.parse::<i32>().unwrap());
@@ -183,16 +125,8 @@ async fn children_in_the_group_are_stopped_too() {
         assert!(kids.iter().all(|k| alive(*k)));
         tx.send(Some(StopReason::Cancel)).unwrap();
         let r = tokio::time::timeout(GUARD, run).await.unwrap().unwrap();
-        assert_eq!(
-            r.outcome.rung(),
-            Some(Rung::Term),
-            "{mode:?}: {}",
-            r.outcome
-        );
-        assert!(
-            kids.iter().all(|k| !alive(*k)),
-            "{mode:?}: children survived"
-        );
+        assert_eq!(r.outcome.rung(), Some(Rung::Term), "{mode:?}: {}", r.outcome);
+        assert!(kids.iter().all(|k| !alive(*k)), "{mode:?}: children survived");
         assert!(survivors(&r.marker).is_empty());
     }
 }
@@ -206,15 +140,11 @@ async fn setsid_grandchild_is_killed_with_the_cgroup() {
     let (sink, mut lines) = chan_sink();
     let (tx, mut stop) = StopSignal::channel();
     let sup2 = sup.clone();
-    let run =
-        tokio::spawn(async move { sup2.run(helper(&["setsid-wait"], sink), &mut stop).await });
+    let run = tokio::spawn(async move { sup2.run(helper(&["setsid-wait"], sink), &mut stop).await });
     let gc: i32 = wait_line(&mut lines, "grandchild").await.parse().unwrap();
     wait_line(&mut lines, "ready").await;
     tx.send(Some(StopReason::Cancel)).unwrap();
-    let r = tokio::time::timeout(GUARD, run)
-        .await
-        .expect("hung on the pipe-holding grandchild")
-        .unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.expect("hung on the pipe-holding grandchild").unwrap();
     let left = survivors(&r.marker);
     kill_all(&left);
     assert!(!alive(gc), "the setsid grandchild survived the cancel");
@@ -230,8 +160,7 @@ async fn setsid_grandchild_is_found_by_its_marker_without_cgroups() {
     let (sink, mut lines) = chan_sink();
     let (tx, mut stop) = StopSignal::channel();
     let sup2 = sup.clone();
-    let run =
-        tokio::spawn(async move { sup2.run(helper(&["setsid-wait"], sink), &mut stop).await });
+    let run = tokio::spawn(async move { sup2.run(helper(&["setsid-wait"], sink), &mut stop).await });
     let gc: i32 = wait_line(&mut lines, "grandchild").await.parse().unwrap();
     wait_line(&mut lines, "ready").await;
     tx.send(Some(StopReason::Cancel)).unwrap();
@@ -247,22 +176,13 @@ async fn a_pipe_holding_grandchild_never_hangs_a_natural_exit() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let (sink, mut lines) = chan_sink();
     let sup2 = sup.clone();
-    let run = tokio::spawn(async move {
-        sup2.run(helper(&["setsid-exit"], sink), &mut StopSignal::never())
-            .await
-    });
+    let run = tokio::spawn(async move { sup2.run(helper(&["setsid-exit"], sink), &mut StopSignal::never()).await });
     let gc: i32 = wait_line(&mut lines, "grandchild").await.parse().unwrap();
-    let r = tokio::time::timeout(GUARD, run)
-        .await
-        .expect("waited on pipe EOF")
-        .unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.expect("waited on pipe EOF").unwrap();
     let was_alive = alive(gc);
     kill_all(&[gc]);
     assert_eq!(r.outcome, Outcome::Exited(ExitKind::Code(0)));
-    assert!(
-        was_alive,
-        "the grandchild kept running after the parent's exit (it holds the pipe)"
-    );
+    assert!(was_alive, "the grandchild kept running after the parent's exit (it holds the pipe)");
     assert!(String::from_utf8_lossy(&r.output.stdout).contains("parent exiting"));
 }
 
@@ -273,8 +193,7 @@ async fn no_kill_policy_gives_up_and_keeps_the_record() {
     let (sink, mut lines) = chan_sink();
     let (tx, mut stop) = StopSignal::channel();
     let sup2 = sup.clone();
-    let run =
-        tokio::spawn(async move { sup2.run(helper(&["term-ignore"], sink), &mut stop).await });
+    let run = tokio::spawn(async move { sup2.run(helper(&["term-ignore"], sink), &mut stop).await });
     let pid: i32 = wait_line(&mut lines, "ready").await.parse().unwrap();
     tx.send(Some(StopReason::Cancel)).unwrap();
     let r = tokio::time::timeout(GUARD, run).await.unwrap().unwrap();
@@ -284,28 +203,13 @@ async fn no_kill_policy_gives_up_and_keeps_the_record() {
     let killer = sup_with(short(true), CgroupMode::Auto, Some(pids.path()));
     let rec = killer.recover(|_| true).await;
     kill_all(&[pid]);
-    assert!(
-        matches!(r.outcome, Outcome::GaveUp { survivors: 1, .. }),
-        "{:?}",
-        r.outcome
-    );
+    assert!(matches!(r.outcome, Outcome::GaveUp { survivors: 1, .. }), "{:?}", r.outcome);
     assert_eq!(r.outcome.rung(), Some(Rung::GaveUp));
     assert!(r.outcome.termination_incomplete());
-    assert!(
-        r.outcome
-            .to_string()
-            .starts_with("termination incomplete: 1 process still running after 300ms grace")
-    );
+    assert!(r.outcome.to_string().starts_with("termination incomplete: 1 process still running after 300ms grace"));
     assert!(still, "the no-kill policy must leave the process running");
     assert_eq!(records.len(), 1, "the record is kept");
-    assert!(
-        matches!(
-            rec[0].result,
-            RecoveryResult::Stopped(Outcome::Killed { .. })
-        ),
-        "{:?}",
-        rec[0].result
-    );
+    assert!(matches!(rec[0].result, RecoveryResult::Stopped(Outcome::Killed { .. })), "{:?}", rec[0].result);
     assert!(!alive(pid));
 }
 
@@ -315,14 +219,9 @@ async fn timeout_runs_the_ladder() {
     let (sink, _lines) = chan_sink();
     let mut spec = helper(&["term-exit"], sink);
     spec.timeout = Some(Duration::from_millis(200));
-    let r = tokio::time::timeout(GUARD, sup.run(spec, &mut StopSignal::never()))
-        .await
-        .unwrap();
+    let r = tokio::time::timeout(GUARD, sup.run(spec, &mut StopSignal::never())).await.unwrap();
     assert!(r.outcome.timed_out());
-    assert_eq!(
-        r.outcome.to_string(),
-        "timed out after 200ms: exited after stop request: exit status 0"
-    );
+    assert_eq!(r.outcome.to_string(), "timed out after 200ms: exited after stop request: exit status 0");
     assert!(!r.outcome.success());
 }
 
@@ -334,9 +233,7 @@ async fn a_stop_requested_before_spawn_prevents_the_spawn() {
     let (tx, mut stop) = StopSignal::channel();
     tx.send(Some(StopReason::Cancel)).unwrap();
     let (sink, _l) = chan_sink();
-    let r = sup
-        .run(helper(&["touch", flag.to_str().unwrap()], sink), &mut stop)
-        .await;
+    let r = sup.run(helper(&["touch", flag.to_str().unwrap()], sink), &mut stop).await;
     assert_eq!(r.outcome, Outcome::NotStarted(StopReason::Cancel));
     assert_eq!(r.pid, None);
     assert!(!flag.exists(), "the process must never have started");
@@ -346,39 +243,18 @@ async fn a_stop_requested_before_spawn_prevents_the_spawn() {
 async fn output_is_captured_bounded_and_interleaved() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let (sink, _l) = chan_sink();
-    let r = sup
-        .run(
-            helper(&["write", "200000"], sink.clone()),
-            &mut StopSignal::never(),
-        )
-        .await;
+    let r = sup.run(helper(&["write", "200000"], sink.clone()), &mut StopSignal::never()).await;
     assert!(r.outcome.success());
     let out = String::from_utf8_lossy(&r.output.stdout);
-    assert!(
-        r.output.stdout.len() < 4096 + 100,
-        "capped: {}",
-        r.output.stdout.len()
-    );
-    assert!(
-        out.contains("[nodeplan: 195904 bytes of output dropped]"),
-        "{}",
-        &out[2000..2100]
-    );
+    assert!(r.output.stdout.len() < 4096 + 100, "capped: {}", r.output.stdout.len());
+    assert!(out.contains("[nodeplan: 195904 bytes of output dropped]"), "{}", &out[2000..2100]);
     assert!(out.starts_with("xxx") && out.ends_with("x\n"));
-    let r = sup
-        .run(helper(&["interleave"], sink), &mut StopSignal::never())
-        .await;
+    let r = sup.run(helper(&["interleave"], sink), &mut StopSignal::never()).await;
     let combined = String::from_utf8_lossy(&r.output.combined);
     for l in ["out0", "out1", "out2", "err0", "err1", "err2"] {
-        assert!(
-            combined.lines().any(|x| x == l),
-            "{l} missing from {combined:?}"
-        );
+        assert!(combined.lines().any(|x| x == l), "{l} missing from {combined:?}");
     }
-    assert_eq!(
-        String::from_utf8_lossy(&r.output.stderr),
-        "err0\nerr1\nerr2\n"
-    );
+    assert_eq!(String::from_utf8_lossy(&r.output.stderr), "err0\nerr1\nerr2\n");
 }
 
 #[tokio::test]
@@ -398,20 +274,12 @@ async fn pid_record_lifecycle() {
     assert_eq!(rec.pid, pid);
     assert_eq!(rec.owner, "plan:abc:0");
     assert!(rec.start_time > 0);
-    assert_eq!(
-        rec.boot_id,
-        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .unwrap()
-            .trim()
-    );
+    assert_eq!(rec.boot_id, std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim());
     assert_eq!(rec.cgroup.is_some(), sup.cgroup_root().is_some());
     tx.send(Some(StopReason::Cancel)).unwrap();
     let r = run.await.unwrap();
     assert_eq!(rec.marker, r.marker);
-    assert!(
-        PidRecord::load_all(pids.path()).is_empty(),
-        "removed once the tree is gone"
-    );
+    assert!(PidRecord::load_all(pids.path()).is_empty(), "removed once the tree is gone");
 }
 
 #[tokio::test]
@@ -429,17 +297,11 @@ async fn recovery_stops_a_verified_leftover() {
     let _ = run.await;
     assert!(alive(pid) && alive(c1) && alive(c2));
     let second = sup_with(long(), CgroupMode::Auto, Some(pids.path()));
-    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test"))
-        .await
-        .unwrap();
+    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test")).await.unwrap();
     let gone = !alive(pid) && !alive(c1) && !alive(c2);
     kill_all(&[pid, c1, c2]);
     assert_eq!(rec.len(), 1);
-    assert!(
-        matches!(rec[0].result, RecoveryResult::Stopped(_)),
-        "{:?}",
-        rec[0].result
-    );
+    assert!(matches!(rec[0].result, RecoveryResult::Stopped(_)), "{:?}", rec[0].result);
     assert!(gone, "leader and children stopped");
     assert!(PidRecord::load_all(pids.path()).is_empty());
 }
@@ -448,22 +310,11 @@ async fn recovery_stops_a_verified_leftover() {
 async fn a_record_that_does_not_match_never_gets_its_pid_signalled() {
     let pids = tempfile::tempdir().unwrap();
     // An unrelated live process (default SIGTERM disposition: any signal would kill it).
-    let mut victim = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .unwrap();
+    let mut victim = std::process::Command::new("sleep").arg("60").spawn().unwrap();
     let vpid = victim.id() as i32;
     let stat = std::fs::read_to_string(format!("/proc/{vpid}/stat")).unwrap();
-    let start: u64 = stat[stat.rfind(')').unwrap() + 1..]
-        .split_whitespace()
-        .nth(19)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .unwrap()
-        .trim()
-        .to_string();
+    let start: u64 = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(19).unwrap().parse().unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
     let bad_start = PidRecord {
         pid: vpid,
         start_time: start + 1,
@@ -473,11 +324,7 @@ async fn a_record_that_does_not_match_never_gets_its_pid_signalled() {
         owner: "x".into(),
         command: "sleep".into(),
     };
-    let no_marker = PidRecord {
-        start_time: start,
-        marker: "np-test-b".into(),
-        ..bad_start.clone()
-    };
+    let no_marker = PidRecord { start_time: start, marker: "np-test-b".into(), ..bad_start.clone() };
     bad_start.write(pids.path()).unwrap();
     no_marker.write(pids.path()).unwrap();
     std::fs::write(pids.path().join("junk.json"), b"{not json").unwrap();
@@ -488,18 +335,12 @@ async fn a_record_that_does_not_match_never_gets_its_pid_signalled() {
     let _ = victim.wait();
     assert!(survived, "an unrelated process was signalled");
     assert_eq!(rec.len(), 3);
-    let mismatches = rec
-        .iter()
-        .filter(|r| matches!(r.result, RecoveryResult::Mismatch(_)))
-        .count();
+    let mismatches = rec.iter().filter(|r| matches!(r.result, RecoveryResult::Mismatch(_))).count();
     assert_eq!(mismatches, 2, "{rec:?}");
-    assert!(rec.iter().any(
-        |r| matches!(&r.result, RecoveryResult::Invalid(e) if e.starts_with("malformed PID record"))
-    ));
     assert!(
-        pids.path().join("junk.invalid").exists(),
-        "an unreadable record is kept aside, not deleted"
+        rec.iter().any(|r| matches!(&r.result, RecoveryResult::Invalid(e) if e.starts_with("malformed PID record")))
     );
+    assert!(pids.path().join("junk.invalid").exists(), "an unreadable record is kept aside, not deleted");
     assert!(PidRecord::load_all(pids.path()).is_empty());
 }
 
@@ -532,15 +373,8 @@ async fn supervise_respawns_with_exponential_backoff() {
     let mut spec = helper(&["exit", "1"], sink);
     spec.owner = "supervise:crasher".into();
     let (tx, stop) = StopSignal::channel();
-    let mut rec = Recorder {
-        delays: vec![],
-        starts: 0,
-        stop_after: 5,
-        tx: Some(tx),
-    };
-    let out = supervise(&sup, spec, stop, Backoff::default(), &mut rec)
-        .await
-        .unwrap();
+    let mut rec = Recorder { delays: vec![], starts: 0, stop_after: 5, tx: Some(tx) };
+    let out = supervise(&sup, spec, stop, Backoff::default(), &mut rec).await.unwrap();
     assert_eq!(out, Outcome::NotStarted(StopReason::Shutdown));
     let secs: Vec<u64> = rec.delays.iter().map(|d| d.as_secs()).collect();
     assert_eq!(secs, [1, 2, 4, 8, 16]);
@@ -568,20 +402,14 @@ async fn supervise_stops_a_verified_previous_instance_or_refuses_to_start() {
     let firm = sup_with(short(true), CgroupMode::Auto, Some(pids.path()));
     let (tx2, stop2) = StopSignal::channel();
     let firm2 = firm.clone();
-    let task =
-        tokio::spawn(
-            async move { supervise(&firm2, spec, stop2, Backoff::default(), &mut ()).await },
-        );
+    let task = tokio::spawn(async move { supervise(&firm2, spec, stop2, Backoff::default(), &mut ()).await });
     let new_pid: i32 = wait_line(&mut lines, "ready").await.parse().unwrap();
     let old_gone = !alive(pid);
     tx2.send(Some(StopReason::Shutdown)).unwrap();
     let done = tokio::time::timeout(GUARD, task).await.unwrap().unwrap();
     kill_all(&[pid, new_pid]);
     drop(tx);
-    assert!(
-        matches!(refused, Err(SuperviseError::PreviousInstance { pid: p, .. }) if p == pid),
-        "{refused:?}"
-    );
+    assert!(matches!(refused, Err(SuperviseError::PreviousInstance { pid: p, .. }) if p == pid), "{refused:?}");
     assert!(still);
     assert!(old_gone, "the verified previous instance was stopped first");
     assert_ne!(new_pid, pid);

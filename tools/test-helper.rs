@@ -26,10 +26,7 @@ static mut RECORD_FD: libc::c_int = -1;
 extern "C" fn record(_: libc::c_int) {
     // Only async-signal-safe calls: clock_gettime, write, _exit.
     unsafe {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
         libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts);
         let mut n = ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128;
         let mut buf = [0u8; 40];
@@ -165,11 +162,7 @@ fn main() {
         "record-term" => {
             let path = std::ffi::CString::new(arg(1)).unwrap_or_default();
             unsafe {
-                RECORD_FD = libc::open(
-                    path.as_ptr(),
-                    libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
-                    0o644,
-                );
+                RECORD_FD = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, 0o644);
             }
             on_term(record as *const () as libc::sighandler_t);
             ready();

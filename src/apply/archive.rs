@@ -18,10 +18,7 @@ pub fn archive_plan(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>)
 }
 
 fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> std::io::Result<()> {
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let body = serde_json::to_vec(&serde_json::json!({ "Plan": plan, "Checksum": checksum }))
         .map_err(std::io::Error::other)?;
     let mut existing = archived(dir);
@@ -48,10 +45,7 @@ fn archived(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| {
-                    p.file_name()
-                        .is_some_and(|n| n.to_string_lossy().ends_with("-applied.plan"))
-                })
+                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().ends_with("-applied.plan")))
                 .collect()
         })
         .unwrap_or_default();
@@ -83,8 +77,7 @@ impl Interlock {
                     return Err("restart is pending; waiting 5m0s".into());
                 }
                 Some(t) if now < t + chrono::Duration::seconds(RESTART_PENDING_WAIT) => {
-                    let left =
-                        (t + chrono::Duration::seconds(RESTART_PENDING_WAIT) - now).num_seconds();
+                    let left = (t + chrono::Duration::seconds(RESTART_PENDING_WAIT) - now).num_seconds();
                     return Err(format!("restart is pending; waiting {left}s more"));
                 }
                 Some(_) => {

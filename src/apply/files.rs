@@ -12,11 +12,7 @@ pub fn apply_file(op: &FileOp) -> Result<(), String> {
     let ctx = |what: &str, e: io::Error| format!("{what} {}: {e}", path.display());
     match op {
         FileOp::Delete { directory, .. } => {
-            let r = if *directory {
-                std::fs::remove_dir_all(path)
-            } else {
-                std::fs::remove_file(path)
-            };
+            let r = if *directory { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
             match r {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ctx("deleting", e)),
                 _ => Ok(()),
@@ -30,13 +26,7 @@ pub fn apply_file(op: &FileOp) -> Result<(), String> {
                 .map_err(|e| ctx("creating directory", e))?;
             set_mode_owner(path, *mode, *uid, *gid).map_err(|e| ctx("setting mode/owner of", e))
         }
-        FileOp::Write {
-            content,
-            mode,
-            uid,
-            gid,
-            ..
-        } => {
+        FileOp::Write { content, mode, uid, gid, .. } => {
             if let Some(parent) = path.parent() {
                 std::fs::DirBuilder::new()
                     .recursive(true)
@@ -46,8 +36,7 @@ pub fn apply_file(op: &FileOp) -> Result<(), String> {
             }
             let same = std::fs::read(path).is_ok_and(|old| old == *content);
             if !same {
-                crate::process::write_atomic(path, content, *mode)
-                    .map_err(|e| ctx("writing", e))?;
+                crate::process::write_atomic(path, content, *mode).map_err(|e| ctx("writing", e))?;
             }
             set_mode_owner(path, *mode, *uid, *gid).map_err(|e| ctx("setting mode/owner of", e))
         }

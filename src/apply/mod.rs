@@ -196,12 +196,7 @@ impl Applyinator {
     }
 
     pub fn with_clock(config: ApplyConfig, sup: Supervisor, clock: Arc<dyn Clock>) -> Applyinator {
-        Applyinator {
-            config,
-            sup,
-            clock,
-            lock: tokio::sync::Mutex::new(()),
-        }
+        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()) }
     }
 
     pub fn supervisor(&self) -> &Supervisor {
@@ -231,24 +226,17 @@ impl Applyinator {
             return Ok(result);
         }
         let _interlock = match &self.config.interlock_dir {
-            Some(d) => Some(
-                archive::Interlock::enter(d, self.clock.now()).map_err(ApplyError::Interlock)?,
-            ),
+            Some(d) => Some(archive::Interlock::enter(d, self.clock.now()).map_err(ApplyError::Interlock)?),
             None => None,
         };
         let exec_dir = self.execution_dir();
         if let Some(dir) = &self.config.applied_plan_dir {
-            archive::archive_plan(
-                dir,
-                &input.plan.plan,
-                &input.plan.checksum,
-                self.clock.now(),
-            );
+            archive::archive_plan(dir, &input.plan.plan, &input.plan.checksum, self.clock.now());
         }
         if input.reconcile_files {
-            for op in &input.plan.files {
-                tokio::task::block_in_place(|| files::apply_file(op)).map_err(ApplyError::Files)?;
-            }
+            let ops = input.plan.files.clone();
+            let done = tokio::task::spawn_blocking(move || ops.iter().try_for_each(files::apply_file)).await;
+            done.map_err(|e| ApplyError::Files(e.to_string()))?.map_err(ApplyError::Files)?;
         }
         if !self.config.preserve_work_dir {
             wipe_work_dir(&self.config.work_dir).map_err(ApplyError::WorkDir)?;
@@ -261,17 +249,7 @@ impl Applyinator {
                     return Ok(result);
                 }
                 let dir = exec_dir.join(format!("{}_{index}", input.plan.checksum));
-                let report = self
-                    .run_one(
-                        &input,
-                        &dir,
-                        index,
-                        total,
-                        &ins.common,
-                        input.attempt,
-                        false,
-                    )
-                    .await;
+                let report = self.run_one(&input, &dir, index, total, &ins.common, input.attempt, false).await;
                 result.termination_incomplete |= report.outcome.termination_incomplete();
                 save_output(&mut result.one_time_output, ins, &report);
                 let outcome = report.outcome.clone();
@@ -284,19 +262,14 @@ impl Applyinator {
                 // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
                 // pause never masks a failure (R5).
                 let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
-                if let Some(i) =
-                    stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop))
-                {
+                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                         warn_partial(index, &ins.common.name);
                     }
                     result.interruption = Some(i);
                     return Ok(result);
                 }
-                tracing::error!(
-                    "instruction {index} ({}) failed: {outcome}",
-                    display_name(&ins.common.name)
-                );
+                tracing::error!("instruction {index} ({}) failed: {outcome}", display_name(&ins.common.name));
                 break;
             }
             result.one_time_succeeded = result.completed == total;
@@ -319,17 +292,8 @@ impl Applyinator {
                 }
                 let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
                 let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
-                let report = self
-                    .run_one(
-                        &input,
-                        &dir,
-                        index,
-                        plan.periodic_instructions.len(),
-                        &p.common,
-                        attempt,
-                        true,
-                    )
-                    .await;
+                let report =
+                    self.run_one(&input, &dir, index, plan.periodic_instructions.len(), &p.common, attempt, true).await;
                 input.observer.instruction_finished(&report);
                 result.termination_incomplete |= report.outcome.termination_incomplete();
                 let outcome = report.outcome.clone();
@@ -359,7 +323,7 @@ impl Applyinator {
         }
         // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
         // pass genuinely failed (the failure is what gets recorded).
-        if !(input.run_one_time && !result.one_time_succeeded) {
+        if !input.run_one_time || result.one_time_succeeded {
             result.interruption = current().boundary();
         }
         Ok(result)
@@ -387,14 +351,9 @@ impl Applyinator {
         attempt: i64,
         periodic: bool,
     ) -> InstructionReport {
-        input
-            .observer
-            .instruction_started(index, total, &ins.name, periodic);
+        input.observer.instruction_started(index, total, &ins.name, periodic);
         let started = Instant::now();
-        let prefix = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let prefix = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let report = |outcome: Outcome, output: Output| InstructionReport {
             index,
             name: ins.name.clone(),
@@ -412,36 +371,25 @@ impl Applyinator {
                 Output::default(),
             );
         }
-        let made = tokio::task::block_in_place(|| {
+        let made = {
             use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(dir)
-        });
-        if let Err(e) = made {
-            return report(
-                Outcome::StartFailed(format!("creating {}: {e}", dir.display())),
-                Output::default(),
-            );
-        }
-        let program: OsString = if ins.command.is_empty() {
-            dir.join("run.sh").into_os_string()
-        } else {
-            OsString::from(&ins.command)
+            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir)
         };
+        if let Err(e) = made {
+            return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
+        }
+        let program: OsString =
+            if ins.command.is_empty() { dir.join("run.sh").into_os_string() } else { OsString::from(&ins.command) };
         let spec = SpawnSpec {
             program,
             args: ins.args.iter().map(OsString::from).collect(),
             env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
             cwd: Some(dir.to_path_buf()),
             owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
-            timeout: (ins.timeout_seconds > 0)
-                .then(|| Duration::from_secs(ins.timeout_seconds as u64)),
+            timeout: (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64)),
             sink: Arc::new(LogSink { prefix }),
         };
-        let mut stop =
-            StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
         let run = self.sup.run(spec, &mut stop).await;
         let mut r = report(run.outcome, run.output);
         r.elapsed = run.elapsed;
@@ -449,19 +397,12 @@ impl Applyinator {
     }
 }
 
-fn save_output(
-    map: &mut BTreeMap<String, Vec<u8>>,
-    ins: &OneTimeInstruction,
-    report: &InstructionReport,
-) {
+fn save_output(map: &mut BTreeMap<String, Vec<u8>>, ins: &OneTimeInstruction, report: &InstructionReport) {
     if !ins.save_output || matches!(report.outcome, Outcome::NotStarted(_)) {
         return;
     }
     if ins.common.name.is_empty() {
-        tracing::error!(
-            "instruction {} has saveOutput but no name; output not saved",
-            report.index
-        );
+        tracing::error!("instruction {} has saveOutput but no name; output not saved", report.index);
         return;
     }
     map.insert(ins.common.name.clone(), report.output.combined.clone());
@@ -497,21 +438,9 @@ pub fn instruction_env(
             set(&mut out, k.into(), v.into());
         }
     }
-    set(
-        &mut out,
-        "CATTLE_AGENT_EXECUTION_PWD".into(),
-        dir.as_os_str().to_owned(),
-    );
-    set(
-        &mut out,
-        "CATTLE_AGENT_ATTEMPT_NUMBER".into(),
-        attempt.to_string().into(),
-    );
-    let path = out
-        .iter()
-        .find(|(k, _)| k == "PATH")
-        .map(|(_, v)| v.clone())
-        .unwrap_or_default();
+    set(&mut out, "CATTLE_AGENT_EXECUTION_PWD".into(), dir.as_os_str().to_owned());
+    set(&mut out, "CATTLE_AGENT_ATTEMPT_NUMBER".into(), attempt.to_string().into());
+    let path = out.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.clone()).unwrap_or_default();
     let mut new_path = path;
     if !new_path.is_empty() {
         new_path.push(":");
@@ -529,9 +458,7 @@ fn wipe_work_dir(dir: &Path) -> Result<(), String> {
         ));
     }
     match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(format!("wiping {}: {e}", dir.display()))
-        }
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("wiping {}: {e}", dir.display())),
         _ => Ok(()),
     }
 }

@@ -12,12 +12,7 @@ pub fn failure_backoff(failures: i64) -> Duration {
 /// Whether a periodic instruction should run now. A forced run (the one-time instructions were just
 /// applied) always runs; otherwise it waits a full period after its last success and the failure
 /// backoff after its last failure.
-pub fn is_due(
-    prev: Option<&PeriodicInstructionOutput>,
-    period: Duration,
-    now: DateTime<Utc>,
-    forced: bool,
-) -> bool {
+pub fn is_due(prev: Option<&PeriodicInstructionOutput>, period: Duration, now: DateTime<Utc>, forced: bool) -> bool {
     if forced {
         return true;
     }
@@ -73,10 +68,8 @@ mod tests {
     #[test]
     fn schedule_table() {
         let period = Duration::from_secs(60);
-        let ok_at = |s| PeriodicInstructionOutput {
-            last_successful_run_time: format_unix_date(at(s)),
-            ..Default::default()
-        };
+        let ok_at =
+            |s| PeriodicInstructionOutput { last_successful_run_time: format_unix_date(at(s)), ..Default::default() };
         let failed = |s, n| PeriodicInstructionOutput {
             last_failed_run_time: format_unix_date(at(s)),
             failures: n,
@@ -91,37 +84,18 @@ mod tests {
             ("1 failure, 30 s ago", Some(failed(0, 1)), 30, false, true),
             ("3 failures, 89 s ago", Some(failed(0, 3)), 89, false, false),
             ("3 failures, 90 s ago", Some(failed(0, 3)), 90, false, true),
-            (
-                "10 failures cap at 180 s: 179 s",
-                Some(failed(0, 10)),
-                179,
-                false,
-                false,
-            ),
-            (
-                "10 failures cap at 180 s: 180 s",
-                Some(failed(0, 10)),
-                180,
-                false,
-                true,
-            ),
+            ("10 failures cap at 180 s: 179 s", Some(failed(0, 10)), 179, false, false),
+            ("10 failures cap at 180 s: 180 s", Some(failed(0, 10)), 180, false, true),
             (
                 "unparsable times run",
-                Some(PeriodicInstructionOutput {
-                    last_successful_run_time: "junk".into(),
-                    ..Default::default()
-                }),
+                Some(PeriodicInstructionOutput { last_successful_run_time: "junk".into(), ..Default::default() }),
                 0,
                 false,
                 true,
             ),
         ];
         for (what, prev, now, forced, want) in rows {
-            assert_eq!(
-                is_due(prev.as_ref(), period, at(now), forced),
-                want,
-                "{what}"
-            );
+            assert_eq!(is_due(prev.as_ref(), period, at(now), forced), want, "{what}");
         }
     }
 
@@ -131,10 +105,7 @@ mod tests {
         assert_eq!(first.last_successful_run_time, format_unix_date(at(0)));
         let fail = record_run(Some(&first), "p", vec![], Some(b"e".to_vec()), 2, at(10));
         assert_eq!((fail.failures, fail.exit_code), (1, 2));
-        assert_eq!(
-            fail.last_successful_run_time,
-            first.last_successful_run_time
-        );
+        assert_eq!(fail.last_successful_run_time, first.last_successful_run_time);
         assert_eq!(fail.last_failed_run_time, format_unix_date(at(10)));
         assert_eq!(fail.stderr, b"e");
         let fail2 = record_run(Some(&fail), "p", vec![], None, 1, at(50));

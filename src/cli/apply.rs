@@ -1,14 +1,12 @@
 //! `nodeplan apply FILE`: one plan in the foreground with live progress.
 
 use super::{PROGRESS, exit};
-use crate::apply::{
-    ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer,
-};
+use crate::apply::{ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer};
 use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -53,20 +51,13 @@ impl Observer for Progress {
         let kind = if periodic { "periodic " } else { "" };
         self.bar.set_length(total as u64);
         self.bar.set_position(index as u64);
-        self.bar.set_message(format!(
-            "{kind}{}",
-            if name.is_empty() { "(unnamed)" } else { name }
-        ));
+        self.bar.set_message(format!("{kind}{}", if name.is_empty() { "(unnamed)" } else { name }));
         self.bar.reset_elapsed();
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let mark = if r.outcome.success() { "ok" } else { "FAILED" };
         let kind = if r.periodic { "periodic " } else { "" };
-        let name = if r.name.is_empty() {
-            "(unnamed)"
-        } else {
-            &r.name
-        };
+        let name = if r.name.is_empty() { "(unnamed)" } else { &r.name };
         let line = format!(
             "{kind}instruction {} {name}: {mark} ({}, {})",
             r.index,
@@ -95,18 +86,11 @@ pub async fn run(args: ApplyArgs) -> u8 {
     };
     let total = plan.plan.instructions.len();
     if args.resume_from > total {
-        eprintln!(
-            "nodeplan: --resume-from {} is past the plan's {total} instructions",
-            args.resume_from
-        );
+        eprintln!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from);
         return exit::BAD_INPUT;
     }
     let sup = Supervisor::new(SupervisorConfig {
-        policy: StopPolicy {
-            grace: args.stop_timeout,
-            kill_timeout: args.kill_timeout,
-            kill: true,
-        },
+        policy: StopPolicy { grace: args.stop_timeout, kill_timeout: args.kill_timeout, kill: true },
         capture_limit: args.output_cap,
         pid_dir: Some(args.pid_dir.clone()),
         ..Default::default()
@@ -130,10 +114,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     bar.enable_steady_tick(Duration::from_millis(120));
     let _ = PROGRESS.set(bar.clone());
     let started = Instant::now();
-    let observer = Arc::new(Progress {
-        bar: bar.clone(),
-        started,
-    });
+    let observer = Arc::new(Progress { bar: bar.clone(), started });
 
     let (tx, rx) = watch::channel(Interrupt::default());
     let signals = tokio::spawn(interrupt_on_signals(tx, bar.clone()));
@@ -172,11 +153,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         eprintln!(
             "instruction {} ({}) failed: {}",
             r.index,
-            if r.name.is_empty() {
-                "unnamed"
-            } else {
-                &r.name
-            },
+            if r.name.is_empty() { "unnamed" } else { &r.name },
             r.outcome
         );
         let text = String::from_utf8_lossy(&r.output.combined);
@@ -191,23 +168,16 @@ pub async fn run(args: ApplyArgs) -> u8 {
             args.pid_dir.display()
         );
     }
-    let took =
-        crate::process::human_duration(Duration::from_millis(started.elapsed().as_millis() as u64));
+    let took = crate::process::human_duration(Duration::from_millis(started.elapsed().as_millis() as u64));
     let short = &plan.checksum[..12];
     match result.interruption {
         Some(Interruption::Paused) => {
-            eprintln!(
-                "plan {short} paused after {}/{total} instructions ({took}); resume with:",
-                result.completed
-            );
+            eprintln!("plan {short} paused after {}/{total} instructions ({took}); resume with:", result.completed);
             eprintln!("  {}", resume_command(&args, result.completed));
             exit::PAUSED
         }
         Some(Interruption::Canceled) | Some(Interruption::Shutdown) => {
-            eprintln!(
-                "plan {short} canceled after {}/{total} instructions ({took})",
-                result.completed
-            );
+            eprintln!("plan {short} canceled after {}/{total} instructions ({took})", result.completed);
             exit::CANCELED
         }
         None if result.one_time_succeeded && result.failed_reports().next().is_none() => {
@@ -215,40 +185,25 @@ pub async fn run(args: ApplyArgs) -> u8 {
             exit::OK
         }
         None => {
-            eprintln!(
-                "plan {short} failed after {}/{total} instructions ({took})",
-                result.completed
-            );
+            eprintln!("plan {short} failed after {}/{total} instructions ({took})", result.completed);
             exit::FAILED
         }
     }
 }
 
 fn resume_command(args: &ApplyArgs, completed: usize) -> String {
-    let mut cmd = format!(
-        "nodeplan apply {} --resume-from {completed}",
-        shell_quote(&args.file.to_string_lossy())
-    );
-    if args.work_dir != PathBuf::from("/var/lib/nodeplan/work") {
-        cmd.push_str(&format!(
-            " --work-dir {}",
-            shell_quote(&args.work_dir.to_string_lossy())
-        ));
+    let mut cmd = format!("nodeplan apply {} --resume-from {completed}", shell_quote(&args.file.to_string_lossy()));
+    if args.work_dir != Path::new("/var/lib/nodeplan/work") {
+        cmd.push_str(&format!(" --work-dir {}", shell_quote(&args.work_dir.to_string_lossy())));
     }
-    if args.pid_dir != PathBuf::from("/run/nodeplan/pids") {
-        cmd.push_str(&format!(
-            " --pid-dir {}",
-            shell_quote(&args.pid_dir.to_string_lossy())
-        ));
+    if args.pid_dir != Path::new("/run/nodeplan/pids") {
+        cmd.push_str(&format!(" --pid-dir {}", shell_quote(&args.pid_dir.to_string_lossy())));
     }
     cmd
 }
 
 fn shell_quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-+=:,".contains(c))
-    {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:,".contains(c)) {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
@@ -258,10 +213,7 @@ fn shell_quote(s: &str) -> String {
 /// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel.
 async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
         tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
         return;
     };

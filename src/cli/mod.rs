@@ -61,11 +61,7 @@ pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
-            let code = if e.use_stderr() {
-                exit::BAD_INPUT
-            } else {
-                exit::OK
-            };
+            let code = if e.use_stderr() { exit::BAD_INPUT } else { exit::OK };
             let _ = e.print();
             return ExitCode::from(code);
         }
@@ -74,10 +70,7 @@ pub fn main() -> ExitCode {
         eprintln!("nodeplan: {e}");
         return ExitCode::from(exit::BAD_INPUT);
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("nodeplan: cannot start the runtime: {e}");
@@ -120,12 +113,10 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
         .or_else(|| std::env::var("NODEPLAN_LOG").ok())
         .or_else(|| std::env::var("CATTLE_LOGLEVEL").ok())
         .unwrap_or_else(|| "info".into());
-    let filter = tracing_subscriber::EnvFilter::try_new(&level)
-        .map_err(|e| format!("invalid log level {level:?}: {e}"))?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(|| StderrAroundProgress)
-        .with_target(false);
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&level).map_err(|e| format!("invalid log level {level:?}: {e}"))?;
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| StderrAroundProgress).with_target(false);
     let r = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
@@ -136,13 +127,9 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
 /// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration such as 10s, 500ms or 5m"))?;
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration such as 10s, 500ms or 5m"))?;
     let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1000.0,

@@ -2,9 +2,7 @@
 
 use super::exit;
 use crate::process::supervise::{Backoff, supervise};
-use crate::process::{
-    LogSink, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig,
-};
+use crate::process::{LogSink, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig};
 use clap::Args;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -39,32 +37,20 @@ pub async fn run(args: SuperviseArgs) -> u8 {
         return exit::BAD_INPUT;
     };
     let name = args.name.clone().unwrap_or_else(|| {
-        PathBuf::from(program)
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "service".into())
+        PathBuf::from(program).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "service".into())
     });
     let sup = Supervisor::new(SupervisorConfig {
-        policy: StopPolicy {
-            grace: args.stop_timeout,
-            kill_timeout: args.kill_timeout,
-            kill: !args.no_kill,
-        },
+        policy: StopPolicy { grace: args.stop_timeout, kill_timeout: args.kill_timeout, kill: !args.no_kill },
         pid_dir: Some(args.pid_dir.clone()),
         ..Default::default()
     });
     let mut spec = SpawnSpec::new(program.clone(), rest.iter().cloned());
     spec.owner = format!("supervise:{name}");
-    spec.sink = Arc::new(LogSink {
-        prefix: name.clone(),
-    });
+    spec.sink = Arc::new(LogSink { prefix: name.clone() });
     let (tx, stop) = StopSignal::channel();
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) = (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-        ) else {
+        let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
             return;
         };
         tokio::select! {

@@ -43,10 +43,7 @@ impl PlanState {
     }
     /// succeeded, failed and canceled (rancher `IsTerminal`).
     pub fn is_terminal(&self) -> bool {
-        matches!(
-            self,
-            PlanState::Succeeded | PlanState::Failed | PlanState::Canceled
-        )
+        matches!(self, PlanState::Succeeded | PlanState::Failed | PlanState::Canceled)
     }
 }
 
@@ -138,9 +135,5 @@ pub fn resolve_annotations(a: &Annotations<'_>) -> Result<Hold, InvalidAnnotatio
     if !bad.is_empty() {
         return Err(InvalidAnnotation(bad));
     }
-    Ok(if paused == Ok(true) {
-        Hold::Pause
-    } else {
-        Hold::None
-    })
+    Ok(if paused == Ok(true) { Hold::Pause } else { Hold::None })
 }

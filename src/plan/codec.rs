@@ -29,19 +29,14 @@ fn gzip(json: &[u8]) -> Vec<u8> {
 
 fn gunzip(data: &[u8]) -> Result<Vec<u8>, CodecError> {
     let mut out = Vec::new();
-    GzDecoder::new(data)
-        .read_to_end(&mut out)
-        .map_err(CodecError::Gzip)?;
+    GzDecoder::new(data).read_to_end(&mut out).map_err(CodecError::Gzip)?;
     Ok(out)
 }
 
 /// gzip(JSON map name → base64(bytes)), the encoding of `applied-output` and `failed-output`.
 pub fn encode_one_time_output(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let m: BTreeMap<&str, String> = map
-        .iter()
-        .map(|(k, v)| (k.as_str(), b64.encode(v)))
-        .collect();
+    let m: BTreeMap<&str, String> = map.iter().map(|(k, v)| (k.as_str(), b64.encode(v))).collect();
     gzip(&serde_json::to_vec(&m).unwrap_or_default())
 }
 
@@ -51,14 +46,11 @@ pub fn decode_one_time_output(data: &[u8]) -> Result<BTreeMap<String, Vec<u8>>, 
         return Ok(BTreeMap::new());
     }
     let json = gunzip(data)?;
-    let m: BTreeMap<String, Option<String>> =
-        serde_json::from_slice(&json).map_err(CodecError::Json)?;
+    let m: BTreeMap<String, Option<String>> = serde_json::from_slice(&json).map_err(CodecError::Json)?;
     let b64 = base64::engine::general_purpose::STANDARD;
     m.into_iter()
         .map(|(k, v)| {
-            let bytes = b64
-                .decode(v.unwrap_or_default().as_bytes())
-                .map_err(|e| CodecError::Base64(k.clone(), e))?;
+            let bytes = b64.decode(v.unwrap_or_default().as_bytes()).map_err(|e| CodecError::Base64(k.clone(), e))?;
             Ok((k, bytes))
         })
         .collect()
@@ -69,9 +61,7 @@ pub fn encode_periodic_output(map: &BTreeMap<String, PeriodicInstructionOutput>)
     gzip(&serde_json::to_vec(map).unwrap_or_default())
 }
 
-pub fn decode_periodic_output(
-    data: &[u8],
-) -> Result<BTreeMap<String, PeriodicInstructionOutput>, CodecError> {
+pub fn decode_periodic_output(data: &[u8]) -> Result<BTreeMap<String, PeriodicInstructionOutput>, CodecError> {
     if data.is_empty() {
         return Ok(BTreeMap::new());
     }

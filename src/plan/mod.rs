@@ -9,12 +9,12 @@ mod checkpoint;
 mod codec;
 
 pub use checkpoint::{
-    ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, InvalidAnnotation,
-    PlanState, parse_annotation_value, resolve_annotations,
+    ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, InvalidAnnotation, PlanState,
+    parse_annotation_value, resolve_annotations,
 };
 pub use codec::{
-    CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output,
-    encode_periodic_output, format_unix_date, parse_unix_date,
+    CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output, encode_periodic_output,
+    format_unix_date, parse_unix_date,
 };
 
 use base64::Engine as _;
@@ -36,25 +36,13 @@ fn is_false(v: &bool) -> bool {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct Plan {
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     pub files: Vec<File>,
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     pub instructions: Vec<OneTimeInstruction>,
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     pub periodic_instructions: Vec<PeriodicInstruction>,
-    #[serde(
-        skip_serializing_if = "BTreeMap::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "null_as_default")]
     pub probes: BTreeMap<String, Probe>,
 }
 
@@ -108,15 +96,9 @@ pub struct CommonInstruction {
     pub name: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub image: String,
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     pub env: Vec<String>,
-    #[serde(
-        skip_serializing_if = "Vec::is_empty",
-        deserialize_with = "null_as_default"
-    )]
+    #[serde(skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     pub args: Vec<String>,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub command: String,
@@ -149,11 +131,7 @@ pub struct PeriodicInstruction {
 impl PeriodicInstruction {
     /// The period, with 0 (or a negative value) meaning system-agent's default of 600 s.
     pub fn period(&self) -> std::time::Duration {
-        let secs = if self.period_seconds > 0 {
-            self.period_seconds as u64
-        } else {
-            DEFAULT_PERIOD_SECONDS
-        };
+        let secs = if self.period_seconds > 0 { self.period_seconds as u64 } else { DEFAULT_PERIOD_SECONDS };
         std::time::Duration::from_secs(secs)
     }
 }
@@ -230,9 +208,7 @@ pub(crate) mod b64_bytes {
     }
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
         let s = Option::<String>::deserialize(d)?.unwrap_or_default();
-        base64::engine::general_purpose::STANDARD
-            .decode(s.as_bytes())
-            .map_err(serde::de::Error::custom)
+        base64::engine::general_purpose::STANDARD.decode(s.as_bytes()).map_err(serde::de::Error::custom)
     }
 }
 
@@ -263,31 +239,15 @@ pub struct ValidPlan {
 /// What to do for one file entry, fully decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FileOp {
-    Delete {
-        path: String,
-        directory: bool,
-    },
-    Directory {
-        path: String,
-        mode: u32,
-        uid: u32,
-        gid: u32,
-    },
-    Write {
-        path: String,
-        content: Vec<u8>,
-        mode: u32,
-        uid: u32,
-        gid: u32,
-    },
+    Delete { path: String, directory: bool },
+    Directory { path: String, mode: u32, uid: u32, gid: u32 },
+    Write { path: String, content: Vec<u8>, mode: u32, uid: u32, gid: u32 },
 }
 
 impl FileOp {
     pub fn path(&self) -> &str {
         match self {
-            FileOp::Delete { path, .. }
-            | FileOp::Directory { path, .. }
-            | FileOp::Write { path, .. } => path,
+            FileOp::Delete { path, .. } | FileOp::Directory { path, .. } | FileOp::Write { path, .. } => path,
         }
     }
 }
@@ -297,8 +257,8 @@ pub fn parse_permissions(s: &str, default: u32) -> Result<u32, String> {
     if s.is_empty() {
         return Ok(default);
     }
-    let mode = u32::from_str_radix(s, 8)
-        .map_err(|_| format!("{s:?} is not an octal permission string such as \"0644\""))?;
+    let mode =
+        u32::from_str_radix(s, 8).map_err(|_| format!("{s:?} is not an octal permission string such as \"0644\""))?;
     if mode > 0o7777 {
         return Err(format!("{s:?} is larger than 07777"));
     }
@@ -312,17 +272,12 @@ fn id_of(v: i64, what: &str) -> Result<u32, String> {
 /// Parse and validate raw plan bytes. Nothing about the node is touched; the first problem found
 /// is returned, naming the field.
 pub fn parse(raw: &[u8]) -> Result<ValidPlan, PlanError> {
-    let mut plan: Plan =
-        serde_json::from_slice(raw).map_err(|e| PlanError(format!("malformed JSON: {e}")))?;
+    let mut plan: Plan = serde_json::from_slice(raw).map_err(|e| PlanError(format!("malformed JSON: {e}")))?;
     for (key, probe) in plan.probes.iter_mut() {
         probe.name = key.clone();
     }
     let files = validate(&plan)?;
-    Ok(ValidPlan {
-        plan,
-        checksum: checksum(raw),
-        files,
-    })
+    Ok(ValidPlan { plan, checksum: checksum(raw), files })
 }
 
 fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
@@ -330,16 +285,10 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
     for (i, f) in plan.files.iter().enumerate() {
         let field = |name: &str, msg: String| PlanError(format!("files[{i}].{name}: {msg}"));
         if f.path.is_empty() {
-            return Err(field(
-                "path",
-                "is empty; an absolute path is required".into(),
-            ));
+            return Err(field("path", "is empty; an absolute path is required".into()));
         }
         if !f.path.starts_with('/') {
-            return Err(field(
-                "path",
-                format!("{:?} is not an absolute path", f.path),
-            ));
+            return Err(field("path", format!("{:?} is not an absolute path", f.path)));
         }
         if f.path.split('/').any(|c| c == "..") {
             return Err(field("path", format!("{:?} contains \"..\"", f.path)));
@@ -348,32 +297,16 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
         let gid = id_of(f.gid, "gid").map_err(|m| field("gid", m))?;
         let path = f.path.clone();
         let op = if f.is_delete() {
-            FileOp::Delete {
-                path,
-                directory: f.directory,
-            }
+            FileOp::Delete { path, directory: f.directory }
         } else if f.directory {
-            let mode =
-                parse_permissions(&f.permissions, 0o755).map_err(|m| field("permissions", m))?;
-            FileOp::Directory {
-                path,
-                mode,
-                uid,
-                gid,
-            }
+            let mode = parse_permissions(&f.permissions, 0o755).map_err(|m| field("permissions", m))?;
+            FileOp::Directory { path, mode, uid, gid }
         } else {
-            let mode =
-                parse_permissions(&f.permissions, 0o600).map_err(|m| field("permissions", m))?;
+            let mode = parse_permissions(&f.permissions, 0o600).map_err(|m| field("permissions", m))?;
             let content = base64::engine::general_purpose::STANDARD
                 .decode(f.content.as_bytes())
                 .map_err(|e| field("content", format!("bad base64: {e}")))?;
-            FileOp::Write {
-                path,
-                content,
-                mode,
-                uid,
-                gid,
-            }
+            FileOp::Write { path, content, mode, uid, gid }
         };
         ops.push(op);
     }
@@ -381,11 +314,7 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
         .instructions
         .iter()
         .map(|i| ("instructions", &i.common))
-        .chain(
-            plan.periodic_instructions
-                .iter()
-                .map(|p| ("periodicInstructions", &p.common)),
-        );
+        .chain(plan.periodic_instructions.iter().map(|p| ("periodicInstructions", &p.common)));
     let mut counters: BTreeMap<&str, usize> = BTreeMap::new();
     for (list, c) in commons {
         let idx = counters.entry(list).or_default();
@@ -402,10 +331,7 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
             match e.split_once('=') {
                 Some((k, _)) if !k.is_empty() && !k.contains('\0') && !e.contains('\0') => {}
                 _ => {
-                    return Err(field(
-                        &format!("env[{j}]"),
-                        format!("{e:?} is not KEY=VALUE"),
-                    ));
+                    return Err(field(&format!("env[{j}]"), format!("{e:?} is not KEY=VALUE")));
                 }
             }
         }
@@ -413,10 +339,7 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
             return Err(field(&format!("args[{j}]"), "contains a NUL byte".into()));
         }
         if c.timeout_seconds < 0 {
-            return Err(field(
-                "timeoutSeconds",
-                format!("{} is negative", c.timeout_seconds),
-            ));
+            return Err(field("timeoutSeconds", format!("{} is negative", c.timeout_seconds)));
         }
     }
     for (name, p) in &plan.probes {

@@ -20,38 +20,15 @@ fn parses_the_wire_example_and_ignores_unknown_fields() {
     assert!(p.files[0].dynamic);
     assert_eq!(
         v.files[0],
-        FileOp::Write {
-            path: "/etc/x.conf".into(),
-            content: b"hello\n".to_vec(),
-            mode: 0o644,
-            uid: 1,
-            gid: 2
-        }
+        FileOp::Write { path: "/etc/x.conf".into(), content: b"hello\n".to_vec(), mode: 0o644, uid: 1, gid: 2 }
     );
-    assert_eq!(
-        v.files[1],
-        FileOp::Directory {
-            path: "/opt/d".into(),
-            mode: 0o755,
-            uid: 0,
-            gid: 0
-        }
-    );
-    assert_eq!(
-        v.files[2],
-        FileOp::Delete {
-            path: "/tmp/gone".into(),
-            directory: false
-        }
-    );
+    assert_eq!(v.files[1], FileOp::Directory { path: "/opt/d".into(), mode: 0o755, uid: 0, gid: 0 });
+    assert_eq!(v.files[2], FileOp::Delete { path: "/tmp/gone".into(), directory: false });
     let i = &p.instructions[0];
     assert_eq!(i.common.name, "install");
     assert_eq!(i.common.timeout_seconds, 30);
     assert!(i.save_output);
-    assert_eq!(
-        p.periodic_instructions[0].period(),
-        std::time::Duration::from_secs(60)
-    );
+    assert_eq!(p.periodic_instructions[0].period(), std::time::Duration::from_secs(60));
     let probe = &p.probes["kubelet"];
     assert_eq!(probe.name, "kubelet", "name is overwritten by the map key");
     assert_eq!(probe.http_get.ca_cert, "/ca.pem");
@@ -66,14 +43,7 @@ fn reserialises_with_go_omitempty_rules() {
         out,
         r#"{"name":"install","image":"rancher/system-agent-installer-rke2:v1","env":["A=1"],"args":["-c","echo"],"command":"sh","timeoutSeconds":30,"saveOutput":true}"#
     );
-    assert_eq!(
-        serde_json::to_string(&File {
-            path: "/a".into(),
-            ..Default::default()
-        })
-        .unwrap(),
-        r#"{"path":"/a"}"#
-    );
+    assert_eq!(serde_json::to_string(&File { path: "/a".into(), ..Default::default() }).unwrap(), r#"{"path":"/a"}"#);
     let again: Plan = serde_json::from_str(&serde_json::to_string(&v.plan).unwrap()).unwrap();
     assert_eq!(again, v.plan);
     assert_eq!(serde_json::to_string(&Plan::default()).unwrap(), "{}");
@@ -81,20 +51,14 @@ fn reserialises_with_go_omitempty_rules() {
 
 #[test]
 fn go_nulls_read_as_empty() {
-    let v = parse(
-        br#"{"files":null,"instructions":[{"command":"x","env":null,"args":null}],"probes":null}"#,
-    )
-    .unwrap();
+    let v = parse(br#"{"files":null,"instructions":[{"command":"x","env":null,"args":null}],"probes":null}"#).unwrap();
     assert!(v.plan.files.is_empty());
     assert!(v.plan.instructions[0].common.env.is_empty());
 }
 
 #[test]
 fn checksum_is_lowercase_hex_sha256_of_raw_bytes() {
-    assert_eq!(
-        checksum(b""),
-        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-    );
+    assert_eq!(checksum(b""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     assert_ne!(checksum(b"{}"), checksum(b"{ }"), "whitespace matters");
 }
 
@@ -102,65 +66,32 @@ fn checksum_is_lowercase_hex_sha256_of_raw_bytes() {
 fn validation_names_the_field_and_index() {
     let cases: &[(&str, &str)] = &[
         ("{", "malformed JSON"),
-        (
-            r#"{"files":[{"path":"/a","content":"!!"}]}"#,
-            "files[0].content: bad base64",
-        ),
-        (
-            r#"{"files":[{"path":"/a","permissions":"0z44"}]}"#,
-            "files[0].permissions",
-        ),
-        (
-            r#"{"files":[{"path":"/a","permissions":"99"}]}"#,
-            "files[0].permissions",
-        ),
-        (
-            r#"{"files":[{"path":"/a"},{"path":"rel/x"}]}"#,
-            "files[1].path: \"rel/x\" is not an absolute path",
-        ),
+        (r#"{"files":[{"path":"/a","content":"!!"}]}"#, "files[0].content: bad base64"),
+        (r#"{"files":[{"path":"/a","permissions":"0z44"}]}"#, "files[0].permissions"),
+        (r#"{"files":[{"path":"/a","permissions":"99"}]}"#, "files[0].permissions"),
+        (r#"{"files":[{"path":"/a"},{"path":"rel/x"}]}"#, "files[1].path: \"rel/x\" is not an absolute path"),
         (r#"{"files":[{"content":""}]}"#, "files[0].path: is empty"),
         (r#"{"files":[{"path":"/a/../b"}]}"#, "files[0].path"),
         (r#"{"files":[{"path":"/a","uid":-1}]}"#, "files[0].uid"),
-        (
-            r#"{"instructions":[{"command":"a"},{"name":"x"}]}"#,
-            "instructions[1].command: neither command nor image",
-        ),
-        (
-            r#"{"periodicInstructions":[{"name":"p"}]}"#,
-            "periodicInstructions[0].command",
-        ),
-        (
-            r#"{"instructions":[{"command":"a","env":["NOEQUALS"]}]}"#,
-            "instructions[0].env[0]",
-        ),
-        (
-            r#"{"instructions":[{"command":"a","timeoutSeconds":-1}]}"#,
-            "instructions[0].timeoutSeconds",
-        ),
-        (
-            r#"{"probes":{"p":{"httpGet":{}}}}"#,
-            "probes[\"p\"].httpGet.url",
-        ),
+        (r#"{"instructions":[{"command":"a"},{"name":"x"}]}"#, "instructions[1].command: neither command nor image"),
+        (r#"{"periodicInstructions":[{"name":"p"}]}"#, "periodicInstructions[0].command"),
+        (r#"{"instructions":[{"command":"a","env":["NOEQUALS"]}]}"#, "instructions[0].env[0]"),
+        (r#"{"instructions":[{"command":"a","timeoutSeconds":-1}]}"#, "instructions[0].timeoutSeconds"),
+        (r#"{"probes":{"p":{"httpGet":{}}}}"#, "probes[\"p\"].httpGet.url"),
         (r#"{"files":"nope"}"#, "malformed JSON"),
     ];
     for (raw, want) in cases {
         let err = parse(raw.as_bytes()).expect_err(raw).to_string();
-        assert!(
-            err.contains(want),
-            "{raw}: got {err:?}, want it to contain {want:?}"
-        );
+        assert!(err.contains(want), "{raw}: got {err:?}, want it to contain {want:?}");
         assert!(!err.contains('\n'), "one line: {err:?}");
     }
 }
 
 #[test]
 fn permission_strings() {
-    for (s, default, want) in [
-        ("0644", 0, Ok(0o644)),
-        ("644", 0, Ok(0o644)),
-        ("", 0o600, Ok(0o600)),
-        ("4755", 0, Ok(0o4755)),
-    ] {
+    for (s, default, want) in
+        [("0644", 0, Ok(0o644)), ("644", 0, Ok(0o644)), ("", 0o600, Ok(0o600)), ("4755", 0, Ok(0o4755))]
+    {
         assert_eq!(parse_permissions(s, default), want, "{s}");
     }
     assert!(parse_permissions("8", 0).is_err());
@@ -182,20 +113,10 @@ fn checkpoint_pins_field_order_and_omits_empty_fields() {
         full.to_json(),
         r#"{"checksum":"abc","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true,"terminationIncomplete":true}"#
     );
-    let cancel = Checkpoint {
-        checksum: "abc".into(),
-        completed_instructions: 0,
-        total_instructions: 1,
-        ..Default::default()
-    };
-    assert_eq!(
-        cancel.to_json(),
-        r#"{"checksum":"abc","completedInstructions":0,"totalInstructions":1}"#
-    );
-    assert_eq!(
-        Checkpoint::read(Some(full.to_json().as_bytes()), "abc"),
-        Some(full.clone())
-    );
+    let cancel =
+        Checkpoint { checksum: "abc".into(), completed_instructions: 0, total_instructions: 1, ..Default::default() };
+    assert_eq!(cancel.to_json(), r#"{"checksum":"abc","completedInstructions":0,"totalInstructions":1}"#);
+    assert_eq!(Checkpoint::read(Some(full.to_json().as_bytes()), "abc"), Some(full.clone()));
 }
 
 #[test]
@@ -213,31 +134,19 @@ fn checkpoint_read_treats_junk_as_absent() {
 
 #[test]
 fn plan_states_round_trip() {
-    for s in [
-        "pending",
-        "in-progress",
-        "succeeded",
-        "failed",
-        "canceled",
-        "paused",
-        "weird",
-    ] {
+    for s in ["pending", "in-progress", "succeeded", "failed", "canceled", "paused", "weird"] {
         assert_eq!(PlanState::parse(s).as_str(), s);
     }
-    assert!(
-        PlanState::Succeeded.is_terminal()
-            && PlanState::Canceled.is_terminal()
-            && PlanState::Failed.is_terminal()
-    );
+    assert!(PlanState::Succeeded.is_terminal() && PlanState::Canceled.is_terminal() && PlanState::Failed.is_terminal());
     assert!(!PlanState::Paused.is_terminal() && !PlanState::InProgress.is_terminal());
 }
 
 #[test]
 fn annotation_values_r1_r2() {
-    use Hold::*;
+    use Hold::{Cancel, Pause};
     let ok: &[(Option<&str>, Option<&str>, Hold)] = &[
-        (None, None, None),
-        (Some("false"), Some("false"), None),
+        (None, None, Hold::None),
+        (Some("false"), Some("false"), Hold::None),
         (Some("true"), None, Pause),
         (Some("true"), Some("false"), Pause),
         (None, Some("true"), Cancel),
@@ -246,41 +155,16 @@ fn annotation_values_r1_r2() {
         (Some(""), Some("true"), Cancel),
     ];
     for (p, c, want) in ok {
-        assert_eq!(
-            resolve_annotations(&Annotations {
-                paused: *p,
-                canceled: *c
-            }),
-            Ok(*want),
-            "{p:?} {c:?}"
-        );
+        assert_eq!(resolve_annotations(&Annotations { paused: *p, canceled: *c }), Ok(*want), "{p:?} {c:?}");
     }
     for bad in ["True", "1", "yes", "", "true ", "FALSE", "t"] {
-        let err = resolve_annotations(&Annotations {
-            paused: Some(bad),
-            canceled: None,
-        })
-        .unwrap_err();
-        assert_eq!(
-            err.0,
-            vec![(ANNOTATION_PAUSED.to_string(), bad.to_string())]
-        );
+        let err = resolve_annotations(&Annotations { paused: Some(bad), canceled: None }).unwrap_err();
+        assert_eq!(err.0, vec![(ANNOTATION_PAUSED.to_string(), bad.to_string())]);
         assert!(err.to_string().contains(&format!("{bad:?}")));
-        let err = resolve_annotations(&Annotations {
-            paused: Some("true"),
-            canceled: Some(bad),
-        })
-        .unwrap_err();
-        assert_eq!(
-            err.0[0].0, ANNOTATION_CANCELED,
-            "an invalid canceled is never a pause"
-        );
+        let err = resolve_annotations(&Annotations { paused: Some("true"), canceled: Some(bad) }).unwrap_err();
+        assert_eq!(err.0[0].0, ANNOTATION_CANCELED, "an invalid canceled is never a pause");
     }
-    let both = resolve_annotations(&Annotations {
-        paused: Some("1"),
-        canceled: Some("0"),
-    })
-    .unwrap_err();
+    let both = resolve_annotations(&Annotations { paused: Some("1"), canceled: Some("0") }).unwrap_err();
     assert_eq!(both.0.len(), 2);
 }
 
@@ -294,15 +178,10 @@ fn one_time_output_codec_round_trip() {
     assert_eq!(decode_one_time_output(&enc).unwrap(), m);
     // The JSON inside is a map of base64 strings, as Go's map[string][]byte.
     let mut json = String::new();
-    flate2::read::GzDecoder::new(&enc[..])
-        .read_to_string(&mut json)
-        .unwrap();
+    flate2::read::GzDecoder::new(&enc[..]).read_to_string(&mut json).unwrap();
     assert_eq!(json, r#"{"a":"b3V0CmVycgo=","b":"AP8="}"#);
     assert!(decode_one_time_output(b"").unwrap().is_empty());
-    assert!(matches!(
-        decode_one_time_output(b"junk"),
-        Err(CodecError::Gzip(_))
-    ));
+    assert!(matches!(decode_one_time_output(b"junk"), Err(CodecError::Gzip(_))));
     use std::io::Read as _;
 }
 
@@ -311,27 +190,19 @@ fn periodic_output_codec_has_no_omitempty() {
     let mut m = BTreeMap::new();
     m.insert(
         "p".to_string(),
-        PeriodicInstructionOutput {
-            name: "p".into(),
-            stdout: b"hi".to_vec(),
-            exit_code: 0,
-            ..Default::default()
-        },
+        PeriodicInstructionOutput { name: "p".into(), stdout: b"hi".to_vec(), exit_code: 0, ..Default::default() },
     );
     let enc = encode_periodic_output(&m);
     let mut json = String::new();
     use std::io::Read as _;
-    flate2::read::GzDecoder::new(&enc[..])
-        .read_to_string(&mut json)
-        .unwrap();
+    flate2::read::GzDecoder::new(&enc[..]).read_to_string(&mut json).unwrap();
     assert_eq!(
         json,
         r#"{"p":{"name":"p","stdout":"aGk=","stderr":"","exitCode":0,"lastSuccessfulRunTime":"","failures":0,"lastFailedRunTime":""}}"#
     );
     assert_eq!(decode_periodic_output(&enc).unwrap(), m);
     let go_nil = br#"{"p":{"name":"p","stdout":null,"stderr":null,"exitCode":1,"lastSuccessfulRunTime":"","failures":2,"lastFailedRunTime":"Mon Nov 30 05:29:24 UTC 2026"}}"#;
-    let parsed: BTreeMap<String, PeriodicInstructionOutput> =
-        serde_json::from_slice(go_nil).unwrap();
+    let parsed: BTreeMap<String, PeriodicInstructionOutput> = serde_json::from_slice(go_nil).unwrap();
     assert_eq!(parsed["p"].failures, 2);
 }
 
@@ -341,18 +212,8 @@ fn unix_date_matches_go() {
     assert_eq!(format_unix_date(t), "Tue Nov  3 05:09:04 UTC 2026");
     assert_eq!(parse_unix_date("Tue Nov  3 05:09:04 UTC 2026"), Some(t));
     assert_eq!(parse_unix_date(&format_unix_date(t)), Some(t));
-    assert_eq!(
-        parse_unix_date("Mon Nov 30 05:29:24 UTC 2026")
-            .unwrap()
-            .to_rfc3339(),
-        "2026-11-30T05:29:24+00:00"
-    );
-    for bad in [
-        "",
-        "yesterday",
-        "Mon Nov 30 25:29:24 UTC 2026",
-        "Mon Foo 30 05:29:24 UTC 2026",
-    ] {
+    assert_eq!(parse_unix_date("Mon Nov 30 05:29:24 UTC 2026").unwrap().to_rfc3339(), "2026-11-30T05:29:24+00:00");
+    for bad in ["", "yesterday", "Mon Nov 30 25:29:24 UTC 2026", "Mon Foo 30 05:29:24 UTC 2026"] {
         assert_eq!(parse_unix_date(bad), None, "{bad}");
     }
 }

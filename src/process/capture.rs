@@ -36,12 +36,7 @@ pub struct LogSink {
 
 impl LineSink for LogSink {
     fn line(&self, stream: Stream, line: &[u8]) {
-        tracing::info!(
-            "[{}:{}]: {}",
-            self.prefix,
-            stream.as_str(),
-            String::from_utf8_lossy(line)
-        );
+        tracing::info!("[{}:{}]: {}", self.prefix, stream.as_str(), String::from_utf8_lossy(line));
     }
     fn enabled(&self) -> bool {
         tracing::enabled!(tracing::Level::INFO)
@@ -72,13 +67,7 @@ pub struct Capture {
 impl Capture {
     pub fn new(limit: usize) -> Capture {
         let head_cap = limit / 2;
-        Capture {
-            head_cap,
-            tail_cap: limit - head_cap,
-            head: Vec::new(),
-            tail: Vec::new(),
-            total: 0,
-        }
+        Capture { head_cap, tail_cap: limit - head_cap, head: Vec::new(), tail: Vec::new(), total: 0 }
     }
 
     pub fn push(&mut self, mut data: &[u8]) {
@@ -93,8 +82,7 @@ impl Capture {
         }
         if data.len() >= self.tail_cap {
             self.tail.clear();
-            self.tail
-                .extend_from_slice(&data[data.len() - self.tail_cap..]);
+            self.tail.extend_from_slice(&data[data.len() - self.tail_cap..]);
             return;
         }
         self.tail.extend_from_slice(data);
@@ -121,9 +109,7 @@ impl Capture {
             if out.last().is_some_and(|b| *b != b'\n') {
                 out.push(b'\n');
             }
-            out.extend_from_slice(
-                format!("[nodeplan: {dropped} bytes of output dropped]\n").as_bytes(),
-            );
+            out.extend_from_slice(format!("[nodeplan: {dropped} bytes of output dropped]\n").as_bytes());
         }
         out.extend_from_slice(&self.tail);
         out
@@ -170,15 +156,9 @@ impl Captures {
 
     pub fn take(&self) -> Output {
         let take = |m: &Mutex<Capture>| {
-            m.lock()
-                .map(|mut c| std::mem::replace(&mut *c, Capture::new(0)).finish())
-                .unwrap_or_default()
+            m.lock().map(|mut c| std::mem::replace(&mut *c, Capture::new(0)).finish()).unwrap_or_default()
         };
-        Output {
-            stdout: take(&self.stdout),
-            stderr: take(&self.stderr),
-            combined: take(&self.combined),
-        }
+        Output { stdout: take(&self.stdout), stderr: take(&self.stderr), combined: take(&self.combined) }
     }
 }
 
@@ -232,13 +212,7 @@ pub(crate) async fn read_lines<R: AsyncRead + Unpin>(
     flush(&mut pending, stream, &captures, &*sink, sink_on);
 }
 
-fn flush(
-    pending: &mut Vec<u8>,
-    stream: Stream,
-    captures: &Captures,
-    sink: &dyn LineSink,
-    sink_on: bool,
-) {
+fn flush(pending: &mut Vec<u8>, stream: Stream, captures: &Captures, sink: &dyn LineSink, sink_on: bool) {
     if pending.is_empty() {
         return;
     }
@@ -267,10 +241,7 @@ mod tests {
             c.push(chunk);
         }
         assert_eq!(c.total(), 30);
-        assert_eq!(
-            c.finish(),
-            b"01234\n[nodeplan: 20 bytes of output dropped]\nPQRST".to_vec()
-        );
+        assert_eq!(c.finish(), b"01234\n[nodeplan: 20 bytes of output dropped]\nPQRST".to_vec());
     }
 
     #[test]
@@ -289,10 +260,7 @@ mod tests {
     struct Lines(Mutex<Vec<(Stream, String)>>);
     impl LineSink for Lines {
         fn line(&self, s: Stream, l: &[u8]) {
-            self.0
-                .lock()
-                .unwrap()
-                .push((s, String::from_utf8_lossy(l).into_owned()));
+            self.0.lock().unwrap().push((s, String::from_utf8_lossy(l).into_owned()));
         }
     }
 
@@ -307,13 +275,7 @@ mod tests {
         w.write_all(b"o\nthree").await.unwrap();
         drop(w);
         task.await.unwrap();
-        let lines: Vec<String> = sink
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(_, l)| l.clone())
-            .collect();
+        let lines: Vec<String> = sink.0.lock().unwrap().iter().map(|(_, l)| l.clone()).collect();
         assert_eq!(lines, ["one", "two", "three"]);
         let out = caps.take();
         assert_eq!(out.stderr, b"one\ntwo\nthree");

@@ -34,10 +34,7 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -50,9 +47,7 @@ fn unescape(s: &str) -> String {
 
 /// The v2 path (`0::<path>` line) from `/proc/self/cgroup` content.
 pub fn own_cgroup(proc_cgroup: &str) -> Option<String> {
-    proc_cgroup
-        .lines()
-        .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
+    proc_cgroup.lines().find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
 }
 
 /// A writable directory under which one leaf cgroup per run is created.
@@ -68,8 +63,8 @@ impl CgroupRoot {
             CgroupMode::Off => return Ok(None),
             CgroupMode::Root(d) => d.clone(),
             CgroupMode::Auto => {
-                let mi = std::fs::read_to_string("/proc/self/mountinfo")
-                    .map_err(|e| format!("reading mountinfo: {e}"))?;
+                let mi =
+                    std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("reading mountinfo: {e}"))?;
                 let mount = find_cgroup2_mount(&mi).ok_or("no cgroup2 filesystem is mounted")?;
                 let own = std::fs::read_to_string("/proc/self/cgroup")
                     .ok()
@@ -78,8 +73,7 @@ impl CgroupRoot {
                 mount.join(own.trim_start_matches('/')).join("nodeplan")
             }
         };
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| format!("cannot create cgroup root {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create cgroup root {}: {e}", dir.display()))?;
         if !dir.join("cgroup.procs").exists() {
             return Err(format!("{} is not a cgroup2 directory", dir.display()));
         }
@@ -143,19 +137,10 @@ mod tests {
     #[test]
     fn finds_the_cgroup2_mount_wherever_it_is() {
         let mi = "24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
-        assert_eq!(
-            find_cgroup2_mount(mi),
-            Some(PathBuf::from("/sys/fs/cgroup/unified"))
-        );
+        assert_eq!(find_cgroup2_mount(mi), Some(PathBuf::from("/sys/fs/cgroup/unified")));
         let escaped = "41 31 0:38 / /mnt/my\\040cg rw shared:1 - cgroup2 none rw\n";
-        assert_eq!(
-            find_cgroup2_mount(escaped),
-            Some(PathBuf::from("/mnt/my cg"))
-        );
-        assert_eq!(
-            find_cgroup2_mount("24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"),
-            None
-        );
+        assert_eq!(find_cgroup2_mount(escaped), Some(PathBuf::from("/mnt/my cg")));
+        assert_eq!(find_cgroup2_mount("24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"), None);
     }
 
     #[test]

@@ -51,11 +51,7 @@ pub struct StopPolicy {
 
 impl Default for StopPolicy {
     fn default() -> Self {
-        StopPolicy {
-            grace: Duration::from_secs(10),
-            kill_timeout: Duration::from_secs(5),
-            kill: true,
-        }
+        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true }
     }
 }
 
@@ -101,10 +97,7 @@ pub struct SpawnSpec {
 
 impl SpawnSpec {
     /// `program args…` with the agent's own environment and no sink.
-    pub fn new(
-        program: impl Into<OsString>,
-        args: impl IntoIterator<Item = impl Into<OsString>>,
-    ) -> SpawnSpec {
+    pub fn new(program: impl Into<OsString>, args: impl IntoIterator<Item = impl Into<OsString>>) -> SpawnSpec {
         SpawnSpec {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
@@ -149,10 +142,7 @@ impl<T: Send + Sync + 'static> StopSource for Mapped<T> {
         Box::pin(async move { self.rx.changed().await.is_ok() })
     }
     fn boxed_clone(&self) -> Box<dyn StopSource> {
-        Box::new(Mapped {
-            rx: self.rx.clone(),
-            f: self.f,
-        })
+        Box::new(Mapped { rx: self.rx.clone(), f: self.f })
     }
 }
 
@@ -164,9 +154,7 @@ pub struct StopSignal {
 
 impl Clone for StopSignal {
     fn clone(&self) -> Self {
-        StopSignal {
-            src: self.src.boxed_clone(),
-        }
+        StopSignal { src: self.src.boxed_clone() }
     }
 }
 
@@ -186,13 +174,8 @@ impl StopSignal {
     }
 
     /// A view of any watch channel through a projection.
-    pub fn from_watch<T: Send + Sync + 'static>(
-        rx: watch::Receiver<T>,
-        f: fn(&T) -> Option<StopReason>,
-    ) -> StopSignal {
-        StopSignal {
-            src: Box::new(Mapped { rx, f }),
-        }
+    pub fn from_watch<T: Send + Sync + 'static>(rx: watch::Receiver<T>, f: fn(&T) -> Option<StopReason>) -> StopSignal {
+        StopSignal { src: Box::new(Mapped { rx, f }) }
     }
 
     pub fn requested(&self) -> Option<StopReason> {
@@ -239,12 +222,7 @@ impl Supervisor {
             }
         };
         Supervisor {
-            inner: Arc::new(Inner {
-                config,
-                cgroups,
-                seq: AtomicU64::new(0),
-                leaf_warned: AtomicBool::new(false),
-            }),
+            inner: Arc::new(Inner { config, cgroups, seq: AtomicU64::new(0), leaf_warned: AtomicBool::new(false) }),
         }
     }
 
@@ -259,10 +237,8 @@ impl Supervisor {
 
     fn new_marker(&self) -> String {
         let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         format!("np{}-{n}-{nanos:08x}", std::process::id())
     }
 
@@ -282,22 +258,15 @@ impl Supervisor {
             return finish(Outcome::NotStarted(r), Output::default(), None);
         }
         let cfg = &self.inner.config;
-        let leaf = self
-            .inner
-            .cgroups
-            .as_ref()
-            .and_then(|root| match root.create_leaf(&marker) {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            "cannot create a cgroup under {}: {e}; using the process group",
-                            root.dir.display()
-                        );
-                    }
-                    None
+        let leaf = self.inner.cgroups.as_ref().and_then(|root| match root.create_leaf(&marker) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("cannot create a cgroup under {}: {e}; using the process group", root.dir.display());
                 }
-            });
+                None
+            }
+        });
         let mut cmd = tokio::process::Command::new(&spec.program);
         cmd.args(&spec.args)
             .env_clear()
@@ -343,28 +312,17 @@ impl Supervisor {
                     cgroup::remove(d);
                 }
                 let what = spec.program.to_string_lossy();
-                return finish(
-                    Outcome::StartFailed(format!("{what}: {e}")),
-                    Output::default(),
-                    None,
-                );
+                return finish(Outcome::StartFailed(format!("{what}: {e}")), Output::default(), None);
             }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let tree = Tree {
-            cgroup: cgroup_dir.clone(),
-            pgid: Some(pid),
-            marker: marker.clone(),
-        };
+        let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
 
         let record_path = match &cfg.pid_dir {
             Some(dir) => {
                 let record = PidRecord {
                     pid,
-                    start_time: procfs::ProcHandle::open(pid)
-                        .and_then(|h| h.stat())
-                        .map(|s| s.start_time)
-                        .unwrap_or(0),
+                    start_time: procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0),
                     boot_id: procfs::boot_id().unwrap_or_default(),
                     cgroup: cgroup_dir.clone(),
                     marker: marker.clone(),
@@ -390,20 +348,10 @@ impl Supervisor {
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
         if let Some(out) = child.stdout.take() {
-            readers.push(tokio::spawn(capture::read_lines(
-                out,
-                Stream::Stdout,
-                captures.clone(),
-                spec.sink.clone(),
-            )));
+            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
         }
         if let Some(err) = child.stderr.take() {
-            readers.push(tokio::spawn(capture::read_lines(
-                err,
-                Stream::Stderr,
-                captures.clone(),
-                spec.sink.clone(),
-            )));
+            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
         }
 
         let timeout = spec.timeout;
@@ -450,9 +398,7 @@ impl Supervisor {
         let deadline = tokio::time::Instant::now() + limit;
         for r in readers.iter_mut() {
             if tokio::time::timeout_at(deadline, &mut *r).await.is_err() {
-                tracing::warn!(
-                    "an output pipe is still held open by a leftover process; stopped reading it"
-                );
+                tracing::warn!("an output pipe is still held open by a leftover process; stopped reading it");
                 r.abort();
             }
         }
@@ -473,17 +419,9 @@ impl Supervisor {
                 Ok(r) => r,
                 Err(e) => {
                     let kept = path.with_extension("invalid");
-                    tracing::warn!(
-                        "{}: {e}; renamed to {} and ignored",
-                        path.display(),
-                        kept.display()
-                    );
+                    tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
                     let _ = std::fs::rename(&path, &kept);
-                    out.push(Recovered {
-                        path,
-                        record: None,
-                        result: RecoveryResult::Invalid(e),
-                    });
+                    out.push(Recovered { path, record: None, result: RecoveryResult::Invalid(e) });
                     continue;
                 }
             };
@@ -492,33 +430,24 @@ impl Supervisor {
             }
             let result = self.recover_one(&rec).await;
             match &result {
-                RecoveryResult::Stopped(o) => tracing::info!(
-                    "stopped leftover pid {} ({}) of {}: {o}",
-                    rec.pid,
-                    rec.command,
-                    rec.owner
-                ),
+                RecoveryResult::Stopped(o) => {
+                    tracing::info!("stopped leftover pid {} ({}) of {}: {o}", rec.pid, rec.command, rec.owner)
+                }
                 RecoveryResult::NotStopped(o) => tracing::error!(
                     "leftover pid {} ({}) of {} could not be stopped: {o}",
                     rec.pid,
                     rec.command,
                     rec.owner
                 ),
-                RecoveryResult::Mismatch(why) => tracing::warn!(
-                    "discarding PID record {}: {why}; pid {} not signalled",
-                    path.display(),
-                    rec.pid
-                ),
+                RecoveryResult::Mismatch(why) => {
+                    tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
+                }
                 _ => {}
             }
             if !matches!(result, RecoveryResult::NotStopped(_)) {
                 remove_record(Some(&path));
             }
-            out.push(Recovered {
-                path,
-                record: Some(rec),
-                result,
-            });
+            out.push(Recovered { path, record: Some(rec), result });
         }
         out
     }
@@ -527,15 +456,9 @@ impl Supervisor {
         let identity = blocking(rec.clone(), |r| r.verify()).await;
         // The tree is the run's own cgroup (named by its unique marker) or the processes carrying
         // its marker; never the recorded pid or pgid by number.
-        let cgroup = rec
-            .cgroup
-            .clone()
-            .filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
-        let tree = Tree {
-            cgroup,
-            pgid: None,
-            marker: rec.marker.clone(),
-        };
+        let cgroup =
+            rec.cgroup.clone().filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
+        let tree = Tree { cgroup, pgid: None, marker: rec.marker.clone() };
         if blocking(tree.clone(), |t| t.is_empty()).await {
             blocking(tree, |t| t.cleanup()).await;
             return match identity {
@@ -544,19 +467,9 @@ impl Supervisor {
             };
         }
         if let Identity::Mismatch(why) = &identity {
-            tracing::warn!(
-                "PID record of {}: {why}; stopping only the processes that carry its marker",
-                rec.owner
-            );
+            tracing::warn!("PID record of {}: {why}; stopping only the processes that carry its marker", rec.owner);
         }
-        let outcome = ladder(
-            &tree,
-            None,
-            &self.inner.config.policy,
-            StopReason::Shutdown,
-            || {},
-        )
-        .await;
+        let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
         if outcome.termination_incomplete() {
             RecoveryResult::NotStopped(outcome)
         } else {
@@ -605,10 +518,7 @@ async fn sleep_opt(d: Option<Duration>) {
 }
 
 /// Run /proc and cgroup work off the async threads.
-async fn blocking<T: Send + 'static, R: Send + 'static>(
-    v: T,
-    f: impl FnOnce(T) -> R + Send + 'static,
-) -> R {
+async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) -> R + Send + 'static) -> R {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let handle = tokio::task::spawn_blocking(move || {
         let _ = tx.send(f(v));
@@ -669,38 +579,20 @@ async fn ladder(
     let mut status = None;
     let mut wait_err = None;
     if let Err(e) = blocking(tree.clone(), |t| t.request_stop()).await {
-        return Outcome::SignalFailed {
-            reason,
-            error: e.to_string(),
-        };
+        return Outcome::SignalFailed { reason, error: e.to_string() };
     }
     let grace_deadline = tokio::time::Instant::now() + policy.grace;
-    if wait_gone(
-        tree,
-        &mut leader,
-        &mut status,
-        &mut wait_err,
-        grace_deadline,
-    )
-    .await
-    {
+    if wait_gone(tree, &mut leader, &mut status, &mut wait_err, grace_deadline).await {
         return match (wait_err, status) {
             (Some(e), _) => Outcome::WaitFailed(e),
             (None, Some(s)) => Outcome::ExitedAfterStop { reason, status: s },
-            (None, None) => Outcome::ExitedAfterStop {
-                reason,
-                status: ExitKind::Code(-1),
-            },
+            (None, None) => Outcome::ExitedAfterStop { reason, status: ExitKind::Code(-1) },
         };
     }
     if !policy.kill {
         close_pipes();
         let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
-        return Outcome::GaveUp {
-            reason,
-            grace: policy.grace,
-            survivors,
-        };
+        return Outcome::GaveUp { reason, grace: policy.grace, survivors };
     }
     let killed = blocking(tree.clone(), |t| t.kill()).await;
     if let Some(child) = leader.as_deref_mut()
@@ -710,19 +602,13 @@ async fn ladder(
     }
     close_pipes();
     if let Err(e) = killed {
-        return Outcome::SignalFailed {
-            reason,
-            error: e.to_string(),
-        };
+        return Outcome::SignalFailed { reason, error: e.to_string() };
     }
     let kill_deadline = tokio::time::Instant::now() + policy.kill_timeout;
     if wait_gone(tree, &mut leader, &mut status, &mut wait_err, kill_deadline).await {
         return match wait_err {
             Some(e) => Outcome::WaitFailed(e),
-            None => Outcome::Killed {
-                reason,
-                grace: policy.grace,
-            },
+            None => Outcome::Killed { reason, grace: policy.grace },
         };
     }
     let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);

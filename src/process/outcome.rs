@@ -83,23 +83,13 @@ pub enum Outcome {
     /// The process could not be started.
     StartFailed(String),
     /// A stop was requested and the whole tree was gone within the grace period.
-    ExitedAfterStop {
-        reason: StopReason,
-        status: ExitKind,
-    },
+    ExitedAfterStop { reason: StopReason, status: ExitKind },
     /// The tree outlived the grace period and SIGKILL ended it.
     Killed { reason: StopReason, grace: Duration },
     /// The no-kill policy gave up after the grace period; processes are left running.
-    GaveUp {
-        reason: StopReason,
-        grace: Duration,
-        survivors: usize,
-    },
+    GaveUp { reason: StopReason, grace: Duration, survivors: usize },
     /// Processes survived SIGKILL and the kill timeout.
-    Incomplete {
-        reason: StopReason,
-        survivors: usize,
-    },
+    Incomplete { reason: StopReason, survivors: usize },
     /// Signalling the tree failed.
     SignalFailed { reason: StopReason, error: String },
     /// Waiting for the process failed.
@@ -115,11 +105,7 @@ impl Outcome {
     /// The exit code, or -1 when there is none (signals, start failures, stops).
     pub fn exit_code(&self) -> i32 {
         match self {
-            Outcome::Exited(ExitKind::Code(c))
-            | Outcome::ExitedAfterStop {
-                status: ExitKind::Code(c),
-                ..
-            } => *c,
+            Outcome::Exited(ExitKind::Code(c)) | Outcome::ExitedAfterStop { status: ExitKind::Code(c), .. } => *c,
             _ => -1,
         }
     }
@@ -151,10 +137,7 @@ impl Outcome {
     pub fn termination_incomplete(&self) -> bool {
         matches!(
             self,
-            Outcome::GaveUp { .. }
-                | Outcome::Incomplete { .. }
-                | Outcome::SignalFailed { .. }
-                | Outcome::WaitFailed(_)
+            Outcome::GaveUp { .. } | Outcome::Incomplete { .. } | Outcome::SignalFailed { .. } | Outcome::WaitFailed(_)
         )
     }
 
@@ -168,7 +151,7 @@ pub fn human_duration(d: Duration) -> String {
     let ms = d.as_millis();
     if ms < 1000 {
         format!("{ms}ms")
-    } else if ms % 1000 == 0 {
+    } else if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{}s", d.as_secs_f64())
@@ -183,9 +166,7 @@ impl fmt::Display for Outcome {
         match self {
             Outcome::Exited(k) => write!(f, "{k}"),
             Outcome::NotStarted(StopReason::Cancel) => f.write_str("not started: canceled"),
-            Outcome::NotStarted(StopReason::Shutdown) => {
-                f.write_str("not started: agent shutting down")
-            }
+            Outcome::NotStarted(StopReason::Shutdown) => f.write_str("not started: agent shutting down"),
             Outcome::NotStarted(StopReason::Timeout(_)) => f.write_str("not started"),
             Outcome::StartFailed(e) => write!(f, "failed to start: {e}"),
             Outcome::ExitedAfterStop { status, .. } => {
@@ -194,20 +175,14 @@ impl fmt::Display for Outcome {
             Outcome::Killed { grace, .. } => {
                 write!(f, "killed after {} grace", human_duration(*grace))
             }
-            Outcome::GaveUp {
-                grace, survivors, ..
-            } => write!(
+            Outcome::GaveUp { grace, survivors, .. } => write!(
                 f,
                 "termination incomplete: {survivors} {} still running after {} grace (not killed by policy)",
                 processes(*survivors),
                 human_duration(*grace)
             ),
             Outcome::Incomplete { survivors, .. } => {
-                write!(
-                    f,
-                    "termination incomplete: {survivors} {} survived SIGKILL",
-                    processes(*survivors)
-                )
+                write!(f, "termination incomplete: {survivors} {} survived SIGKILL", processes(*survivors))
             }
             Outcome::SignalFailed { error, .. } => write!(f, "failed to signal: {error}"),
             Outcome::WaitFailed(e) => write!(f, "failed to wait: {e}"),
@@ -229,51 +204,18 @@ mod tests {
         let ten = Duration::from_secs(10);
         let cases = [
             (Outcome::Exited(ExitKind::Code(1)), "exit status 1"),
+            (Outcome::Exited(ExitKind::Signal(libc::SIGTERM)), "signal: terminated"),
             (
-                Outcome::Exited(ExitKind::Signal(libc::SIGTERM)),
-                "signal: terminated",
-            ),
-            (
-                Outcome::ExitedAfterStop {
-                    reason: c,
-                    status: ExitKind::Code(0),
-                },
+                Outcome::ExitedAfterStop { reason: c, status: ExitKind::Code(0) },
                 "exited after stop request: exit status 0",
             ),
+            (Outcome::Killed { reason: c, grace: ten }, "killed after 10s grace"),
+            (Outcome::Incomplete { reason: c, survivors: 2 }, "termination incomplete: 2 processes survived SIGKILL"),
+            (Outcome::SignalFailed { reason: c, error: "EPERM".into() }, "failed to signal: EPERM"),
+            (Outcome::WaitFailed("ECHILD".into()), "failed to wait: ECHILD"),
+            (Outcome::StartFailed("No such file".into()), "failed to start: No such file"),
             (
-                Outcome::Killed {
-                    reason: c,
-                    grace: ten,
-                },
-                "killed after 10s grace",
-            ),
-            (
-                Outcome::Incomplete {
-                    reason: c,
-                    survivors: 2,
-                },
-                "termination incomplete: 2 processes survived SIGKILL",
-            ),
-            (
-                Outcome::SignalFailed {
-                    reason: c,
-                    error: "EPERM".into(),
-                },
-                "failed to signal: EPERM",
-            ),
-            (
-                Outcome::WaitFailed("ECHILD".into()),
-                "failed to wait: ECHILD",
-            ),
-            (
-                Outcome::StartFailed("No such file".into()),
-                "failed to start: No such file",
-            ),
-            (
-                Outcome::Killed {
-                    reason: StopReason::Timeout(Duration::from_millis(1500)),
-                    grace: ten,
-                },
+                Outcome::Killed { reason: StopReason::Timeout(Duration::from_millis(1500)), grace: ten },
                 "timed out after 1.5s: killed after 10s grace",
             ),
         ];
@@ -286,44 +228,11 @@ mod tests {
     fn classification() {
         let c = StopReason::Cancel;
         assert!(Outcome::Exited(ExitKind::Code(0)).success());
-        assert!(
-            !Outcome::ExitedAfterStop {
-                reason: c,
-                status: ExitKind::Code(0)
-            }
-            .success()
-        );
-        assert_eq!(
-            Outcome::Killed {
-                reason: c,
-                grace: Duration::ZERO
-            }
-            .rung(),
-            Some(Rung::Kill)
-        );
-        assert_eq!(
-            Outcome::GaveUp {
-                reason: c,
-                grace: Duration::ZERO,
-                survivors: 1
-            }
-            .rung(),
-            Some(Rung::GaveUp)
-        );
-        assert!(
-            Outcome::Incomplete {
-                reason: c,
-                survivors: 1
-            }
-            .termination_incomplete()
-        );
-        assert!(
-            !Outcome::Killed {
-                reason: c,
-                grace: Duration::ZERO
-            }
-            .termination_incomplete()
-        );
+        assert!(!Outcome::ExitedAfterStop { reason: c, status: ExitKind::Code(0) }.success());
+        assert_eq!(Outcome::Killed { reason: c, grace: Duration::ZERO }.rung(), Some(Rung::Kill));
+        assert_eq!(Outcome::GaveUp { reason: c, grace: Duration::ZERO, survivors: 1 }.rung(), Some(Rung::GaveUp));
+        assert!(Outcome::Incomplete { reason: c, survivors: 1 }.termination_incomplete());
+        assert!(!Outcome::Killed { reason: c, grace: Duration::ZERO }.termination_incomplete());
         assert_eq!(Outcome::Exited(ExitKind::Code(3)).exit_code(), 3);
         assert_eq!(Outcome::Exited(ExitKind::Signal(9)).exit_code(), -1);
         assert_eq!(Outcome::Exited(ExitKind::Code(1)).stop_reason(), None);

@@ -50,12 +50,7 @@ impl ProcHandle {
     }
 
     pub fn read(&self, name: &str) -> io::Result<Vec<u8>> {
-        let fd = rustix::fs::openat(
-            &self.dir,
-            name,
-            OFlags::RDONLY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
+        let fd = rustix::fs::openat(&self.dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
         let mut out = Vec::new();
         std::fs::File::from(fd).read_to_end(&mut out)?;
         Ok(out)
@@ -77,14 +72,12 @@ impl ProcHandle {
 
     /// Whether the environment contains exactly the entry `key=value`.
     pub fn has_env(&self, entry: &[u8]) -> bool {
-        self.read("environ")
-            .is_ok_and(|env| env.split(|b| *b == 0).any(|e| e == entry))
+        self.read("environ").is_ok_and(|env| env.split(|b| *b == 0).any(|e| e == entry))
     }
 
     /// Live, not a zombie.
     pub fn alive(&self) -> bool {
-        self.stat()
-            .is_ok_and(|s| !matches!(s.state, 'Z' | 'X' | 'x'))
+        self.stat().is_ok_and(|s| !matches!(s.state, 'Z' | 'X' | 'x'))
     }
 
     pub fn signal(&self, sig: Signal) -> io::Result<()> {
@@ -97,9 +90,7 @@ impl ProcHandle {
 }
 
 pub(crate) fn boot_id() -> io::Result<String> {
-    Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?
-        .trim()
-        .to_string())
+    Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?.trim().to_string())
 }
 
 /// Every numeric entry of /proc.
@@ -107,8 +98,7 @@ pub(crate) fn all_pids() -> Vec<i32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect()
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
 }
 
 #[cfg(test)]
@@ -117,15 +107,9 @@ mod tests {
 
     #[test]
     fn parses_stat_with_awkward_command_names() {
-        let line = "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 987654 1000 10 18446744073709551615";
-        assert_eq!(
-            parse_stat(line),
-            Some(Stat {
-                state: 'S',
-                pgrp: 1234,
-                start_time: 987654
-            })
-        );
+        let line =
+            "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 987654 1000 10 18446744073709551615";
+        assert_eq!(parse_stat(line), Some(Stat { state: 'S', pgrp: 1234, start_time: 987654 }));
         assert_eq!(parse_stat("garbage"), None);
         assert_eq!(parse_stat("1 (x) S 1"), None);
     }

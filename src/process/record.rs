@@ -51,13 +51,9 @@ impl PidRecord {
     }
 
     pub fn parse(raw: &[u8]) -> Result<PidRecord, String> {
-        let r: PidRecord =
-            serde_json::from_slice(raw).map_err(|e| format!("malformed PID record: {e}"))?;
+        let r: PidRecord = serde_json::from_slice(raw).map_err(|e| format!("malformed PID record: {e}"))?;
         if r.pid <= 0 {
-            return Err(format!(
-                "malformed PID record: pid {} is not positive",
-                r.pid
-            ));
+            return Err(format!("malformed PID record: pid {} is not positive", r.pid));
         }
         if r.marker.is_empty() || r.marker.contains(['/', '\0']) {
             return Err(format!("malformed PID record: bad marker {:?}", r.marker));
@@ -78,9 +74,7 @@ impl PidRecord {
         paths
             .into_iter()
             .map(|p| {
-                let r = std::fs::read(&p)
-                    .map_err(|e| format!("cannot read: {e}"))
-                    .and_then(|b| PidRecord::parse(&b));
+                let r = std::fs::read(&p).map_err(|e| format!("cannot read: {e}")).and_then(|b| PidRecord::parse(&b));
                 (p, r)
             })
             .collect()
@@ -102,10 +96,7 @@ impl PidRecord {
         let check = || -> Result<Identity, String> {
             let tgid = h.tgid().map_err(|e| e.to_string())?;
             if tgid != self.pid {
-                return Ok(Identity::Mismatch(format!(
-                    "pid {} is a thread of {tgid}",
-                    self.pid
-                )));
+                return Ok(Identity::Mismatch(format!("pid {} is a thread of {tgid}", self.pid)));
             }
             let st = h.stat().map_err(|e| e.to_string())?;
             if st.start_time != self.start_time {
@@ -118,10 +109,7 @@ impl PidRecord {
                 return Ok(Identity::Gone);
             }
             if !h.has_env(format!("{MARKER_ENV}={}", self.marker).as_bytes()) {
-                return Ok(Identity::Mismatch(format!(
-                    "pid {} does not carry marker {}",
-                    self.pid, self.marker
-                )));
+                return Ok(Identity::Mismatch(format!("pid {} does not carry marker {}", self.pid, self.marker)));
             }
             Ok(Identity::Match)
         };
@@ -137,18 +125,10 @@ impl PidRecord {
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let result = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
@@ -176,9 +156,7 @@ mod tests {
             let e = PidRecord::parse(raw).unwrap_err();
             assert!(e.starts_with("malformed PID record"), "{e}");
         }
-        let ok =
-            PidRecord::parse(br#"{"pid":5,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#)
-                .unwrap();
+        let ok = PidRecord::parse(br#"{"pid":5,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#).unwrap();
         assert_eq!(ok.pid, 5);
     }
 

@@ -17,22 +17,13 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Backoff::new(
-            Duration::from_secs(1),
-            Duration::from_secs(300),
-            Duration::from_secs(600),
-        )
+        Backoff::new(Duration::from_secs(1), Duration::from_secs(300), Duration::from_secs(600))
     }
 }
 
 impl Backoff {
     pub fn new(initial: Duration, max: Duration, healthy_after: Duration) -> Backoff {
-        Backoff {
-            initial,
-            max,
-            healthy_after,
-            next: initial,
-        }
+        Backoff { initial, max, healthy_after, next: initial }
     }
 
     /// The delay before the next start, given how long the last run lasted.
@@ -48,9 +39,7 @@ impl Backoff {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SuperviseError {
-    #[error(
-        "a previous instance (pid {pid}) could not be stopped: {outcome}; not starting a second copy"
-    )]
+    #[error("a previous instance (pid {pid}) could not be stopped: {outcome}; not starting a second copy")]
     PreviousInstance { pid: i32, outcome: Outcome },
     #[error("could not be stopped: {0}")]
     NotStopped(Outcome),
@@ -117,11 +106,7 @@ mod tests {
         let short = Duration::from_secs(1);
         let got: Vec<u64> = (0..12).map(|_| b.after_run(short).as_secs()).collect();
         assert_eq!(got, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300]);
-        assert_eq!(
-            b.after_run(Duration::from_secs(600)).as_secs(),
-            1,
-            "reset after 10 min up"
-        );
+        assert_eq!(b.after_run(Duration::from_secs(600)).as_secs(), 1, "reset after 10 min up");
         assert_eq!(b.after_run(short).as_secs(), 2);
     }
 }

@@ -30,10 +30,7 @@ pub fn require(ok: bool, what: &str) -> bool {
 }
 
 pub fn require_cgroup(sup: &Supervisor) -> bool {
-    require(
-        sup.cgroup_root().is_some(),
-        "a writable cgroup v2 hierarchy",
-    )
+    require(sup.cgroup_root().is_some(), "a writable cgroup v2 hierarchy")
 }
 
 /// A sink that forwards every line to a channel.
@@ -41,9 +38,7 @@ pub struct ChanSink(pub mpsc::UnboundedSender<(Stream, String)>);
 
 impl LineSink for ChanSink {
     fn line(&self, stream: Stream, line: &[u8]) {
-        let _ = self
-            .0
-            .send((stream, String::from_utf8_lossy(line).into_owned()));
+        let _ = self.0.send((stream, String::from_utf8_lossy(line).into_owned()));
     }
 }
 
@@ -55,13 +50,7 @@ pub struct Lines {
 
 pub fn chan_sink() -> (Arc<ChanSink>, Lines) {
     let (tx, rx) = mpsc::unbounded_channel();
-    (
-        Arc::new(ChanSink(tx)),
-        Lines {
-            rx,
-            backlog: Vec::new(),
-        },
-    )
+    (Arc::new(ChanSink(tx)), Lines { rx, backlog: Vec::new() })
 }
 
 pub fn helper(args: &[&str], sink: Arc<dyn LineSink>) -> SpawnSpec {
@@ -86,9 +75,7 @@ pub async fn wait_line(lines: &mut Lines, prefix: &str) -> String {
         }
         panic!("output ended before a line starting with {prefix:?}");
     };
-    tokio::time::timeout(GUARD, fut)
-        .await
-        .unwrap_or_else(|_| panic!("no line starting with {prefix:?}"))
+    tokio::time::timeout(GUARD, fut).await.unwrap_or_else(|_| panic!("no line starting with {prefix:?}"))
 }
 
 /// Live (non-zombie) processes whose environment carries `NODEPLAN_RUN=<marker>`.
@@ -114,10 +101,9 @@ pub fn survivors(marker: &str) -> Vec<i32> {
 /// The process exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => s
-            .rfind(')')
-            .and_then(|i| s[i + 1..].split_whitespace().next())
-            .is_some_and(|st| st != "Z" && st != "X"),
+        Ok(s) => {
+            s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().next()).is_some_and(|st| st != "Z" && st != "X")
+        }
         Err(_) => false,
     }
 }
