@@ -36,6 +36,10 @@ pub struct ApplyArgs {
     /// Bytes of output kept per instruction (head and tail).
     #[arg(long, default_value_t = 64 * 1024)]
     pub output_cap: usize,
+    /// Where instructions get their cgroups: `auto` (discovered from /proc/self/mountinfo), `off`
+    /// (process groups only), or a directory inside a cgroup2 mount.
+    #[arg(long, default_value = "auto", value_parser = super::parse_cgroup_mode)]
+    pub cgroup: crate::process::CgroupMode,
     /// Skip the periodic instructions.
     #[arg(long)]
     pub no_periodic: bool,
@@ -93,6 +97,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         policy: StopPolicy { grace: args.stop_timeout, kill_timeout: args.kill_timeout, kill: true },
         capture_limit: args.output_cap,
         pid_dir: Some(args.pid_dir.clone()),
+        cgroup: args.cgroup.clone(),
         ..Default::default()
     });
     let owner = format!("apply:{}", plan.checksum);

@@ -124,6 +124,17 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
     r.map_err(|e| format!("cannot set up logging: {e}"))
 }
 
+/// `auto`, `off` or a directory.
+pub(crate) fn parse_cgroup_mode(s: &str) -> Result<crate::process::CgroupMode, String> {
+    use crate::process::CgroupMode;
+    Ok(match s {
+        "auto" => CgroupMode::Auto,
+        "off" => CgroupMode::Off,
+        p if p.starts_with('/') => CgroupMode::Root(p.into()),
+        other => return Err(format!("{other:?}: expected auto, off or an absolute directory")),
+    })
+}
+
 /// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();

@@ -318,6 +318,16 @@ impl Supervisor {
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
 
+        let captures = Captures::new(cfg.capture_limit);
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
+        }
+
+        // Written right after the spawn, inline: a small file in the page cache (see PidRecord::write).
         let record_path = match &cfg.pid_dir {
             Some(dir) => {
                 let record = PidRecord {
@@ -329,13 +339,8 @@ impl Supervisor {
                     owner: spec.owner.clone(),
                     command: spec.program.to_string_lossy().into_owned(),
                 };
-                let dir = dir.clone();
-                match tokio::task::spawn_blocking(move || record.write(&dir)).await {
-                    Ok(Ok(p)) => Some(p),
-                    Ok(Err(e)) => {
-                        tracing::warn!("cannot write the PID record of pid {pid}: {e}");
-                        None
-                    }
+                match record.write(dir) {
+                    Ok(p) => Some(p),
                     Err(e) => {
                         tracing::warn!("cannot write the PID record of pid {pid}: {e}");
                         None
@@ -344,15 +349,6 @@ impl Supervisor {
             }
             None => None,
         };
-
-        let captures = Captures::new(cfg.capture_limit);
-        let mut readers = Vec::new();
-        if let Some(out) = child.stdout.take() {
-            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
-        }
-        if let Some(err) = child.stderr.take() {
-            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
-        }
 
         let timeout = spec.timeout;
         let stop_reason = tokio::select! {
@@ -365,14 +361,18 @@ impl Supervisor {
                 // The leader is gone; the pgid is no longer ours to signal.
                 let tree = Tree { pgid: None, ..tree };
                 self.drain(&mut readers, cfg.drain_timeout).await;
-                let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
-                if leftovers > 0 {
-                    tracing::warn!("{} exited ({outcome}) and left {leftovers} process(es) running", spec.program.to_string_lossy());
+                // Cheap check first (cgroup.events, or a signal-0 probe of the group); the /proc
+                // scan only when something seems left.
+                if tree.maybe_leftovers(pid) {
+                    let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
+                    if leftovers > 0 {
+                        tracing::warn!("{} exited ({outcome}) and left {leftovers} process(es) running", spec.program.to_string_lossy());
+                    }
                 }
                 if !outcome.termination_incomplete() {
                     remove_record(record_path.as_deref());
                 }
-                blocking(tree, |t| t.cleanup()).await;
+                tree.cleanup();
                 return finish(outcome, captures.take(), Some(pid));
             }
             r = stop.wait() => r,

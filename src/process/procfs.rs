@@ -89,8 +89,14 @@ impl ProcHandle {
     }
 }
 
+/// This boot's id (read once; it cannot change while we run).
 pub(crate) fn boot_id() -> io::Result<String> {
-    Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?.trim().to_string())
+    static BOOT_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(b) = BOOT_ID.get() {
+        return Ok(b.clone());
+    }
+    let b = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?.trim().to_string();
+    Ok(BOOT_ID.get_or_init(|| b).clone())
 }
 
 /// Every numeric entry of /proc.

@@ -41,12 +41,16 @@ impl PidRecord {
         format!("{marker}.json")
     }
 
-    /// Write atomically: temp file, fsync, rename, fsync the directory.
+    /// Write atomically: temp file, then rename over the final name, so a reader sees either no
+    /// record or a whole one. Deliberately no fsync: a record only means something within the boot
+    /// it was written in (its boot id is checked), and the page cache survives an agent crash, so
+    /// an fsync would only protect against a power loss after which every record is stale anyway.
+    /// It would also put a disk flush on the critical path of every spawn.
     pub fn write(&self, dir: &Path) -> io::Result<PathBuf> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(Self::file_name(&self.marker));
         let json = serde_json::to_vec_pretty(self).map_err(io::Error::other)?;
-        write_atomic(&path, &json, 0o600)?;
+        write_file(&path, &json, 0o600, false)?;
         Ok(path)
     }
 
@@ -123,6 +127,10 @@ impl PidRecord {
 
 /// Temp file in the same directory, fsync, rename over `path`, fsync the directory.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_file(path, data, mode, true)
+}
+
+fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -130,9 +138,14 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     let result = (|| {
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        if durable {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run every test of nodeplan on a fresh machine: installs what the tests need (Debian packages,
+# cargo-nextest if missing), builds or reuses the kube-apiserver/etcd cache outside the clone, then
+# runs fmt, clippy and the whole test suite. `.ci/run` calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+for cmd in openssl sh sleep mkfifo; do command -v "$cmd" >/dev/null || need+=("$cmd"); done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing Debian packages for: ${need[*]}" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl coreutils >/dev/null
+fi
+command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
+
+# The real kube-apiserver and etcd for remote-mode tests (about 5 minutes once, instant after).
+K8S_CACHE=${NODEPLAN_K8S_CACHE:-/var/tmp/nodeplan-k8s}
+tools/build-kube-apiserver.sh "$K8S_CACHE" >&2
+export NODEPLAN_K8S_BIN="$K8S_CACHE/bin"
+
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+cargo nextest run --locked --no-fail-fast "$@"
