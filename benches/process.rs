@@ -2,6 +2,7 @@
 //! 1. spawn-and-wait of `/bin/true` through the supervisor vs `std::process::Command`;
 //! 2. capturing 1 GiB of stdout (line-structured) vs `cat > /dev/null` reading the same stream,
 //!    with the peak RSS of the process doing the capture.
+//!
 //! Not a test: it asserts nothing. Run: `cargo bench --bench process`.
 
 use nodeplan::process::{CgroupMode, SpawnSpec, StopSignal, Supervisor, SupervisorConfig};
