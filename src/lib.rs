@@ -7,6 +7,7 @@
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
+//! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 
 pub mod apply;
@@ -14,3 +15,4 @@ pub mod cli;
 pub mod plan;
 pub mod probe;
 pub mod process;
+pub mod remote;

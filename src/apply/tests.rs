@@ -99,15 +99,9 @@ async fn release(fifo: String) {
         .unwrap();
 }
 
-#[derive(Clone, Copy, Debug)]
-enum Act {
-    Pause,
-    Cancel,
-}
-
 /// Instruction a signals READY, then blocks on GO and ends with `a_end`; b and c touch files.
-/// While a runs, `act` happens; then GO is released.
-async fn interrupt_while_running(a_end: &str, act: Act) -> (Fixture, ApplyResult) {
+/// While a runs, a pause is requested; then GO is released.
+async fn pause_while_running(a_end: &str) -> (Fixture, ApplyResult) {
     let fx = fixture();
     let (ready, go) = (fx.fifo("ready"), fx.fifo("go"));
     let a = format!("echo a-out; echo a-err >&2; echo > {ready}; cat {go} > /dev/null; {a_end}");
@@ -119,10 +113,7 @@ async fn interrupt_while_running(a_end: &str, act: Act) -> (Fixture, ApplyResult
         let run = fx.app.apply(input(&plan, rx));
         let drive = async {
             wait_running(ready).await;
-            match act {
-                Act::Pause => tx.send_modify(|i| i.pause = true),
-                Act::Cancel => tx.send_modify(|i| i.cancel = true),
-            }
+            tx.send_modify(|i| i.pause = true);
             release(go).await;
         };
         let (r, ()) = tokio::join!(run, drive);
@@ -133,7 +124,7 @@ async fn interrupt_while_running(a_end: &str, act: Act) -> (Fixture, ApplyResult
 
 #[tokio::test]
 async fn pause_while_an_instruction_runs_stops_at_the_boundary() {
-    let (fx, r) = interrupt_while_running("exit 0", Act::Pause).await;
+    let (fx, r) = pause_while_running("exit 0").await;
     assert_eq!(r.interruption, Some(Interruption::Paused));
     assert_eq!((r.completed, r.total), (1, 3));
     assert!(!r.one_time_succeeded);
@@ -143,7 +134,7 @@ async fn pause_while_an_instruction_runs_stops_at_the_boundary() {
 
 #[tokio::test]
 async fn pause_pending_while_the_instruction_fails_is_a_failure() {
-    let (fx, r) = interrupt_while_running("exit 7", Act::Pause).await;
+    let (fx, r) = pause_while_running("exit 7").await;
     assert_eq!(r.interruption, None, "pause never masks a failure (R5)");
     assert!(!r.one_time_succeeded);
     assert_eq!(r.completed, 0);
@@ -173,9 +164,19 @@ async fn cancel_while_an_instruction_runs_stops_its_tree() {
 #[tokio::test]
 async fn cancel_while_the_instruction_fails_is_a_cancel() {
     // `a` exits 1 when it gets SIGTERM: that failure is the cancel's doing (R9).
-    let (fx, r) = interrupt_while_running("trap 'exit 1' TERM; sleep 300 & wait; exit 1", Act::Cancel).await;
+    let fx = fixture();
+    let ready = fx.fifo("ready");
+    let a = format!("trap 'exit 1' TERM; echo > {ready}; sleep 300 & wait; exit 1");
+    let plan = sh_plan(&[&a, &format!("touch {}", fx.path("b-ran"))]);
+    let (tx, rx) = watch::channel(Interrupt::default());
+    let (r, ()) = tokio::join!(fx.app.apply(input(&plan, rx)), async {
+        wait_running(ready).await;
+        tx.send_modify(|i| i.cancel = true);
+    });
+    let r = r.unwrap();
     assert_eq!(r.interruption, Some(Interruption::Canceled));
     assert_eq!(r.completed, 0);
+    assert_eq!(r.reports[0].outcome.to_string(), "exited after stop request: exit status 1");
     assert!(!fx.exists("b-ran"));
 }
 

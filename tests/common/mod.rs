@@ -43,14 +43,37 @@ impl LineSink for ChanSink {
 }
 
 /// The receiving end of a [`ChanSink`], keeping lines it has not been asked for yet.
+/// Pids announced by the helper (`ready N`, `child N`, `grandchild N`) are SIGKILLed when this is
+/// dropped, if they are still ours, so a failing test leaves nothing behind.
 pub struct Lines {
     rx: mpsc::UnboundedReceiver<(Stream, String)>,
     backlog: Vec<String>,
+    pids: Vec<i32>,
+}
+
+impl Lines {
+    fn note(&mut self, line: &str) {
+        if let Some(pid) = line.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
+            self.pids.push(pid);
+        }
+    }
+}
+
+impl Drop for Lines {
+    fn drop(&mut self) {
+        for pid in &self.pids {
+            let ours = std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|e| e.split(|b| *b == 0).any(|x| x.starts_with(format!("{MARKER_ENV}=").as_bytes())));
+            if ours && alive(*pid) {
+                kill_all(&[*pid]);
+            }
+        }
+    }
 }
 
 pub fn chan_sink() -> (Arc<ChanSink>, Lines) {
     let (tx, rx) = mpsc::unbounded_channel();
-    (Arc::new(ChanSink(tx)), Lines { rx, backlog: Vec::new() })
+    (Arc::new(ChanSink(tx)), Lines { rx, backlog: Vec::new(), pids: Vec::new() })
 }
 
 pub fn helper(args: &[&str], sink: Arc<dyn LineSink>) -> SpawnSpec {
@@ -68,6 +91,7 @@ pub async fn wait_line(lines: &mut Lines, prefix: &str) -> String {
     }
     let fut = async {
         while let Some((_, l)) = lines.rx.recv().await {
+            lines.note(&l);
             if let Some(rest) = l.strip_prefix(prefix) {
                 return rest.trim().to_string();
             }

@@ -1,0 +1,337 @@
+//! The Kubernetes edge of remote mode: one Secret, read, watched and patched; no decisions.
+//!
+//! This module owns every call remote mode makes to the Kubernetes API for the plan Secret
+//! (system-agent's `pkg/k8splan` informer and `updateSecret`): building a [`kube::Client`] from
+//! the connection-info kubeconfig, GET, a field-selected watch that never ends, and JSON merge
+//! patches of `data` keys guarded by a `metadata.resourceVersion` precondition.
+//!
+//! It must not decide anything: it does not parse the plan, compare checksums or resource
+//! versions, retry conflicts, debounce or back off beyond what the watch needs to survive. It
+//! touches no other object than the one Secret named by [`SecretRef`], and it never writes a key
+//! the caller did not name. What the data means is the reconcile loop's business.
+//!
+//! Test support for the orchestrator's side (Rancher writing `plan`, annotations, creating and
+//! deleting the Secret) lives here too ([`SecretClient::orchestrator_patch`],
+//! [`SecretClient::create`], [`SecretClient::delete`]) so tests drive the same wire path.
+
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use futures::{Stream, StreamExt as _};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher;
+
+/// The Secret type Rancher gives machine-plan Secrets.
+pub const MACHINE_PLAN_SECRET_TYPE: &str = "rke.cattle.io/machine-plan";
+
+/// Where the plan Secret lives (connection-info `namespace` and `secretName`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// A snapshot of the Secret: what remote mode decides from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SecretSnapshot {
+    pub uid: String,
+    pub resource_version: String,
+    /// Raw bytes of `Secret.data` (already base64-decoded).
+    pub data: BTreeMap<String, Vec<u8>>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl SecretSnapshot {
+    /// Convert an API object. A Secret without `uid` or `resourceVersion` did not come from a
+    /// real apiserver and cannot be reasoned about, so it is an error rather than a default.
+    fn from_secret(secret: Secret) -> Result<Self, String> {
+        let meta = secret.metadata;
+        let uid = meta.uid.filter(|u| !u.is_empty()).ok_or("secret has no metadata.uid")?;
+        let resource_version =
+            meta.resource_version.filter(|rv| !rv.is_empty()).ok_or("secret has no metadata.resourceVersion")?;
+        let data = secret.data.unwrap_or_default().into_iter().map(|(k, ByteString(v))| (k, v)).collect();
+        let annotations = meta.annotations.unwrap_or_default();
+        Ok(SecretSnapshot { uid, resource_version, data, annotations })
+    }
+}
+
+/// Why a precondition-guarded write failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriteError {
+    /// 409: the resourceVersion precondition did not hold (someone else wrote first).
+    #[error("conflict: the secret was modified since the resourceVersion given")]
+    Conflict,
+    /// 404: the Secret (or its namespace) does not exist.
+    #[error("not found: the secret does not exist")]
+    NotFound,
+    /// Anything else (transport, auth, validation, a malformed answer).
+    #[error("secret write failed: {0}")]
+    Other(String),
+}
+
+/// Reads, watches and patches the one plan Secret. Cheap to clone (shares the connection pool).
+#[derive(Clone)]
+pub struct SecretClient {
+    api: Api<Secret>,
+    secret: SecretRef,
+}
+
+impl std::fmt::Debug for SecretClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretClient").field("secret", &self.secret).finish_non_exhaustive()
+    }
+}
+
+/// Collapse an error (and its sources) into one line.
+fn one_line(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out.replace(['\n', '\r'], " ")
+}
+
+fn kube_error_line(err: &kube::Error) -> String {
+    match err {
+        kube::Error::Api(status) => {
+            let reason = if status.reason.is_empty() { "Unknown" } else { status.reason.as_str() };
+            format!("apiserver answered {} {}: {}", status.code, reason, status.message).replace(['\n', '\r'], " ")
+        }
+        other => one_line(other),
+    }
+}
+
+fn write_error(err: kube::Error) -> WriteError {
+    match &err {
+        kube::Error::Api(status) if status.code == 409 => WriteError::Conflict,
+        kube::Error::Api(status) if status.code == 404 => WriteError::NotFound,
+        _ => WriteError::Other(kube_error_line(&err)),
+    }
+}
+
+/// The JSON merge patch [`SecretClient::patch_data`] sends: `data` values base64, deletes as
+/// `null`, and `metadata.resourceVersion` as the precondition.
+fn data_patch(rv: &str, updates: &BTreeMap<String, Option<Vec<u8>>>) -> serde_json::Value {
+    let data: serde_json::Map<String, serde_json::Value> = updates
+        .iter()
+        .map(|(k, v)| {
+            let value = match v {
+                Some(bytes) => serde_json::Value::String(BASE64.encode(bytes)),
+                None => serde_json::Value::Null,
+            };
+            (k.clone(), value)
+        })
+        .collect();
+    serde_json::json!({ "metadata": { "resourceVersion": rv }, "data": data })
+}
+
+impl SecretClient {
+    pub fn new(client: kube::Client, secret: SecretRef) -> Self {
+        let api = Api::namespaced(client, &secret.namespace);
+        SecretClient { api, secret }
+    }
+
+    /// The Secret this client is bound to.
+    pub fn secret_ref(&self) -> &SecretRef {
+        &self.secret
+    }
+
+    /// Build a kube::Client from kubeconfig YAML text (as in system-agent's connection-info
+    /// `kubeConfig`), with rustls; strict CA verification (no fallback to system roots).
+    ///
+    /// When the kubeconfig carries a CA (`certificate-authority-data` or a
+    /// `certificate-authority` path), that CA is the only trust root; unlike system-agent there
+    /// is no retry without it after an "unknown authority" failure. Without a CA, kube uses the
+    /// platform verifier (as Go does with no CA data). The current context's cluster, user and
+    /// namespace are used; proxy settings follow kube (kubeconfig `proxy-url`, then
+    /// `HTTPS_PROXY`).
+    pub async fn client_from_kubeconfig_yaml(yaml: &str) -> Result<kube::Client, String> {
+        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| format!("kubeconfig: {}", one_line(&e)))?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| format!("kubeconfig: {}", one_line(&e)))?;
+        if config.accept_invalid_certs {
+            return Err("kubeconfig: insecure-skip-tls-verify is not supported".to_string());
+        }
+        kube::Client::try_from(config).map_err(|e| format!("kube client: {}", kube_error_line(&e)))
+    }
+
+    /// GET the Secret; `None` when it does not exist.
+    pub async fn get(&self) -> Result<Option<SecretSnapshot>, String> {
+        match self.api.get_opt(&self.secret.name).await {
+            Ok(Some(secret)) => SecretSnapshot::from_secret(secret).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => Err(format!("get secret {}: {}", self.describe(), kube_error_line(&e))),
+        }
+    }
+
+    /// JSON merge patch of `data` keys (Some(bytes) = set, None = delete key; remember
+    /// Secret.data values are base64 in JSON) carrying metadata.resourceVersion = `rv` as the
+    /// precondition. Content-Type application/merge-patch+json. Returns the new snapshot.
+    /// 409 → WriteError::Conflict, 404 → NotFound.
+    pub async fn patch_data(
+        &self,
+        rv: &str,
+        updates: &BTreeMap<String, Option<Vec<u8>>>,
+    ) -> Result<SecretSnapshot, WriteError> {
+        let patch = data_patch(rv, updates);
+        let secret = self
+            .api
+            .patch(&self.secret.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(write_error)?;
+        SecretSnapshot::from_secret(secret).map_err(WriteError::Other)
+    }
+
+    /// A stream of snapshots of the one Secret (None when it does not exist), using
+    /// kube::runtime::watcher with fieldSelector metadata.name=<name> in the namespace; it keeps
+    /// going (relist) after errors and 410 Gone — errors are logged with tracing::warn and never
+    /// end the stream.
+    ///
+    /// Semantics (those of `kube::runtime::watcher::watch_object`): after every (re)list the
+    /// current object is yielded, or `None` if the list did not contain it; afterwards each
+    /// ADDED/MODIFIED yields `Some` and each DELETED yields `None`. A relist may repeat a snapshot
+    /// already seen. Errors pause the stream with kube's default backoff (0.8 s doubling to 30 s,
+    /// reset on success) so a dead apiserver is not hammered.
+    pub fn watch(&self) -> impl Stream<Item = Option<SecretSnapshot>> + Send + 'static {
+        let fields = format!("metadata.name={}", self.secret.name);
+        let what = self.describe();
+        watcher::watcher(self.api.clone(), watcher::Config::default().fields(&fields))
+            .default_backoff()
+            // `seen`: whether the object appeared in the current Init..InitDone relist.
+            .scan(false, |seen, event| {
+                let out = match event {
+                    Ok(watcher::Event::Init) => {
+                        *seen = false;
+                        None
+                    }
+                    Ok(watcher::Event::InitApply(secret) | watcher::Event::Apply(secret)) => {
+                        *seen = true;
+                        Some(Ok(Some(secret)))
+                    }
+                    Ok(watcher::Event::InitDone) => (!*seen).then_some(Ok(None)),
+                    Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
+                    Err(e) => Some(Err(e)),
+                };
+                futures::future::ready(Some(out))
+            })
+            .filter_map(move |item| {
+                let out = match item {
+                    None => None,
+                    Some(Ok(None)) => Some(None),
+                    Some(Ok(Some(secret))) => match SecretSnapshot::from_secret(secret) {
+                        Ok(snapshot) => Some(Some(snapshot)),
+                        Err(e) => {
+                            tracing::warn!(secret = %what, error = %e, "ignoring unusable watch event");
+                            None
+                        }
+                    },
+                    Some(Err(e)) => {
+                        tracing::warn!(secret = %what, error = %one_line(&e), "watch error; the watch continues");
+                        None
+                    }
+                };
+                futures::future::ready(out)
+            })
+    }
+
+    /// Orchestrator side (tests): a JSON merge patch without any precondition.
+    pub async fn orchestrator_patch(&self, patch: serde_json::Value) -> Result<SecretSnapshot, String> {
+        let secret = self
+            .api
+            .patch(&self.secret.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| format!("patch secret {}: {}", self.describe(), kube_error_line(&e)))?;
+        SecretSnapshot::from_secret(secret)
+    }
+
+    /// Orchestrator side (tests): create the Secret with type `rke.cattle.io/machine-plan`.
+    pub async fn create(
+        &self,
+        data: BTreeMap<String, Vec<u8>>,
+        annotations: BTreeMap<String, String>,
+    ) -> Result<SecretSnapshot, String> {
+        let mut secret = Secret::default();
+        secret.metadata.name = Some(self.secret.name.clone());
+        secret.metadata.namespace = Some(self.secret.namespace.clone());
+        secret.metadata.annotations = Some(annotations);
+        secret.type_ = Some(MACHINE_PLAN_SECRET_TYPE.to_string());
+        secret.data = Some(data.into_iter().map(|(k, v)| (k, ByteString(v))).collect());
+        let created = self
+            .api
+            .create(&PostParams::default(), &secret)
+            .await
+            .map_err(|e| format!("create secret {}: {}", self.describe(), kube_error_line(&e)))?;
+        SecretSnapshot::from_secret(created)
+    }
+
+    /// Orchestrator side (tests): delete the Secret. Deleting a Secret that does not exist is Ok.
+    pub async fn delete(&self) -> Result<(), String> {
+        match self.api.delete(&self.secret.name, &DeleteParams::default()).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            Err(e) => Err(format!("delete secret {}: {}", self.describe(), kube_error_line(&e))),
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("{}/{}", self.secret.namespace, self.secret.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_patch_encodes_values_and_deletes() {
+        let mut updates = BTreeMap::new();
+        updates.insert("plan-state".to_string(), Some(b"in-progress".to_vec()));
+        updates.insert("plan-checkpoint".to_string(), Some(Vec::new()));
+        updates.insert("probe-statuses".to_string(), None);
+        let patch = data_patch("42", &updates);
+        assert_eq!(
+            patch,
+            serde_json::json!({
+                "metadata": {"resourceVersion": "42"},
+                "data": {"plan-state": "aW4tcHJvZ3Jlc3M=", "plan-checkpoint": "", "probe-statuses": null}
+            })
+        );
+    }
+
+    #[test]
+    fn snapshot_requires_uid_and_resource_version() {
+        let mut secret = Secret::default();
+        assert!(SecretSnapshot::from_secret(secret.clone()).is_err());
+        secret.metadata.uid = Some("u".into());
+        assert!(SecretSnapshot::from_secret(secret.clone()).is_err());
+        secret.metadata.resource_version = Some("7".into());
+        secret.data = Some([("k".to_string(), ByteString(b"v".to_vec()))].into());
+        let snap = SecretSnapshot::from_secret(secret).expect("valid secret");
+        assert_eq!(snap.uid, "u");
+        assert_eq!(snap.resource_version, "7");
+        assert_eq!(snap.data.get("k").map(Vec::as_slice), Some(&b"v"[..]));
+    }
+
+    #[test]
+    fn write_error_maps_status_codes() {
+        let status = |code: u16| kube::Error::Api(kube::core::Status::failure("m", "R").with_code(code).boxed());
+        assert_eq!(write_error(status(409)), WriteError::Conflict);
+        assert_eq!(write_error(status(404)), WriteError::NotFound);
+        match write_error(status(422)) {
+            WriteError::Other(msg) => assert!(msg.contains("422"), "{msg}"),
+            other => panic!("expected Other, got {other:?}"),
+        }
+    }
+}

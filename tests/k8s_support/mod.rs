@@ -1,0 +1,522 @@
+//! A real Kubernetes control plane for integration tests: etcd + kube-apiserver (1.20.2, built by
+//! `tools/build-kube-apiserver.sh`) on loopback, in a temp dir, reached over HTTPS with a
+//! `system:masters` bearer token.
+//!
+//! Owns: the etcd and kube-apiserver child processes it spawns (by pid, never by name), their
+//! temp dir (data, certs, logs, kubeconfig), and the loud skip/fail policy when the binaries are
+//! missing. It must not touch anything else: no global kubeconfig, no `KUBECONFIG` env, no
+//! processes it did not start.
+//!
+//! Binaries: `$NODEPLAN_K8S_BIN`, else `/var/tmp/nodeplan-k8s/bin` if it exists. When they are
+//! missing, [`ControlPlane::start`] / [`ControlPlane::shared`] print a loud `*** SKIPPED ... ***`
+//! line (straight to stderr, past libtest's capture) and return `None`; with `NODEPLAN_CI` set
+//! they panic instead, so CI never skips silently.
+//!
+//! Sharing: a start (RSA key, etcd, apiserver up to `/readyz` = ok) measured 3.3-4.0 s on a
+//! 2-core machine and costs ~350 MB, so a test binary shares one control plane
+//! ([`ControlPlane::shared`]) and gives every test its own namespace
+//! ([`ControlPlane::new_namespace`]). Tests that stop/start the apiserver take their own
+//! ([`ControlPlane::start`]). Each test builds its own [`ControlPlane::client`]: a client's
+//! pooled connections belong to the tokio runtime that opened them.
+//!
+//! Cleanup, in layers:
+//! 1. `Drop` SIGKILLs the apiserver, then etcd, by pid, reaps them, and removes the temp dir.
+//! 2. The shared control plane lives in a `static` and is never dropped: a `libc::atexit` hook
+//!    SIGKILLs and reaps every child still registered and removes the temp dirs when the test
+//!    binary exits (normally or after a failed test).
+//! 3. If the test binary is killed outright (SIGKILL, so neither runs), each child has a tiny
+//!    `sh` watchdog that polls the test process's pid once a second and SIGKILLs the child (and
+//!    removes the temp dir) when the test process is gone. `PR_SET_PDEATHSIG` is deliberately not
+//!    used: it fires when the spawning *thread* exits, and test threads come and go.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Once};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// Bounded wait for the apiserver to answer `/readyz` with `ok`.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Interval of the bounded readiness poll.
+const READY_POLL: Duration = Duration::from_millis(100);
+/// The bearer token the apiserver accepts (group `system:masters`); loopback only.
+const TOKEN: &str = "nodeplan-test-token";
+const DEFAULT_BIN: &str = "/var/tmp/nodeplan-k8s/bin";
+
+// ---------------------------------------------------------------------------------------------
+// Process bookkeeping for the atexit hook.
+
+#[derive(Default)]
+struct Registry {
+    pids: Vec<u32>,
+    dirs: Vec<PathBuf>,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry { pids: Vec::new(), dirs: Vec::new() });
+static ATEXIT: Once = Once::new();
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+extern "C" fn kill_registered_at_exit() {
+    let mut reg = registry();
+    // Reverse order of spawning: watchdogs and apiservers before etcd.
+    for pid in reg.pids.drain(..).rev() {
+        let pid = pid as libc::pid_t;
+        // SAFETY: plain syscalls on pids this process spawned and has not reaped.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+    }
+    for dir in reg.dirs.drain(..) {
+        let _ = fs::remove_dir_all(dir);
+    }
+}
+
+fn install_atexit() {
+    ATEXIT.call_once(|| {
+        // SAFETY: registering a plain `extern "C" fn()`.
+        let rc = unsafe { libc::atexit(kill_registered_at_exit) };
+        assert_eq!(rc, 0, "atexit registration failed");
+    });
+}
+
+/// A child process plus the watchdog that kills it if the test process disappears.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    watchdog: Option<Child>,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, mut cmd: Command, log: &Path, cleanup_dir: Option<&Path>) -> Proc {
+        install_atexit();
+        let log_file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap_or_else(|e| panic!("open {}: {e}", log.display()));
+        let log_err = log_file.try_clone().unwrap_or_else(|e| panic!("dup log fd: {e}"));
+        cmd.stdin(Stdio::null()).stdout(log_file).stderr(log_err);
+        let mut reg = registry();
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        reg.pids.push(child.id());
+        let watchdog = Command::new("sh")
+            .arg("-c")
+            .arg(r#"while kill -0 "$1" 2>/dev/null; do sleep 1; done; kill -9 "$2" 2>/dev/null; [ -n "$3" ] && rm -rf "$3"; exit 0"#)
+            .arg("nodeplan-k8s-watchdog")
+            .arg(std::process::id().to_string())
+            .arg(child.id().to_string())
+            .arg(cleanup_dir.map(|d| d.display().to_string()).unwrap_or_default())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok();
+        if let Some(w) = &watchdog {
+            reg.pids.push(w.id());
+        }
+        Proc { name, child, watchdog }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Has it exited already? Returns the exit status text.
+    fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(status.to_string()),
+            Ok(None) => None,
+            Err(e) => Some(format!("wait failed: {e}")),
+        }
+    }
+
+    /// SIGKILL the watchdog then the child, and reap both.
+    fn kill(&mut self) {
+        let mut reg = registry();
+        if let Some(mut w) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+            reg.pids.retain(|p| *p != w.id());
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        reg.pids.retain(|p| *p != self.child.id());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binaries and the skip policy.
+
+/// Print straight to the process's stderr: libtest captures `eprintln!` of passing tests, and a
+/// skip must be seen.
+pub fn loud(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+fn k8s_bin() -> Option<PathBuf> {
+    let dir = match std::env::var_os("NODEPLAN_K8S_BIN") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => PathBuf::from(DEFAULT_BIN),
+    };
+    let missing: Vec<&str> = ["etcd", "kube-apiserver"].into_iter().filter(|b| !dir.join(b).is_file()).collect();
+    if missing.is_empty() {
+        return Some(dir);
+    }
+    let need = format!(
+        "real kube-apiserver tests need {} in {} (set NODEPLAN_K8S_BIN; build with tools/build-kube-apiserver.sh)",
+        missing.join(" and "),
+        dir.display()
+    );
+    if std::env::var_os("NODEPLAN_CI").is_some() {
+        panic!("NODEPLAN_CI is set, so these tests must not skip: {need}");
+    }
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    loud(&format!("*** SKIPPED {test}: {need} ***"));
+    None
+}
+
+fn free_ports<const N: usize>() -> [u16; N] {
+    // Hold all listeners until every port is chosen so the N ports are distinct.
+    let listeners: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("bind 127.0.0.1:0: {e}")))
+        .collect();
+    let mut out = [0u16; N];
+    for (slot, l) in out.iter_mut().zip(&listeners) {
+        *slot = l.local_addr().unwrap_or_else(|e| panic!("local_addr: {e}")).port();
+    }
+    out
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    match fs::read_to_string(path) {
+        Ok(text) => {
+            let all: Vec<&str> = text.lines().collect();
+            all[all.len().saturating_sub(lines)..].join("\n")
+        }
+        Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}
+
+fn run_checked(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The CA certificate: the second PEM block of the apiserver's self-signed `apiserver.crt`
+/// (leaf first, then its CA). `None` until the file is completely written.
+fn ca_from_cert_file(path: &Path) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        if line.starts_with("-----BEGIN CERTIFICATE-----") {
+            current = Some(String::new());
+        }
+        if let Some(block) = current.as_mut() {
+            block.push_str(line);
+            block.push('\n');
+        }
+        if line.starts_with("-----END CERTIFICATE-----") {
+            blocks.extend(current.take());
+        }
+    }
+    if blocks.len() >= 2 { blocks.into_iter().nth(1) } else { None }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static NS_COUNTER: AtomicU64 = AtomicU64::new(0);
+static SHARED: tokio::sync::OnceCell<Option<ControlPlane>> = tokio::sync::OnceCell::const_new();
+
+pub struct ControlPlane {
+    dir: PathBuf,
+    bin: PathBuf,
+    etcd_url: String,
+    port: u16,
+    etcd: Option<Proc>,
+    apiserver: Option<Proc>,
+    ca_pem: String,
+    started_in: Duration,
+}
+
+impl ControlPlane {
+    /// Start etcd and kube-apiserver on free loopback ports in a temp dir and wait (at most
+    /// 60 s) until `/readyz` says `ok`. Returns None (after the loud skip message) when the
+    /// binaries are missing outside CI; panics with the logs' tails if the start fails.
+    pub async fn start() -> Option<ControlPlane> {
+        let bin = k8s_bin()?;
+        let t0 = Instant::now();
+        let dir = tempfile::Builder::new()
+            .prefix("nodeplan-k8s-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("temp dir: {e}"))
+            .keep();
+        registry().dirs.push(dir.clone());
+        for sub in ["certs", "etcd"] {
+            fs::create_dir_all(dir.join(sub)).unwrap_or_else(|e| panic!("mkdir {sub}: {e}"));
+        }
+        run_checked(Command::new("openssl").args(["genrsa", "-out"]).arg(dir.join("sa.key")).arg("2048"));
+        run_checked(
+            Command::new("openssl")
+                .args(["rsa", "-pubout", "-in"])
+                .arg(dir.join("sa.key"))
+                .arg("-out")
+                .arg(dir.join("sa.pub")),
+        );
+        fs::write(dir.join("tokens.csv"), format!("{TOKEN},admin,admin-uid,system:masters\n"))
+            .unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
+
+        let [etcd_port, peer_port, port] = free_ports::<3>();
+        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let mut etcd = Command::new(bin.join("etcd"));
+        etcd.arg("--name=default")
+            .arg(format!("--data-dir={}", dir.join("etcd").display()))
+            .arg(format!("--listen-client-urls={etcd_url}"))
+            .arg(format!("--advertise-client-urls={etcd_url}"))
+            .arg(format!("--listen-peer-urls={peer_url}"))
+            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+            .arg(format!("--initial-cluster=default={peer_url}"));
+        let etcd = Proc::spawn("etcd", etcd, &dir.join("etcd.log"), Some(&dir));
+
+        let mut cp = ControlPlane {
+            dir,
+            bin,
+            etcd_url,
+            port,
+            etcd: Some(etcd),
+            apiserver: None,
+            ca_pem: String::new(),
+            started_in: Duration::ZERO,
+        };
+        cp.start_apiserver().await;
+        cp.started_in = t0.elapsed();
+        Some(cp)
+    }
+
+    /// The control plane shared by all tests of this test binary (started on first use; killed
+    /// at process exit by the atexit hook). Never stop its apiserver: use [`ControlPlane::start`]
+    /// for that. Returns None (after the loud skip message) when the binaries are missing.
+    pub async fn shared() -> Option<&'static ControlPlane> {
+        let already_tried = SHARED.initialized();
+        let cp = SHARED
+            .get_or_init(|| async {
+                let cp = ControlPlane::start().await;
+                if let Some(cp) = &cp {
+                    loud(&format!(
+                        "k8s_support: shared control plane ready in {:?} at {}",
+                        cp.started_in,
+                        cp.dir.display()
+                    ));
+                }
+                cp
+            })
+            .await
+            .as_ref();
+        if cp.is_none() && already_tried {
+            // Repeat the skip for every test that wanted it (the first one printed it in start).
+            let _ = k8s_bin();
+        }
+        cp
+    }
+
+    /// How long `start()` took, from the temp dir to `/readyz` = ok.
+    pub fn started_in(&self) -> Duration {
+        self.started_in
+    }
+
+    pub fn server_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A self-contained kubeconfig (CA embedded as `certificate-authority-data`, bearer token).
+    pub fn kubeconfig_yaml(&self) -> String {
+        self.kubeconfig_yaml_with_ca(&self.ca_pem)
+    }
+
+    /// The kubeconfig with another CA (PEM) in place of the apiserver's, e.g. to prove that
+    /// verification is strict.
+    pub fn kubeconfig_yaml_with_ca(&self, ca_pem: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: admin\n  user:\n    token: {TOKEN}\ncontexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\n    namespace: default\ncurrent-context: local\n",
+            server = self.server_url(),
+            ca = b64(ca_pem.as_bytes()),
+        )
+    }
+
+    /// The same kubeconfig, written in the temp dir.
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+
+    /// A fresh client (one per test: a client's pooled connections belong to the tokio runtime
+    /// that made them, and every `#[tokio::test]` has its own runtime).
+    pub async fn client(&self) -> kube::Client {
+        client_from_yaml(&self.kubeconfig_yaml()).await.unwrap_or_else(|e| panic!("test kube client: {e}"))
+    }
+
+    /// Create a namespace with a unique name starting with `prefix`; returns its name.
+    pub async fn new_namespace(&self, prefix: &str) -> String {
+        let n = NS_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let clean: String = prefix
+            .chars()
+            .map(|c| c.to_ascii_lowercase())
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(40)
+            .collect();
+        let name = format!("{}-{}-{n}", clean.trim_matches('-'), std::process::id());
+        let mut ns = Namespace::default();
+        ns.metadata.name = Some(name.clone());
+        Api::<Namespace>::all(self.client().await)
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
+        name
+    }
+
+    /// Kill the apiserver by pid (SIGKILL) and wait for it to exit; etcd stays.
+    pub async fn stop_apiserver(&mut self) {
+        if let Some(mut p) = self.apiserver.take() {
+            // SIGKILL, then a blocking reap that takes milliseconds.
+            p.kill();
+        }
+    }
+
+    /// Start the apiserver again on the same port with the same certs and etcd; wait ready.
+    pub async fn start_apiserver(&mut self) {
+        assert!(self.apiserver.is_none(), "apiserver already running");
+        let d = &self.dir;
+        let mut cmd = Command::new(self.bin.join("kube-apiserver"));
+        cmd.arg(format!("--etcd-servers={}", self.etcd_url))
+            .arg(format!("--secure-port={}", self.port))
+            .arg("--bind-address=127.0.0.1")
+            .arg("--advertise-address=127.0.0.1")
+            .arg(format!("--cert-dir={}", d.join("certs").display()))
+            .arg(format!("--token-auth-file={}", d.join("tokens.csv").display()))
+            .arg("--authorization-mode=RBAC")
+            .arg("--service-account-issuer=https://kubernetes.default.svc")
+            .arg(format!("--service-account-key-file={}", d.join("sa.pub").display()))
+            .arg(format!("--service-account-signing-key-file={}", d.join("sa.key").display()))
+            .arg("--service-cluster-ip-range=10.0.0.0/24")
+            .arg("--disable-admission-plugins=ServiceAccount");
+        self.apiserver = Some(Proc::spawn("kube-apiserver", cmd, &d.join("apiserver.log"), None));
+        self.wait_ready().await;
+    }
+
+    async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut client: Option<kube::Client> = None;
+        let mut last = String::from("no attempt yet");
+        loop {
+            let exited = self.apiserver.as_mut().and_then(Proc::exited).map(|s| format!("kube-apiserver exited: {s}"));
+            let etcd_exited = self.etcd.as_mut().and_then(Proc::exited).map(|s| format!("etcd exited: {s}"));
+            if let Some(why) = exited.or(etcd_exited) {
+                self.fail(&why);
+            }
+            if Instant::now() > deadline {
+                self.fail(&format!("not ready within {READY_TIMEOUT:?}; last: {last}"));
+            }
+            if client.is_none() {
+                // The apiserver writes its self-signed cert at startup; the CA is the 2nd block.
+                if let Some(ca) = ca_from_cert_file(&self.dir.join("certs/apiserver.crt")) {
+                    self.ca_pem = ca;
+                    let yaml = self.kubeconfig_yaml();
+                    fs::write(self.kubeconfig_path(), &yaml).unwrap_or_else(|e| panic!("write kubeconfig: {e}"));
+                    match client_from_yaml(&yaml).await {
+                        Ok(c) => client = Some(c),
+                        Err(e) => last = e,
+                    }
+                } else {
+                    last = "certs/apiserver.crt not written yet".into();
+                }
+            }
+            if let Some(c) = &client {
+                let req = http::Request::get("/readyz").body(Vec::new());
+                match req {
+                    Ok(req) => match tokio::time::timeout(Duration::from_secs(5), c.request_text(req)).await {
+                        Ok(Ok(body)) if body.trim() == "ok" => return,
+                        Ok(Ok(body)) => last = format!("/readyz said {body:?}"),
+                        Ok(Err(e)) => last = format!("/readyz: {e}"),
+                        Err(_) => last = "/readyz: no answer within 5 s".into(),
+                    },
+                    Err(e) => self.fail(&format!("build /readyz request: {e}")),
+                }
+            }
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+
+    fn fail(&mut self, why: &str) -> ! {
+        let api_log = tail(&self.dir.join("apiserver.log"), 40);
+        let etcd_log = tail(&self.dir.join("etcd.log"), 15);
+        panic!(
+            "control plane in {} failed: {why}\n--- apiserver.log (tail) ---\n{api_log}\n--- etcd.log (tail) ---\n{etcd_log}",
+            self.dir.display()
+        );
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.apiserver.take() {
+            p.kill();
+        }
+        if let Some(mut p) = self.etcd.take() {
+            p.kill();
+        }
+        registry().dirs.retain(|d| d != &self.dir);
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// kube client from kubeconfig text, ignoring any proxy settings (the server is on loopback).
+async fn client_from_yaml(yaml: &str) -> Result<kube::Client, String> {
+    let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| e.to_string())?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    config.proxy_url = None;
+    kube::Client::try_from(config).map_err(|e| e.to_string())
+}
+
+/// A fresh self-signed CA certificate (PEM) that signed nothing the apiserver serves; written
+/// under `dir`.
+pub fn throwaway_ca_pem(dir: &Path) -> String {
+    let n = NS_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let (key, crt) = (dir.join(format!("other-ca-{n}.key")), dir.join(format!("other-ca-{n}.crt")));
+    run_checked(
+        Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=not-the-apiserver-ca"])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&crt),
+    );
+    fs::read_to_string(&crt).unwrap_or_else(|e| panic!("read {}: {e}", crt.display()))
+}
+
+/// `BTreeMap` literal helper for tests.
+pub fn map<V: Clone>(pairs: &[(&str, V)]) -> BTreeMap<String, V> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
