@@ -4,6 +4,7 @@
 //!
 //! Module boundaries (each module's own doc says what it owns and must not touch):
 //! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
+//! - [`flow`]: the plan-state flow with pause and cancel (R1–R12) as pure decide/record functions.
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
@@ -12,6 +13,7 @@
 
 pub mod apply;
 pub mod cli;
+pub mod flow;
 pub mod plan;
 pub mod probe;
 pub mod process;

@@ -1,0 +1,239 @@
+//! The plan-state flow with pause and cancel (SPEC R1–R12), written once as pure functions and
+//! shared by remote mode (the Secret) and local mode (the `.pos` file).
+//!
+//! [`decide`] maps what a source sees (state, annotation values, checkpoint) to a [`Decision`];
+//! [`record`] maps a finished run to the [`Record`] of what to write. This module owns those rules
+//! and nothing else: no I/O, no clock, no processes; the sources own storage and encodings.
+
+use crate::apply::{ApplyResult, Interruption};
+use crate::plan::{Checkpoint, Hold, InvalidAnnotation, PeriodicInstructionOutput, PlanState};
+use std::collections::BTreeMap;
+
+/// What a source knows about one plan at reconcile time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub checksum: String,
+    pub state: PlanState,
+    /// The resolved pause/cancel values (R1, R2).
+    pub hold: Result<Hold, InvalidAnnotation>,
+    /// The stored checkpoint, already checked to belong to `checksum`.
+    pub checkpoint: Option<Checkpoint>,
+    /// Number of one-time instructions.
+    pub total: usize,
+}
+
+/// A state change with its checkpoint, written together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    pub state: PlanState,
+    pub checkpoint: Checkpoint,
+}
+
+/// How to run a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunPlan {
+    /// The state the run happens in: pending, in-progress (one-time instructions) or succeeded
+    /// (periodic instructions only).
+    pub effective: PlanState,
+    /// Run the files and one-time instructions.
+    pub one_time: bool,
+    /// Absolute index of the first one-time instruction to run.
+    pub resume_from: usize,
+    /// pending → in-progress: write it (and bump the revision) before anything runs.
+    pub begin: bool,
+    /// Resuming a paused plan: write this before anything runs (when `begin`, fold it into that
+    /// write: the checkpoint, marked not paused, goes with `in-progress`).
+    pub resume: Option<Transition>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// R3: an invalid annotation value. Write nothing, run nothing, no probes; retry with backoff.
+    Invalid(InvalidAnnotation),
+    /// A pause or cancel to record (R4, R7); then only observe (probes).
+    Record {
+        transition: Transition,
+        partial_cancel: bool,
+    },
+    /// Held or terminal: only probes run (R10). Nothing about the plan state is written.
+    Observe,
+    Run(RunPlan),
+}
+
+fn carried_incomplete(cp: &Option<Checkpoint>) -> bool {
+    cp.as_ref().is_some_and(|c| c.termination_incomplete)
+}
+
+/// `paused` is never a state to resume into.
+fn sanitize(state: &str) -> Option<PlanState> {
+    match state {
+        "" | "paused" => None,
+        s => Some(PlanState::parse(s)),
+    }
+}
+
+/// Where a plan resumes when neither annotation holds it: (effective state, resume index).
+pub fn resolve_resume(state: &PlanState, cp: Option<&Checkpoint>, total: usize) -> (PlanState, usize) {
+    let paused_cp = cp.filter(|c| c.paused);
+    match (state, paused_cp) {
+        (PlanState::Paused, None) => (cp.and_then(|c| sanitize(&c.resume_state)).unwrap_or(PlanState::InProgress), 0),
+        (_, Some(c)) => {
+            (sanitize(&c.resume_state).unwrap_or(PlanState::InProgress), c.completed_instructions.min(total))
+        }
+        (s, None) => (s.clone(), 0),
+    }
+}
+
+/// The reconcile-entry rules.
+pub fn decide(s: &Snapshot) -> Decision {
+    let hold = match &s.hold {
+        Err(e) => return Decision::Invalid(e.clone()),
+        Ok(h) => *h,
+    };
+    let completed = s.checkpoint.as_ref().map_or(0, |c| c.completed_instructions).min(s.total);
+    match hold {
+        Hold::Cancel => {
+            // Write-once: a failed or canceled plan is not written again (R7).
+            if matches!(s.state, PlanState::Failed | PlanState::Canceled) {
+                return Decision::Observe;
+            }
+            Decision::Record {
+                transition: Transition {
+                    state: PlanState::Canceled,
+                    checkpoint: Checkpoint {
+                        checksum: s.checksum.clone(),
+                        completed_instructions: completed,
+                        total_instructions: s.total,
+                        resume_state: String::new(),
+                        paused: false,
+                        termination_incomplete: carried_incomplete(&s.checkpoint),
+                    },
+                },
+                partial_cancel: completed > 0 && completed < s.total,
+            }
+        }
+        Hold::Pause => {
+            if s.checkpoint.as_ref().is_some_and(|c| c.paused) {
+                return Decision::Observe;
+            }
+            let resume_state = if s.state == PlanState::Paused { String::new() } else { s.state.as_str().to_string() };
+            Decision::Record {
+                transition: Transition {
+                    state: PlanState::Paused,
+                    checkpoint: Checkpoint {
+                        checksum: s.checksum.clone(),
+                        completed_instructions: completed,
+                        total_instructions: s.total,
+                        resume_state,
+                        paused: true,
+                        termination_incomplete: carried_incomplete(&s.checkpoint),
+                    },
+                },
+                partial_cancel: false,
+            }
+        }
+        Hold::None => {
+            let (effective, resume_from) = resolve_resume(&s.state, s.checkpoint.as_ref(), s.total);
+            let suspended = s.state == PlanState::Paused || s.checkpoint.as_ref().is_some_and(|c| c.paused);
+            let resume = suspended.then(|| Transition {
+                state: effective.clone(),
+                checkpoint: Checkpoint {
+                    checksum: s.checksum.clone(),
+                    completed_instructions: s.checkpoint.as_ref().map_or(0, |c| c.completed_instructions),
+                    total_instructions: s.checkpoint.as_ref().map_or(s.total, |c| c.total_instructions),
+                    resume_state: String::new(),
+                    paused: false,
+                    termination_incomplete: carried_incomplete(&s.checkpoint),
+                },
+            });
+            match effective {
+                PlanState::Pending => {
+                    Decision::Run(RunPlan { effective, one_time: true, resume_from, begin: true, resume })
+                }
+                PlanState::InProgress => {
+                    Decision::Run(RunPlan { effective, one_time: true, resume_from, begin: false, resume })
+                }
+                PlanState::Succeeded => {
+                    Decision::Run(RunPlan { effective, one_time: false, resume_from: 0, begin: false, resume })
+                }
+                // failed, canceled, unknown: monitoring only; a resume commit is still recorded.
+                _ => match resume {
+                    Some(transition) => Decision::Record { transition, partial_cancel: false },
+                    None => Decision::Observe,
+                },
+            }
+        }
+    }
+}
+
+/// What to write after a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    pub state: Option<PlanState>,
+    /// `Some(None)` clears the checkpoint.
+    pub checkpoint: Option<Option<Checkpoint>>,
+    /// `Some(true)`: success bookkeeping (applied checksum, counters reset, success count +1);
+    /// `Some(false)`: failure bookkeeping (failed checksum, failure count +1). `None`: neither.
+    pub succeeded: Option<bool>,
+    pub one_time_output: Option<BTreeMap<String, Vec<u8>>>,
+    pub periodic_output: Option<BTreeMap<String, PeriodicInstructionOutput>>,
+    /// R11: a cancel interrupted a running instruction.
+    pub partial_cancel: bool,
+}
+
+/// Map a finished run to what must be written. A shutdown writes nothing: the plan stays
+/// `in-progress` and a restarted agent re-runs it from its first instruction (R17).
+pub fn record(snap: &Snapshot, run: &RunPlan, result: &ApplyResult) -> Record {
+    let nonempty_outputs = |r: &mut Record| {
+        if !result.one_time_output.is_empty() {
+            r.one_time_output = Some(result.one_time_output.clone());
+        }
+        if !result.periodic_output.is_empty() {
+            r.periodic_output = Some(result.periodic_output.clone());
+        }
+    };
+    let incomplete = result.termination_incomplete || carried_incomplete(&snap.checkpoint);
+    let (completed, total) = if run.one_time { (result.completed, snap.total) } else { (0, 0) };
+    match result.interruption {
+        Some(Interruption::Shutdown) => Record::default(),
+        Some(i @ (Interruption::Paused | Interruption::Canceled)) => {
+            let paused = i == Interruption::Paused;
+            let resume_state = match (paused, run.one_time) {
+                (false, _) => String::new(),
+                (true, true) => PlanState::InProgress.as_str().to_string(),
+                (true, false) => run.effective.as_str().to_string(),
+            };
+            let mut r = Record {
+                state: Some(if paused { PlanState::Paused } else { PlanState::Canceled }),
+                checkpoint: Some(Some(Checkpoint {
+                    checksum: snap.checksum.clone(),
+                    completed_instructions: completed,
+                    total_instructions: total,
+                    resume_state,
+                    paused,
+                    termination_incomplete: incomplete,
+                })),
+                partial_cancel: !paused
+                    && result.reports.last().is_some_and(|rep| {
+                        rep.outcome.stop_reason().is_some()
+                            && !matches!(rep.outcome, crate::process::Outcome::NotStarted(_))
+                    }),
+                ..Default::default()
+            };
+            nonempty_outputs(&mut r);
+            r
+        }
+        None if run.one_time => Record {
+            state: Some(if result.one_time_succeeded { PlanState::Succeeded } else { PlanState::Failed }),
+            checkpoint: Some(None),
+            succeeded: Some(result.one_time_succeeded),
+            one_time_output: Some(result.one_time_output.clone()),
+            periodic_output: Some(result.periodic_output.clone()),
+            partial_cancel: false,
+        },
+        None => Record { periodic_output: Some(result.periodic_output.clone()), ..Default::default() },
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+use super::*;
+use crate::apply::InstructionReport;
+use crate::plan::{Annotations, resolve_annotations};
+use crate::process::{Outcome, Output, StopReason};
+use std::time::Duration;
+
+const STATES: [&str; 7] = ["pending", "in-progress", "succeeded", "failed", "canceled", "paused", "weird"];
+const VALUES: [Option<&str>; 5] = [None, Some("true"), Some("false"), Some("True"), Some("")];
+
+fn cp(completed: usize, paused: bool, resume: &str) -> Checkpoint {
+    Checkpoint {
+        checksum: "c".into(),
+        completed_instructions: completed,
+        total_instructions: 3,
+        resume_state: resume.into(),
+        paused,
+        termination_incomplete: false,
+    }
+}
+
+fn snap(state: &str, paused: Option<&str>, canceled: Option<&str>, checkpoint: Option<Checkpoint>) -> Snapshot {
+    Snapshot {
+        checksum: "c".into(),
+        state: PlanState::parse(state),
+        hold: resolve_annotations(&Annotations { paused, canceled }),
+        checkpoint,
+        total: 3,
+    }
+}
+
+/// The seed's suppression matrix: every plan-state × paused × canceled × checkpoint, each decided
+/// from scratch (as a fresh agent after a restart would).
+#[test]
+fn suppression_matrix() {
+    let checkpoints = [None, Some(cp(1, true, "in-progress")), Some(cp(1, false, "")), Some(cp(2, true, "succeeded"))];
+    let mut rows = 0;
+    for state in STATES {
+        for paused in VALUES {
+            for canceled in VALUES {
+                for checkpoint in &checkpoints {
+                    rows += 1;
+                    let s = snap(state, paused, canceled, checkpoint.clone());
+                    let d = decide(&s);
+                    let what =
+                        format!("state={state} paused={paused:?} canceled={canceled:?} cp={checkpoint:?}: {d:?}");
+                    let cancel = canceled == Some("true");
+                    let pause_valid = matches!(paused, None | Some("true") | Some("false"));
+                    let cancel_valid = matches!(canceled, None | Some("true") | Some("false"));
+                    if cancel {
+                        // R2: a valid cancel wins even when paused is invalid.
+                        assert!(!matches!(d, Decision::Run(_) | Decision::Invalid(_)), "{what}");
+                        if matches!(state, "failed" | "canceled") {
+                            assert_eq!(d, Decision::Observe, "write-once: {what}");
+                        } else {
+                            let Decision::Record { transition, .. } = &d else { panic!("{what}") };
+                            assert_eq!(transition.state, PlanState::Canceled);
+                            assert!(
+                                !transition.checkpoint.paused && transition.checkpoint.resume_state.is_empty(),
+                                "{what}"
+                            );
+                        }
+                    } else if !pause_valid || !cancel_valid {
+                        assert!(matches!(d, Decision::Invalid(_)), "R3 writes nothing: {what}");
+                    } else if paused == Some("true") {
+                        assert!(!matches!(d, Decision::Run(_)), "a paused plan never executes: {what}");
+                        if checkpoint.as_ref().is_some_and(|c| c.paused) {
+                            assert_eq!(d, Decision::Observe, "a second pause writes nothing: {what}");
+                        } else {
+                            let Decision::Record { transition, .. } = &d else { panic!("{what}") };
+                            assert_eq!(transition.state, PlanState::Paused);
+                            assert!(transition.checkpoint.paused);
+                            assert_ne!(transition.checkpoint.resume_state, "paused", "{what}");
+                        }
+                    } else {
+                        // Neither annotation holds the plan: the baseline.
+                        let (effective, _) = resolve_resume(&s.state, s.checkpoint.as_ref(), 3);
+                        match (&d, effective.as_str()) {
+                            (Decision::Run(r), "pending" | "in-progress") => assert!(r.one_time, "{what}"),
+                            (Decision::Run(r), "succeeded") => assert!(!r.one_time, "{what}"),
+                            (Decision::Run(_), _) => panic!("only pending, in-progress and succeeded run: {what}"),
+                            (Decision::Observe | Decision::Record { .. }, "failed" | "canceled" | "weird") => {}
+                            _ => panic!("{what}"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(rows, 7 * 5 * 5 * 4);
+}
+
+#[test]
+fn baseline_runs_without_an_annotation() {
+    let run = |state: &str| match decide(&snap(state, None, None, None)) {
+        Decision::Run(r) => Some((r.one_time, r.begin, r.resume_from)),
+        _ => None,
+    };
+    assert_eq!(run("pending"), Some((true, true, 0)));
+    assert_eq!(run("in-progress"), Some((true, false, 0)), "crash recovery re-runs from the start");
+    assert_eq!(run("succeeded"), Some((false, false, 0)), "periodic instructions only");
+    assert_eq!(run("failed"), None);
+    assert_eq!(run("canceled"), None, "cancel is terminal after the annotation is removed (R8)");
+    assert_eq!(run("weird"), None);
+}
+
+#[test]
+fn pause_records_a_checkpoint_once() {
+    let d = decide(&snap("in-progress", Some("true"), None, Some(cp(1, false, ""))));
+    let Decision::Record { transition, .. } = d else { panic!() };
+    assert_eq!(
+        transition.checkpoint,
+        Checkpoint {
+            checksum: "c".into(),
+            completed_instructions: 1,
+            total_instructions: 3,
+            resume_state: "in-progress".into(),
+            paused: true,
+            termination_incomplete: false
+        }
+    );
+    assert_eq!(decide(&snap("paused", Some("true"), None, Some(cp(1, true, "in-progress")))), Decision::Observe);
+    // Pausing a succeeded plan resumes into succeeded.
+    let Decision::Record { transition, .. } = decide(&snap("succeeded", Some("true"), None, None)) else { panic!() };
+    assert_eq!(transition.checkpoint.resume_state, "succeeded");
+}
+
+#[test]
+fn resume_continues_from_the_checkpoint_and_unpauses_in_the_same_write() {
+    for v in [None, Some("false")] {
+        let d = decide(&snap("paused", v, None, Some(cp(2, true, "in-progress"))));
+        let Decision::Run(r) = d else { panic!("{d:?}") };
+        assert_eq!((r.one_time, r.begin, r.resume_from), (true, false, 2));
+        let t = r.resume.expect("resume commit");
+        assert_eq!(t.state, PlanState::InProgress);
+        assert!(!t.checkpoint.paused && t.checkpoint.resume_state.is_empty());
+        assert_eq!(t.checkpoint.completed_instructions, 2);
+    }
+    // A paused pending plan resumes through the pending → in-progress write.
+    let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(0, true, "pending")))) else { panic!() };
+    assert!(r.begin && r.resume.is_some());
+    // A paused succeeded plan resumes into succeeded (periodic only).
+    let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(2, true, "succeeded")))) else { panic!() };
+    assert!(!r.one_time);
+    assert_eq!(r.effective, PlanState::Succeeded);
+    // resumeState "paused" is sanitised to in-progress; completed is clamped to the total.
+    let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(9, true, "paused")))) else { panic!() };
+    assert_eq!((r.effective.as_str(), r.resume_from), ("in-progress", 3));
+}
+
+#[test]
+fn cancel_carries_progress_and_warns_on_partial() {
+    let Decision::Record { transition, partial_cancel } =
+        decide(&snap("paused", Some("true"), Some("true"), Some(cp(1, true, "in-progress"))))
+    else {
+        panic!()
+    };
+    assert_eq!(transition.state, PlanState::Canceled);
+    assert_eq!(transition.checkpoint.completed_instructions, 1);
+    assert!(partial_cancel);
+    let Decision::Record { partial_cancel, .. } = decide(&snap("pending", None, Some("true"), None)) else { panic!() };
+    assert!(!partial_cancel);
+}
+
+fn report(outcome: Outcome) -> InstructionReport {
+    InstructionReport {
+        index: 0,
+        name: "a".into(),
+        periodic: false,
+        outcome,
+        elapsed: Duration::ZERO,
+        output: Output::default(),
+    }
+}
+
+fn run_plan(one_time: bool) -> RunPlan {
+    RunPlan {
+        effective: if one_time { PlanState::InProgress } else { PlanState::Succeeded },
+        one_time,
+        resume_from: 0,
+        begin: false,
+        resume: None,
+    }
+}
+
+#[test]
+fn record_table() {
+    let s = snap("in-progress", None, None, None);
+    let mut outputs = BTreeMap::new();
+    outputs.insert("a".to_string(), b"out".to_vec());
+    let base = ApplyResult { total: 3, one_time_output: outputs.clone(), ..Default::default() };
+
+    let ok = ApplyResult { one_time_succeeded: true, completed: 3, ..base.clone() };
+    let r = record(&s, &run_plan(true), &ok);
+    assert_eq!((r.state, r.succeeded, r.checkpoint.clone()), (Some(PlanState::Succeeded), Some(true), Some(None)));
+
+    let failed = ApplyResult { completed: 1, ..base.clone() };
+    let r = record(&s, &run_plan(true), &failed);
+    assert_eq!((r.state, r.succeeded), (Some(PlanState::Failed), Some(false)));
+    assert_eq!(r.one_time_output, Some(outputs.clone()));
+
+    let paused = ApplyResult { completed: 1, interruption: Some(Interruption::Paused), ..base.clone() };
+    let r = record(&s, &run_plan(true), &paused);
+    assert_eq!(r.state, Some(PlanState::Paused));
+    assert_eq!(r.succeeded, None, "never the counters (R12)");
+    assert_eq!(
+        r.checkpoint,
+        Some(Some(Checkpoint {
+            checksum: "c".into(),
+            completed_instructions: 1,
+            total_instructions: 3,
+            resume_state: "in-progress".into(),
+            paused: true,
+            termination_incomplete: false
+        }))
+    );
+    assert_eq!(r.one_time_output, Some(outputs.clone()), "saved outputs kept with the pause (R12)");
+
+    let canceled = ApplyResult {
+        completed: 0,
+        interruption: Some(Interruption::Canceled),
+        termination_incomplete: true,
+        reports: vec![report(Outcome::Killed { reason: StopReason::Cancel, grace: Duration::from_secs(10) })],
+        ..base.clone()
+    };
+    let r = record(&s, &run_plan(true), &canceled);
+    assert_eq!(r.state, Some(PlanState::Canceled));
+    let c = r.checkpoint.clone().unwrap().unwrap();
+    assert!(!c.paused && c.resume_state.is_empty() && c.termination_incomplete);
+    assert!(r.partial_cancel, "the first instruction was interrupted: warn (R11)");
+
+    let before_spawn = ApplyResult {
+        interruption: Some(Interruption::Canceled),
+        reports: vec![report(Outcome::NotStarted(StopReason::Cancel))],
+        ..Default::default()
+    };
+    assert!(!record(&s, &run_plan(true), &before_spawn).partial_cancel);
+
+    let periodic_paused = ApplyResult { interruption: Some(Interruption::Paused), ..Default::default() };
+    let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_paused);
+    let c = r.checkpoint.unwrap().unwrap();
+    assert_eq!((c.resume_state.as_str(), c.completed_instructions, c.total_instructions), ("succeeded", 0, 0));
+
+    let shutdown = ApplyResult { interruption: Some(Interruption::Shutdown), ..base.clone() };
+    assert_eq!(
+        record(&s, &run_plan(true), &shutdown),
+        Record::default(),
+        "a shutdown leaves in-progress for the restart"
+    );
+
+    let periodic = ApplyResult { one_time_succeeded: false, ..Default::default() };
+    let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic);
+    assert_eq!((r.state, r.succeeded), (None, None), "a periodic-only pass never changes the plan state");
+}
