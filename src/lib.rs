@@ -8,12 +8,16 @@
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
+//! - [`local`]: local mode: the plan directory, `.pos` and control files.
 //! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.
+//! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 
 pub mod apply;
 pub mod cli;
+pub mod config;
 pub mod flow;
+pub mod local;
 pub mod plan;
 pub mod probe;
 pub mod process;

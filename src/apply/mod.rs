@@ -220,6 +220,21 @@ impl Applyinator {
             result.interruption = Some(i);
             return Ok(result);
         }
+        // A pass with no one-time instructions and no due periodic instruction touches nothing
+        // (no interlock, archive or work-directory wipe).
+        let any_due = input.run_periodic
+            && plan.periodic_instructions.iter().any(|p| {
+                !p.common.name.is_empty()
+                    && periodic::is_due(
+                        input.periodic_output.get(&p.common.name),
+                        p.period(),
+                        self.clock.now(),
+                        input.run_one_time,
+                    )
+            });
+        if !input.run_one_time && !input.reconcile_files && !any_due {
+            return Ok(result);
+        }
         let _guard = self.lock.lock().await;
         if let Some(i) = current().boundary() {
             result.interruption = Some(i);

@@ -1,7 +1,9 @@
 //! Commands, progress display, logging set-up and exit codes. Business rules live in the library
 //! modules; this module only parses arguments, wires the pieces together and reports.
 
+mod agent;
 mod apply;
+mod plan_cmd;
 mod supervise;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -48,12 +50,21 @@ enum LogFormat {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The daemon: local and/or remote mode from the config file.
+    #[command(alias = "sentinel")]
+    Agent(agent::AgentArgs),
+    /// Check a config file (format, mode 0600, owner, keys, values).
+    ValidateConfig(agent::ValidateArgs),
+    /// Check a connection-info file (kubeConfig, namespace, secretName).
+    ValidateConnection(agent::ValidateArgs),
     /// Apply one plan file in the foreground with live progress; exit 0 only if it succeeded.
     /// The first Ctrl-C pauses at the next instruction boundary, a second one cancels.
     Apply(apply::ApplyArgs),
     /// Run one long-lived command under the supervisor: respawn with backoff, the stop ladder on
     /// SIGTERM/SIGINT, a PID record with identity.
     Supervise(supervise::SuperviseArgs),
+    /// Pause, resume, cancel, reset or show a local plan (writes control files beside it).
+    Plan(plan_cmd::PlanArgs),
 }
 
 /// Entry point of the binary.
@@ -79,8 +90,12 @@ pub fn main() -> ExitCode {
     };
     let code = rt.block_on(async move {
         match cli.command {
+            Command::Agent(a) => agent::run(a).await,
+            Command::ValidateConfig(a) => agent::validate_config(a),
+            Command::ValidateConnection(a) => agent::validate_connection(a),
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
+            Command::Plan(p) => plan_cmd::run(p),
         }
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.

@@ -199,7 +199,7 @@ pub struct PeriodicInstructionOutput {
 }
 
 /// Go's `[]byte` JSON encoding: a standard base64 string, `null` for nil.
-pub(crate) mod b64_bytes {
+pub mod b64_bytes {
     use base64::Engine as _;
     use serde::{Deserialize, Deserializer, Serializer};
 

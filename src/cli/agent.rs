@@ -1,0 +1,161 @@
+//! `nodeplan agent` (alias `sentinel`), `validate-config`, `validate-connection`.
+
+use super::exit;
+use crate::apply::{ApplyConfig, Applyinator};
+use crate::config::{self, AgentConfig, CgroupRoot};
+use crate::local::{LocalAgent, LocalConfig, LocalExit};
+use crate::probe::Prober;
+use crate::process::{CgroupMode, StopPolicy, Supervisor, SupervisorConfig};
+use clap::Args;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// Config file (else NODEPLAN_CONFIG, CATTLE_AGENT_CONFIG, /etc/rancher/agent/config.yaml).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct ValidateArgs {
+    pub file: PathBuf,
+}
+
+fn non_empty(p: &Path) -> Option<PathBuf> {
+    (!p.as_os_str().is_empty()).then(|| p.to_path_buf())
+}
+
+/// The pieces every mode shares, built from the config: one supervisor, one applyinator (its lock
+/// serialises applies across modes), one prober.
+pub struct Parts {
+    pub app: Arc<Applyinator>,
+    pub prober: Arc<Prober>,
+}
+
+pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
+    let cgroup = match cfg.cgroup_root().map_err(|e| e.to_string())? {
+        CgroupRoot::Auto => CgroupMode::Auto,
+        CgroupRoot::Off => CgroupMode::Off,
+        CgroupRoot::Dir(d) => CgroupMode::Root(d),
+    };
+    let sup = Supervisor::new(SupervisorConfig {
+        policy: StopPolicy { grace: cfg.stop_timeout, kill_timeout: cfg.kill_timeout, kill: !cfg.no_kill },
+        capture_limit: cfg.output_cap,
+        cgroup,
+        pid_dir: non_empty(&cfg.pid_directory),
+        drain_timeout: Duration::from_secs(1),
+    });
+    let mut ac = ApplyConfig::new(&cfg.work_directory);
+    ac.preserve_work_dir = cfg.preserve_work_directory;
+    ac.applied_plan_dir = non_empty(&cfg.applied_plan_directory);
+    ac.interlock_dir = non_empty(&cfg.interlock_directory);
+    Ok(Parts { app: Arc::new(Applyinator::new(ac, sup)), prober: Arc::new(Prober::new()) })
+}
+
+pub async fn run(args: AgentArgs) -> u8 {
+    let path = config::config_path(args.config.as_deref());
+    let cfg = match config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("nodeplan: {e}");
+            return exit::BAD_INPUT;
+        }
+    };
+    match config::validate(&cfg) {
+        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
+        Err(e) => {
+            eprintln!("nodeplan: {e}");
+            return exit::BAD_INPUT;
+        }
+    }
+    let parts = match build(&cfg) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("nodeplan: {e}");
+            return exit::BAD_INPUT;
+        }
+    };
+    let (sd_tx, sd_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+            tracing::warn!("cannot install signal handlers");
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            if *sd_tx.borrow() {
+                tracing::warn!("already stopping: the running instruction is being stopped through the stop ladder");
+            } else {
+                tracing::info!("stopping: the running instruction (if any) gets the stop ladder");
+                let _ = sd_tx.send(true);
+            }
+        }
+    });
+    tracing::info!("nodeplan agent starting (config {})", path.display());
+    let mut tasks = Vec::new();
+    if cfg.local_enabled {
+        let mut lc = LocalConfig::new(&cfg.local_plan_directory);
+        lc.rescan = cfg.rescan_period();
+        lc.probe_period = cfg.probe_period();
+        lc.retry_base = Duration::from_secs(cfg.local_retry_seconds);
+        let agent = LocalAgent::new(lc, parts.app.clone(), parts.prober.clone());
+        let rx = sd_rx.clone();
+        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+    }
+    if cfg.remote_enabled {
+        tracing::error!("remote mode is not implemented yet; only local mode runs");
+    }
+    let mut code = exit::OK;
+    for t in tasks {
+        match t.await {
+            Ok(LocalExit::Clean) => {}
+            Ok(LocalExit::Incomplete(e)) => {
+                eprintln!("nodeplan: a process could not be stopped: {e}");
+                code = exit::FAILED;
+            }
+            Err(e) => {
+                eprintln!("nodeplan: internal error: {e}");
+                code = exit::FAILED;
+            }
+        }
+    }
+    tracing::info!("nodeplan agent stopped");
+    code
+}
+
+pub fn validate_config(args: ValidateArgs) -> u8 {
+    let r = config::load(&args.file).and_then(|c| config::validate(&c));
+    match r {
+        Ok(warnings) => {
+            for w in warnings {
+                eprintln!("warning: {w}");
+            }
+            println!("{}: valid", args.file.display());
+            exit::OK
+        }
+        Err(e) => {
+            eprintln!("Validation failed: {e}");
+            exit::FAILED
+        }
+    }
+}
+
+pub fn validate_connection(args: ValidateArgs) -> u8 {
+    match config::load_connection(&args.file) {
+        Ok(c) => {
+            println!("{}: valid (namespace {}, secret {})", args.file.display(), c.namespace, c.secret_name);
+            exit::OK
+        }
+        Err(e) => {
+            eprintln!("Validation failed: {e}");
+            exit::FAILED
+        }
+    }
+}

@@ -1,0 +1,630 @@
+//! Local mode: plans are `*.plan` files in a directory (system-agent's format), their state is a
+//! `.pos` file beside each, and pause/cancel are control files (`NAME.paused`, `NAME.canceled`)
+//! with the same meaning and rules as remote mode's annotations (R16).
+//!
+//! This module owns the directory scan and watch (inotify through `notify`, plus a periodic
+//! rescan), the `.pos` and control files, local retries of failed plans, and the decide/record
+//! wiring for local plans (the rules themselves live in [`crate::flow`]). It must not spawn
+//! processes (the applyinator does) or talk to Kubernetes.
+
+pub mod pos;
+pub mod scan;
+
+use crate::apply::{ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver};
+use crate::flow::{self, Decision, RunPlan, Snapshot};
+use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
+use crate::probe::Prober;
+use pos::{PlanFiles, Pos};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, watch};
+
+/// Owner prefix of the PID records of local plans: `local:<plan path>:<instruction>`.
+const OWNER_PREFIX: &str = "local:";
+
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    pub plan_dir: PathBuf,
+    /// Full rescan period (inotify events trigger one sooner).
+    pub rescan: Duration,
+    /// How often every plan's probes run.
+    pub probe_period: Duration,
+    /// A failed plan is retried after `retry_base` × 2^(failures−1), at most `retry_max`.
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+}
+
+impl LocalConfig {
+    pub fn new(plan_dir: impl Into<PathBuf>) -> LocalConfig {
+        LocalConfig {
+            plan_dir: plan_dir.into(),
+            rescan: Duration::from_secs(5),
+            probe_period: Duration::from_secs(5),
+            retry_base: Duration::from_secs(30),
+            retry_max: Duration::from_secs(300),
+        }
+    }
+
+    /// Delay before retrying a plan that failed `failures` times in a row.
+    pub fn retry_delay(&self, failures: i64) -> Duration {
+        let exp = failures.clamp(1, 16) as u32 - 1;
+        self.retry_base.saturating_mul(1 << exp).min(self.retry_max)
+    }
+}
+
+/// How the local agent ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalExit {
+    /// Shut down cleanly.
+    Clean,
+    /// A process could not be stopped on the way out.
+    Incomplete(String),
+}
+
+struct Running {
+    files: PlanFiles,
+    tx: watch::Sender<Interrupt>,
+}
+
+/// What the agent remembers about a plan between cycles (never persisted).
+#[derive(Default)]
+struct Memory {
+    /// R3: the invalid values already logged (logged once per distinct value).
+    warned_invalid: HashSet<String>,
+    /// R3: exponential backoff before this plan is looked at again.
+    hold_until: Option<Instant>,
+    invalid_backoff: Option<Duration>,
+    /// The checksum of an unparsable plan already reported.
+    warned_bad_plan: Option<String>,
+}
+
+pub struct LocalAgent {
+    cfg: LocalConfig,
+    app: Arc<Applyinator>,
+    prober: Arc<Prober>,
+    pos_lock: Arc<tokio::sync::Mutex<()>>,
+    current: Arc<Mutex<Option<Running>>>,
+    memory: HashMap<PathBuf, Memory>,
+    blocked: HashMap<PathBuf, String>,
+    incomplete: Option<String>,
+}
+
+/// Read the control files of a plan into annotation-like values.
+fn read_controls(files: &PlanFiles) -> (Option<String>, Option<String>) {
+    let read = |p: &Path| match pos::read_control(p) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!("{e}");
+            None
+        }
+    };
+    (read(&files.paused()), read(&files.canceled()))
+}
+
+fn hold_of(files: &PlanFiles) -> Result<Hold, plan::InvalidAnnotation> {
+    let (p, c) = read_controls(files);
+    plan::resolve_annotations(&Annotations { paused: p.as_deref(), canceled: c.as_deref() })
+        .map_err(|e| rename_keys(e, files))
+}
+
+/// Name the control files, not the annotations, in local-mode messages.
+fn rename_keys(e: plan::InvalidAnnotation, files: &PlanFiles) -> plan::InvalidAnnotation {
+    plan::InvalidAnnotation(
+        e.0.into_iter()
+            .map(|(k, v)| {
+                let f = if k == plan::ANNOTATION_PAUSED { files.paused() } else { files.canceled() };
+                (f.display().to_string(), v)
+            })
+            .collect(),
+    )
+}
+
+/// The interrupt a running plan should see: only valid values count (an invalid value in flight is
+/// logged and ignored, "never kill on a guess"); a valid cancel wins.
+fn interrupt_of(files: &PlanFiles) -> Interrupt {
+    let (p, c) = read_controls(files);
+    Interrupt {
+        cancel: plan::parse_annotation_value(c.as_deref()) == Ok(true),
+        pause: plan::parse_annotation_value(p.as_deref()) == Ok(true),
+        shutdown: false,
+    }
+}
+
+impl LocalAgent {
+    pub fn new(cfg: LocalConfig, app: Arc<Applyinator>, prober: Arc<Prober>) -> LocalAgent {
+        LocalAgent {
+            cfg,
+            app,
+            prober,
+            pos_lock: Arc::new(tokio::sync::Mutex::new(())),
+            current: Arc::new(Mutex::new(None)),
+            memory: HashMap::new(),
+            blocked: HashMap::new(),
+            incomplete: None,
+        }
+    }
+
+    /// Run until `shutdown` becomes true.
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> LocalExit {
+        if !self.cfg.plan_dir.is_dir() {
+            tracing::warn!(
+                "local plan directory {} does not exist (yet); watching for it",
+                self.cfg.plan_dir.display()
+            );
+        }
+        // R17: whatever a previous agent left running is found and stopped before any plan runs.
+        self.recover_leftovers(None).await;
+
+        let wake = Arc::new(Notify::new());
+        let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel::<PathBuf>();
+        let _watcher = self.watch_directory(ev_tx);
+        // Dispatcher: file events → interrupts of the running plan (R15/R16) and a new cycle.
+        let current = self.current.clone();
+        let wake2 = wake.clone();
+        let mut sd = shutdown.clone();
+        let dispatcher = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    ev = ev_rx.recv() => {
+                        let Some(path) = ev else { break };
+                        if let Ok(cur) = current.lock()
+                            && let Some(run) = cur.as_ref()
+                            && (path == run.files.paused() || path == run.files.canceled())
+                        {
+                            let next = interrupt_of(&run.files);
+                            // Cancel is sticky for the run; pause follows the latest value.
+                            run.tx.send_if_modified(|i| {
+                                let before = *i;
+                                i.cancel |= next.cancel;
+                                i.pause = next.pause;
+                                *i != before
+                            });
+                        }
+                        wake2.notify_one();
+                    }
+                    r = sd.changed() => {
+                        if r.is_err() || *sd.borrow() {
+                            if let Ok(cur) = current.lock() && let Some(run) = cur.as_ref() {
+                                run.tx.send_modify(|i| i.shutdown = true);
+                            }
+                            wake2.notify_one();
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        let probes =
+            tokio::spawn(probe_loop(self.cfg.clone(), self.prober.clone(), self.pos_lock.clone(), shutdown.clone()));
+
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            if self.cycle().await {
+                break;
+            }
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(self.cfg.rescan) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+        dispatcher.abort();
+        probes.abort();
+        match self.incomplete.take() {
+            Some(e) => LocalExit::Incomplete(e),
+            None => LocalExit::Clean,
+        }
+    }
+
+    fn watch_directory(&self, tx: tokio::sync::mpsc::UnboundedSender<PathBuf>) -> Option<notify::RecommendedWatcher> {
+        use notify::Watcher;
+        let mut w = match notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            use notify::EventKind::{Access, Create, Modify, Remove};
+            use notify::event::{AccessKind, AccessMode};
+            let Ok(ev) = res else { return };
+            // Only changes: our own reads (open/close) must not wake the loop.
+            if !matches!(ev.kind, Create(_) | Modify(_) | Remove(_) | Access(AccessKind::Close(AccessMode::Write))) {
+                return;
+            }
+            for p in ev.paths {
+                // The agent's own .pos writes (and their temp files) are not news.
+                let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                if name.ends_with(".pos") || name.starts_with('.') {
+                    continue;
+                }
+                let _ = tx.send(p);
+            }
+        }) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!("cannot watch {} ({e}); relying on the periodic rescan", self.cfg.plan_dir.display());
+                return None;
+            }
+        };
+        if let Err(e) = w.watch(&self.cfg.plan_dir, notify::RecursiveMode::Recursive) {
+            tracing::warn!("cannot watch {} ({e}); relying on the periodic rescan", self.cfg.plan_dir.display());
+            return None;
+        }
+        Some(w)
+    }
+
+    /// Stop verified leftovers of local plans (all of them, or those of one plan). Plans whose
+    /// leftovers cannot be stopped are blocked.
+    async fn recover_leftovers(&mut self, only: Option<&Path>) {
+        let prefix = match only {
+            Some(p) => format!("{OWNER_PREFIX}{}:", p.display()),
+            None => OWNER_PREFIX.to_string(),
+        };
+        for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(&prefix)).await {
+            let Some(rec) = &r.record else { continue };
+            let Some(plan) =
+                rec.owner.strip_prefix(OWNER_PREFIX).and_then(|o| o.rsplit_once(':')).map(|(p, _)| PathBuf::from(p))
+            else {
+                continue;
+            };
+            if let crate::process::RecoveryResult::NotStopped(o) = r.result {
+                let why = format!(
+                    "a leftover process of this plan (pid {}, {}) could not be stopped: {o}",
+                    rec.pid, rec.command
+                );
+                tracing::error!("{}: {why}; the plan is blocked until it is gone", plan.display());
+                self.blocked.insert(plan, why);
+            }
+        }
+        if let Some(p) = only
+            && !self.app.supervisor().config().pid_dir.as_ref().is_some_and(|d| {
+                crate::process::PidRecord::load_all(d)
+                    .iter()
+                    .any(|(_, r)| r.as_ref().is_ok_and(|r| r.owner.starts_with(&prefix)))
+            })
+        {
+            self.blocked.remove(p);
+        }
+    }
+
+    /// One pass over every plan. Returns true when the agent must stop (shutdown).
+    async fn cycle(&mut self) -> bool {
+        for path in scan::scan(&self.cfg.plan_dir) {
+            if self.reconcile(&path).await {
+                return true;
+            }
+        }
+        false
+    }
+
+    async fn update_pos(&self, files: &PlanFiles, f: impl FnOnce(&mut Pos)) {
+        let _g = self.pos_lock.lock().await;
+        let path = files.pos();
+        let mut p = pos::read_pos(&path).unwrap_or_default();
+        f(&mut p);
+        if let Err(e) = pos::write_pos(&path, &p) {
+            tracing::error!("cannot write {}: {e}", path.display());
+        }
+    }
+
+    /// Reconcile one plan. Returns true on shutdown.
+    async fn reconcile(&mut self, path: &Path) -> bool {
+        let Some(files) = PlanFiles::new(path) else { return false };
+        let mem = self.memory.entry(path.to_path_buf()).or_default();
+        if mem.hold_until.is_some_and(|t| Instant::now() < t) {
+            return false;
+        }
+        if self.blocked.contains_key(path) {
+            self.recover_leftovers(Some(path)).await;
+            if let Some(why) = self.blocked.get(path).cloned() {
+                self.update_pos(&files, |p| p.blocked = why).await;
+                return false;
+            }
+            self.update_pos(&files, |p| p.blocked.clear()).await;
+        }
+        let raw = match std::fs::read(path) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("cannot read {}: {e}", path.display());
+                return false;
+            }
+        };
+        let checksum = plan::checksum(&raw);
+        let vp = match plan::parse(&raw) {
+            Ok(v) => v,
+            Err(e) => {
+                let mem = self.memory.entry(path.to_path_buf()).or_default();
+                if mem.warned_bad_plan.as_deref() != Some(checksum.as_str()) {
+                    tracing::error!("{}: {e}", path.display());
+                    mem.warned_bad_plan = Some(checksum);
+                }
+                return false;
+            }
+        };
+
+        // The .pos file: unreadable → kept aside, the plan starts over.
+        let mut stored = {
+            let _g = self.pos_lock.lock().await;
+            match pos::read_pos(&files.pos()) {
+                Ok(p) => p,
+                Err(e) => {
+                    let aside = files.pos().with_extension("pos.invalid");
+                    tracing::error!("{}: {e}; moved to {} and starting over", files.pos().display(), aside.display());
+                    let _ = std::fs::rename(files.pos(), &aside);
+                    Pos::default()
+                }
+            }
+        };
+        if files.reset().exists() {
+            tracing::info!("{}: reset requested; the plan runs again from its first instruction", path.display());
+            stored.plan_state = PlanState::Pending.as_str().into();
+            stored.checkpoint = None;
+            stored.failure_count = 0;
+            let s = stored.clone();
+            self.update_pos(&files, |p| {
+                p.plan_state = s.plan_state;
+                p.checkpoint = None;
+                p.failure_count = 0;
+            })
+            .await;
+            let _ = std::fs::remove_file(files.reset());
+        }
+
+        let hold = hold_of(&files);
+        let same_plan = stored.plan_checksum == checksum;
+        let mut state = if same_plan && !stored.plan_state.is_empty() {
+            PlanState::parse(&stored.plan_state)
+        } else {
+            PlanState::Pending
+        };
+        // Local mode is its own orchestrator: a failed plan is retried after a backoff.
+        if state == PlanState::Failed && hold == Ok(Hold::None) {
+            let last = parse_unix_date(&stored.last_apply_time);
+            let delay = self.cfg.retry_delay(stored.failure_count);
+            let due =
+                last.is_none_or(|t| chrono::Utc::now() >= t + chrono::Duration::from_std(delay).unwrap_or_default());
+            if due {
+                tracing::info!("{}: retrying after failure {}", path.display(), stored.failure_count);
+                state = PlanState::Pending;
+            }
+        }
+        let snap = Snapshot {
+            checksum: checksum.clone(),
+            state,
+            hold: hold.clone(),
+            checkpoint: stored.checkpoint.clone().filter(|c| same_plan && c.checksum == checksum),
+            total: vp.plan.instructions.len(),
+        };
+
+        let mem = self.memory.entry(path.to_path_buf()).or_default();
+        if let Err(e) = &hold {
+            // R3: nothing is written or run; logged once per distinct value; retried with backoff.
+            let key = e.to_string();
+            if mem.warned_invalid.insert(key.clone()) {
+                tracing::warn!("{}: {key}; the plan is held and nothing is written", path.display());
+            }
+            let b = mem.invalid_backoff.map_or(Duration::from_secs(1), |b| (b * 2).min(Duration::from_secs(300)));
+            mem.invalid_backoff = Some(b);
+            mem.hold_until = Some(Instant::now() + b);
+            return false;
+        }
+        mem.invalid_backoff = None;
+        mem.hold_until = None;
+        mem.warned_invalid.clear();
+
+        match flow::decide(&snap) {
+            Decision::Invalid(_) | Decision::Observe => false,
+            Decision::Record { transition, partial_cancel } => {
+                if partial_cancel {
+                    tracing::warn!(
+                        "{}: canceled after {}/{} instructions; the node may be left partly changed",
+                        path.display(),
+                        transition.checkpoint.completed_instructions,
+                        transition.checkpoint.total_instructions
+                    );
+                }
+                tracing::info!("{}: {}", path.display(), transition.state);
+                self.update_pos(&files, |p| {
+                    p.plan_state = transition.state.as_str().into();
+                    p.plan_checksum = checksum.clone();
+                    p.checkpoint = Some(transition.checkpoint);
+                })
+                .await;
+                false
+            }
+            Decision::Run(run) => self.run_plan(&files, &vp, &snap, &stored, run).await,
+        }
+    }
+
+    async fn run_plan(
+        &mut self,
+        files: &PlanFiles,
+        vp: &ValidPlan,
+        snap: &Snapshot,
+        stored: &Pos,
+        run: RunPlan,
+    ) -> bool {
+        let path = &files.plan;
+        let same_plan = stored.plan_checksum == snap.checksum;
+        let failures = if same_plan { stored.failure_count } else { 0 };
+        if run.begin || run.resume.is_some() {
+            let (state, cp) = match (&run.resume, run.begin) {
+                (_, true) => (PlanState::InProgress, run.resume.as_ref().map(|t| t.checkpoint.clone())),
+                (Some(t), false) => (t.state.clone(), Some(t.checkpoint.clone())),
+                (None, false) => (snap.state.clone(), snap.checkpoint.clone()),
+            };
+            let cs = snap.checksum.clone();
+            self.update_pos(files, |p| {
+                p.plan_state = state.as_str().into();
+                p.plan_checksum = cs;
+                p.checkpoint = cp;
+                if !same_plan {
+                    p.failure_count = 0;
+                }
+            })
+            .await;
+        }
+        let decode = |b: &[u8]| plan::decode_one_time_output(b).unwrap_or_default();
+        let one_time_output = if same_plan && run.resume_from > 0 { decode(&stored.output) } else { BTreeMap::new() };
+        let periodic_output = plan::decode_periodic_output(&stored.periodic_output).unwrap_or_default();
+        let (tx, rx) = watch::channel(interrupt_of(files));
+        if let Ok(mut cur) = self.current.lock() {
+            *cur = Some(Running { files: files.clone(), tx });
+        }
+        // The files were read before the registration: look again so a change in between is seen.
+        if let Ok(cur) = self.current.lock()
+            && let Some(r) = cur.as_ref()
+        {
+            let now = interrupt_of(files);
+            r.tx.send_modify(|i| {
+                i.cancel |= now.cancel;
+                i.pause |= now.pause;
+            });
+        }
+        if run.one_time {
+            tracing::info!("{}: applying (from instruction {} of {})", path.display(), run.resume_from, snap.total);
+        }
+        let result = self
+            .app
+            .apply(ApplyInput {
+                plan: vp,
+                reconcile_files: run.one_time,
+                run_one_time: run.one_time,
+                attempt: failures + 1,
+                resume_from: run.resume_from,
+                one_time_output,
+                periodic_output,
+                run_periodic: true,
+                interrupts: rx,
+                owner: format!("{OWNER_PREFIX}{}", path.display()),
+                observer: Arc::new(NoObserver),
+            })
+            .await;
+        if let Ok(mut cur) = self.current.lock() {
+            *cur = None;
+        }
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("{}: {e}", path.display());
+                ApplyResult { total: snap.total, completed: run.resume_from, ..Default::default() }
+            }
+        };
+        if result.termination_incomplete {
+            let why = result
+                .reports
+                .iter()
+                .find(|r| r.outcome.termination_incomplete())
+                .map(|r| format!("instruction {} ({}): {}", r.index, r.name, r.outcome))
+                .unwrap_or_else(|| "termination incomplete".into());
+            tracing::error!("{}: {why}", path.display());
+            self.blocked.insert(path.to_path_buf(), why.clone());
+            self.incomplete = Some(why);
+        }
+        let rec = flow::record(snap, &run, &result);
+        if rec.partial_cancel {
+            let name = result.reports.last().map(|r| r.name.clone()).unwrap_or_default();
+            tracing::warn!(
+                "{}: canceled while instruction {} ({name}) was running; the node may be left partly changed",
+                path.display(),
+                result.completed
+            );
+        }
+        let now = format_unix_date(chrono::Utc::now());
+        let cs = snap.checksum.clone();
+        self.update_pos(files, |p| {
+            if let Some(s) = &rec.state {
+                p.plan_state = s.as_str().into();
+                p.plan_checksum = cs.clone();
+            }
+            if let Some(cp) = rec.checkpoint.clone() {
+                p.checkpoint = cp;
+            }
+            match rec.succeeded {
+                Some(true) => {
+                    p.applied_checksum = cs.clone();
+                    p.output = plan::encode_one_time_output(rec.one_time_output.as_ref().unwrap_or(&BTreeMap::new()));
+                    p.failure_count = 0;
+                    p.failed_checksum.clear();
+                    p.failed_output.clear();
+                    p.success_count += 1;
+                    p.last_apply_time = now.clone();
+                }
+                Some(false) => {
+                    p.failed_checksum = cs.clone();
+                    p.failed_output =
+                        plan::encode_one_time_output(rec.one_time_output.as_ref().unwrap_or(&BTreeMap::new()));
+                    p.failure_count = failures + 1;
+                    p.success_count = 0;
+                    p.last_apply_time = now.clone();
+                }
+                None => {
+                    if let Some(o) = &rec.one_time_output {
+                        p.output = plan::encode_one_time_output(o);
+                    }
+                }
+            }
+            if let Some(o) = &rec.periodic_output {
+                p.periodic_output = plan::encode_periodic_output(o);
+            }
+        })
+        .await;
+        match (rec.state.as_ref(), result.interruption) {
+            (_, Some(Interruption::Shutdown)) => {
+                tracing::info!(
+                    "{}: stopped for shutdown; it runs again from its first instruction at the next start",
+                    path.display()
+                );
+                return true;
+            }
+            (Some(s), _) => {
+                tracing::info!("{}: {s} ({}/{} instructions)", path.display(), result.completed, snap.total)
+            }
+            (None, _) => {}
+        }
+        if run.one_time && result.interruption.is_none() {
+            let statuses = self.prober.probe_all(&vp.plan.probes, &stored.probe_status, true).await;
+            self.update_pos(files, |p| p.probe_status = statuses).await;
+        }
+        false
+    }
+}
+
+/// Every `probe_period`, run every plan's probes and record their statuses (R10: also while a plan
+/// is paused or canceled; not while it is held by an invalid control-file value, R3).
+async fn probe_loop(
+    cfg: LocalConfig,
+    prober: Arc<Prober>,
+    pos_lock: Arc<tokio::sync::Mutex<()>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        for path in scan::scan(&cfg.plan_dir) {
+            let Some(files) = PlanFiles::new(&path) else { continue };
+            if hold_of(&files).is_err() {
+                continue;
+            }
+            let Ok(vp) = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|raw| plan::parse(&raw).map_err(|e| e.to_string()))
+            else {
+                continue;
+            };
+            if vp.plan.probes.is_empty() {
+                continue;
+            }
+            let previous = pos::read_pos(&files.pos()).map(|p| p.probe_status).unwrap_or_default();
+            let statuses = prober.probe_all(&vp.plan.probes, &previous, false).await;
+            let _g = pos_lock.lock().await;
+            if let Ok(mut p) = pos::read_pos(&files.pos()) {
+                p.probe_status = statuses;
+                if let Err(e) = pos::write_pos(&files.pos(), &p) {
+                    tracing::error!("cannot write {}: {e}", files.pos().display());
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.probe_period) => {}
+            r = shutdown.changed() => if r.is_err() || *shutdown.borrow() { return },
+        }
+    }
+}

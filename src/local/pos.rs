@@ -1,0 +1,179 @@
+//! The `.pos` position file beside each local plan, and the control files (`NAME.paused`,
+//! `NAME.canceled`, `NAME.reset`).
+//!
+//! `.pos` keeps system-agent's fields (`appliedChecksum`, `output`, `probeStatus`,
+//! `periodicOutput`, all omitted when empty) and adds the plan-state flow: the state and the
+//! checksum it belongs to, the checkpoint, and the counters, with the same meaning as the Secret
+//! keys of remote mode.
+
+use crate::plan::{Checkpoint, ProbeStatus};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Pos {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub applied_checksum: String,
+    /// gzip JSON of the one-time outputs of the last successful apply (base64 on the wire).
+    #[serde(with = "crate::plan::b64_bytes", skip_serializing_if = "Vec::is_empty")]
+    pub output: Vec<u8>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub probe_status: BTreeMap<String, ProbeStatus>,
+    #[serde(with = "crate::plan::b64_bytes", skip_serializing_if = "Vec::is_empty")]
+    pub periodic_output: Vec<u8>,
+    /// nodeplan: the plan-state of the plan whose checksum is `planChecksum`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub plan_state: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub plan_checksum: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<Checkpoint>,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub failure_count: i64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub success_count: i64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub failed_checksum: String,
+    #[serde(with = "crate::plan::b64_bytes", skip_serializing_if = "Vec::is_empty")]
+    pub failed_output: Vec<u8>,
+    /// Go `UnixDate` of the last one-time attempt.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub last_apply_time: String,
+    /// A human-readable reason the plan is blocked (a leftover process could not be stopped).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub blocked: String,
+}
+
+/// The files that belong to one plan file `DIR/NAME.plan`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanFiles {
+    pub plan: PathBuf,
+    pub name: String,
+}
+
+impl PlanFiles {
+    /// `None` when the path does not end in `.plan`.
+    pub fn new(plan: &Path) -> Option<PlanFiles> {
+        let file = plan.file_name()?.to_str()?;
+        let name = file.strip_suffix(".plan")?.to_string();
+        Some(PlanFiles { plan: plan.to_path_buf(), name })
+    }
+    fn sibling(&self, ext: &str) -> PathBuf {
+        self.plan.with_file_name(format!("{}.{ext}", self.name))
+    }
+    pub fn pos(&self) -> PathBuf {
+        self.sibling("pos")
+    }
+    pub fn paused(&self) -> PathBuf {
+        self.sibling("paused")
+    }
+    pub fn canceled(&self) -> PathBuf {
+        self.sibling("canceled")
+    }
+    pub fn reset(&self) -> PathBuf {
+        self.sibling("reset")
+    }
+}
+
+/// Parse a `.pos` file; the error is one line.
+pub fn parse_pos(raw: &[u8]) -> Result<Pos, String> {
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Pos::default());
+    }
+    serde_json::from_slice(raw).map_err(|e| format!("malformed .pos file: {e}"))
+}
+
+pub fn read_pos(path: &Path) -> Result<Pos, String> {
+    match std::fs::read(path) {
+        Ok(raw) => parse_pos(&raw),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Pos::default()),
+        Err(e) => Err(format!("cannot read: {e}")),
+    }
+}
+
+/// Serialise and write atomically (mode 0600) when the bytes differ from what is there.
+pub fn write_pos(path: &Path, pos: &Pos) -> std::io::Result<bool> {
+    let bytes = serde_json::to_vec(pos).map_err(std::io::Error::other)?;
+    if std::fs::read(path).is_ok_and(|old| old == bytes) {
+        return Ok(false);
+    }
+    crate::process::write_atomic(path, &bytes, 0o600)?;
+    Ok(true)
+}
+
+/// Read a control file: absent → `None`; empty → `"true"`; otherwise the content less one
+/// trailing newline (validated later, as an annotation value would be).
+pub fn read_control(path: &Path) -> Result<Option<String>, String> {
+    match std::fs::read(path) {
+        Ok(raw) if raw.is_empty() => Ok(Some("true".into())),
+        Ok(raw) => {
+            let s = String::from_utf8_lossy(&raw).into_owned();
+            Ok(Some(s.strip_suffix('\n').map(str::to_string).unwrap_or(s)))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pos_keeps_system_agent_fields_and_omits_empty_ones() {
+        assert_eq!(serde_json::to_string(&Pos::default()).unwrap(), "{}");
+        let p = Pos {
+            applied_checksum: "abc".into(),
+            output: vec![1, 2],
+            plan_state: "succeeded".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&p).unwrap(),
+            r#"{"appliedChecksum":"abc","output":"AQI=","planState":"succeeded"}"#
+        );
+        // A system-agent .pos (no nodeplan fields, unknown fields) reads fine.
+        let rancher = br#"{"appliedChecksum":"x","output":"H4sI","probeStatus":{"p":{"healthy":true}},"periodicOutput":"","somethingNew":1}"#;
+        let p = parse_pos(rancher).unwrap();
+        assert_eq!(p.applied_checksum, "x");
+        assert!(p.probe_status["p"].healthy);
+        for bad in [&b"{"[..], b"[]", br#"{"output":"!!"}"#, br#"{"failureCount":"x"}"#] {
+            let e = parse_pos(bad).unwrap_err();
+            assert!(e.starts_with("malformed .pos file") && !e.contains('\n'), "{e}");
+        }
+        assert_eq!(parse_pos(b"").unwrap(), Pos::default());
+    }
+
+    #[test]
+    fn control_file_values() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("x.paused");
+        assert_eq!(read_control(&f).unwrap(), None);
+        for (content, want) in [
+            ("", "true"),
+            ("true\n", "true"),
+            ("false", "false"),
+            ("true\n\n", "true\n"),
+            ("yes\n", "yes"),
+            ("true ", "true "),
+        ] {
+            std::fs::write(&f, content).unwrap();
+            assert_eq!(read_control(&f).unwrap().as_deref(), Some(want), "{content:?}");
+        }
+    }
+
+    #[test]
+    fn plan_files_siblings() {
+        let f = PlanFiles::new(Path::new("/p/dir/web.plan")).unwrap();
+        assert_eq!(f.name, "web");
+        assert_eq!(f.pos(), Path::new("/p/dir/web.pos"));
+        assert_eq!(f.paused(), Path::new("/p/dir/web.paused"));
+        assert!(PlanFiles::new(Path::new("/p/x.txt")).is_none());
+    }
+}
