@@ -52,6 +52,7 @@ cgroupRoot: /sys/fs/cgroup/np
 pidDirectory: /w/pids
 probePeriodSeconds: 7
 rescanSeconds: 9
+localRetrySeconds: 11
 "#;
 
 const FULL_JSON: &str = r#"{
@@ -74,7 +75,8 @@ const FULL_JSON: &str = r#"{
   "cgroupRoot": "/sys/fs/cgroup/np",
   "pidDirectory": "/w/pids",
   "probePeriodSeconds": 7,
-  "rescanSeconds": 9
+  "rescanSeconds": 9,
+  "localRetrySeconds": 11
 }"#;
 
 fn full() -> AgentConfig {
@@ -99,6 +101,7 @@ fn full() -> AgentConfig {
         pid_directory: "/w/pids".into(),
         probe_period_seconds: 7,
         rescan_seconds: 9,
+        local_retry_seconds: 11,
         unknown_keys: vec![],
     }
 }
