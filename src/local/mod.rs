@@ -175,12 +175,23 @@ impl LocalAgent {
                         {
                             let next = interrupt_of(&run.files);
                             // Cancel is sticky for the run; pause follows the latest value.
-                            run.tx.send_if_modified(|i| {
+                            let changed = run.tx.send_if_modified(|i| {
                                 let before = *i;
                                 i.cancel |= next.cancel;
                                 i.pause = next.pause;
                                 *i != before
                             });
+                            if changed {
+                                let i = *run.tx.borrow();
+                                let what = if i.cancel {
+                                    "cancel requested: stopping the running instruction"
+                                } else if i.pause {
+                                    "pause requested: stopping at the next instruction boundary"
+                                } else {
+                                    "pause withdrawn: continuing"
+                                };
+                                tracing::info!("{}: {what}", run.files.plan.display());
+                            }
                         }
                         wake2.notify_one();
                     }

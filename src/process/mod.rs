@@ -295,25 +295,41 @@ impl Supervisor {
             }
         }
         let cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
-        // The last look before the process exists: a stop requested during the set-up above
-        // prevents the spawn (R7).
-        if let Some(r) = stop.requested() {
+        // The record exists before the process does (pid 0 = not known yet): an agent killed at any
+        // moment after the spawn leaves a record that finds the tree by its cgroup or marker.
+        let mut record = PidRecord {
+            pid: 0,
+            start_time: 0,
+            boot_id: procfs::boot_id().unwrap_or_default(),
+            cgroup: cgroup_dir.clone(),
+            marker: marker.clone(),
+            owner: spec.owner.clone(),
+            command: spec.program.to_string_lossy().into_owned(),
+        };
+        let record_path = cfg.pid_dir.as_ref().and_then(|dir| match record.write(dir) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::warn!("cannot write a PID record in {}: {e}", dir.display());
+                None
+            }
+        });
+        let abandon = |outcome: Outcome| {
+            remove_record(record_path.as_deref());
             if let Some(d) = &cgroup_dir {
                 cgroup::remove(d);
             }
-            return finish(Outcome::NotStarted(r), Output::default(), None);
+            finish(outcome, Output::default(), None)
+        };
+        // The last look before the process exists: a stop requested during the set-up above
+        // prevents the spawn (R7).
+        if let Some(r) = stop.requested() {
+            return abandon(Outcome::NotStarted(r));
         }
         let spawned = cmd.spawn();
         drop(leaf.map(|(_, fd)| fd));
         let mut child = match spawned {
             Ok(c) => c,
-            Err(e) => {
-                if let Some(d) = &cgroup_dir {
-                    cgroup::remove(d);
-                }
-                let what = spec.program.to_string_lossy();
-                return finish(Outcome::StartFailed(format!("{what}: {e}")), Output::default(), None);
-            }
+            Err(e) => return abandon(Outcome::StartFailed(format!("{}: {e}", spec.program.to_string_lossy()))),
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
@@ -327,28 +343,17 @@ impl Supervisor {
             readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
         }
 
-        // Written right after the spawn, inline: a small file in the page cache (see PidRecord::write).
-        let record_path = match &cfg.pid_dir {
-            Some(dir) => {
-                let record = PidRecord {
-                    pid,
-                    start_time: procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0),
-                    boot_id: procfs::boot_id().unwrap_or_default(),
-                    cgroup: cgroup_dir.clone(),
-                    marker: marker.clone(),
-                    owner: spec.owner.clone(),
-                    command: spec.program.to_string_lossy().into_owned(),
-                };
-                match record.write(dir) {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        tracing::warn!("cannot write the PID record of pid {pid}: {e}");
-                        None
-                    }
-                }
+        // Now with the pid and its start time (inline: a small file in the page cache, see
+        // PidRecord::write).
+        if let Some(dir) = &cfg.pid_dir
+            && record_path.is_some()
+        {
+            record.pid = pid;
+            record.start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
+            if let Err(e) = record.write(dir) {
+                tracing::warn!("cannot update the PID record of pid {pid}: {e}");
             }
-            None => None,
-        };
+        }
 
         let timeout = spec.timeout;
         let stop_reason = tokio::select! {

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PidRecord {
+    /// 0 while the process is being started (the record is written before the spawn).
     pub pid: i32,
     /// Field 22 of /proc/<pid>/stat.
     pub start_time: u64,
@@ -56,8 +57,8 @@ impl PidRecord {
 
     pub fn parse(raw: &[u8]) -> Result<PidRecord, String> {
         let r: PidRecord = serde_json::from_slice(raw).map_err(|e| format!("malformed PID record: {e}"))?;
-        if r.pid <= 0 {
-            return Err(format!("malformed PID record: pid {} is not positive", r.pid));
+        if r.pid < 0 {
+            return Err(format!("malformed PID record: pid {} is negative", r.pid));
         }
         if r.marker.is_empty() || r.marker.contains(['/', '\0']) {
             return Err(format!("malformed PID record: bad marker {:?}", r.marker));
@@ -91,6 +92,9 @@ impl PidRecord {
             Ok(b) if b == self.boot_id => {}
             Ok(_) => return Identity::Gone,
             Err(e) => return Identity::Mismatch(format!("cannot read boot id: {e}")),
+        }
+        if self.pid == 0 {
+            return Identity::Gone;
         }
         let h = match ProcHandle::open(self.pid) {
             Ok(h) => h,
@@ -162,7 +166,7 @@ mod tests {
         for raw in [
             &b"{"[..],
             b"[]",
-            br#"{"pid":0,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#,
+            br#"{"pid":-3,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#,
             br#"{"pid":5,"startTime":1,"bootId":"b","marker":"../x","owner":"o"}"#,
             br#"{"pid":"5"}"#,
         ] {

@@ -1,0 +1,354 @@
+//! Local mode end to end: the real `nodeplan agent` binary on a temp plan directory.
+
+mod common;
+
+use common::*;
+use nodeplan::local::pos::{Pos, read_pos};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+struct Setup {
+    dir: tempfile::TempDir,
+}
+
+struct Agent {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let s = Setup { dir: tempfile::tempdir().unwrap() };
+        std::fs::create_dir_all(s.p("plans")).unwrap();
+        let cfg = format!(
+            "localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
+             interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n\
+             rescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n",
+            d = s.dir.path().display()
+        );
+        let path = s.p("config.yaml");
+        std::fs::write(&path, cfg).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        s
+    }
+    fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+    fn plan_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join("plans").join(format!("{name}.plan"))
+    }
+    fn plan(&self, name: &str, json: serde_json::Value) -> Vec<u8> {
+        let raw = serde_json::to_vec(&json).unwrap();
+        std::fs::write(self.plan_path(name), &raw).unwrap();
+        raw
+    }
+    fn fifo(&self, name: &str) -> String {
+        let p = self.p(name);
+        let c = std::ffi::CString::new(p.clone()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        p
+    }
+    fn start(&self) -> Agent {
+        let mut child = Command::new(NODEPLAN)
+            .args(["agent", "--config", &self.p("config.yaml")])
+            .env("NODEPLAN_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        Agent { child, lines: rx, seen: Vec::new() }
+    }
+    fn pos(&self, name: &str) -> Pos {
+        read_pos(&self.dir.path().join("plans").join(format!("{name}.pos"))).unwrap()
+    }
+    /// Poll the observable outcome (the .pos file) until `pred` holds; a hang guard, not a sleep.
+    fn wait_pos(&self, name: &str, what: &str, pred: impl Fn(&Pos) -> bool) -> Pos {
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let p = self.pos(name);
+            if pred(&p) {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "{name}.pos never got {what}: {p:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    fn cli(&self, args: &[&str]) {
+        let out = Command::new(NODEPLAN).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Agent {
+    fn wait_log(&mut self, needle: &str) -> String {
+        loop {
+            let l = self
+                .lines
+                .recv_timeout(GUARD)
+                .unwrap_or_else(|_| panic!("agent never logged {needle:?}; saw:\n{}", self.seen.join("\n")));
+            self.seen.push(l.clone());
+            if l.contains(needle) {
+                return l;
+            }
+        }
+    }
+    fn signal(&self, sig: i32) {
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+    fn stop(&mut self) -> i32 {
+        self.signal(libc::SIGTERM);
+        let status = self.child.wait().unwrap();
+        status.code().unwrap_or(-1)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sh(name: &str, script: &str) -> serde_json::Value {
+    serde_json::json!({"name": name, "command": "sh", "args": ["-c", script], "saveOutput": true})
+}
+
+/// Read a FIFO the instruction writes to (it blocks until we do), with a hang guard.
+fn read_fifo(path: &str) -> String {
+    let (tx, rx) = mpsc::channel();
+    let p = path.to_string();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::read_to_string(p).unwrap_or_default());
+    });
+    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("nobody wrote {path}"))
+}
+
+fn last_pid(line: &str) -> i32 {
+    line.split_whitespace().last().unwrap().parse().unwrap()
+}
+
+#[test]
+fn applies_a_plan_and_records_the_pos_file() {
+    let s = Setup::new();
+    let target = s.p("etc/app.conf");
+    let raw = s.plan(
+        "web",
+        serde_json::json!({
+            "files": [{"path": target, "content": "aGVsbG8=", "permissions": "0640"}],
+            "instructions": [sh("cat", &format!("cat {target}"))]
+        }),
+    );
+    let mut agent = s.start();
+    let pos = s.wait_pos("web", "succeeded", |p| p.plan_state == "succeeded");
+    let checksum = nodeplan::plan::checksum(&raw);
+    assert_eq!(pos.applied_checksum, checksum);
+    assert_eq!(pos.plan_checksum, checksum);
+    assert_eq!(pos.success_count, 1);
+    assert_eq!(pos.failure_count, 0);
+    assert!(pos.checkpoint.is_none());
+    let out = nodeplan::plan::decode_one_time_output(&pos.output).unwrap();
+    assert_eq!(out["cat"], b"hello");
+    assert_eq!(std::fs::read(&target).unwrap(), b"hello");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
+    let s = Setup::new();
+    let ok = s.p("ok");
+    s.plan("retry", serde_json::json!({"instructions": [sh("check", &format!("test -e {ok}"))]}));
+    let mut agent = s.start();
+    let failed = s.wait_pos("retry", "failed", |p| p.plan_state == "failed");
+    assert!(failed.applied_checksum.is_empty(), "a failed plan is not recorded as applied");
+    assert_eq!(failed.failed_checksum, failed.plan_checksum);
+    assert!(failed.failure_count >= 1);
+    agent.wait_log("retrying after failure");
+    std::fs::write(&ok, b"").unwrap();
+    let done = s.wait_pos("retry", "succeeded", |p| p.plan_state == "succeeded");
+    assert_eq!(done.failure_count, 0);
+    assert_eq!(done.applied_checksum, done.plan_checksum);
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn pause_while_instruction_two_runs_then_resume_runs_only_instruction_three() {
+    let s = Setup::new();
+    let (ready, go, marker) = (s.fifo("ready"), s.fifo("go"), s.p("marker"));
+    s.plan(
+        "p",
+        serde_json::json!({"instructions": [
+            sh("one", &format!("echo one >> {marker}")),
+            sh("two", &format!("echo two >> {marker}; echo > {ready}; cat {go} > /dev/null")),
+            sh("three", &format!("echo three >> {marker}")),
+        ]}),
+    );
+    let plan = s.plan_path("p");
+    let mut agent = s.start();
+    read_fifo(&ready);
+    s.cli(&["plan", "pause", plan.to_str().unwrap()]);
+    agent.wait_log("pause requested");
+    std::fs::OpenOptions::new().write(true).open(&go).unwrap().write_all(b"go").unwrap();
+    let paused = s.wait_pos("p", "paused", |p| p.plan_state == "paused");
+    let cp = paused.checkpoint.clone().unwrap();
+    assert_eq!((cp.completed_instructions, cp.total_instructions, cp.paused), (2, 3, true));
+    assert_eq!(cp.resume_state, "in-progress");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n");
+    let status = Command::new(NODEPLAN).args(["plan", "status", plan.to_str().unwrap()]).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("state:      paused") && status.contains("2/3 instructions done"), "{status}");
+    s.cli(&["plan", "resume", plan.to_str().unwrap()]);
+    let done = s.wait_pos("p", "succeeded", |p| p.plan_state == "succeeded");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\nthree\n", "finished instructions are not re-run");
+    let out = nodeplan::plan::decode_one_time_output(&done.output).unwrap();
+    assert!(out.contains_key("one") && out.contains_key("two") && out.contains_key("three"), "{out:?}");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
+    let s = Setup::new();
+    let after = s.p("after");
+    s.plan(
+        "c",
+        serde_json::json!({"instructions": [
+            {"name": "escape", "command": HELPER, "args": ["setsid-wait"]},
+            sh("after", &format!("touch {after}")),
+        ]}),
+    );
+    let plan = s.plan_path("c");
+    let mut agent = s.start();
+    let gc = last_pid(&agent.wait_log("grandchild "));
+    let leader = last_pid(&agent.wait_log("ready "));
+    assert!(alive(gc) && alive(leader));
+    s.cli(&["plan", "cancel", plan.to_str().unwrap()]);
+    let pos = s.wait_pos("c", "canceled", |p| p.plan_state == "canceled");
+    let (gc_alive, leader_alive) = (alive(gc), alive(leader));
+    kill_all(&[gc, leader]);
+    assert!(!leader_alive, "the instruction survived the cancel");
+    assert!(!gc_alive, "the setsid grandchild survived the cancel");
+    let cp = pos.checkpoint.unwrap();
+    assert!(!cp.paused && cp.resume_state.is_empty());
+    assert_eq!((cp.completed_instructions, cp.total_instructions), (0, 2));
+    assert!(!Path::new(&after).exists());
+    agent.wait_log("the node may be left partly changed");
+    // Terminal: removing the control file does not resume (R8); reset runs it again.
+    std::fs::remove_file(s.dir.path().join("plans/c.canceled")).unwrap();
+    agent.wait_log("cancel"); // the removal is seen (no running plan: only a new cycle)
+    assert_eq!(s.pos("c").plan_state, "canceled");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn a_killed_agent_leaves_nothing_running_twice() {
+    let s = Setup::new();
+    let (ready, starts, overlap, pidfile) = (s.fifo("ready"), s.p("starts"), s.p("overlap"), s.p("pid"));
+    let running = s.p("running");
+    let script = format!(
+        "trap 'rm -f {running}; exit 0' TERM; if [ -e {running} ]; then echo overlap >> {overlap}; fi; touch {running}; \
+         echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; sleep 300 & wait"
+    );
+    s.plan("k", serde_json::json!({"instructions": [sh("long", &script)]}));
+    let mut first = s.start();
+    read_fifo(&ready);
+    let leftover: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    first.signal(libc::SIGKILL);
+    let _ = first.child.wait();
+    assert!(alive(leftover), "the instruction outlives the SIGKILLed agent");
+    assert_eq!(s.pos("k").plan_state, "in-progress");
+    let mut second = s.start();
+    read_fifo(&ready);
+    let was_alive = alive(leftover);
+    kill_all(&[leftover]);
+    assert!(!was_alive, "the leftover was stopped before the re-run");
+    assert!(!Path::new(&overlap).exists(), "two copies of the instruction ran at once");
+    assert_eq!(std::fs::read_to_string(&starts).unwrap(), "start\nstart\n");
+    second.wait_log("stopped leftover pid");
+    // Shutdown: the instruction is stopped through the ladder, the plan stays in-progress, exit 0.
+    assert_eq!(second.stop(), 0);
+    assert_eq!(s.pos("k").plan_state, "in-progress");
+    assert!(std::fs::read_dir(s.p("pids")).unwrap().next().is_none(), "no PID records left");
+}
+
+#[test]
+fn an_invalid_control_value_writes_nothing() {
+    let s = Setup::new();
+    let ran = s.p("ran");
+    s.plan("bad", serde_json::json!({"instructions": [sh("a", &format!("touch {ran}"))]}));
+    std::fs::write(s.dir.path().join("plans/bad.paused"), b"yes\n").unwrap();
+    s.plan("good", serde_json::json!({"instructions": [sh("a", "true")]}));
+    let mut agent = s.start();
+    agent.wait_log("invalid value \"yes\"");
+    s.wait_pos("good", "succeeded", |p| p.plan_state == "succeeded");
+    // Several more cycles (the good plan's probes and rescans) pass; still nothing for `bad`.
+    agent.wait_log("");
+    assert!(!s.dir.path().join("plans/bad.pos").exists(), "R3: nothing is written");
+    assert!(!Path::new(&ran).exists(), "R3: nothing runs");
+    // A valid value releases it.
+    std::fs::write(s.dir.path().join("plans/bad.paused"), b"false").unwrap();
+    s.wait_pos("bad", "succeeded", |p| p.plan_state == "succeeded");
+    assert!(Path::new(&ran).exists());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A tiny HTTP server answering every request with the current status.
+fn http_server(status: Arc<AtomicU16>) -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = c.read(&mut buf);
+            let code = status.load(Ordering::SeqCst);
+            let _ = write!(c, "HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    port
+}
+
+#[test]
+fn probe_statuses_keep_changing_while_paused() {
+    let s = Setup::new();
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let ran = s.p("ran");
+    s.plan("h", serde_json::json!({
+        "instructions": [sh("a", &format!("touch {ran}"))],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/healthz")}, "successThreshold": 1, "failureThreshold": 1}}
+    }));
+    std::fs::write(s.dir.path().join("plans/h.paused"), b"").unwrap();
+    let mut agent = s.start();
+    s.wait_pos("h", "paused and healthy", |p| {
+        p.plan_state == "paused" && p.probe_status.get("web").is_some_and(|w| w.healthy)
+    });
+    status.store(503, Ordering::SeqCst);
+    s.wait_pos("h", "unhealthy", |p| p.probe_status.get("web").is_some_and(|w| !w.healthy && w.failure_count == 1));
+    status.store(200, Ordering::SeqCst);
+    s.wait_pos("h", "healthy again", |p| p.probe_status.get("web").is_some_and(|w| w.healthy));
+    assert!(!Path::new(&ran).exists(), "nothing ran while paused");
+    assert_eq!(s.pos("h").plan_state, "paused");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn bad_config_is_one_line_and_exit_2() {
+    let s = Setup::new();
+    let path = s.p("config.yaml");
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = Command::new(NODEPLAN).args(["agent", "--config", &path]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("0600"), "{err}");
+}
