@@ -86,7 +86,11 @@ pub fn parse_pos(raw: &[u8]) -> Result<Pos, String> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(Pos::default());
     }
-    serde_json::from_slice(raw).map_err(|e| format!("malformed .pos file: {e}"))
+    let v: serde_json::Value = serde_json::from_slice(raw).map_err(|e| format!("malformed .pos file: {e}"))?;
+    if !v.is_object() {
+        return Err("malformed .pos file: expected a JSON object".into());
+    }
+    serde_json::from_value(v).map_err(|e| format!("malformed .pos file: {e}"))
 }
 
 pub fn read_pos(path: &Path) -> Result<Pos, String> {

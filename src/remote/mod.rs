@@ -3,3 +3,4 @@
 //! conflict-safe writes. It must not spawn processes (the applyinator does, through `process`).
 
 pub mod client;
+pub mod wire;

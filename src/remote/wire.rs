@@ -1,0 +1,411 @@
+//! The plan Secret's data keys and the pure functions over them: reading a snapshot into the
+//! flow's vocabulary, the legacy checksum flow's decision, and turning outcomes into the keys to
+//! write. No I/O.
+
+use super::client::SecretSnapshot;
+use crate::flow::{self, Record, Transition};
+use crate::plan::{
+    self, Annotations, Checkpoint, PeriodicInstructionOutput, PlanState, ProbeStatus, format_unix_date,
+    parse_unix_date,
+};
+use chrono::{DateTime, Utc};
+use std::collections::BTreeMap;
+
+pub const PLAN: &str = "plan";
+pub const PLAN_STATE: &str = "plan-state";
+pub const PLAN_REVISION: &str = "plan-revision";
+pub const PLAN_CHECKPOINT: &str = "plan-checkpoint";
+pub const APPLIED_CHECKSUM: &str = "applied-checksum";
+pub const APPLIED_OUTPUT: &str = "applied-output";
+pub const FAILED_CHECKSUM: &str = "failed-checksum";
+pub const FAILED_OUTPUT: &str = "failed-output";
+pub const FAILURE_COUNT: &str = "failure-count";
+pub const SUCCESS_COUNT: &str = "success-count";
+pub const MAX_FAILURES: &str = "max-failures";
+pub const LAST_APPLY_TIME: &str = "last-apply-time";
+pub const APPLIED_PERIODIC_OUTPUT: &str = "applied-periodic-output";
+pub const PROBE_STATUSES: &str = "probe-statuses";
+pub const PROBE_PERIOD_SECONDS: &str = "probe-period-seconds";
+
+/// The legacy flow's failure cooldown.
+pub const FAILURE_COOLDOWN: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
+
+/// Budget for one encoded output key (gzip), so the Secret stays far below Kubernetes' 1 MiB.
+pub const OUTPUT_BUDGET: usize = 256 * 1024;
+
+/// Keys to write: `Some(bytes)` sets (an empty value clears, as system-agent does), `None` deletes.
+pub type Keys = BTreeMap<String, Option<Vec<u8>>>;
+
+fn text(s: &SecretSnapshot, key: &str) -> Option<String> {
+    s.data.get(key).map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+fn int(s: &SecretSnapshot, key: &str) -> Option<i64> {
+    text(s, key).and_then(|v| v.trim().parse().ok())
+}
+
+/// An unparsable or missing counter becomes 1 when incremented (system-agent's `incrementCount`).
+fn incremented(s: &SecretSnapshot, key: &str) -> Vec<u8> {
+    int(s, key).map_or(1, |n| n + 1).to_string().into_bytes()
+}
+
+pub fn plan_state(s: &SecretSnapshot) -> Option<PlanState> {
+    text(s, PLAN_STATE).filter(|v| !v.is_empty()).map(|v| PlanState::parse(&v))
+}
+
+pub fn failure_count(s: &SecretSnapshot) -> i64 {
+    int(s, FAILURE_COUNT).unwrap_or(0)
+}
+
+/// `max-failures`: unset, empty or invalid means unlimited (−1).
+pub fn max_failures(s: &SecretSnapshot) -> i64 {
+    int(s, MAX_FAILURES).unwrap_or(-1)
+}
+
+/// `CATTLE_AGENT_ATTEMPT_NUMBER`: failure-count + 1 when the key is present and non-empty, else 1.
+pub fn attempt(s: &SecretSnapshot) -> i64 {
+    match text(s, FAILURE_COUNT) {
+        Some(v) if !v.is_empty() => v.trim().parse::<i64>().unwrap_or(0) + 1,
+        _ => 1,
+    }
+}
+
+pub fn probe_period(s: &SecretSnapshot) -> Option<std::time::Duration> {
+    int(s, PROBE_PERIOD_SECONDS).filter(|n| *n > 0).map(|n| std::time::Duration::from_secs(n as u64))
+}
+
+pub fn probe_statuses(s: &SecretSnapshot) -> BTreeMap<String, ProbeStatus> {
+    s.data.get(PROBE_STATUSES).and_then(|v| serde_json::from_slice(v).ok()).unwrap_or_default()
+}
+
+pub fn one_time_output(s: &SecretSnapshot, key: &str) -> BTreeMap<String, Vec<u8>> {
+    s.data.get(key).and_then(|v| plan::decode_one_time_output(v).ok()).unwrap_or_default()
+}
+
+pub fn periodic_output(s: &SecretSnapshot) -> BTreeMap<String, PeriodicInstructionOutput> {
+    s.data.get(APPLIED_PERIODIC_OUTPUT).and_then(|v| plan::decode_periodic_output(v).ok()).unwrap_or_default()
+}
+
+pub fn annotations(s: &SecretSnapshot) -> Annotations<'_> {
+    Annotations {
+        paused: s.annotations.get(plan::ANNOTATION_PAUSED).map(String::as_str),
+        canceled: s.annotations.get(plan::ANNOTATION_CANCELED).map(String::as_str),
+    }
+}
+
+/// The checksum of the plan the Secret carries now (`None` without a `plan` key).
+pub fn plan_checksum(s: &SecretSnapshot) -> Option<String> {
+    s.data.get(PLAN).map(|p| plan::checksum(p))
+}
+
+/// The plan-state flow's view of the Secret.
+pub fn flow_snapshot(s: &SecretSnapshot, checksum: &str, state: PlanState, total: usize) -> flow::Snapshot {
+    flow::Snapshot {
+        checksum: checksum.to_string(),
+        state,
+        hold: plan::resolve_annotations(&annotations(s)),
+        checkpoint: Checkpoint::read(s.data.get(PLAN_CHECKPOINT).map(Vec::as_slice), checksum),
+        total,
+    }
+}
+
+fn set(k: &mut Keys, key: &str, v: impl Into<Vec<u8>>) {
+    k.insert(key.to_string(), Some(v.into()));
+}
+
+/// A recorded pause or cancel (or a resume commit).
+pub fn transition_keys(t: &Transition) -> Keys {
+    let mut k = Keys::new();
+    set(&mut k, PLAN_STATE, t.state.as_str());
+    set(&mut k, PLAN_CHECKPOINT, t.checkpoint.to_json());
+    k
+}
+
+/// pending → in-progress, bumping the revision, with a resume's checkpoint folded in.
+pub fn begin_keys(s: &SecretSnapshot, resume: Option<&Transition>) -> Keys {
+    let mut k = Keys::new();
+    set(&mut k, PLAN_STATE, PlanState::InProgress.as_str());
+    set(&mut k, PLAN_REVISION, incremented(s, PLAN_REVISION));
+    if let Some(t) = resume {
+        set(&mut k, PLAN_CHECKPOINT, t.checkpoint.to_json());
+    }
+    k
+}
+
+/// Encode a one-time output map within the budget: the largest entries are trimmed to their tail
+/// until the gzip fits (the Secret must stay far below 1 MiB).
+pub fn encode_output_capped(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+    let mut map = map.clone();
+    loop {
+        let enc = plan::encode_one_time_output(&map);
+        if enc.len() <= OUTPUT_BUDGET {
+            return enc;
+        }
+        let Some((name, longest)) = map.iter().max_by_key(|(_, v)| v.len()).map(|(k, v)| (k.clone(), v.len())) else {
+            return enc;
+        };
+        if longest <= 1024 {
+            return enc;
+        }
+        let keep = longest / 2;
+        if let Some(v) = map.get_mut(&name) {
+            let mut trimmed = format!("[nodeplan: {} bytes dropped to fit the Secret]\n", v.len() - keep).into_bytes();
+            trimmed.extend_from_slice(&v[v.len() - keep..]);
+            *v = trimmed;
+        }
+    }
+}
+
+/// Success or failure bookkeeping shared by both flows (system-agent's outcome table).
+fn outcome_keys(k: &mut Keys, s: &SecretSnapshot, checksum: &str, succeeded: bool, output: &BTreeMap<String, Vec<u8>>, now: DateTime<Utc>) {
+    if succeeded {
+        set(k, APPLIED_CHECKSUM, checksum);
+        set(k, APPLIED_OUTPUT, encode_output_capped(output));
+        set(k, FAILURE_COUNT, "0");
+        set(k, FAILED_OUTPUT, "");
+        set(k, FAILED_CHECKSUM, "");
+        set(k, LAST_APPLY_TIME, format_unix_date(now));
+        set(k, SUCCESS_COUNT, incremented(s, SUCCESS_COUNT));
+    } else {
+        set(k, FAILED_CHECKSUM, checksum);
+        set(k, FAILURE_COUNT, incremented(s, FAILURE_COUNT));
+        set(k, FAILED_OUTPUT, encode_output_capped(output));
+        set(k, SUCCESS_COUNT, "0");
+        set(k, LAST_APPLY_TIME, format_unix_date(now));
+    }
+}
+
+/// The keys for a plan-state flow [`Record`].
+pub fn record_keys(s: &SecretSnapshot, checksum: &str, r: &Record, now: DateTime<Utc>) -> Keys {
+    let mut k = Keys::new();
+    if let Some(state) = &r.state {
+        set(&mut k, PLAN_STATE, state.as_str());
+    }
+    match &r.checkpoint {
+        Some(Some(cp)) => set(&mut k, PLAN_CHECKPOINT, cp.to_json()),
+        // Cleared by an empty value, never by deleting the key.
+        Some(None) => set(&mut k, PLAN_CHECKPOINT, ""),
+        None => {}
+    }
+    let empty = BTreeMap::new();
+    match r.succeeded {
+        Some(ok) => outcome_keys(&mut k, s, checksum, ok, r.one_time_output.as_ref().unwrap_or(&empty), now),
+        None => {
+            if let Some(o) = &r.one_time_output {
+                set(&mut k, APPLIED_OUTPUT, encode_output_capped(o));
+            }
+        }
+    }
+    if let Some(p) = &r.periodic_output {
+        set(&mut k, APPLIED_PERIODIC_OUTPUT, plan::encode_periodic_output(p));
+    }
+    k
+}
+
+/// What the legacy checksum flow (no `plan-state`) decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegacyDecision {
+    pub needs_apply: bool,
+    pub was_failed_plan: bool,
+}
+
+/// system-agent's checksum flow: apply when the applied checksum differs (or on the first
+/// reconcile since start); a plan that failed waits out max-failures and the 30 s cooldown; our own
+/// write echoing back is not a reason to apply.
+pub fn legacy_decide(s: &SecretSnapshot, checksum: &str, has_run_once: bool, own_echo: bool, now: DateTime<Utc>) -> LegacyDecision {
+    let mut needs = text(s, APPLIED_CHECKSUM).as_deref() != Some(checksum);
+    if !has_run_once {
+        needs = true;
+    }
+    let failures = failure_count(s);
+    let mut was_failed = false;
+    if failures != 0 && text(s, FAILED_CHECKSUM).as_deref() == Some(checksum) {
+        was_failed = true;
+        let max = max_failures(s);
+        let last = text(s, LAST_APPLY_TIME).and_then(|t| parse_unix_date(&t)).unwrap_or(now);
+        if max != -1 && failures >= max {
+            needs = false;
+        } else if now != last && now <= last + FAILURE_COOLDOWN {
+            needs = false;
+        }
+    }
+    if own_echo && !was_failed {
+        needs = false;
+    }
+    LegacyDecision { needs_apply: needs, was_failed_plan: was_failed }
+}
+
+/// The legacy flow's outcome keys.
+pub fn legacy_keys(
+    s: &SecretSnapshot,
+    checksum: &str,
+    d: LegacyDecision,
+    one_time_succeeded: bool,
+    output: &BTreeMap<String, Vec<u8>>,
+    periodic: &BTreeMap<String, PeriodicInstructionOutput>,
+    now: DateTime<Utc>,
+) -> Keys {
+    let mut k = Keys::new();
+    set(&mut k, APPLIED_PERIODIC_OUTPUT, plan::encode_periodic_output(periodic));
+    if (d.needs_apply && !one_time_succeeded) || (!d.needs_apply && d.was_failed_plan) {
+        if d.needs_apply {
+            outcome_keys(&mut k, s, checksum, false, output, now);
+        } else {
+            set(&mut k, FAILED_CHECKSUM, checksum);
+        }
+    } else if d.needs_apply {
+        outcome_keys(&mut k, s, checksum, true, output, now);
+    } else {
+        set(&mut k, APPLIED_CHECKSUM, checksum);
+        set(&mut k, APPLIED_OUTPUT, encode_output_capped(output));
+        set(&mut k, FAILURE_COUNT, "0");
+        set(&mut k, FAILED_OUTPUT, "");
+        set(&mut k, FAILED_CHECKSUM, "");
+    }
+    k
+}
+
+pub fn probe_keys(statuses: &BTreeMap<String, ProbeStatus>) -> Keys {
+    let mut k = Keys::new();
+    set(&mut k, PROBE_STATUSES, serde_json::to_vec(statuses).unwrap_or_default());
+    k
+}
+
+/// Drop the keys whose value already is what we would write.
+pub fn changed_only(s: &SecretSnapshot, mut k: Keys) -> Keys {
+    k.retain(|key, v| match v {
+        Some(v) => s.data.get(key) != Some(v),
+        None => s.data.contains_key(key),
+    });
+    k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn secret(pairs: &[(&str, &str)]) -> SecretSnapshot {
+        SecretSnapshot {
+            uid: "u".into(),
+            resource_version: "1".into(),
+            data: pairs.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    fn now() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap()
+    }
+
+    fn s(k: &Keys, key: &str) -> Option<String> {
+        k.get(key).cloned().flatten().map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    #[test]
+    fn counters_and_attempts() {
+        assert_eq!(attempt(&secret(&[])), 1);
+        assert_eq!(attempt(&secret(&[(FAILURE_COUNT, "")])), 1);
+        assert_eq!(attempt(&secret(&[(FAILURE_COUNT, "2")])), 3);
+        assert_eq!(max_failures(&secret(&[(MAX_FAILURES, "x")])), -1);
+        assert_eq!(max_failures(&secret(&[(MAX_FAILURES, "3")])), 3);
+        assert_eq!(s(&begin_keys(&secret(&[]), None), PLAN_REVISION).as_deref(), Some("1"));
+        assert_eq!(s(&begin_keys(&secret(&[(PLAN_REVISION, "7")]), None), PLAN_REVISION).as_deref(), Some("8"));
+        assert_eq!(s(&begin_keys(&secret(&[(PLAN_REVISION, "junk")]), None), PLAN_REVISION).as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn legacy_flow_table() {
+        let t = |dt: i64| format_unix_date(now() + chrono::TimeDelta::seconds(dt));
+        let last10 = t(-10);
+        let last40 = t(-40);
+        let rows: Vec<(&str, Vec<(&str, &str)>, bool, bool, bool)> = vec![
+            ("new plan", vec![(APPLIED_CHECKSUM, "old")], true, false, true),
+            ("already applied", vec![(APPLIED_CHECKSUM, "c")], true, false, false),
+            ("first reconcile forces", vec![(APPLIED_CHECKSUM, "c")], false, false, true),
+            ("failed, in cooldown", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last10)], true, false, false),
+            ("failed, cooldown over", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last40)], true, false, true),
+            ("max failures reached", vec![(FAILURE_COUNT, "3"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)], true, false, false),
+            ("below max failures", vec![(FAILURE_COUNT, "2"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)], true, false, true),
+            ("another plan failed: no cooldown", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "other"), (LAST_APPLY_TIME, &last10)], true, false, true),
+            ("own write echoing back", vec![(APPLIED_CHECKSUM, "old")], true, true, false),
+        ];
+        for (what, data, ran_once, echo, want) in rows {
+            let d = legacy_decide(&secret(&data), "c", ran_once, echo, now());
+            assert_eq!(d.needs_apply, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn legacy_outcome_keys() {
+        let base = secret(&[(SUCCESS_COUNT, "4"), (FAILURE_COUNT, "2")]);
+        let out = BTreeMap::from([("a".to_string(), b"x".to_vec())]);
+        let periodic = BTreeMap::new();
+        let ok = legacy_keys(&base, "c", LegacyDecision { needs_apply: true, was_failed_plan: false }, true, &out, &periodic, now());
+        assert_eq!(s(&ok, APPLIED_CHECKSUM).as_deref(), Some("c"));
+        assert_eq!(s(&ok, SUCCESS_COUNT).as_deref(), Some("5"));
+        assert_eq!(s(&ok, FAILURE_COUNT).as_deref(), Some("0"));
+        assert_eq!(s(&ok, FAILED_CHECKSUM).as_deref(), Some(""));
+        assert_eq!(plan::decode_one_time_output(ok[APPLIED_OUTPUT].as_ref().unwrap()).unwrap(), out);
+        let bad = legacy_keys(&base, "c", LegacyDecision { needs_apply: true, was_failed_plan: false }, false, &out, &periodic, now());
+        assert_eq!(s(&bad, FAILURE_COUNT).as_deref(), Some("3"));
+        assert_eq!(s(&bad, SUCCESS_COUNT).as_deref(), Some("0"));
+        assert_eq!(s(&bad, FAILED_CHECKSUM).as_deref(), Some("c"));
+        assert!(!bad.contains_key(APPLIED_CHECKSUM));
+        assert_eq!(s(&bad, LAST_APPLY_TIME), Some(format_unix_date(now())));
+        let held = legacy_keys(&base, "c", LegacyDecision { needs_apply: false, was_failed_plan: true }, false, &out, &periodic, now());
+        assert_eq!(s(&held, FAILED_CHECKSUM).as_deref(), Some("c"));
+        assert!(!held.contains_key(FAILURE_COUNT), "a held failed plan does not count again");
+    }
+
+    #[test]
+    fn record_keys_clear_the_checkpoint_with_an_empty_value() {
+        let r = Record { state: Some(PlanState::Succeeded), checkpoint: Some(None), succeeded: Some(true), one_time_output: Some(BTreeMap::new()), ..Default::default() };
+        let k = record_keys(&secret(&[]), "c", &r, now());
+        assert_eq!(k.get(PLAN_CHECKPOINT), Some(&Some(Vec::new())));
+        assert_eq!(s(&k, PLAN_STATE).as_deref(), Some("succeeded"));
+        let paused = Record {
+            state: Some(PlanState::Paused),
+            checkpoint: Some(Some(Checkpoint { checksum: "c".into(), completed_instructions: 1, total_instructions: 3, resume_state: "in-progress".into(), paused: true, termination_incomplete: false })),
+            ..Default::default()
+        };
+        let k = record_keys(&secret(&[]), "c", &paused, now());
+        assert!(!k.contains_key(APPLIED_CHECKSUM) && !k.contains_key(FAILURE_COUNT) && !k.contains_key(SUCCESS_COUNT), "R12: never the counters");
+        assert_eq!(s(&k, PLAN_CHECKPOINT).as_deref(), Some(r#"{"checksum":"c","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true}"#));
+    }
+
+    #[test]
+    fn outputs_are_capped_to_keep_the_secret_small() {
+        // Incompressible bytes, 4 × 200 KiB.
+        let mut x: u64 = 88172645463325252;
+        let mut noise = || {
+            (0..200 * 1024)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x & 0xff) as u8
+                })
+                .collect::<Vec<u8>>()
+        };
+        let map: BTreeMap<String, Vec<u8>> = (0..4).map(|i| (format!("i{i}"), noise())).collect();
+        let enc = encode_output_capped(&map);
+        assert!(enc.len() <= OUTPUT_BUDGET, "{}", enc.len());
+        let back = plan::decode_one_time_output(&enc).unwrap();
+        assert_eq!(back.len(), 4, "every instruction keeps an entry");
+        assert!(String::from_utf8_lossy(&back["i0"]).starts_with("[nodeplan: "));
+        let small = BTreeMap::from([("a".to_string(), b"hello".to_vec())]);
+        assert_eq!(plan::decode_one_time_output(&encode_output_capped(&small)).unwrap(), small);
+    }
+
+    #[test]
+    fn changed_only_drops_unchanged_keys() {
+        let base = secret(&[(PLAN_STATE, "succeeded"), (FAILURE_COUNT, "0")]);
+        let mut k = Keys::new();
+        set(&mut k, PLAN_STATE, "succeeded");
+        set(&mut k, FAILURE_COUNT, "1");
+        k.insert("gone".into(), None);
+        let k = changed_only(&base, k);
+        assert_eq!(k.keys().collect::<Vec<_>>(), ["failure-count"]);
+    }
+}
