@@ -4,21 +4,14 @@ mod common;
 
 use common::*;
 use nodeplan::local::pos::{Pos, read_pos};
-use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 struct Setup {
     dir: tempfile::TempDir,
-}
-
-struct Agent {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
 }
 
 impl Setup {
@@ -49,26 +42,11 @@ impl Setup {
     }
     fn fifo(&self, name: &str) -> String {
         let p = self.p(name);
-        let c = std::ffi::CString::new(p.clone()).unwrap();
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        mkfifo(&p);
         p
     }
-    fn start(&self) -> Agent {
-        let mut child = Command::new(NODEPLAN)
-            .args(["agent", "--config", &self.p("config.yaml")])
-            .env("NODEPLAN_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        Agent { child, lines: rx, seen: Vec::new() }
+    fn start(&self) -> AgentProc {
+        AgentProc::start(self.dir.path().join("config.yaml").as_path())
     }
     fn pos(&self, name: &str) -> Pos {
         read_pos(&self.dir.path().join("plans").join(format!("{name}.pos"))).unwrap()
@@ -91,48 +69,8 @@ impl Setup {
     }
 }
 
-impl Agent {
-    fn wait_log(&mut self, needle: &str) -> String {
-        loop {
-            let l = self
-                .lines
-                .recv_timeout(GUARD)
-                .unwrap_or_else(|_| panic!("agent never logged {needle:?}; saw:\n{}", self.seen.join("\n")));
-            self.seen.push(l.clone());
-            if l.contains(needle) {
-                return l;
-            }
-        }
-    }
-    fn signal(&self, sig: i32) {
-        unsafe { libc::kill(self.child.id() as i32, sig) };
-    }
-    fn stop(&mut self) -> i32 {
-        self.signal(libc::SIGTERM);
-        let status = self.child.wait().unwrap();
-        status.code().unwrap_or(-1)
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn sh(name: &str, script: &str) -> serde_json::Value {
     serde_json::json!({"name": name, "command": "sh", "args": ["-c", script], "saveOutput": true})
-}
-
-/// Read a FIFO the instruction writes to (it blocks until we do), with a hang guard.
-fn read_fifo(path: &str) -> String {
-    let (tx, rx) = mpsc::channel();
-    let p = path.to_string();
-    std::thread::spawn(move || {
-        let _ = tx.send(std::fs::read_to_string(p).unwrap_or_default());
-    });
-    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("nobody wrote {path}"))
 }
 
 fn last_pid(line: &str) -> i32 {
@@ -199,7 +137,7 @@ fn pause_while_instruction_two_runs_then_resume_runs_only_instruction_three() {
     read_fifo(&ready);
     s.cli(&["plan", "pause", plan.to_str().unwrap()]);
     agent.wait_log("pause requested");
-    std::fs::OpenOptions::new().write(true).open(&go).unwrap().write_all(b"go").unwrap();
+    release_fifo(&go);
     let paused = s.wait_pos("p", "paused", |p| p.plan_state == "paused");
     let cp = paused.checkpoint.clone().unwrap();
     assert_eq!((cp.completed_instructions, cp.total_instructions, cp.paused), (2, 3, true));
@@ -300,21 +238,6 @@ fn an_invalid_control_value_writes_nothing() {
     s.wait_pos("bad", "succeeded", |p| p.plan_state == "succeeded");
     assert!(Path::new(&ran).exists());
     assert_eq!(agent.stop(), 0);
-}
-
-/// A tiny HTTP server answering every request with the current status.
-fn http_server(status: Arc<AtomicU16>) -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for mut c in l.incoming().flatten() {
-            let mut buf = [0u8; 1024];
-            let _ = c.read(&mut buf);
-            let code = status.load(Ordering::SeqCst);
-            let _ = write!(c, "HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-        }
-    });
-    port
 }
 
 #[test]

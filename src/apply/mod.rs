@@ -80,6 +80,15 @@ impl Interrupt {
     }
 }
 
+/// How an agent driver (local or remote) ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentExit {
+    /// Shut down cleanly.
+    Clean,
+    /// A process could not be stopped on the way out.
+    Incomplete(String),
+}
+
 /// Why a run stopped early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Interruption {

@@ -1,9 +1,10 @@
 //! `nodeplan agent` (alias `sentinel`), `validate-config`, `validate-connection`.
 
 use super::exit;
+use crate::apply::AgentExit;
 use crate::apply::{ApplyConfig, Applyinator};
 use crate::config::{self, AgentConfig, CgroupRoot};
-use crate::local::{LocalAgent, LocalConfig, LocalExit};
+use crate::local::{LocalAgent, LocalConfig};
 use crate::probe::Prober;
 use crate::process::{CgroupMode, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
@@ -110,13 +111,22 @@ pub async fn run(args: AgentArgs) -> u8 {
         tasks.push(tokio::spawn(async move { agent.run(rx).await }));
     }
     if cfg.remote_enabled {
-        tracing::error!("remote mode is not implemented yet; only local mode runs");
+        let agent = match remote_agent(&cfg, &parts).await {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("nodeplan: {e}");
+                abort_all(&tasks);
+                return exit::BAD_INPUT;
+            }
+        };
+        let rx = sd_rx.clone();
+        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
     }
     let mut code = exit::OK;
     for t in tasks {
         match t.await {
-            Ok(LocalExit::Clean) => {}
-            Ok(LocalExit::Incomplete(e)) => {
+            Ok(AgentExit::Clean) => {}
+            Ok(AgentExit::Incomplete(e)) => {
                 eprintln!("nodeplan: a process could not be stopped: {e}");
                 code = exit::FAILED;
             }
@@ -128,6 +138,30 @@ pub async fn run(args: AgentArgs) -> u8 {
     }
     tracing::info!("nodeplan agent stopped");
     code
+}
+
+/// Tasks already started are left to the process exit; nothing ran yet at this point.
+fn abort_all(tasks: &[tokio::task::JoinHandle<AgentExit>]) {
+    for t in tasks {
+        t.abort();
+    }
+}
+
+async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote::agent::RemoteAgent, String> {
+    use crate::remote::client::{SecretClient, SecretRef};
+    let conn = config::load_connection(&cfg.connection_info_file)
+        .map_err(|e| format!("{e} (the installer should have created it)"))?;
+    let client = SecretClient::client_from_kubeconfig_yaml(&conn.kube_config)
+        .await
+        .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
+    let secret = SecretRef { namespace: conn.namespace.clone(), name: conn.secret_name.clone() };
+    tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
+    Ok(crate::remote::agent::RemoteAgent::new(
+        SecretClient::new(client, secret),
+        parts.app.clone(),
+        parts.prober.clone(),
+        Duration::from_secs(5),
+    ))
 }
 
 pub fn validate_config(args: ValidateArgs) -> u8 {

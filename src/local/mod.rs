@@ -10,7 +10,7 @@
 pub mod pos;
 pub mod scan;
 
-use crate::apply::{ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver};
+use crate::apply::{AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver};
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
 use crate::probe::Prober;
@@ -52,15 +52,6 @@ impl LocalConfig {
         let exp = failures.clamp(1, 16) as u32 - 1;
         self.retry_base.saturating_mul(1 << exp).min(self.retry_max)
     }
-}
-
-/// How the local agent ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LocalExit {
-    /// Shut down cleanly.
-    Clean,
-    /// A process could not be stopped on the way out.
-    Incomplete(String),
 }
 
 struct Running {
@@ -147,7 +138,7 @@ impl LocalAgent {
     }
 
     /// Run until `shutdown` becomes true.
-    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> LocalExit {
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> AgentExit {
         if !self.cfg.plan_dir.is_dir() {
             tracing::warn!(
                 "local plan directory {} does not exist (yet); watching for it",
@@ -226,8 +217,8 @@ impl LocalAgent {
         dispatcher.abort();
         probes.abort();
         match self.incomplete.take() {
-            Some(e) => LocalExit::Incomplete(e),
-            None => LocalExit::Clean,
+            Some(e) => AgentExit::Incomplete(e),
+            None => AgentExit::Clean,
         }
     }
 

@@ -5,8 +5,7 @@
 use super::client::SecretSnapshot;
 use crate::flow::{self, Record, Transition};
 use crate::plan::{
-    self, Annotations, Checkpoint, PeriodicInstructionOutput, PlanState, ProbeStatus, format_unix_date,
-    parse_unix_date,
+    self, Annotations, Checkpoint, PeriodicInstructionOutput, PlanState, ProbeStatus, format_unix_date, parse_unix_date,
 };
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
@@ -157,7 +156,14 @@ pub fn encode_output_capped(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
 }
 
 /// Success or failure bookkeeping shared by both flows (system-agent's outcome table).
-fn outcome_keys(k: &mut Keys, s: &SecretSnapshot, checksum: &str, succeeded: bool, output: &BTreeMap<String, Vec<u8>>, now: DateTime<Utc>) {
+fn outcome_keys(
+    k: &mut Keys,
+    s: &SecretSnapshot,
+    checksum: &str,
+    succeeded: bool,
+    output: &BTreeMap<String, Vec<u8>>,
+    now: DateTime<Utc>,
+) {
     if succeeded {
         set(k, APPLIED_CHECKSUM, checksum);
         set(k, APPLIED_OUTPUT, encode_output_capped(output));
@@ -212,7 +218,13 @@ pub struct LegacyDecision {
 /// system-agent's checksum flow: apply when the applied checksum differs (or on the first
 /// reconcile since start); a plan that failed waits out max-failures and the 30 s cooldown; our own
 /// write echoing back is not a reason to apply.
-pub fn legacy_decide(s: &SecretSnapshot, checksum: &str, has_run_once: bool, own_echo: bool, now: DateTime<Utc>) -> LegacyDecision {
+pub fn legacy_decide(
+    s: &SecretSnapshot,
+    checksum: &str,
+    has_run_once: bool,
+    own_echo: bool,
+    now: DateTime<Utc>,
+) -> LegacyDecision {
     let mut needs = text(s, APPLIED_CHECKSUM).as_deref() != Some(checksum);
     if !has_run_once {
         needs = true;
@@ -223,9 +235,9 @@ pub fn legacy_decide(s: &SecretSnapshot, checksum: &str, has_run_once: bool, own
         was_failed = true;
         let max = max_failures(s);
         let last = text(s, LAST_APPLY_TIME).and_then(|t| parse_unix_date(&t)).unwrap_or(now);
-        if max != -1 && failures >= max {
-            needs = false;
-        } else if now != last && now <= last + FAILURE_COOLDOWN {
+        let exhausted = max != -1 && failures >= max;
+        let cooling_down = now != last && now <= last + FAILURE_COOLDOWN;
+        if exhausted || cooling_down {
             needs = false;
         }
     }
@@ -319,15 +331,46 @@ mod tests {
         let t = |dt: i64| format_unix_date(now() + chrono::TimeDelta::seconds(dt));
         let last10 = t(-10);
         let last40 = t(-40);
-        let rows: Vec<(&str, Vec<(&str, &str)>, bool, bool, bool)> = vec![
+        type Row<'a> = (&'a str, Vec<(&'a str, &'a str)>, bool, bool, bool);
+        let rows: Vec<Row> = vec![
             ("new plan", vec![(APPLIED_CHECKSUM, "old")], true, false, true),
             ("already applied", vec![(APPLIED_CHECKSUM, "c")], true, false, false),
             ("first reconcile forces", vec![(APPLIED_CHECKSUM, "c")], false, false, true),
-            ("failed, in cooldown", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last10)], true, false, false),
-            ("failed, cooldown over", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last40)], true, false, true),
-            ("max failures reached", vec![(FAILURE_COUNT, "3"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)], true, false, false),
-            ("below max failures", vec![(FAILURE_COUNT, "2"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)], true, false, true),
-            ("another plan failed: no cooldown", vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "other"), (LAST_APPLY_TIME, &last10)], true, false, true),
+            (
+                "failed, in cooldown",
+                vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last10)],
+                true,
+                false,
+                false,
+            ),
+            (
+                "failed, cooldown over",
+                vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, &last40)],
+                true,
+                false,
+                true,
+            ),
+            (
+                "max failures reached",
+                vec![(FAILURE_COUNT, "3"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)],
+                true,
+                false,
+                false,
+            ),
+            (
+                "below max failures",
+                vec![(FAILURE_COUNT, "2"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last40)],
+                true,
+                false,
+                true,
+            ),
+            (
+                "another plan failed: no cooldown",
+                vec![(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "other"), (LAST_APPLY_TIME, &last10)],
+                true,
+                false,
+                true,
+            ),
             ("own write echoing back", vec![(APPLIED_CHECKSUM, "old")], true, true, false),
         ];
         for (what, data, ran_once, echo, want) in rows {
@@ -341,37 +384,82 @@ mod tests {
         let base = secret(&[(SUCCESS_COUNT, "4"), (FAILURE_COUNT, "2")]);
         let out = BTreeMap::from([("a".to_string(), b"x".to_vec())]);
         let periodic = BTreeMap::new();
-        let ok = legacy_keys(&base, "c", LegacyDecision { needs_apply: true, was_failed_plan: false }, true, &out, &periodic, now());
+        let ok = legacy_keys(
+            &base,
+            "c",
+            LegacyDecision { needs_apply: true, was_failed_plan: false },
+            true,
+            &out,
+            &periodic,
+            now(),
+        );
         assert_eq!(s(&ok, APPLIED_CHECKSUM).as_deref(), Some("c"));
         assert_eq!(s(&ok, SUCCESS_COUNT).as_deref(), Some("5"));
         assert_eq!(s(&ok, FAILURE_COUNT).as_deref(), Some("0"));
         assert_eq!(s(&ok, FAILED_CHECKSUM).as_deref(), Some(""));
         assert_eq!(plan::decode_one_time_output(ok[APPLIED_OUTPUT].as_ref().unwrap()).unwrap(), out);
-        let bad = legacy_keys(&base, "c", LegacyDecision { needs_apply: true, was_failed_plan: false }, false, &out, &periodic, now());
+        let bad = legacy_keys(
+            &base,
+            "c",
+            LegacyDecision { needs_apply: true, was_failed_plan: false },
+            false,
+            &out,
+            &periodic,
+            now(),
+        );
         assert_eq!(s(&bad, FAILURE_COUNT).as_deref(), Some("3"));
         assert_eq!(s(&bad, SUCCESS_COUNT).as_deref(), Some("0"));
         assert_eq!(s(&bad, FAILED_CHECKSUM).as_deref(), Some("c"));
         assert!(!bad.contains_key(APPLIED_CHECKSUM));
         assert_eq!(s(&bad, LAST_APPLY_TIME), Some(format_unix_date(now())));
-        let held = legacy_keys(&base, "c", LegacyDecision { needs_apply: false, was_failed_plan: true }, false, &out, &periodic, now());
+        let held = legacy_keys(
+            &base,
+            "c",
+            LegacyDecision { needs_apply: false, was_failed_plan: true },
+            false,
+            &out,
+            &periodic,
+            now(),
+        );
         assert_eq!(s(&held, FAILED_CHECKSUM).as_deref(), Some("c"));
         assert!(!held.contains_key(FAILURE_COUNT), "a held failed plan does not count again");
     }
 
     #[test]
     fn record_keys_clear_the_checkpoint_with_an_empty_value() {
-        let r = Record { state: Some(PlanState::Succeeded), checkpoint: Some(None), succeeded: Some(true), one_time_output: Some(BTreeMap::new()), ..Default::default() };
+        let r = Record {
+            state: Some(PlanState::Succeeded),
+            checkpoint: Some(None),
+            succeeded: Some(true),
+            one_time_output: Some(BTreeMap::new()),
+            ..Default::default()
+        };
         let k = record_keys(&secret(&[]), "c", &r, now());
         assert_eq!(k.get(PLAN_CHECKPOINT), Some(&Some(Vec::new())));
         assert_eq!(s(&k, PLAN_STATE).as_deref(), Some("succeeded"));
         let paused = Record {
             state: Some(PlanState::Paused),
-            checkpoint: Some(Some(Checkpoint { checksum: "c".into(), completed_instructions: 1, total_instructions: 3, resume_state: "in-progress".into(), paused: true, termination_incomplete: false })),
+            checkpoint: Some(Some(Checkpoint {
+                checksum: "c".into(),
+                completed_instructions: 1,
+                total_instructions: 3,
+                resume_state: "in-progress".into(),
+                paused: true,
+                termination_incomplete: false,
+            })),
             ..Default::default()
         };
         let k = record_keys(&secret(&[]), "c", &paused, now());
-        assert!(!k.contains_key(APPLIED_CHECKSUM) && !k.contains_key(FAILURE_COUNT) && !k.contains_key(SUCCESS_COUNT), "R12: never the counters");
-        assert_eq!(s(&k, PLAN_CHECKPOINT).as_deref(), Some(r#"{"checksum":"c","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true}"#));
+        assert!(
+            !k.contains_key(APPLIED_CHECKSUM) && !k.contains_key(FAILURE_COUNT) && !k.contains_key(SUCCESS_COUNT),
+            "R12: never the counters"
+        );
+        assert_eq!(
+            s(&k, PLAN_CHECKPOINT).as_deref(),
+            Some(
+                r#"{"checksum":"c","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true}"#
+            )
+        );
     }
 
     #[test]

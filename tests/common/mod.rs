@@ -140,3 +140,121 @@ pub fn kill_all(pids: &[i32]) {
         }
     }
 }
+
+/// A running `nodeplan agent` whose stderr is read line by line.
+pub struct AgentProc {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Every line read so far (for failure messages and counting).
+    pub seen: Vec<String>,
+    /// Lines read but not matched by a `wait_log` yet.
+    backlog: Vec<String>,
+}
+
+impl AgentProc {
+    pub fn start(config: &std::path::Path) -> AgentProc {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(NODEPLAN)
+            .args(["agent", "--config"])
+            .arg(config)
+            .env("NODEPLAN_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        AgentProc { child, lines: rx, seen: Vec::new(), backlog: Vec::new() }
+    }
+
+    /// Wait for a log line containing `needle` (lines already read included, each matched once).
+    pub fn wait_log(&mut self, needle: &str) -> String {
+        if let Some(i) = self.backlog.iter().position(|l| l.contains(needle)) {
+            return self.backlog.remove(i);
+        }
+        loop {
+            let l = self
+                .lines
+                .recv_timeout(GUARD)
+                .unwrap_or_else(|_| panic!("agent never logged {needle:?}; saw:\n{}", self.seen.join("\n")));
+            self.seen.push(l.clone());
+            if l.contains(needle) {
+                return l;
+            }
+            self.backlog.push(l);
+        }
+    }
+
+    pub fn signal(&self, sig: i32) {
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+
+    /// The lines logged so far that were not read yet.
+    pub fn drain(&mut self) -> Vec<String> {
+        let new: Vec<String> = self.lines.try_iter().collect();
+        self.seen.extend(new.iter().cloned());
+        self.backlog.extend(new.iter().cloned());
+        new
+    }
+
+    /// SIGTERM and wait; the exit code.
+    pub fn stop(&mut self) -> i32 {
+        self.signal(libc::SIGTERM);
+        self.child.wait().unwrap().code().unwrap_or(-1)
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Read a FIFO an instruction writes to (it blocks until we read), with a hang guard.
+pub fn read_fifo(path: &str) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.to_string();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::read_to_string(p).unwrap_or_default());
+    });
+    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("nobody wrote {path}"))
+}
+
+/// Open a FIFO for writing (the instruction blocks reading it until then), with a hang guard.
+pub fn release_fifo(path: &str) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.to_string();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        let _ = std::fs::OpenOptions::new().write(true).open(p).and_then(|mut f| f.write_all(b"go"));
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("nobody read {path}"))
+}
+
+pub fn mkfifo(path: &str) {
+    let c = std::ffi::CString::new(path).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {path}");
+}
+
+/// A tiny HTTP server answering every request with the current status code.
+pub fn http_server(status: std::sync::Arc<std::sync::atomic::AtomicU16>) -> u16 {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = c.read(&mut buf);
+            let code = status.load(std::sync::atomic::Ordering::SeqCst);
+            let _ = write!(c, "HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    port
+}

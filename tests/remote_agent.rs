@@ -1,0 +1,563 @@
+//! Remote mode end to end: the real `nodeplan agent` binary against a real kube-apiserver 1.20 +
+//! etcd (see `k8s_support`), one namespace per test. The orchestrator's side is played by the
+//! test through its own client. Timeouts are hang guards; the only deliberate waits are the
+//! bounded observation windows that prove something does NOT happen.
+
+mod common;
+mod k8s_support;
+
+use common::*;
+use k8s_support::ControlPlane;
+use nodeplan::plan::{self, Checkpoint};
+use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+struct Remote {
+    dir: tempfile::TempDir,
+    client: SecretClient,
+    config: std::path::PathBuf,
+}
+
+impl Remote {
+    async fn new(cp: &ControlPlane, test: &str) -> Remote {
+        let namespace = cp.new_namespace(test).await;
+        let client = SecretClient::new(
+            cp.client().await,
+            SecretRef { namespace: namespace.clone(), name: "machine-plan".into() },
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let conn = dir.path().join("conn.json");
+        let conn_json =
+            json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": namespace, "secretName": "machine-plan"});
+        std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
+        let config = dir.path().join("config.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
+                 interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n"
+            ),
+        )
+        .unwrap();
+        for f in [&conn, &config] {
+            std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        }
+        Remote { dir, client, config }
+    }
+
+    fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+
+    fn fifo(&self, name: &str) -> String {
+        let p = self.p(name);
+        mkfifo(&p);
+        p
+    }
+
+    fn agent(&self) -> AgentProc {
+        AgentProc::start(&self.config)
+    }
+
+    /// Create the plan Secret the way an orchestrator does.
+    async fn create(&self, plan: &serde_json::Value, state: Option<&str>, annotations: &[(&str, &str)]) -> String {
+        let raw = serde_json::to_vec(plan).unwrap();
+        let checksum = plan::checksum(&raw);
+        let mut data = BTreeMap::from([("plan".to_string(), raw), ("probe-period-seconds".to_string(), b"1".to_vec())]);
+        if let Some(s) = state {
+            data.insert("plan-state".into(), s.as_bytes().to_vec());
+        }
+        let ann = annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.client.create(data, ann).await.unwrap();
+        checksum
+    }
+
+    async fn patch(&self, patch: serde_json::Value) -> SecretSnapshot {
+        self.client.orchestrator_patch(patch).await.unwrap()
+    }
+
+    async fn annotate(&self, key: &str, value: Option<&str>) {
+        self.patch(json!({"metadata": {"annotations": {key: value}}})).await;
+    }
+
+    async fn set_state(&self, state: &str) {
+        use base64::Engine as _;
+        self.patch(json!({"data": {"plan-state": base64::engine::general_purpose::STANDARD.encode(state)}})).await;
+    }
+
+    async fn get(&self) -> SecretSnapshot {
+        self.client.get().await.unwrap().expect("the secret exists")
+    }
+
+    /// Poll the Secret (the observable outcome) until `pred` holds.
+    async fn wait(&self, what: &str, pred: impl Fn(&SecretSnapshot) -> bool) -> SecretSnapshot {
+        self.wait_within(GUARD, what, pred).await
+    }
+
+    async fn wait_within(&self, guard: Duration, what: &str, pred: impl Fn(&SecretSnapshot) -> bool) -> SecretSnapshot {
+        let deadline = Instant::now() + guard;
+        loop {
+            let s = self.get().await;
+            if pred(&s) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "the secret never got {what}: {}", describe(&s));
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+fn val(s: &SecretSnapshot, key: &str) -> String {
+    s.data.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default()
+}
+
+fn state(s: &SecretSnapshot) -> String {
+    val(s, "plan-state")
+}
+
+fn checkpoint(s: &SecretSnapshot, checksum: &str) -> Option<Checkpoint> {
+    Checkpoint::read(s.data.get("plan-checkpoint").map(Vec::as_slice), checksum)
+}
+
+fn describe(s: &SecretSnapshot) -> String {
+    let keys: Vec<String> = s
+        .data
+        .iter()
+        .filter(|(k, _)| k.as_str() != "plan" && !k.contains("output"))
+        .map(|(k, v)| format!("{k}={}", String::from_utf8_lossy(v)))
+        .collect();
+    format!("rv {} {keys:?} annotations {:?}", s.resource_version, s.annotations)
+}
+
+fn sh(name: &str, script: &str) -> serde_json::Value {
+    json!({"name": name, "command": "sh", "args": ["-c", script], "saveOutput": true})
+}
+
+macro_rules! control_plane {
+    () => {
+        match ControlPlane::shared().await {
+            Some(cp) => cp,
+            None => return,
+        }
+    };
+}
+
+#[tokio::test]
+async fn pending_to_in_progress_to_succeeded_with_decoded_outputs() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "succeed").await;
+    let marker = r.p("marker");
+    let plan = json!({"instructions": [sh("one", &format!("echo one >> {marker}; echo out-one")), sh("two", "echo err-two >&2")]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "plan-revision"), "1");
+    assert_eq!(val(&s, "applied-checksum"), checksum);
+    assert_eq!(val(&s, "success-count"), "1");
+    assert_eq!(val(&s, "failure-count"), "0");
+    assert_eq!(val(&s, "plan-checkpoint"), "", "cleared with an empty value");
+    let out = plan::decode_one_time_output(&s.data["applied-output"]).unwrap();
+    assert_eq!(out["one"], b"out-one\n");
+    assert_eq!(out["two"], b"err-two\n", "saveOutput keeps stderr too");
+    assert!(plan::parse_unix_date(&val(&s, "last-apply-time")).is_some());
+    // Succeeded is terminal: the agent's own writes echoing back never re-run it.
+    agent.wait_log("succeeded (2/2 instructions)");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn failure_counters_and_pending_again_reruns_from_the_first_instruction() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "fail").await;
+    let (log, ok) = (r.p("log"), r.p("ok"));
+    let plan = json!({"instructions": [
+        sh("first", &format!("echo first-$CATTLE_AGENT_ATTEMPT_NUMBER >> {log}")),
+        sh("check", &format!("echo checking; test -e {ok}")),
+    ]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    let s = r.wait("failed", |s| state(s) == "failed").await;
+    assert_eq!(val(&s, "failure-count"), "1");
+    assert_eq!(val(&s, "failed-checksum"), checksum);
+    assert_eq!(val(&s, "success-count"), "0");
+    assert!(val(&s, "applied-checksum").is_empty());
+    assert_eq!(plan::decode_one_time_output(&s.data["failed-output"]).unwrap()["check"], b"checking\n");
+    // failed is terminal until the orchestrator writes pending again.
+    std::fs::write(&ok, b"").unwrap();
+    r.set_state("pending").await;
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "plan-revision"), "2");
+    assert_eq!(val(&s, "failure-count"), "0");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "first-1\nfirst-1\n", "re-run from the first instruction");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn checksum_flow_counts_failures_and_waits_out_the_cooldown() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "legacy").await;
+    let plan = json!({"instructions": [sh("fails", "exit 3")]});
+    let raw = serde_json::to_vec(&plan).unwrap();
+    let checksum = plan::checksum(&raw);
+    r.client
+        .create(
+            BTreeMap::from([
+                ("plan".into(), raw),
+                ("max-failures".into(), b"2".to_vec()),
+                ("probe-period-seconds".into(), b"1".to_vec()),
+            ]),
+            BTreeMap::from([(plan::ANNOTATION_PAUSED.to_string(), "true".to_string())]),
+        )
+        .await
+        .unwrap();
+    let mut agent = r.agent();
+    let first = r.wait("a first failure", |s| val(s, "failure-count") == "1").await;
+    agent.wait_log("annotations are ignored without plan-state");
+    assert_eq!(val(&first, "failed-checksum"), checksum);
+    assert!(!first.data.contains_key("plan-state"), "the checksum flow never writes plan-state");
+    let second =
+        r.wait_within(GUARD * 3, "a second failure after the cooldown", |s| val(s, "failure-count") == "2").await;
+    let t1 = plan::parse_unix_date(&val(&first, "last-apply-time")).unwrap();
+    let t2 = plan::parse_unix_date(&val(&second, "last-apply-time")).unwrap();
+    assert!(t2 - t1 >= chrono::TimeDelta::seconds(30), "retried {} s after the failure", (t2 - t1).num_seconds());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Pause mid-plan, then resume (by removing the annotation or setting "false").
+async fn pause_and_resume(release_by_false: bool) {
+    let cp = control_plane!();
+    let r = Remote::new(cp, if release_by_false { "pause-false" } else { "pause" }).await;
+    let (ready, go, marker) = (r.fifo("ready"), r.fifo("go"), r.p("marker"));
+    let plan = json!({"instructions": [
+        sh("one", &format!("echo one >> {marker}")),
+        sh("two", &format!("echo two >> {marker}; echo > {ready}; cat {go} > /dev/null")),
+        sh("three", &format!("echo three >> {marker}")),
+    ]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    read_fifo(&ready);
+    r.annotate(plan::ANNOTATION_PAUSED, Some("true")).await;
+    agent.wait_log("pause requested");
+    release_fifo(&go);
+    let s = r.wait("paused", |s| state(s) == "paused").await;
+    let cp1 = checkpoint(&s, &checksum).unwrap();
+    assert_eq!((cp1.completed_instructions, cp1.total_instructions, cp1.paused), (2, 3, true));
+    assert_eq!(cp1.resume_state, "in-progress");
+    assert!(val(&s, "applied-checksum").is_empty(), "no applied-checksum until done");
+    assert!(plan::decode_one_time_output(&s.data["applied-output"]).unwrap().contains_key("two"), "outputs kept (R12)");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n");
+    r.annotate(plan::ANNOTATION_PAUSED, if release_by_false { Some("false") } else { None }).await;
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\nthree\n", "finished instructions are not re-run");
+    assert_eq!(val(&s, "applied-checksum"), checksum);
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn pause_mid_plan_then_resume_without_rerunning() {
+    pause_and_resume(false).await;
+}
+
+#[tokio::test]
+async fn false_releases_a_pause_like_removal() {
+    pause_and_resume(true).await;
+}
+
+#[tokio::test]
+async fn a_pause_survives_an_agent_restart() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "pause-restart").await;
+    let marker = r.p("marker");
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let plan = json!({
+        "instructions": [sh("one", &format!("echo one >> {marker}")), sh("two", &format!("echo two >> {marker}"))],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}}}
+    });
+    let checksum = r.create(&plan, Some("paused"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
+    // A checkpoint says one instruction is done.
+    let cp1 = Checkpoint {
+        checksum: checksum.clone(),
+        completed_instructions: 1,
+        total_instructions: 2,
+        resume_state: "in-progress".into(),
+        paused: true,
+        termination_incomplete: false,
+    };
+    use base64::Engine as _;
+    r.patch(json!({"data": {"plan-checkpoint": base64::engine::general_purpose::STANDARD.encode(cp1.to_json())}}))
+        .await;
+    let mut first = r.agent();
+    r.wait("probe statuses", |s| s.data.contains_key("probe-statuses")).await;
+    assert_eq!(first.stop(), 0);
+    r.patch(json!({"data": {"probe-statuses": null}})).await;
+    let mut second = r.agent();
+    let s = r.wait("probe statuses from the restarted agent", |s| s.data.contains_key("probe-statuses")).await;
+    assert_eq!(state(&s), "paused");
+    assert!(!Path::new(&marker).exists(), "nothing runs while the pause holds, across restarts");
+    r.annotate(plan::ANNOTATION_PAUSED, None).await;
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "two\n", "resumed from the checkpoint");
+    assert_eq!(second.stop(), 0);
+}
+
+#[tokio::test]
+async fn an_invalid_value_writes_nothing() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "invalid").await;
+    let ran = r.p("ran");
+    r.create(
+        &json!({"instructions": [sh("a", &format!("touch {ran}"))]}),
+        Some("pending"),
+        &[(plan::ANNOTATION_PAUSED, "yes")],
+    )
+    .await;
+    let before = r.get().await;
+    let mut agent = r.agent();
+    agent.wait_log("invalid value \"yes\"");
+    // An observation window: several reconcile periods (probe-period-seconds is 1) pass.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = r.get().await;
+    assert_eq!(after.resource_version, before.resource_version, "R3: nothing written");
+    assert!(!Path::new(&ran).exists(), "R3: nothing runs");
+    assert_eq!(agent.seen.iter().filter(|l| l.contains("invalid value \"yes\"")).count(), 1, "logged once");
+    // A valid cancel wins over the invalid pause (R2).
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    let s = r.wait("canceled", |s| state(s) == "canceled").await;
+    let c = checkpoint(&s, &plan::checksum(&s.data["plan"])).unwrap();
+    assert_eq!((c.completed_instructions, c.total_instructions, c.paused), (0, 1, false));
+    assert!(!Path::new(&ran).exists());
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "cancel").await;
+    let after = r.p("after");
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let plan = json!({
+        "instructions": [{"name": "escape", "command": HELPER, "args": ["setsid-wait"]}, sh("after", &format!("touch {after}"))],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
+    });
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    let gc: i32 = agent.wait_log("grandchild ").split_whitespace().last().unwrap().parse().unwrap();
+    let leader: i32 = agent.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    let s = r.wait("canceled", |s| state(s) == "canceled").await;
+    let (gc_alive, leader_alive) = (alive(gc), alive(leader));
+    kill_all(&[gc, leader]);
+    assert!(!leader_alive && !gc_alive, "the tree survived: leader {leader_alive}, grandchild {gc_alive}");
+    let c = checkpoint(&s, &checksum).unwrap();
+    assert!(!c.paused && c.resume_state.is_empty());
+    assert_eq!((c.completed_instructions, c.total_instructions), (0, 2));
+    assert!(val(&s, "applied-checksum").is_empty());
+    assert!(!Path::new(&after).exists(), "later instructions never run");
+    agent.wait_log("the node may be left partly changed");
+    // Terminal: removing the annotation does not resume (R8)...
+    r.annotate(plan::ANNOTATION_CANCELED, None).await;
+    status.store(500, Ordering::SeqCst);
+    let unhealthy = |s: &SecretSnapshot| {
+        String::from_utf8_lossy(s.data.get("probe-statuses").map(Vec::as_slice).unwrap_or(b"")).contains("failureCount")
+    };
+    let s = r.wait("a reconcile after the annotation's removal (probes see the new status)", unhealthy).await;
+    assert_eq!(state(&s), "canceled");
+    assert!(!agent.drain().iter().any(|l| l.contains("grandchild ")), "nothing ran again");
+    // ...only pending does, from the first instruction.
+    r.set_state("pending").await;
+    agent.wait_log("grandchild ");
+    agent.wait_log("ready ");
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    r.wait("canceled again", |s| state(s) == "canceled").await;
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn cancel_of_a_pending_plan_before_anything_runs() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "cancel-pending").await;
+    let ran = r.p("ran");
+    let checksum = r
+        .create(
+            &json!({"instructions": [sh("a", &format!("touch {ran}"))]}),
+            Some("pending"),
+            &[(plan::ANNOTATION_CANCELED, "true")],
+        )
+        .await;
+    let mut agent = r.agent();
+    let s = r.wait("canceled", |s| state(s) == "canceled").await;
+    let c = checkpoint(&s, &checksum).unwrap();
+    assert_eq!((c.completed_instructions, c.total_instructions, c.paused), (0, 1, false));
+    assert!(!Path::new(&ran).exists());
+    assert!(!s.data.contains_key("plan-revision"), "never moved to in-progress");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn cancel_of_a_succeeded_plan_stops_its_periodic_instructions() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "cancel-periodic").await;
+    let ticks = r.p("ticks");
+    let plan = json!({
+        "instructions": [sh("a", "true")],
+        "periodicInstructions": [{"name": "tick", "command": "sh", "args": ["-c", format!("echo tick >> {ticks}")], "periodSeconds": 1}]
+    });
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let count = || std::fs::read_to_string(&ticks).map(|t| t.lines().count()).unwrap_or(0);
+    let deadline = Instant::now() + GUARD;
+    while count() < 3 {
+        assert!(Instant::now() < deadline, "periodic instruction never ran 3 times");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    r.wait("canceled", |s| state(s) == "canceled").await;
+    let at_cancel = count();
+    r.annotate(plan::ANNOTATION_CANCELED, None).await;
+    // Observation window: several periods pass without a tick.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        count() <= at_cancel + 1,
+        "periodic instructions kept running after the cancel ({at_cancel} → {})",
+        count()
+    );
+    assert_eq!(state(&r.get().await), "canceled", "permanently");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn a_pause_pending_while_the_instruction_fails_records_a_failure() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "pause-fail").await;
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    let plan =
+        json!({"instructions": [sh("a", &format!("echo > {ready}; cat {go} > /dev/null; exit 4")), sh("b", "true")]});
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    read_fifo(&ready);
+    r.annotate(plan::ANNOTATION_PAUSED, Some("true")).await;
+    agent.wait_log("pause requested");
+    release_fifo(&go);
+    let s = r.wait("the failure recorded", |s| val(s, "failure-count") == "1").await;
+    assert_eq!(val(&s, "success-count"), "0", "R5: the pause never masks the failure");
+    // The failure is recorded first; the pause that is still set may then be recorded on top of
+    // the failed state (it resumes into failed, not into in-progress).
+    let checksum = plan::checksum(&s.data["plan"]);
+    let s = r.wait("failed, or paused on top of failed", |s| state(s) == "failed" || state(s) == "paused").await;
+    if state(&s) == "paused" {
+        assert_eq!(checkpoint(&s, &checksum).unwrap().resume_state, "failed");
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn probe_statuses_keep_updating_while_paused_and_canceled() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "probes").await;
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let plan = json!({
+        "instructions": [sh("a", "true")],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
+    });
+    r.create(&plan, Some("pending"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
+    let healthy = |want: bool| {
+        move |s: &SecretSnapshot| {
+            let p: BTreeMap<String, plan::ProbeStatus> =
+                serde_json::from_slice(s.data.get("probe-statuses").map(Vec::as_slice).unwrap_or(b"{}"))
+                    .unwrap_or_default();
+            p.get("web").is_some_and(|w| w.healthy == want)
+        }
+    };
+    let mut agent = r.agent();
+    r.wait("paused and healthy", |s| state(s) == "paused" && healthy(true)(s)).await;
+    status.store(500, Ordering::SeqCst);
+    r.wait("unhealthy while paused", healthy(false)).await;
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    r.wait("canceled", |s| state(s) == "canceled").await;
+    status.store(200, Ordering::SeqCst);
+    r.wait("healthy while canceled", healthy(true)).await;
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn an_orchestrator_writing_meanwhile_loses_nothing() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "concurrent").await;
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    let plan = json!({"instructions": [sh("a", &format!("echo > {ready}; cat {go} > /dev/null"))]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    read_fifo(&ready);
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    r.patch(json!({
+        "metadata": {"annotations": {"rke.cattle.io/plan-last-updated": "now"}},
+        "data": {"failure-threshold": b64("5"), "orchestrator-note": b64("keep me")}
+    }))
+    .await;
+    release_fifo(&go);
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "failure-threshold"), "5");
+    assert_eq!(val(&s, "orchestrator-note"), "keep me");
+    assert_eq!(s.annotations.get("rke.cattle.io/plan-last-updated").map(String::as_str), Some("now"));
+    assert_eq!(val(&s, "applied-checksum"), checksum);
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn the_outcome_is_written_once_the_apiserver_is_back() {
+    let Some(mut own) = ControlPlane::start().await else { return };
+    let r = Remote::new(&own, "outage").await;
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    let plan = json!({"instructions": [sh("a", &format!("echo > {ready}; cat {go} > /dev/null; echo done"))]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    read_fifo(&ready);
+    own.stop_apiserver().await;
+    release_fifo(&go);
+    agent.wait_log("cannot write the outcome");
+    own.start_apiserver().await;
+    let s = r.wait("succeeded after the outage", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "applied-checksum"), checksum);
+    assert_eq!(plan::decode_one_time_output(&s.data["applied-output"]).unwrap()["a"], b"done\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn a_killed_agent_stops_the_leftover_before_the_rerun() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "crash").await;
+    let (ready, starts, overlap, running, pidfile) =
+        (r.fifo("ready"), r.p("starts"), r.p("overlap"), r.p("running"), r.p("pid"));
+    let script = format!(
+        "trap 'rm -f {running}; exit 0' TERM; if [ -e {running} ]; then echo overlap >> {overlap}; fi; touch {running}; \
+         echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; sleep 300 & wait"
+    );
+    r.create(&json!({"instructions": [sh("long", &script)]}), Some("pending"), &[]).await;
+    let mut first = r.agent();
+    read_fifo(&ready);
+    let leftover: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    first.signal(libc::SIGKILL);
+    let _ = first.child.wait();
+    assert_eq!(state(&r.get().await), "in-progress");
+    let mut second = r.agent();
+    read_fifo(&ready);
+    let was_alive = alive(leftover);
+    kill_all(&[leftover]);
+    assert!(!was_alive, "the leftover is stopped before the re-run (R17)");
+    assert!(!Path::new(&overlap).exists(), "two copies ran at once");
+    assert_eq!(std::fs::read_to_string(&starts).unwrap(), "start\nstart\n");
+    assert_eq!(second.stop(), 0);
+    assert_eq!(state(&r.get().await), "in-progress", "a shutdown leaves in-progress for the next start");
+}
