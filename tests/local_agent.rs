@@ -183,8 +183,11 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
     agent.wait_log("the node may be left partly changed");
     // Terminal: removing the control file does not resume (R8); reset runs it again.
     std::fs::remove_file(s.dir.path().join("plans/c.canceled")).unwrap();
-    agent.wait_log("cancel"); // the removal is seen (no running plan: only a new cycle)
+    // A plan created after the removal is applied in a cycle that also looked at `c` again.
+    s.plan("d", serde_json::json!({"instructions": [sh("d", "true")]}));
+    s.wait_pos("d", "succeeded", |p| p.plan_state == "succeeded");
     assert_eq!(s.pos("c").plan_state, "canceled");
+    assert!(!agent.drain().iter().any(|l| l.contains("grandchild ")), "nothing ran again");
     assert_eq!(agent.stop(), 0);
 }
 
@@ -192,10 +195,11 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
 fn a_killed_agent_leaves_nothing_running_twice() {
     let s = Setup::new();
     let (ready, starts, overlap, pidfile) = (s.fifo("ready"), s.p("starts"), s.p("overlap"), s.p("pid"));
-    let running = s.p("running");
+    // The instruction notes an overlap when the previous copy (its pid in PIDFILE) is still alive
+    // (a zombie is dead: it cannot run anything).
     let script = format!(
-        "trap 'rm -f {running}; exit 0' TERM; if [ -e {running} ]; then echo overlap >> {overlap}; fi; touch {running}; \
-         echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; sleep 300 & wait"
+        "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
+         then echo overlap >> {overlap}; fi; echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; exec sleep 300"
     );
     s.plan("k", serde_json::json!({"instructions": [sh("long", &script)]}));
     let mut first = s.start();
@@ -210,7 +214,12 @@ fn a_killed_agent_leaves_nothing_running_twice() {
     let was_alive = alive(leftover);
     kill_all(&[leftover]);
     assert!(!was_alive, "the leftover was stopped before the re-run");
-    assert!(!Path::new(&overlap).exists(), "two copies of the instruction ran at once");
+    second.drain();
+    assert!(
+        !Path::new(&overlap).exists(),
+        "two copies of the instruction ran at once; agent log:\n{}",
+        second.seen.join("\n")
+    );
     assert_eq!(std::fs::read_to_string(&starts).unwrap(), "start\nstart\n");
     second.wait_log("stopped leftover pid");
     // Shutdown: the instruction is stopped through the ladder, the plan stays in-progress, exit 0.

@@ -538,11 +538,12 @@ async fn the_outcome_is_written_once_the_apiserver_is_back() {
 async fn a_killed_agent_stops_the_leftover_before_the_rerun() {
     let cp = control_plane!();
     let r = Remote::new(cp, "crash").await;
-    let (ready, starts, overlap, running, pidfile) =
-        (r.fifo("ready"), r.p("starts"), r.p("overlap"), r.p("running"), r.p("pid"));
+    let (ready, starts, overlap, pidfile) = (r.fifo("ready"), r.p("starts"), r.p("overlap"), r.p("pid"));
+    // The instruction notes an overlap when the previous copy (its pid in PIDFILE) is still alive
+    // (a zombie is dead: it cannot run anything).
     let script = format!(
-        "trap 'rm -f {running}; exit 0' TERM; if [ -e {running} ]; then echo overlap >> {overlap}; fi; touch {running}; \
-         echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; sleep 300 & wait"
+        "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
+         then echo overlap >> {overlap}; fi; echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; exec sleep 300"
     );
     r.create(&json!({"instructions": [sh("long", &script)]}), Some("pending"), &[]).await;
     let mut first = r.agent();

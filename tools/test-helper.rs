@@ -4,7 +4,8 @@
 //!
 //! Modes: `exit N`, `term-exit`, `term-ignore`, `term-fail`, `term-die`, `fork N`,
 //! `setsid-wait`, `setsid-exit`, `sigstop`, `write N`, `interleave`, `touch FILE` (create FILE,
-//! then exit 0), `record-term FILE` (on SIGTERM write CLOCK_REALTIME ns to FILE and exit 0).
+//! then exit 0), `record-term FILE [READY]` (on SIGTERM write CLOCK_REALTIME ns to FILE and exit 0; once ready, write
+//! its pid to READY).
 
 use std::io::Write;
 
@@ -166,6 +167,10 @@ fn main() {
             }
             on_term(record as *const () as libc::sighandler_t);
             ready();
+            // Optional readiness file (a FIFO the caller reads): our pid, once the handler is in place.
+            if !arg(2).is_empty() {
+                let _ = std::fs::write(arg(2), format!("{}\n", std::process::id()));
+            }
             forever()
         }
         other => {

@@ -166,7 +166,8 @@ async fn cancel_while_the_instruction_fails_is_a_cancel() {
     // `a` exits 1 when it gets SIGTERM: that failure is the cancel's doing (R9).
     let fx = fixture();
     let ready = fx.fifo("ready");
-    let a = format!("trap 'exit 1' TERM; echo > {ready}; sleep 300 & wait; exit 1");
+    // The background sleep exists before readiness is signalled, so SIGTERM reaches it too.
+    let a = format!("trap 'exit 1' TERM; sleep 300 & echo > {ready}; wait; exit 1");
     let plan = sh_plan(&[&a, &format!("touch {}", fx.path("b-ran"))]);
     let (tx, rx) = watch::channel(Interrupt::default());
     let (r, ()) = tokio::join!(fx.app.apply(input(&plan, rx)), async {
