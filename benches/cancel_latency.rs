@@ -8,7 +8,6 @@
 //! NODEPLAN_BENCH_N overrides the number of cancels).
 
 #[path = "../tests/k8s_support/mod.rs"]
-#[allow(dead_code)]
 mod k8s_support;
 
 use base64::Engine as _;
@@ -32,8 +31,9 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 fn wait_gone(pid: i32) -> u128 {
     let Some(p) = rustix::process::Pid::from_raw(pid) else { return now_ns() };
     if let Ok(fd) = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()) {
-        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
-        let _ = rustix::event::poll(&mut fds, None);
+        use std::os::fd::AsRawFd;
+        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        unsafe { libc::poll(&mut pfd, 1, -1) };
     }
     now_ns()
 }

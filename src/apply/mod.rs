@@ -288,7 +288,7 @@ impl Applyinator {
                 let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
                 if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(index, &ins.common.name);
+                        warn_partial(&input.owner, index, &ins.common.name);
                     }
                     result.interruption = Some(i);
                     return Ok(result);
@@ -324,7 +324,7 @@ impl Applyinator {
                 let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
                 if let Some(i) = stopped {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(index, &p.common.name);
+                        warn_partial(&input.owner, index, &p.common.name);
                     }
                     result.reports.push(report);
                     result.interruption = Some(i);
@@ -437,9 +437,9 @@ fn display_name(name: &str) -> &str {
 }
 
 /// R11: every cancel that interrupts a running instruction warns that the node may be partly changed.
-fn warn_partial(index: usize, name: &str) {
+fn warn_partial(owner: &str, index: usize, name: &str) {
     tracing::warn!(
-        "plan canceled while instruction {index} ({}) was running; the node may be left partly changed",
+        "{owner}: plan canceled while instruction {index} ({}) was running; the node may be left partly changed",
         display_name(name)
     );
 }

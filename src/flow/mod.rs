@@ -177,8 +177,6 @@ pub struct Record {
     pub succeeded: Option<bool>,
     pub one_time_output: Option<BTreeMap<String, Vec<u8>>>,
     pub periodic_output: Option<BTreeMap<String, PeriodicInstructionOutput>>,
-    /// R11: a cancel interrupted a running instruction.
-    pub partial_cancel: bool,
 }
 
 /// Map a finished run to what must be written. A shutdown writes nothing: the plan stays
@@ -213,11 +211,6 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &ApplyResult) -> Record {
                     paused,
                     termination_incomplete: incomplete,
                 })),
-                partial_cancel: !paused
-                    && result.reports.last().is_some_and(|rep| {
-                        rep.outcome.stop_reason().is_some()
-                            && !matches!(rep.outcome, crate::process::Outcome::NotStarted(_))
-                    }),
                 ..Default::default()
             };
             nonempty_outputs(&mut r);
@@ -229,7 +222,6 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &ApplyResult) -> Record {
             succeeded: Some(result.one_time_succeeded),
             one_time_output: Some(result.one_time_output.clone()),
             periodic_output: Some(result.periodic_output.clone()),
-            partial_cancel: false,
         },
         None => Record { periodic_output: Some(result.periodic_output.clone()), ..Default::default() },
     }

@@ -226,14 +226,16 @@ fn record_table() {
     assert_eq!(r.state, Some(PlanState::Canceled));
     let c = r.checkpoint.clone().unwrap().unwrap();
     assert!(!c.paused && c.resume_state.is_empty() && c.termination_incomplete);
-    assert!(r.partial_cancel, "the first instruction was interrupted: warn (R11)");
 
     let before_spawn = ApplyResult {
         interruption: Some(Interruption::Canceled),
         reports: vec![report(Outcome::NotStarted(StopReason::Cancel))],
         ..Default::default()
     };
-    assert!(!record(&s, &run_plan(true), &before_spawn).partial_cancel);
+    let r = record(&s, &run_plan(true), &before_spawn);
+    assert_eq!(r.state, Some(PlanState::Canceled));
+    let c = r.checkpoint.unwrap().unwrap();
+    assert_eq!((c.completed_instructions, c.total_instructions, c.paused), (0, 3, false));
 
     let periodic_paused = ApplyResult { interruption: Some(Interruption::Paused), ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_paused);

@@ -522,15 +522,8 @@ impl LocalAgent {
             self.blocked.insert(path.to_path_buf(), why.clone());
             self.incomplete = Some(why);
         }
+        // R11: the applyinator logs the warning for an interrupted instruction.
         let rec = flow::record(snap, &run, &result);
-        if rec.partial_cancel {
-            let name = result.reports.last().map(|r| r.name.clone()).unwrap_or_default();
-            tracing::warn!(
-                "{}: canceled while instruction {} ({name}) was running; the node may be left partly changed",
-                path.display(),
-                result.completed
-            );
-        }
         let now = format_unix_date(chrono::Utc::now());
         let cs = snap.checksum.clone();
         self.update_pos(files, |p| {

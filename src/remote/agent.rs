@@ -361,15 +361,8 @@ impl RemoteAgent {
             );
             return Next::Stop;
         }
+        // R11: the applyinator logs the warning for an interrupted instruction.
         let rec = flow::record(&fs, &run, &result);
-        if rec.partial_cancel {
-            let name = result.reports.last().map(|r| r.name.clone()).unwrap_or_default();
-            tracing::warn!(
-                "plan {} canceled while instruction {} ({name}) was running; the node may be left partly changed",
-                &checksum[..12],
-                result.completed
-            );
-        }
         if let Some(s) = &rec.state {
             tracing::info!("plan {}: {s} ({}/{} instructions)", &checksum[..12], result.completed, total);
         }
