@@ -179,6 +179,44 @@ impl ApplyResult {
     pub fn failed_reports(&self) -> impl Iterator<Item = &InstructionReport> {
         self.reports.iter().filter(|r| !r.outcome.success())
     }
+
+    /// When a stopped tree may have survivors: which instruction, and its outcome.
+    pub fn incomplete_reason(&self) -> Option<String> {
+        if !self.termination_incomplete {
+            return None;
+        }
+        Some(
+            self.reports
+                .iter()
+                .find(|r| r.outcome.termination_incomplete())
+                .map(|r| format!("instruction {} ({}): {}", r.index, r.name, r.outcome))
+                .unwrap_or_else(|| "termination incomplete".into()),
+        )
+    }
+}
+
+/// Feed a new observation of the pause/cancel values into a running plan's interrupts: a cancel
+/// stays requested for the rest of the run, a pause follows the latest value. Logs each change,
+/// naming `plan`. Returns whether anything changed.
+pub fn update_interrupt(tx: &watch::Sender<Interrupt>, next: Interrupt, plan: &str) -> bool {
+    let changed = tx.send_if_modified(|i| {
+        let before = *i;
+        i.cancel |= next.cancel;
+        i.pause = next.pause;
+        *i != before
+    });
+    if changed {
+        let i = *tx.borrow();
+        let what = if i.cancel {
+            "cancel requested: stopping the running instruction"
+        } else if i.pause {
+            "pause requested: stopping at the next instruction boundary"
+        } else {
+            "pause withdrawn: continuing"
+        };
+        tracing::info!("{plan}: {what}");
+    }
+    changed
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,9 @@
 pub mod pos;
 pub mod scan;
 
-use crate::apply::{AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver};
+use crate::apply::{
+    AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
+};
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
 use crate::probe::Prober;
@@ -165,24 +167,7 @@ impl LocalAgent {
                             && (path == run.files.paused() || path == run.files.canceled())
                         {
                             let next = interrupt_of(&run.files);
-                            // Cancel is sticky for the run; pause follows the latest value.
-                            let changed = run.tx.send_if_modified(|i| {
-                                let before = *i;
-                                i.cancel |= next.cancel;
-                                i.pause = next.pause;
-                                *i != before
-                            });
-                            if changed {
-                                let i = *run.tx.borrow();
-                                let what = if i.cancel {
-                                    "cancel requested: stopping the running instruction"
-                                } else if i.pause {
-                                    "pause requested: stopping at the next instruction boundary"
-                                } else {
-                                    "pause withdrawn: continuing"
-                                };
-                                tracing::info!("{}: {what}", run.files.plan.display());
-                            }
+                            update_interrupt(&run.tx, next, &run.files.plan.display().to_string());
                         }
                         wake2.notify_one();
                     }
@@ -511,13 +496,7 @@ impl LocalAgent {
                 ApplyResult { total: snap.total, completed: run.resume_from, ..Default::default() }
             }
         };
-        if result.termination_incomplete {
-            let why = result
-                .reports
-                .iter()
-                .find(|r| r.outcome.termination_incomplete())
-                .map(|r| format!("instruction {} ({}): {}", r.index, r.name, r.outcome))
-                .unwrap_or_else(|| "termination incomplete".into());
+        if let Some(why) = result.incomplete_reason() {
             tracing::error!("{}: {why}", path.display());
             self.blocked.insert(path.to_path_buf(), why.clone());
             self.incomplete = Some(why);

@@ -7,7 +7,9 @@
 
 use super::client::{SecretClient, SecretSnapshot, WriteError};
 use super::wire::{self, Keys};
-use crate::apply::{AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver};
+use crate::apply::{
+    AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
+};
 use crate::flow::{self, Decision, RunPlan};
 use crate::plan::{self, Hold, ValidPlan};
 use crate::probe::Prober;
@@ -457,23 +459,7 @@ impl RemoteAgent {
                     {
                         tracing::warn!("{msg}; ignored while the plan runs (a valid value takes effect)");
                     }
-                    let changed = tx.send_if_modified(|i| {
-                        let before = *i;
-                        i.cancel |= next.cancel;
-                        i.pause = next.pause;
-                        *i != before
-                    });
-                    if changed {
-                        let i = *tx.borrow();
-                        let what = if i.cancel {
-                            "cancel requested: stopping the running instruction"
-                        } else if i.pause {
-                            "pause requested: stopping at the next instruction boundary"
-                        } else {
-                            "pause withdrawn"
-                        };
-                        tracing::info!("plan {}: {what}", &cs[..12]);
-                    }
+                    update_interrupt(&tx, next, &format!("plan {}", &cs[..12]));
                 }
                 if *sd.borrow() {
                     tx.send_modify(|i| i.shutdown = true);
@@ -506,13 +492,7 @@ impl RemoteAgent {
             tracing::error!("plan {}: {e}", &checksum[..12]);
             ApplyResult { total: vp.plan.instructions.len(), completed: run.resume_from, ..Default::default() }
         });
-        if result.termination_incomplete {
-            let why = result
-                .reports
-                .iter()
-                .find(|r| r.outcome.termination_incomplete())
-                .map(|r| format!("instruction {} ({}): {}", r.index, r.name, r.outcome))
-                .unwrap_or_else(|| "termination incomplete".into());
+        if let Some(why) = result.incomplete_reason() {
             tracing::error!("plan {}: {why}", &checksum[..12]);
             self.blocked = Some(why.clone());
             self.incomplete = Some(why);
