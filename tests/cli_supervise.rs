@@ -1,0 +1,129 @@
+//! `nodeplan supervise` end to end: the real binary supervising the helper program.
+
+mod common;
+
+use common::*;
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+
+struct Sup {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+fn supervise(pid_dir: &str, extra: &[&str], helper_args: &[&str]) -> Sup {
+    let mut child = Command::new(NODEPLAN)
+        .args(["supervise", "--name", "svc", "--pid-dir", pid_dir])
+        .args(extra)
+        .arg("--")
+        .arg(HELPER)
+        .args(helper_args)
+        .env("NODEPLAN_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    Sup { child, lines: rx, seen: Vec::new() }
+}
+
+impl Sup {
+    fn wait_log(&mut self, needle: &str) -> String {
+        loop {
+            let l = self.lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("never logged {needle:?}: {:?}", self.seen));
+            self.seen.push(l.clone());
+            if l.contains(needle) {
+                return l;
+            }
+        }
+    }
+    fn term_and_wait(&mut self) -> (i32, Vec<String>) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let code = self.child.wait().unwrap().code().unwrap_or(-1);
+        let rest: Vec<String> = self.lines.iter().collect();
+        (code, rest)
+    }
+}
+
+impl Drop for Sup {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn pid_of(line: &str) -> i32 {
+    line.split_whitespace().last().unwrap().parse().unwrap()
+}
+
+fn records(dir: &str) -> usize {
+    std::fs::read_dir(dir).map(|d| d.filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))).count()).unwrap_or(0)
+}
+
+#[test]
+fn sigterm_runs_the_ladder_and_exits_zero() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let mut s = supervise(&pids, &[], &["term-exit"]);
+    let pid = pid_of(&s.wait_log("[svc:stdout]: ready "));
+    assert_eq!(records(&pids), 1, "a PID record while it runs");
+    let (code, _) = s.term_and_wait();
+    assert_eq!(code, 0);
+    assert!(!alive(pid));
+    assert_eq!(records(&pids), 0, "removed once the tree is gone");
+}
+
+#[test]
+fn no_kill_gives_up_exits_non_zero_with_one_line_and_keeps_the_record() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let mut s = supervise(&pids, &["--no-kill", "--stop-timeout", "300ms"], &["term-ignore"]);
+    let pid = pid_of(&s.wait_log("ready "));
+    let (code, rest) = s.term_and_wait();
+    let still = alive(pid);
+    kill_all(&[pid]);
+    assert_eq!(code, 1);
+    let errors: Vec<&String> = rest.iter().filter(|l| l.starts_with("nodeplan:")).collect();
+    assert_eq!(errors.len(), 1, "{rest:?}");
+    assert!(errors[0].contains("could not be stopped") && errors[0].contains("300ms"), "{}", errors[0]);
+    assert!(still, "--no-kill leaves the process");
+    assert_eq!(records(&pids), 1, "and its PID record");
+}
+
+#[test]
+fn respawns_with_backoff() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let mut s = supervise(&pids, &[], &["exit", "1"]);
+    assert!(s.wait_log("restarting in").contains("exit status 1; restarting in 1s"));
+    assert!(s.wait_log("restarting in").contains("restarting in 2s"));
+    let (code, _) = s.term_and_wait();
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn a_verified_previous_instance_is_stopped_first() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let mut first = supervise(&pids, &[], &["term-exit"]);
+    let old = pid_of(&first.wait_log("ready "));
+    unsafe { libc::kill(first.child.id() as i32, libc::SIGKILL) };
+    let _ = first.child.wait();
+    assert!(alive(old), "the supervised process outlives a SIGKILLed supervisor");
+    let mut second = supervise(&pids, &[], &["term-exit"]);
+    second.wait_log(&format!("stopped leftover pid {old}"));
+    let new = pid_of(&second.wait_log("ready "));
+    let old_alive = alive(old);
+    kill_all(&[old]);
+    assert!(!old_alive);
+    assert_ne!(new, old);
+    assert_eq!(second.term_and_wait().0, 0);
+}
