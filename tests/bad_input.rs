@@ -1,0 +1,167 @@
+//! Bad input never panics and always gives one line: a deterministic mutation fuzzer over every
+//! parser that reads something a user or another program wrote (plans, `.pos` files, PID records,
+//! checkpoints, output codecs, timestamps, annotation values, config and connection files).
+
+use nodeplan::local::pos::parse_pos;
+use nodeplan::plan::{self, Annotations, Checkpoint};
+use nodeplan::process::PidRecord;
+use std::os::unix::fs::PermissionsExt;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+const INTERESTING: &[&[u8]] = &[
+    b"\"", b"{", b"}", b"[", b"]", b",", b":", b"null", b"-1", b"1e999", b"\"\\u0000\"", b"\xff\xfe", b"99999999999999999999",
+    b"true", b"\"0999\"", b"\"../\"", b"\n", b"\\", b"0x", b"\t", b"!!binary", b"&a *a", b"- ", b"~",
+];
+
+/// One random mutation: flip, delete, insert or duplicate a span, or splice an interesting token.
+fn mutate(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
+    let mut v = seed.to_vec();
+    for _ in 0..=rng.below(4) {
+        let at = rng.below(v.len() + 1);
+        match rng.below(5) {
+            0 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                v[i] ^= 1 << rng.below(8);
+            }
+            1 if !v.is_empty() => {
+                let end = (at + rng.below(8)).min(v.len());
+                v.drain(at.min(end)..end);
+            }
+            2 => {
+                let tok = INTERESTING[rng.below(INTERESTING.len())];
+                v.splice(at..at, tok.iter().copied());
+            }
+            3 if !v.is_empty() => {
+                let start = rng.below(v.len());
+                let end = (start + rng.below(16)).min(v.len());
+                let span = v[start..end].to_vec();
+                v.splice(at..at, span);
+            }
+            _ => v.truncate(at),
+        }
+    }
+    v
+}
+
+fn one_line(e: &str, what: &str, input: &[u8]) {
+    assert!(!e.contains('\n'), "{what}: a multi-line error for {:?}: {e:?}", String::from_utf8_lossy(input));
+    assert!(!e.is_empty(), "{what}: an empty error");
+}
+
+const ROUNDS: usize = 3000;
+
+fn fuzz(seeds: &[&[u8]], what: &str, mut check: impl FnMut(&[u8])) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ what.len() as u64);
+    for seed in seeds {
+        check(seed);
+        for _ in 0..ROUNDS {
+            let input = mutate(&mut rng, seed);
+            check(&input);
+        }
+    }
+}
+
+#[test]
+fn plans() {
+    let seeds: &[&[u8]] = &[
+        br#"{"files":[{"path":"/etc/x","content":"aGk=","permissions":"0644","uid":1}],"instructions":[{"name":"a","command":"sh","args":["-c","true"],"env":["A=1"],"saveOutput":true,"timeoutSeconds":5}],"periodicInstructions":[{"name":"p","command":"true","periodSeconds":60}],"probes":{"k":{"httpGet":{"url":"http://127.0.0.1/"}}}}"#,
+        br#"{"files":[{"path":"/d","directory":true},{"path":"/x","action":"delete"}]}"#,
+    ];
+    let mut ok = 0;
+    fuzz(seeds, "plan", |input| match plan::parse(input) {
+        Ok(v) => {
+            ok += 1;
+            assert_eq!(v.files.len(), v.plan.files.len());
+        }
+        Err(e) => one_line(&e.to_string(), "plan", input),
+    });
+    assert!(ok > 0, "some mutations stay valid");
+}
+
+#[test]
+fn pos_files() {
+    let seeds: &[&[u8]] = &[br#"{"appliedChecksum":"abc","output":"H4sI","probeStatus":{"p":{"healthy":true,"successCount":1}},"planState":"paused","checkpoint":{"checksum":"abc","completedInstructions":1,"totalInstructions":3,"paused":true},"failureCount":2}"#];
+    fuzz(seeds, "pos", |input| {
+        if let Err(e) = parse_pos(input) {
+            one_line(&e, "pos", input);
+        }
+    });
+}
+
+#[test]
+fn pid_records() {
+    let seeds: &[&[u8]] = &[br#"{"pid":123,"startTime":456,"bootId":"0b0e-1","cgroup":"/sys/fs/cgroup/np/m","marker":"np1-2-3","owner":"local:/p.plan:0","command":"sh"}"#];
+    fuzz(seeds, "pid record", |input| {
+        if let Err(e) = PidRecord::parse(input) {
+            one_line(&e, "pid record", input);
+        }
+    });
+}
+
+#[test]
+fn checkpoints_codecs_dates_and_annotations() {
+    let cp = br#"{"checksum":"c","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true}"#;
+    fuzz(&[cp], "checkpoint", |input| {
+        if let Some(c) = Checkpoint::read(Some(input), "c") {
+            assert_eq!(c.checksum, "c");
+        }
+    });
+    let out = plan::encode_one_time_output(&[("a".to_string(), b"x".to_vec())].into_iter().collect());
+    fuzz(&[&out], "one-time output", |input| {
+        if let Err(e) = plan::decode_one_time_output(input) {
+            one_line(&e.to_string(), "output", input);
+        }
+    });
+    let periodic = plan::encode_periodic_output(&Default::default());
+    fuzz(&[&periodic], "periodic output", |input| {
+        if let Err(e) = plan::decode_periodic_output(input) {
+            one_line(&e.to_string(), "periodic", input);
+        }
+    });
+    fuzz(&[b"Mon Nov 30 05:29:24 UTC 2026"], "date", |input| {
+        let _ = plan::parse_unix_date(&String::from_utf8_lossy(input));
+    });
+    fuzz(&[b"true", b"false"], "annotation", |input| {
+        let v = String::from_utf8_lossy(input).into_owned();
+        if let Err(e) = plan::resolve_annotations(&Annotations { paused: Some(&v), canceled: None }) {
+            one_line(&e.to_string(), "annotation", input);
+        }
+    });
+}
+
+#[test]
+fn config_and_connection_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = b"localEnabled: true\nlocalPlanDirectory: /p\nstopTimeout: 10s\noutputCap: 4096\ncgroupRoot: auto\n";
+    let json = br#"{"kubeConfig":"apiVersion: v1","namespace":"n","secretName":"s"}"#;
+    let write = |name: &str, input: &[u8]| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, input).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p
+    };
+    let mut rng = Rng(7);
+    for _ in 0..600 {
+        let y = mutate(&mut rng, yaml);
+        if let Err(e) = nodeplan::config::load(&write("c.yaml", &y)).and_then(|c| nodeplan::config::validate(&c).map(|_| ())) {
+            one_line(&e.to_string(), "config", &y);
+        }
+        let j = mutate(&mut rng, json);
+        if let Err(e) = nodeplan::config::load_connection(&write("conn.json", &j)) {
+            one_line(&e.to_string(), "connection", &j);
+        }
+    }
+}
