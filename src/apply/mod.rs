@@ -252,6 +252,12 @@ impl Applyinator {
 
     /// Apply one plan. Interruptions are not errors: they are reported in the result.
     pub async fn apply(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("plan", checksum = %&input.plan.checksum[..12], source = %input.owner);
+        self.apply_inner(input).instrument(span).await
+    }
+
+    async fn apply_inner(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
         let plan = &input.plan.plan;
         let total = plan.instructions.len();
         let resume_from = input.resume_from.min(total);
@@ -452,7 +458,8 @@ impl Applyinator {
             sink: Arc::new(LogSink { prefix }),
         };
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
-        let run = self.sup.run(spec, &mut stop).await;
+        let span = tracing::info_span!("instruction", index, name = %display_name(&ins.name), periodic);
+        let run = tracing::Instrument::instrument(self.sup.run(spec, &mut stop), span).await;
         let mut r = report(run.outcome, run.output);
         r.elapsed = run.elapsed;
         r

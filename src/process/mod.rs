@@ -337,10 +337,12 @@ impl Supervisor {
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
         if let Some(out) = child.stdout.take() {
-            readers.push(tokio::spawn(capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone())));
+            let read = capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone());
+            readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
         }
         if let Some(err) = child.stderr.take() {
-            readers.push(tokio::spawn(capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone())));
+            let read = capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone());
+            readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
         }
 
         // Now with the pid and its start time (inline: a small file in the page cache, see
