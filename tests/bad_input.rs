@@ -22,8 +22,30 @@ impl Rng {
 }
 
 const INTERESTING: &[&[u8]] = &[
-    b"\"", b"{", b"}", b"[", b"]", b",", b":", b"null", b"-1", b"1e999", b"\"\\u0000\"", b"\xff\xfe", b"99999999999999999999",
-    b"true", b"\"0999\"", b"\"../\"", b"\n", b"\\", b"0x", b"\t", b"!!binary", b"&a *a", b"- ", b"~",
+    b"\"",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"null",
+    b"-1",
+    b"1e999",
+    b"\"\\u0000\"",
+    b"\xff\xfe",
+    b"99999999999999999999",
+    b"true",
+    b"\"0999\"",
+    b"\"../\"",
+    b"\n",
+    b"\\",
+    b"0x",
+    b"\t",
+    b"!!binary",
+    b"&a *a",
+    b"- ",
+    b"~",
 ];
 
 /// One random mutation: flip, delete, insert or duplicate a span, or splice an interesting token.
@@ -156,7 +178,9 @@ fn config_and_connection_files() {
     let mut rng = Rng(7);
     for _ in 0..600 {
         let y = mutate(&mut rng, yaml);
-        if let Err(e) = nodeplan::config::load(&write("c.yaml", &y)).and_then(|c| nodeplan::config::validate(&c).map(|_| ())) {
+        if let Err(e) =
+            nodeplan::config::load(&write("c.yaml", &y)).and_then(|c| nodeplan::config::validate(&c).map(|_| ()))
+        {
             one_line(&e.to_string(), "config", &y);
         }
         let j = mutate(&mut rng, json);

@@ -38,7 +38,8 @@ fn supervise(pid_dir: &str, extra: &[&str], helper_args: &[&str]) -> Sup {
 impl Sup {
     fn wait_log(&mut self, needle: &str) -> String {
         loop {
-            let l = self.lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("never logged {needle:?}: {:?}", self.seen));
+            let l =
+                self.lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("never logged {needle:?}: {:?}", self.seen));
             self.seen.push(l.clone());
             if l.contains(needle) {
                 return l;
@@ -65,7 +66,9 @@ fn pid_of(line: &str) -> i32 {
 }
 
 fn records(dir: &str) -> usize {
-    std::fs::read_dir(dir).map(|d| d.filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))).count()).unwrap_or(0)
+    std::fs::read_dir(dir)
+        .map(|d| d.filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))).count())
+        .unwrap_or(0)
 }
 
 #[test]

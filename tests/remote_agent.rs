@@ -562,3 +562,55 @@ async fn a_killed_agent_stops_the_leftover_before_the_rerun() {
     assert_eq!(second.stop(), 0);
     assert_eq!(state(&r.get().await), "in-progress", "a shutdown leaves in-progress for the next start");
 }
+
+#[tokio::test]
+async fn the_plan_commands_drive_a_node_without_rancher() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "cli").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let target = format!("{ns}/machine-plan");
+    let kubeconfig = r.p("kubeconfig");
+    std::fs::write(&kubeconfig, cp.kubeconfig_yaml()).unwrap();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["--secret", &target, "--kubeconfig", &kubeconfig])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (ready, marker) = (r.fifo("ready"), r.p("marker"));
+    let plan_file = r.p("test.plan");
+    let plan = json!({"instructions": [sh("one", &format!("echo one >> {marker}; echo > {ready}")), sh("two", &format!("echo two >> {marker}"))]});
+    std::fs::write(&plan_file, serde_json::to_vec(&plan).unwrap()).unwrap();
+    // A bad plan is refused before anything is written.
+    std::fs::write(r.p("bad.plan"), br#"{"files":[{"path":"rel"}]}"#).unwrap();
+    let bad = std::process::Command::new(NODEPLAN)
+        .args(["plan", "push", &r.p("bad.plan"), "--secret", &target, "--kubeconfig", &kubeconfig])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("files[0].path"));
+    assert!(r.client.get().await.unwrap().is_none());
+
+    cli(&["plan", "push", &plan_file]);
+    cli(&["plan", "pause"]);
+    let mut agent = r.agent();
+    let s = r.wait("paused", |s| state(s) == "paused").await;
+    assert!(!Path::new(&marker).exists());
+    assert_eq!(val(&s, "plan-state"), "paused");
+    let status = cli(&["plan", "status"]);
+    assert!(status.contains("state:      paused") && status.contains("paused=\"true\""), "{status}");
+    cli(&["plan", "resume"]);
+    read_fifo(&ready);
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert!(cli(&["plan", "status"]).contains("2/2 instructions done"));
+    cli(&["plan", "cancel"]);
+    r.wait("canceled", |s| state(s) == "canceled").await;
+    cli(&["plan", "reset"]);
+    read_fifo(&ready);
+    r.wait("succeeded again", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\none\ntwo\n");
+    assert_eq!(agent.stop(), 0);
+}

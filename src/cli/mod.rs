@@ -63,7 +63,7 @@ enum Command {
     /// Run one long-lived command under the supervisor: respawn with backoff, the stop ladder on
     /// SIGTERM/SIGINT, a PID record with identity.
     Supervise(supervise::SuperviseArgs),
-    /// Pause, resume, cancel, reset or show a local plan (writes control files beside it).
+    /// The orchestrator's side: push, pause, resume, cancel, reset or show a plan (local or in a Secret).
     Plan(plan_cmd::PlanArgs),
 }
 
@@ -95,7 +95,7 @@ pub fn main() -> ExitCode {
             Command::ValidateConnection(a) => agent::validate_connection(a),
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
-            Command::Plan(p) => plan_cmd::run(p),
+            Command::Plan(p) => plan_cmd::run(p).await,
         }
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.

@@ -1,6 +1,8 @@
-//! `nodeplan plan pause|resume|cancel|reset|status PLANFILE`: the orchestrator's side for local
-//! plans. The commands only write control files beside the plan; the agent (the only writer of
-//! `.pos`) acts on them.
+//! `nodeplan plan push|pause|resume|cancel|reset|status`: the orchestrator's side, for people
+//! without Rancher. For a local plan (`PLANFILE`) the commands only write control files beside it;
+//! the agent (the only writer of `.pos`) acts on them. For a node's plan Secret
+//! (`--secret NAMESPACE/NAME`) they write what Rancher would: the `plan` and `plan-state` keys and
+//! the `plan.cattle.io/paused|canceled` annotations, never the agent's keys.
 
 use super::exit;
 use crate::local::pos::{self, PlanFiles};
@@ -14,18 +16,44 @@ pub struct PlanArgs {
     pub action: PlanAction,
 }
 
+/// Which plan: a local `.plan` file, or a node's plan Secret.
+#[derive(Args, Debug)]
+pub struct Target {
+    /// A local plan file (omit with --secret).
+    pub file: Option<PathBuf>,
+    #[command(flatten)]
+    pub remote: RemoteTarget,
+}
+
+#[derive(Args, Debug, Default)]
+pub struct RemoteTarget {
+    /// The node's plan Secret, as NAMESPACE/NAME.
+    #[arg(long)]
+    pub secret: Option<String>,
+    /// Kubeconfig for --secret (default: KUBECONFIG, then ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum PlanAction {
-    /// Pause at the next instruction boundary (writes NAME.paused).
-    Pause { file: PathBuf },
-    /// Resume a paused plan without re-running finished instructions (removes NAME.paused).
-    Resume { file: PathBuf },
-    /// Cancel: stop the running instruction's whole tree now; terminal until reset (writes NAME.canceled).
-    Cancel { file: PathBuf },
-    /// Run the plan again from its first instruction (removes NAME.canceled, writes NAME.reset).
-    Reset { file: PathBuf },
+    /// Put a plan into a node's Secret (`--secret`) as `pending`, creating the Secret if needed.
+    Push {
+        /// The plan file (validated before anything is written).
+        file: PathBuf,
+        #[command(flatten)]
+        remote: RemoteTarget,
+    },
+    /// Pause at the next instruction boundary (NAME.paused, or the paused annotation).
+    Pause(Target),
+    /// Resume a paused plan without re-running finished instructions.
+    Resume(Target),
+    /// Cancel: stop the running instruction's whole tree now; terminal until reset.
+    Cancel(Target),
+    /// Run the plan again from its first instruction (clears the cancel).
+    Reset(Target),
     /// Show the plan's state, progress and probe health.
-    Status { file: PathBuf },
+    Status(Target),
 }
 
 fn files_of(file: &Path) -> Result<PlanFiles, String> {
@@ -43,16 +71,33 @@ fn remove(path: &Path) -> Result<(), String> {
     }
 }
 
-pub fn run(args: PlanArgs) -> u8 {
-    let r = match &args.action {
-        PlanAction::Pause { file } => files_of(file).and_then(|f| write(&f.paused(), b"true\n")),
-        PlanAction::Resume { file } => files_of(file).and_then(|f| remove(&f.paused())),
-        PlanAction::Cancel { file } => files_of(file).and_then(|f| write(&f.canceled(), b"true\n")),
-        PlanAction::Reset { file } => files_of(file).and_then(|f| {
+fn local(action: &PlanAction, file: &Path) -> Result<(), String> {
+    let f = files_of(file)?;
+    match action {
+        PlanAction::Pause(_) => write(&f.paused(), b"true\n"),
+        PlanAction::Resume(_) => remove(&f.paused()),
+        PlanAction::Cancel(_) => write(&f.canceled(), b"true\n"),
+        PlanAction::Reset(_) => {
             remove(&f.canceled())?;
             write(&f.reset(), b"")
-        }),
-        PlanAction::Status { file } => files_of(file).and_then(|f| status(&f)),
+        }
+        PlanAction::Status(_) => status(&f),
+        PlanAction::Push { .. } => Err("push needs --secret NAMESPACE/NAME".into()),
+    }
+}
+
+pub async fn run(args: PlanArgs) -> u8 {
+    let r = match &args.action {
+        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await,
+        PlanAction::Pause(t)
+        | PlanAction::Resume(t)
+        | PlanAction::Cancel(t)
+        | PlanAction::Reset(t)
+        | PlanAction::Status(t) => match (&t.file, &t.remote.secret) {
+            (Some(file), None) => local(&args.action, file),
+            (None, Some(_)) => remote::run(&args.action, &t.remote).await,
+            _ => Err("give either a PLANFILE or --secret NAMESPACE/NAME".into()),
+        },
     };
     match r {
         Ok(()) => exit::OK,
@@ -124,4 +169,105 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         println!("probe:      {name}: {h} (successes {}, failures {})", s.success_count, s.failure_count);
     }
     Ok(())
+}
+
+mod remote {
+    use super::{PlanAction, RemoteTarget};
+    use crate::plan::{self, Checkpoint};
+    use crate::remote::client::{SecretClient, SecretRef};
+    use crate::remote::wire;
+    use base64::Engine as _;
+    use serde_json::json;
+
+    async fn client(t: &RemoteTarget) -> Result<SecretClient, String> {
+        let secret = t.secret.as_deref().unwrap_or_default();
+        let Some((namespace, name)) = secret.split_once('/').filter(|(n, s)| !n.is_empty() && !s.is_empty()) else {
+            return Err(format!("--secret {secret:?}: expected NAMESPACE/NAME"));
+        };
+        let path = t
+            .kubeconfig
+            .clone()
+            .or_else(|| std::env::var_os("KUBECONFIG").map(Into::into))
+            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".kube/config")))
+            .ok_or("no kubeconfig: give --kubeconfig")?;
+        let yaml = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let kube = SecretClient::client_from_kubeconfig_yaml(&yaml).await?;
+        Ok(SecretClient::new(kube, SecretRef { namespace: namespace.into(), name: name.into() }))
+    }
+
+    fn annotate(key: &str, value: Option<&str>) -> serde_json::Value {
+        json!({"metadata": {"annotations": {key: value}}})
+    }
+
+    pub async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), String> {
+        let c = client(t).await?;
+        let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+        match action {
+            PlanAction::Push { file, .. } => {
+                let raw = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+                plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
+                if c.get().await?.is_none() {
+                    let data = [("plan".to_string(), raw.clone()), ("plan-state".to_string(), b"pending".to_vec())];
+                    c.create(data.into_iter().collect(), Default::default()).await?;
+                } else {
+                    // A new plan starts from `pending`; a cancel of the previous plan does not carry over.
+                    c.orchestrator_patch(json!({
+                        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
+                        "data": {"plan": b64(&raw), "plan-state": b64(b"pending"), "probe-statuses": null}
+                    }))
+                    .await?;
+                }
+                println!("pushed plan {} to {}", &plan::checksum(&raw)[..12], t.secret.as_deref().unwrap_or_default());
+            }
+            PlanAction::Pause(_) => drop(c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, Some("true"))).await?),
+            PlanAction::Resume(_) => drop(c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, None)).await?),
+            PlanAction::Cancel(_) => {
+                drop(c.orchestrator_patch(annotate(plan::ANNOTATION_CANCELED, Some("true"))).await?)
+            }
+            PlanAction::Reset(_) => drop(
+                c.orchestrator_patch(json!({
+                    "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
+                    "data": {"plan-state": b64(b"pending")}
+                }))
+                .await?,
+            ),
+            PlanAction::Status(_) => {
+                let s = c.get().await?.ok_or("the secret does not exist")?;
+                let raw = s.data.get(wire::PLAN).ok_or("the secret has no plan")?;
+                let checksum = plan::checksum(raw);
+                let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+                let total = plan::parse(raw).map(|p| p.plan.instructions.len()).unwrap_or(0);
+                println!("plan:       {} ({} instructions)", &checksum[..12], total);
+                let state = text(wire::PLAN_STATE);
+                println!("state:      {}", if state.is_empty() { "(checksum flow)".into() } else { state.clone() });
+                println!("revision:   {}", text(wire::PLAN_REVISION));
+                if let Some(cp) = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum) {
+                    let resume = if cp.paused { format!(", resumes into {}", cp.resume_state) } else { String::new() };
+                    println!(
+                        "progress:   {}/{} instructions done{resume}",
+                        cp.completed_instructions, cp.total_instructions
+                    );
+                } else if state == "succeeded" {
+                    println!("progress:   {total}/{total} instructions done");
+                }
+                let ann = |k: &str| s.annotations.get(k).map(|v| format!("{v:?}")).unwrap_or_else(|| "absent".into());
+                println!(
+                    "control:    paused={} canceled={}",
+                    ann(plan::ANNOTATION_PAUSED),
+                    ann(plan::ANNOTATION_CANCELED)
+                );
+                println!(
+                    "attempts:   {} failed, {} succeeded; applied {}",
+                    text(wire::FAILURE_COUNT),
+                    text(wire::SUCCESS_COUNT),
+                    if text(wire::APPLIED_CHECKSUM) == checksum { "yes" } else { "no" }
+                );
+                for (name, st) in wire::probe_statuses(&s) {
+                    let h = if st.healthy { "healthy" } else { "unhealthy" };
+                    println!("probe:      {name}: {h} (successes {}, failures {})", st.success_count, st.failure_count);
+                }
+            }
+        }
+        Ok(())
+    }
 }
