@@ -322,8 +322,8 @@ async fn an_invalid_value_writes_nothing() {
     let before = r.get().await;
     let mut agent = r.agent();
     agent.wait_log("invalid value \"yes\"");
-    // An observation window: several reconcile periods (probe-period-seconds is 1) pass.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // An observation window: ten reconcile periods (probe-period-seconds is 1) pass.
+    tokio::time::sleep(Duration::from_secs(10)).await;
     let after = r.get().await;
     assert_eq!(after.resource_version, before.resource_version, "R3: nothing written");
     assert!(!Path::new(&ran).exists(), "R3: nothing runs");
@@ -612,5 +612,51 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     read_fifo(&ready);
     r.wait("succeeded again", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\none\ntwo\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn checksum_flow_stops_at_max_failures() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "maxfail").await;
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let plan = json!({
+        "instructions": [sh("fails", "exit 3")],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
+    });
+    let raw = serde_json::to_vec(&plan).unwrap();
+    r.client
+        .create(
+            BTreeMap::from([
+                ("plan".into(), raw),
+                ("max-failures".into(), b"1".to_vec()),
+                ("probe-period-seconds".into(), b"1".to_vec()),
+            ]),
+            BTreeMap::new(),
+        )
+        .await
+        .unwrap();
+    let mut agent = r.agent();
+    r.wait("the first failure", |s| val(s, "failure-count") == "1").await;
+    // The orchestrator moves the last attempt a minute back: the cooldown is over, so only
+    // max-failures can keep the agent from trying again.
+    use base64::Engine as _;
+    let old = plan::format_unix_date(chrono::Utc::now() - chrono::TimeDelta::seconds(60));
+    r.patch(json!({"data": {"last-apply-time": base64::engine::general_purpose::STANDARD.encode(&old)}})).await;
+    // Probes prove the agent keeps reconciling meanwhile.
+    status.store(500, Ordering::SeqCst);
+    r.wait("a reconcile (the probe turns unhealthy)", |s| {
+        String::from_utf8_lossy(s.data.get("probe-statuses").map(Vec::as_slice).unwrap_or(b"")).contains("failureCount")
+    })
+    .await;
+    status.store(200, Ordering::SeqCst);
+    r.wait("another reconcile (healthy again)", |s| {
+        String::from_utf8_lossy(s.data.get("probe-statuses").map(Vec::as_slice).unwrap_or(b"")).contains("healthy")
+    })
+    .await;
+    let s = r.get().await;
+    assert_eq!(val(&s, "failure-count"), "1", "max-failures reached: no further attempt");
+    assert_eq!(val(&s, "last-apply-time"), old);
     assert_eq!(agent.stop(), 0);
 }
