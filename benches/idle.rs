@@ -23,7 +23,11 @@ fn switches(pid: u32) -> u64 {
 
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0)
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn main() {
@@ -45,8 +49,11 @@ fn main() {
     std::fs::write(dir.path().join("plans/held.plan"), serde_json::to_vec(&plan).expect("json")).expect("write");
     std::fs::write(dir.path().join("plans/held.paused"), b"").expect("write");
     let cfg = dir.path().join("config.yaml");
-    std::fs::write(&cfg, format!("localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\npidDirectory: {d}/pids\n"))
-        .expect("write");
+    std::fs::write(
+        &cfg,
+        format!("localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\npidDirectory: {d}/pids\n"),
+    )
+    .expect("write");
     std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
         .args(["agent", "--config"])

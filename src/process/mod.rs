@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
-use tree::Tree;
+use tree::{Tree, TreeOps};
 
 /// How often the ladder looks at the tree while waiting for it to empty.
 const POLL: Duration = Duration::from_millis(5);
@@ -540,8 +540,8 @@ async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) 
 
 /// Wait until the leader (if any) has been reaped and the tree is empty, or until `deadline`.
 /// Returns the leader's status if it was reaped, and whether everything is gone.
-async fn wait_gone(
-    tree: &Tree,
+async fn wait_gone<T: TreeOps>(
+    tree: &T,
     leader: &mut Option<&mut tokio::process::Child>,
     status: &mut Option<ExitKind>,
     wait_err: &mut Option<String>,
@@ -576,8 +576,8 @@ async fn wait_gone(
 /// The stop ladder: SIGTERM+SIGCONT to the tree, wait up to the grace period for it to empty,
 /// then (unless the policy forbids it) SIGKILL the tree, close the pipes (`close_pipes`) and wait
 /// up to the kill timeout.
-async fn ladder(
-    tree: &Tree,
+async fn ladder<T: TreeOps>(
+    tree: &T,
     mut leader: Option<&mut tokio::process::Child>,
     policy: &StopPolicy,
     reason: StopReason,
@@ -593,7 +593,7 @@ async fn ladder(
         return match (wait_err, status) {
             (Some(e), _) => Outcome::WaitFailed(e),
             (None, Some(s)) => Outcome::ExitedAfterStop { reason, status: s },
-            (None, None) => Outcome::ExitedAfterStop { reason, status: ExitKind::Code(-1) },
+            (None, None) => Outcome::ExitedAfterStop { reason, status: ExitKind::Unknown },
         };
     }
     if !policy.kill {
@@ -620,4 +620,107 @@ async fn ladder(
     }
     let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
     Outcome::Incomplete { reason, survivors }
+}
+
+#[cfg(test)]
+mod ladder_tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A tree scripted to misbehave: it may refuse signals, or never empty.
+    #[derive(Clone)]
+    struct Scripted {
+        stop_error: Option<i32>,
+        kill_error: Option<i32>,
+        empties_on_term: bool,
+        empties_on_kill: bool,
+        state: Arc<(AtomicBool, AtomicBool, AtomicUsize)>,
+    }
+
+    impl Scripted {
+        fn new(empties_on_term: bool, empties_on_kill: bool) -> Scripted {
+            Scripted {
+                stop_error: None,
+                kill_error: None,
+                empties_on_term,
+                empties_on_kill,
+                state: Arc::new((AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(3))),
+            }
+        }
+        fn killed(&self) -> bool {
+            self.state.1.load(Ordering::SeqCst)
+        }
+    }
+
+    impl TreeOps for Scripted {
+        fn request_stop(&self) -> std::io::Result<()> {
+            if let Some(e) = self.stop_error {
+                return Err(std::io::Error::from_raw_os_error(e));
+            }
+            self.state.0.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        fn kill(&self) -> std::io::Result<()> {
+            if let Some(e) = self.kill_error {
+                return Err(std::io::Error::from_raw_os_error(e));
+            }
+            self.state.1.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        fn is_empty(&self) -> bool {
+            (self.empties_on_term && self.state.0.load(Ordering::SeqCst))
+                || (self.empties_on_kill && self.state.1.load(Ordering::SeqCst))
+        }
+        fn survivors(&self) -> usize {
+            if self.is_empty() { 0 } else { self.state.2.load(Ordering::SeqCst) }
+        }
+    }
+
+    const POLICY: StopPolicy =
+        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true };
+
+    async fn run(tree: &Scripted, policy: StopPolicy) -> (Outcome, bool) {
+        let mut pipes_closed = false;
+        let o = ladder(tree, None, &policy, StopReason::Cancel, || pipes_closed = true).await;
+        (o, pipes_closed)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_rung_of_the_ladder() {
+        let c = StopReason::Cancel;
+        // Empties on SIGTERM: no SIGKILL, pipes left to reach EOF.
+        let t = Scripted::new(true, true);
+        let (o, closed) = run(&t, POLICY).await;
+        assert_eq!(o, Outcome::ExitedAfterStop { reason: c, status: ExitKind::Unknown });
+        assert!(!t.killed() && !closed);
+        // Needs SIGKILL: killed after the grace, pipes closed.
+        let t = Scripted::new(false, true);
+        let (o, closed) = run(&t, POLICY).await;
+        assert_eq!(o, Outcome::Killed { reason: c, grace: Duration::from_secs(10) });
+        assert!(t.killed() && closed);
+        // Survives SIGKILL: incomplete after the kill timeout, never a hang.
+        let t = Scripted::new(false, false);
+        let started = tokio::time::Instant::now();
+        let (o, closed) = run(&t, POLICY).await;
+        assert_eq!(o, Outcome::Incomplete { reason: c, survivors: 3 });
+        assert_eq!(o.to_string(), "termination incomplete: 3 processes survived SIGKILL");
+        assert!(closed && o.termination_incomplete());
+        assert!(started.elapsed() >= Duration::from_secs(15) && started.elapsed() < Duration::from_secs(16));
+        // The no-kill policy gives up after the grace and never sends SIGKILL.
+        let t = Scripted::new(false, true);
+        let (o, closed) = run(&t, StopPolicy { kill: false, ..POLICY }).await;
+        assert_eq!(o, Outcome::GaveUp { reason: c, grace: Duration::from_secs(10), survivors: 3 });
+        assert!(!t.killed() && closed);
+        // Signalling fails: reported, record kept (termination incomplete).
+        let t = Scripted { stop_error: Some(libc::EPERM), ..Scripted::new(true, true) };
+        let (o, _) = run(&t, POLICY).await;
+        assert!(
+            matches!(&o, Outcome::SignalFailed { error, .. } if error.contains("Operation not permitted")),
+            "{o:?}"
+        );
+        assert!(o.to_string().starts_with("failed to signal: ") && o.termination_incomplete());
+        let t = Scripted { kill_error: Some(libc::EPERM), ..Scripted::new(false, true) };
+        let (o, closed) = run(&t, POLICY).await;
+        assert!(matches!(o, Outcome::SignalFailed { .. }) && closed, "{o:?}");
+    }
 }

@@ -19,6 +19,8 @@ pub enum StopReason {
 pub enum ExitKind {
     Code(i32),
     Signal(i32),
+    /// The process was not our child (found again after a crash), so its status is unknowable.
+    Unknown,
 }
 
 impl ExitKind {
@@ -37,6 +39,7 @@ impl fmt::Display for ExitKind {
         match self {
             ExitKind::Code(c) => write!(f, "exit status {c}"),
             ExitKind::Signal(s) => write!(f, "signal: {}", signal_name(*s)),
+            ExitKind::Unknown => f.write_str("status unknown (not a child of this agent)"),
         }
     }
 }

@@ -13,6 +13,32 @@ use std::path::PathBuf;
 /// The environment variable that marks every process of a run.
 pub const MARKER_ENV: &str = "NODEPLAN_RUN";
 
+/// What the stop ladder needs from a process tree (a seam, so the ladder's rungs can be tested
+/// with trees that misbehave in ways real processes cannot be made to on demand).
+pub(crate) trait TreeOps: Clone + Send + Sync + 'static {
+    /// SIGTERM then SIGCONT to every member.
+    fn request_stop(&self) -> io::Result<()>;
+    /// SIGKILL every member.
+    fn kill(&self) -> io::Result<()>;
+    fn is_empty(&self) -> bool;
+    fn survivors(&self) -> usize;
+}
+
+impl TreeOps for Tree {
+    fn request_stop(&self) -> io::Result<()> {
+        Tree::request_stop(self)
+    }
+    fn kill(&self) -> io::Result<()> {
+        Tree::kill(self)
+    }
+    fn is_empty(&self) -> bool {
+        Tree::is_empty(self)
+    }
+    fn survivors(&self) -> usize {
+        Tree::survivors(self)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct Tree {
     pub cgroup: Option<PathBuf>,
