@@ -343,6 +343,9 @@ impl Applyinator {
             result.one_time_succeeded = result.completed == total;
         }
 
+        // After a genuine one-time failure nothing may turn the result into an interruption: the
+        // failure is what gets recorded (R5). A pause or cancel then only ends the periodic pass.
+        let one_time_failed = input.run_one_time && !result.one_time_succeeded;
         if input.run_periodic {
             let forced = input.run_one_time;
             for (index, p) in plan.periodic_instructions.iter().enumerate() {
@@ -355,7 +358,9 @@ impl Applyinator {
                     continue;
                 }
                 if let Some(i) = current().boundary() {
-                    result.interruption = Some(i);
+                    if !one_time_failed {
+                        result.interruption = Some(i);
+                    }
                     return Ok(result);
                 }
                 let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
@@ -371,7 +376,9 @@ impl Applyinator {
                         warn_partial(&input.owner, index, &p.common.name);
                     }
                     result.reports.push(report);
-                    result.interruption = Some(i);
+                    if !one_time_failed {
+                        result.interruption = Some(i);
+                    }
                     return Ok(result);
                 }
                 let out = periodic::record_run(
@@ -391,7 +398,7 @@ impl Applyinator {
         }
         // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
         // pass genuinely failed (the failure is what gets recorded).
-        if !input.run_one_time || result.one_time_succeeded {
+        if !one_time_failed {
             result.interruption = current().boundary();
         }
         Ok(result)

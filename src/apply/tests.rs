@@ -143,6 +143,30 @@ async fn pause_pending_while_the_instruction_fails_is_a_failure() {
 }
 
 #[tokio::test]
+async fn a_pause_pending_at_a_failure_is_not_taken_up_by_the_periodic_pass() {
+    // A genuine failure with a pause pending, in a plan that also has periodic instructions: the
+    // periodic pass must not turn the failure into a pause (R5).
+    let fx = fixture();
+    let (ready, go) = (fx.fifo("ready"), fx.fifo("go"));
+    let raw = serde_json::to_vec(&serde_json::json!({
+        "instructions": [{"name": "a", "command": "sh", "args": ["-c", format!("echo > {ready}; cat {go} > /dev/null; exit 5")]}],
+        "periodicInstructions": [{"name": "p", "command": "true"}]
+    }))
+    .unwrap();
+    let plan = crate::plan::parse(&raw).unwrap();
+    let (tx, rx) = watch::channel(Interrupt::default());
+    let (r, ()) = tokio::join!(fx.app.apply(input(&plan, rx)), async {
+        wait_running(ready).await;
+        tx.send_modify(|i| i.pause = true);
+        release(go).await;
+    });
+    let r = r.unwrap();
+    assert_eq!(r.interruption, None, "the failure is recorded, not the pause");
+    assert!(!r.one_time_succeeded);
+    assert_eq!(r.reports.len(), 1, "the pause stopped the periodic pass before it started anything");
+}
+
+#[tokio::test]
 async fn cancel_while_an_instruction_runs_stops_its_tree() {
     // `a` never finishes by itself: it waits on a FIFO nobody will write after the cancel.
     let fx = fixture();
