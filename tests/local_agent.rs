@@ -284,3 +284,18 @@ fn bad_config_is_one_line_and_exit_2() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.contains("0600"), "{err}");
 }
+
+#[test]
+fn a_plan_system_agent_already_applied_is_not_run_again() {
+    let s = Setup::new();
+    let ran = s.p("ran");
+    let raw = s.plan("old", serde_json::json!({"instructions": [sh("a", &format!("touch {ran}"))]}));
+    // system-agent's .pos: only its own fields.
+    let pos = format!(r#"{{"appliedChecksum":"{}"}}"#, nodeplan::plan::checksum(&raw));
+    std::fs::write(s.dir.path().join("plans/old.pos"), pos).unwrap();
+    s.plan("new", serde_json::json!({"instructions": [sh("a", "true")]}));
+    let mut agent = s.start();
+    s.wait_pos("new", "succeeded", |p| p.plan_state == "succeeded");
+    assert!(!Path::new(&ran).exists(), "an already-applied plan was run again after the migration");
+    assert_eq!(agent.stop(), 0);
+}

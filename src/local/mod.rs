@@ -10,9 +10,7 @@
 pub mod pos;
 pub mod scan;
 
-use crate::apply::{
-    AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
-};
+use crate::apply::{AgentExit, ApplyInput, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt};
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
 use crate::probe::Prober;
@@ -71,6 +69,8 @@ struct Memory {
     invalid_backoff: Option<Duration>,
     /// The checksum of an unparsable plan already reported.
     warned_bad_plan: Option<String>,
+    /// Backoff after an apply that could not start.
+    apply_backoff: Option<Duration>,
 }
 
 pub struct LocalAgent {
@@ -82,6 +82,7 @@ pub struct LocalAgent {
     memory: HashMap<PathBuf, Memory>,
     blocked: HashMap<PathBuf, String>,
     incomplete: Option<String>,
+    shutdown: watch::Receiver<bool>,
 }
 
 /// Read the control files of a plan into annotation-like values.
@@ -136,6 +137,7 @@ impl LocalAgent {
             memory: HashMap::new(),
             blocked: HashMap::new(),
             incomplete: None,
+            shutdown: watch::channel(false).1,
         }
     }
 
@@ -152,43 +154,58 @@ impl LocalAgent {
 
         let wake = Arc::new(Notify::new());
         let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel::<PathBuf>();
-        let _watcher = self.watch_directory(ev_tx);
-        // Dispatcher: file events → interrupts of the running plan (R15/R16) and a new cycle.
+        let mut watcher = self.watch_directory(ev_tx.clone());
+        // Dispatcher: file events → interrupts of the running plan (R15/R16) and a new cycle. The
+        // running plan's control files are also re-read every second, so pause, cancel and
+        // shutdown reach it even when inotify is unavailable.
         let current = self.current.clone();
         let wake2 = wake.clone();
         let mut sd = shutdown.clone();
+        let stopping = shutdown.clone();
         let dispatcher = tokio::spawn(async move {
+            let mut events_open = true;
+            let deliver = |path: Option<&Path>| {
+                if let Ok(cur) = current.lock()
+                    && let Some(run) = cur.as_ref()
+                {
+                    if path.is_none_or(|p| p == run.files.paused() || p == run.files.canceled()) {
+                        update_interrupt(&run.tx, interrupt_of(&run.files), &run.files.plan.display().to_string());
+                    }
+                    if *stopping.borrow() {
+                        run.tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
+                }
+            };
             loop {
                 tokio::select! {
-                    ev = ev_rx.recv() => {
-                        let Some(path) = ev else { break };
-                        if let Ok(cur) = current.lock()
-                            && let Some(run) = cur.as_ref()
-                            && (path == run.files.paused() || path == run.files.canceled())
-                        {
-                            let next = interrupt_of(&run.files);
-                            update_interrupt(&run.tx, next, &run.files.plan.display().to_string());
+                    ev = ev_rx.recv(), if events_open => match ev {
+                        Some(path) => {
+                            deliver(Some(&path));
+                            wake2.notify_one();
                         }
+                        None => events_open = false,
+                    },
+                    r = sd.changed() => {
+                        if r.is_err() {
+                            return;
+                        }
+                        deliver(Some(Path::new("")));
                         wake2.notify_one();
                     }
-                    r = sd.changed() => {
-                        if r.is_err() || *sd.borrow() {
-                            if let Ok(cur) = current.lock() && let Some(run) = cur.as_ref() {
-                                run.tx.send_modify(|i| i.shutdown = true);
-                            }
-                            wake2.notify_one();
-                            break;
-                        }
-                    }
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => deliver(None),
                 }
             }
         });
         let probes =
             tokio::spawn(probe_loop(self.cfg.clone(), self.prober.clone(), self.pos_lock.clone(), shutdown.clone()));
 
+        self.shutdown = shutdown.clone();
         loop {
             if *shutdown.borrow() {
                 break;
+            }
+            if watcher.is_none() && self.cfg.plan_dir.is_dir() {
+                watcher = self.watch_directory(ev_tx.clone());
             }
             if self.cycle().await {
                 break;
@@ -276,7 +293,7 @@ impl LocalAgent {
     /// One pass over every plan. Returns true when the agent must stop (shutdown).
     async fn cycle(&mut self) -> bool {
         for path in scan::scan(&self.cfg.plan_dir) {
-            if self.reconcile(&path).await {
+            if *self.shutdown.borrow() || self.reconcile(&path).await {
                 return true;
             }
         }
@@ -341,7 +358,9 @@ impl LocalAgent {
                 }
             }
         };
-        if files.reset().exists() {
+        let hold = hold_of(&files);
+        // A reset is an orchestrator's write: not while an invalid control value holds the plan (R3).
+        if hold.is_ok() && files.reset().exists() {
             tracing::info!("{}: reset requested; the plan runs again from its first instruction", path.display());
             stored.plan_state = PlanState::Pending.as_str().into();
             stored.checkpoint = None;
@@ -355,8 +374,12 @@ impl LocalAgent {
             .await;
             let _ = std::fs::remove_file(files.reset());
         }
-
-        let hold = hold_of(&files);
+        // A .pos written by system-agent has no plan state: a plan it applied counts as succeeded
+        // (it is not run again after a migration).
+        if stored.plan_checksum.is_empty() && stored.applied_checksum == checksum {
+            stored.plan_checksum = checksum.clone();
+            stored.plan_state = PlanState::Succeeded.as_str().into();
+        }
         let same_plan = stored.plan_checksum == checksum;
         let mut state = if same_plan && !stored.plan_state.is_empty() {
             PlanState::parse(&stored.plan_state)
@@ -453,7 +476,7 @@ impl LocalAgent {
         let decode = |b: &[u8]| plan::decode_one_time_output(b).unwrap_or_default();
         let one_time_output = if same_plan && run.resume_from > 0 { decode(&stored.output) } else { BTreeMap::new() };
         let periodic_output = plan::decode_periodic_output(&stored.periodic_output).unwrap_or_default();
-        let (tx, rx) = watch::channel(interrupt_of(files));
+        let (tx, rx) = watch::channel(Interrupt { shutdown: *self.shutdown.borrow(), ..interrupt_of(files) });
         if let Ok(mut cur) = self.current.lock() {
             *cur = Some(Running { files: files.clone(), tx });
         }
@@ -492,10 +515,19 @@ impl LocalAgent {
         let result = match result {
             Ok(r) => r,
             Err(e) => {
-                tracing::error!("{}: {e}", path.display());
-                ApplyResult { total: snap.total, completed: run.resume_from, ..Default::default() }
+                // An apply that could not start (interlock, files) records nothing and is retried
+                // with backoff; the plan keeps its state.
+                let mem = self.memory.entry(path.to_path_buf()).or_default();
+                let b = mem.apply_backoff.map_or(Duration::from_secs(1), |b| (b * 2).min(Duration::from_secs(300)));
+                mem.apply_backoff = Some(b);
+                mem.hold_until = Some(Instant::now() + b);
+                tracing::error!("{}: {e}; retrying in {}", path.display(), crate::process::human_duration(b));
+                return false;
             }
         };
+        if let Some(mem) = self.memory.get_mut(path) {
+            mem.apply_backoff = None;
+        }
         if let Some(why) = result.incomplete_reason() {
             tracing::error!("{}: {why}", path.display());
             self.blocked.insert(path.to_path_buf(), why.clone());

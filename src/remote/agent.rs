@@ -58,6 +58,7 @@ pub struct RemoteAgent {
     warned: HashSet<String>,
     invalid_backoff: Option<Duration>,
     write_backoff: Option<Duration>,
+    apply_backoff: Option<Duration>,
     pending: Option<Pending>,
     blocked: Option<String>,
     incomplete: Option<String>,
@@ -95,6 +96,7 @@ impl RemoteAgent {
             warned: HashSet::new(),
             invalid_backoff: None,
             write_backoff: None,
+            apply_backoff: None,
             pending: None,
             blocked: None,
             incomplete: None,
@@ -355,7 +357,11 @@ impl RemoteAgent {
             }
         }
         let attempt = if run.begin { 1 } else { wire::attempt(&snap) };
-        let result = self.apply(&vp, &snap, &checksum, &run, attempt, snap_rx, shutdown).await;
+        let result =
+            match self.apply(&vp, &snap, &checksum, &run, attempt, wire::APPLIED_OUTPUT, snap_rx, shutdown).await {
+                Ok(r) => r,
+                Err(retry) => return Next::After(retry),
+            };
         if result.interruption == Some(Interruption::Shutdown) {
             tracing::info!(
                 "plan {} stopped for shutdown; it stays in-progress and runs again at the next start",
@@ -399,7 +405,12 @@ impl RemoteAgent {
             begin: false,
             resume: None,
         };
-        let result = self.apply(&vp, &snap, &checksum, &run, wire::attempt(&snap), snap_rx, shutdown).await;
+        let existing = if d.was_failed_plan { wire::FAILED_OUTPUT } else { wire::APPLIED_OUTPUT };
+        let result =
+            match self.apply(&vp, &snap, &checksum, &run, wire::attempt(&snap), existing, snap_rx, shutdown).await {
+                Ok(r) => r,
+                Err(retry) => return Next::After(retry),
+            };
         if result.interruption == Some(Interruption::Shutdown) {
             return Next::Stop;
         }
@@ -436,9 +447,10 @@ impl RemoteAgent {
         checksum: &str,
         run: &RunPlan,
         attempt: i64,
+        existing_output: &str,
         snap_rx: &watch::Receiver<Option<SecretSnapshot>>,
         shutdown: &watch::Receiver<bool>,
-    ) -> ApplyResult {
+    ) -> Result<ApplyResult, Duration> {
         let plan_state_flow = wire::plan_state(snap).is_some();
         let (first, _) = interrupt_of(snap);
         let first = if plan_state_flow { first } else { Interrupt::default() };
@@ -470,7 +482,7 @@ impl RemoteAgent {
                 }
             }
         });
-        let existing = wire::one_time_output(snap, wire::APPLIED_OUTPUT);
+        let existing = wire::one_time_output(snap, existing_output);
         let result = self
             .app
             .apply(ApplyInput {
@@ -488,15 +500,25 @@ impl RemoteAgent {
             })
             .await;
         mapper.abort();
-        let result = result.unwrap_or_else(|e| {
-            tracing::error!("plan {}: {e}", &checksum[..12]);
-            ApplyResult { total: vp.plan.instructions.len(), completed: run.resume_from, ..Default::default() }
-        });
+        let result = match result {
+            Ok(r) => {
+                self.apply_backoff = None;
+                r
+            }
+            Err(e) => {
+                // As system-agent: an apply that could not start (interlock, files) writes
+                // nothing and is retried with backoff; an in-progress plan stays in-progress.
+                let b = doubled(self.apply_backoff);
+                self.apply_backoff = Some(b);
+                tracing::error!("plan {}: {e}; retrying in {}", &checksum[..12], crate::process::human_duration(b));
+                return Err(b);
+            }
+        };
         if let Some(why) = result.incomplete_reason() {
             tracing::error!("plan {}: {why}", &checksum[..12]);
             self.blocked = Some(why.clone());
             self.incomplete = Some(why);
         }
-        result
+        Ok(result)
     }
 }
