@@ -293,9 +293,10 @@ fn a_plan_system_agent_already_applied_is_not_run_again() {
     // system-agent's .pos: only its own fields.
     let pos = format!(r#"{{"appliedChecksum":"{}"}}"#, nodeplan::plan::checksum(&raw));
     std::fs::write(s.dir.path().join("plans/old.pos"), pos).unwrap();
-    s.plan("new", serde_json::json!({"instructions": [sh("a", "true")]}));
+    // Plans are applied in path order: `zz` comes after `old` in the same cycle.
+    s.plan("zz", serde_json::json!({"instructions": [sh("a", "true")]}));
     let mut agent = s.start();
-    s.wait_pos("new", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("zz", "succeeded", |p| p.plan_state == "succeeded");
     assert!(!Path::new(&ran).exists(), "an already-applied plan was run again after the migration");
     assert_eq!(agent.stop(), 0);
 }
