@@ -267,34 +267,8 @@ impl Supervisor {
                 None
             }
         });
-        let mut cmd = tokio::process::Command::new(&spec.program);
-        cmd.args(&spec.args)
-            .env_clear()
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
-            .env(MARKER_ENV, &marker)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(false);
-        if let Some(cwd) = &spec.cwd {
-            cmd.current_dir(cwd);
-        }
-        if let Some((_, procs)) = &leaf {
-            let fd = procs.as_raw_fd();
-            // SAFETY: the closure only calls write(2), which is async-signal-safe, on an fd opened
-            // before the fork; it allocates nothing.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                });
-            }
-        }
-        let cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
+        let mut cmd = command(&spec, &marker, leaf.as_ref().map(|(_, fd)| fd.as_raw_fd()));
+        let mut cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
         // The record exists before the process does (pid 0 = not known yet): an agent killed at any
         // moment after the spawn leaves a record that finds the tree by its cgroup or marker.
         let mut record = PidRecord {
@@ -306,16 +280,24 @@ impl Supervisor {
             owner: spec.owner.clone(),
             command: spec.program.to_string_lossy().into_owned(),
         };
-        let record_path = cfg.pid_dir.as_ref().and_then(|dir| match record.write(dir) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                tracing::warn!("cannot write a PID record in {}: {e}", dir.display());
-                None
-            }
-        });
-        let abandon = |outcome: Outcome| {
+        // Without its record a process could not be found again after a crash (R17): no record,
+        // no spawn.
+        let record_path = match &cfg.pid_dir {
+            Some(dir) => match record.write(dir) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    if let Some(d) = &cgroup_dir {
+                        cgroup::remove(d);
+                    }
+                    let why = format!("cannot write its PID record in {}: {e}", dir.display());
+                    return finish(Outcome::StartFailed(why), Output::default(), None);
+                }
+            },
+            None => None,
+        };
+        let abandon = |outcome: Outcome, cgroup_dir: &Option<PathBuf>| {
             remove_record(record_path.as_deref());
-            if let Some(d) = &cgroup_dir {
+            if let Some(d) = cgroup_dir {
                 cgroup::remove(d);
             }
             finish(outcome, Output::default(), None)
@@ -323,16 +305,36 @@ impl Supervisor {
         // The last look before the process exists: a stop requested during the set-up above
         // prevents the spawn (R7).
         if let Some(r) = stop.requested() {
-            return abandon(Outcome::NotStarted(r));
+            return abandon(Outcome::NotStarted(r), &cgroup_dir);
         }
-        let spawned = cmd.spawn();
+        let mut spawned = cmd.spawn();
         drop(leaf.map(|(_, fd)| fd));
+        if spawned.is_err()
+            && let Some(d) = cgroup_dir.take()
+        {
+            // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so try once
+            // more with the process group only.
+            cgroup::remove(&d);
+            record.cgroup = None;
+            if let (Some(dir), Some(_)) = (&cfg.pid_dir, &record_path) {
+                let _ = record.write(dir);
+            }
+            spawned = command(&spec, &marker, None).spawn();
+            if spawned.is_ok() && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "cannot start processes in their own cgroup under {}; using the process group",
+                    d.display()
+                );
+            }
+        }
         let mut child = match spawned {
             Ok(c) => c,
-            Err(e) => return abandon(Outcome::StartFailed(format!("{}: {e}", spec.program.to_string_lossy()))),
+            Err(e) => {
+                return abandon(Outcome::StartFailed(format!("{}: {e}", spec.program.to_string_lossy())), &cgroup_dir);
+            }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let tree = Tree { cgroup: cgroup_dir.clone(), pgid: Some(pid), marker: marker.clone() };
+        let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
 
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
@@ -366,7 +368,7 @@ impl Supervisor {
                     Err(e) => Outcome::WaitFailed(e.to_string()),
                 };
                 // The leader is gone; the pgid is no longer ours to signal.
-                let tree = Tree { pgid: None, ..tree };
+                tree.leader_reaped();
                 self.drain(&mut readers, cfg.drain_timeout).await;
                 // Cheap check first (cgroup.events, or a signal-0 probe of the group); the /proc
                 // scan only when something seems left.
@@ -396,7 +398,8 @@ impl Supervisor {
         self.drain(&mut readers, Duration::from_millis(100)).await;
         if !outcome.termination_incomplete() {
             remove_record(record_path.as_deref());
-            blocking(Tree { pgid: None, ..tree }, |t| t.cleanup()).await;
+            tree.leader_reaped();
+            blocking(tree, |t| t.cleanup()).await;
         }
         finish(outcome, captures.take(), Some(pid))
     }
@@ -465,7 +468,7 @@ impl Supervisor {
         // its marker; never the recorded pid or pgid by number.
         let cgroup =
             rec.cgroup.clone().filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
-        let tree = Tree { cgroup, pgid: None, marker: rec.marker.clone() };
+        let tree = Tree::new(cgroup, None, rec.marker.clone());
         if blocking(tree.clone(), |t| t.is_empty()).await {
             blocking(tree, |t| t.cleanup()).await;
             return match identity {
@@ -524,6 +527,38 @@ async fn sleep_opt(d: Option<Duration>) {
     }
 }
 
+/// The command for `spec`: its own environment plus the run marker, stdin from /dev/null, piped
+/// output, its own process group, and (with `cgroup_procs`) joining a cgroup before exec.
+fn command(spec: &SpawnSpec, marker: &str, cgroup_procs: Option<std::os::fd::RawFd>) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env(MARKER_ENV, marker)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(false);
+    if let Some(cwd) = &spec.cwd {
+        cmd.current_dir(cwd);
+    }
+    if let Some(fd) = cgroup_procs {
+        // SAFETY: the closure only calls write(2), which is async-signal-safe, on an fd opened
+        // before the fork (and kept open until the spawn returns); it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    }
+    cmd
+}
+
 /// Run /proc and cgroup work off the async threads.
 async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) -> R + Send + 'static) -> R {
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -536,6 +571,23 @@ async fn blocking<T: Send + 'static, R: Send + 'static>(v: T, f: impl FnOnce(T) 
         // Only if the blocking pool is shutting down; there is nothing sensible left to do.
         Err(_) => std::future::pending().await,
     }
+}
+
+/// How long one look at the tree may take: a /proc read can block on a process stuck in the
+/// kernel, and the ladder must never hang on it.
+const TREE_OP_LIMIT: Duration = Duration::from_secs(2);
+
+fn stuck() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, "the process tree did not answer (a /proc read is stuck)")
+}
+
+/// [`blocking`], bounded by [`TREE_OP_LIMIT`]; `fallback` when it takes longer.
+async fn bounded<T: Send + 'static, R: Send + 'static>(
+    v: T,
+    fallback: R,
+    f: impl FnOnce(T) -> R + Send + 'static,
+) -> R {
+    tokio::time::timeout(TREE_OP_LIMIT, blocking(v, f)).await.unwrap_or(fallback)
 }
 
 /// Wait until the leader (if any) has been reaped and the tree is empty, or until `deadline`.
@@ -551,10 +603,13 @@ async fn wait_gone<T: TreeOps>(
         if status.is_none() && wait_err.is_none() {
             if let Some(child) = leader.as_deref_mut() {
                 tokio::select! {
-                    r = child.wait() => match r {
-                        Ok(s) => *status = Some(ExitKind::from_status(s)),
-                        Err(e) => *wait_err = Some(e.to_string()),
-                    },
+                    r = child.wait() => {
+                        match r {
+                            Ok(s) => *status = Some(ExitKind::from_status(s)),
+                            Err(e) => *wait_err = Some(e.to_string()),
+                        }
+                        tree.leader_reaped();
+                    }
                     _ = tokio::time::sleep(POLL) => {}
                 }
             } else {
@@ -564,7 +619,7 @@ async fn wait_gone<T: TreeOps>(
             tokio::time::sleep(POLL).await;
         }
         let leader_done = leader.is_none() || status.is_some() || wait_err.is_some();
-        if leader_done && blocking(tree.clone(), |t| t.is_empty()).await {
+        if leader_done && bounded(tree.clone(), false, |t| t.is_empty()).await {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -585,7 +640,7 @@ async fn ladder<T: TreeOps>(
 ) -> Outcome {
     let mut status = None;
     let mut wait_err = None;
-    if let Err(e) = blocking(tree.clone(), |t| t.request_stop()).await {
+    if let Err(e) = bounded(tree.clone(), Err(stuck()), |t| t.request_stop()).await {
         return Outcome::SignalFailed { reason, error: e.to_string() };
     }
     let grace_deadline = tokio::time::Instant::now() + policy.grace;
@@ -598,10 +653,10 @@ async fn ladder<T: TreeOps>(
     }
     if !policy.kill {
         close_pipes();
-        let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
+        let survivors = bounded(tree.clone(), 1, |t| t.survivors()).await.max(1);
         return Outcome::GaveUp { reason, grace: policy.grace, survivors };
     }
-    let killed = blocking(tree.clone(), |t| t.kill()).await;
+    let killed = bounded(tree.clone(), Err(stuck()), |t| t.kill()).await;
     if let Some(child) = leader.as_deref_mut()
         && status.is_none()
     {
@@ -618,7 +673,7 @@ async fn ladder<T: TreeOps>(
             None => Outcome::Killed { reason, grace: policy.grace },
         };
     }
-    let survivors = blocking(tree.clone(), |t| t.survivors()).await.max(1);
+    let survivors = bounded(tree.clone(), 1, |t| t.survivors()).await.max(1);
     Outcome::Incomplete { reason, survivors }
 }
 

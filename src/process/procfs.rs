@@ -84,6 +84,21 @@ impl ProcHandle {
         match rustix::process::pidfd_send_signal(&self.dir, sig) {
             Ok(()) => Ok(()),
             Err(e) if e == rustix::io::Errno::SRCH => Ok(()),
+            // Kernels before 5.1 cannot signal through a /proc dirfd: check through it that the
+            // process is still there (not yet reaped), then use kill(2). The window left is the
+            // one every pre-pidfd supervisor has.
+            Err(e) if e == rustix::io::Errno::NOSYS => {
+                if self.stat().is_err() {
+                    return Ok(());
+                }
+                match rustix::process::Pid::from_raw(self.pid) {
+                    Some(p) => match rustix::process::kill_process(p, sig) {
+                        Err(e) if e == rustix::io::Errno::SRCH => Ok(()),
+                        r => r.map_err(Into::into),
+                    },
+                    None => Ok(()),
+                }
+            }
             Err(e) => Err(e.into()),
         }
     }

@@ -22,6 +22,8 @@ pub(crate) trait TreeOps: Clone + Send + Sync + 'static {
     fn kill(&self) -> io::Result<()>;
     fn is_empty(&self) -> bool;
     fn survivors(&self) -> usize;
+    /// The leader has been reaped: its pid (the group id) may be recycled from now on.
+    fn leader_reaped(&self) {}
 }
 
 impl TreeOps for Tree {
@@ -37,17 +39,25 @@ impl TreeOps for Tree {
     fn survivors(&self) -> usize {
         Tree::survivors(self)
     }
+    fn leader_reaped(&self) {
+        self.pgid.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug, Clone)]
 pub(crate) struct Tree {
     pub cgroup: Option<PathBuf>,
-    /// The run's process group, only while its leader has not been reaped (so the id is ours).
-    pub pgid: Option<i32>,
+    /// The run's process group id, only while its leader has not been reaped (so the id is ours);
+    /// 0 afterwards. Shared by clones, so the ladder can retire it while it waits.
+    pub pgid: std::sync::Arc<std::sync::atomic::AtomicI32>,
     pub marker: String,
 }
 
 impl Tree {
+    pub fn new(cgroup: Option<PathBuf>, pgid: Option<i32>, marker: String) -> Tree {
+        Tree { cgroup, pgid: std::sync::Arc::new(std::sync::atomic::AtomicI32::new(pgid.unwrap_or(0))), marker }
+    }
+
     fn marker_entry(&self) -> Vec<u8> {
         format!("{MARKER_ENV}={}", self.marker).into_bytes()
     }
@@ -72,7 +82,8 @@ impl Tree {
                 if matches!(st.state, 'Z' | 'X' | 'x') {
                     return false;
                 }
-                Some(st.pgrp) == self.pgid || h.has_env(&entry)
+                let pgid = self.pgid.load(std::sync::atomic::Ordering::SeqCst);
+                (pgid > 0 && st.pgrp == pgid) || h.has_env(&entry)
             })
             .collect()
     }

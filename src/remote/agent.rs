@@ -54,6 +54,8 @@ pub struct RemoteAgent {
     probe_period: Duration,
     uid: Option<String>,
     last_applied_rv: Option<u64>,
+    /// The newest resourceVersion read directly (after a conflict).
+    seen_rv: Option<u64>,
     has_run_once: bool,
     warned: HashSet<String>,
     invalid_backoff: Option<Duration>,
@@ -92,6 +94,7 @@ impl RemoteAgent {
             probe_period,
             uid: None,
             last_applied_rv: None,
+            seen_rv: None,
             has_run_once: false,
             warned: HashSet::new(),
             invalid_backoff: None,
@@ -160,9 +163,11 @@ impl RemoteAgent {
         self.blocked = None;
     }
 
-    /// Write `keys` conditionally on `base`'s resourceVersion; on a conflict read again and
-    /// re-apply the same keys if the plan is unchanged, else abandon (R13).
-    async fn write(&mut self, base: &SecretSnapshot, checksum: &str, keys: Keys) -> Written {
+    /// Write `keys` conditionally on `base`'s resourceVersion. On a conflict read again: an
+    /// outcome (`reapply`) is re-applied if the plan is unchanged, a state transition decided from
+    /// the old snapshot is abandoned so the new one is decided afresh (R13: a resume never
+    /// overwrites an update made meanwhile).
+    async fn write(&mut self, base: &SecretSnapshot, checksum: &str, keys: Keys, reapply: bool) -> Written {
         let mut base = base.clone();
         for _ in 0..8 {
             let keys = wire::changed_only(&base, keys.clone());
@@ -176,8 +181,15 @@ impl RemoteAgent {
                     return Written::Done(new);
                 }
                 Ok(Err(WriteError::Conflict)) => match tokio::time::timeout(API_TIMEOUT, self.client.get()).await {
-                    Ok(Ok(Some(fresh))) if wire::plan_checksum(&fresh).as_deref() == Some(checksum) => base = fresh,
-                    Ok(Ok(_)) => return Written::Abandoned,
+                    Ok(Ok(Some(fresh))) => {
+                        // Never act on anything older than what was just read.
+                        self.seen_rv = fresh.resource_version.parse().ok().max(self.seen_rv);
+                        if !reapply || wire::plan_checksum(&fresh).as_deref() != Some(checksum) {
+                            return Written::Abandoned;
+                        }
+                        base = fresh;
+                    }
+                    Ok(Ok(None)) => return Written::Abandoned,
                     Ok(Err(e)) => return Written::Failed(e),
                     Err(_) => return Written::Failed("timed out reading the secret".into()),
                 },
@@ -191,7 +203,7 @@ impl RemoteAgent {
 
     /// Write an outcome that must not be lost: kept and retried until it lands.
     async fn write_outcome(&mut self, base: &SecretSnapshot, checksum: &str, keys: Keys) -> Next {
-        match self.write(base, checksum, keys.clone()).await {
+        match self.write(base, checksum, keys.clone(), true).await {
             Written::Done(_) => {
                 self.write_backoff = None;
                 Next::Wait
@@ -234,10 +246,12 @@ impl RemoteAgent {
             }
             self.uid = Some(snap.uid.clone());
             self.last_applied_rv = None;
+            self.seen_rv = None;
             self.has_run_once = false;
         }
-        // resourceVersion guard: never act on a snapshot older than our own last write.
-        if let (Some(last), Ok(rv)) = (self.last_applied_rv, snap.resource_version.parse::<u64>())
+        // resourceVersion guard: never act on a snapshot older than our own last write or the
+        // newest version we have read.
+        if let (Some(last), Ok(rv)) = (self.last_applied_rv.max(self.seen_rv), snap.resource_version.parse::<u64>())
             && last > rv
         {
             tracing::debug!("skipping a snapshot older than our last write ({rv} < {last})");
@@ -318,7 +332,20 @@ impl RemoteAgent {
                 tracing::info!("plan {}: {}", &checksum[..12], transition.state);
                 let mut keys = wire::transition_keys(&transition);
                 keys.extend(self.probe_keys(&vp, &snap, false).await);
-                return self.write_outcome(&snap, &checksum, keys).await;
+                return match self.write(&snap, &checksum, keys, false).await {
+                    Written::Done(_) => Next::Wait,
+                    Written::Abandoned => Next::After(Duration::ZERO),
+                    Written::Failed(e) => {
+                        let b = doubled(self.write_backoff);
+                        self.write_backoff = Some(b);
+                        tracing::warn!(
+                            "cannot record {} ({e}); retrying in {}",
+                            transition.state,
+                            crate::process::human_duration(b)
+                        );
+                        Next::After(b)
+                    }
+                };
             }
             Decision::Run(run) => run,
         };
@@ -330,7 +357,7 @@ impl RemoteAgent {
             run.resume.as_ref().map(wire::transition_keys)
         };
         if let Some(keys) = pre {
-            match self.write(&snap, &checksum, keys).await {
+            match self.write(&snap, &checksum, keys, false).await {
                 Written::Done(new) => snap = new,
                 Written::Abandoned => return Next::After(Duration::ZERO),
                 Written::Failed(e) => {
