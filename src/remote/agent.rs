@@ -549,3 +549,92 @@ impl RemoteAgent {
         Ok(result)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apply::ApplyConfig;
+    use crate::process::{Supervisor, SupervisorConfig};
+    use base64::Engine as _;
+    use http::{Request, Response};
+    use kube::client::Body;
+    use std::collections::BTreeMap;
+
+    const PLAN: &[u8] = br#"{"instructions":[{"name":"a","command":"true"}]}"#;
+
+    fn secret_json(rv: &str, state: &str) -> serde_json::Value {
+        let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "p", "namespace": "n", "uid": "u", "resourceVersion": rv},
+            "data": {"plan": b64(PLAN), "plan-state": b64(state.as_bytes())},
+        })
+    }
+
+    fn respond(code: u16, v: &serde_json::Value) -> Response<Body> {
+        Response::builder().status(code).body(Body::from(serde_json::to_vec(v).unwrap_or_default())).unwrap()
+    }
+
+    fn conflict() -> serde_json::Value {
+        serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Conflict", "code": 409, "message": "conflict"})
+    }
+
+    /// R13: a state transition decided from a snapshot that is no longer current is abandoned on a
+    /// conflict (the orchestrator reset the plan meanwhile: the resume must not overwrite that),
+    /// while an outcome is re-applied, on the fresh resourceVersion, when the plan is unchanged.
+    #[tokio::test]
+    async fn a_conflicting_transition_is_abandoned_and_an_outcome_is_reapplied() {
+        let dir = tempfile::tempdir().unwrap();
+        for reapply in [false, true] {
+            let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let client = SecretClient::new(
+                kube::Client::new(svc, "n"),
+                super::super::client::SecretRef { namespace: "n".into(), name: "p".into() },
+            );
+            let sup = Supervisor::new(SupervisorConfig { pid_dir: None, ..Default::default() });
+            let app = Arc::new(Applyinator::new(ApplyConfig::new(dir.path().join("work")), sup));
+            let mut agent = RemoteAgent::new(client, app, Arc::new(Prober::new()), Duration::from_secs(5));
+            let base = SecretSnapshot {
+                uid: "u".into(),
+                resource_version: "5".into(),
+                data: BTreeMap::from([
+                    ("plan".to_string(), PLAN.to_vec()),
+                    ("plan-state".to_string(), b"paused".to_vec()),
+                ]),
+                annotations: BTreeMap::new(),
+            };
+            let mut keys = Keys::new();
+            keys.insert("plan-state".into(), Some(b"in-progress".to_vec()));
+            let checksum = plan::checksum(PLAN);
+            let server = async move {
+                let mut handle = std::pin::pin!(handle);
+                let mut patches = Vec::new();
+                let (req, send) = handle.as_mut().next_request().await.expect("a first PATCH");
+                assert_eq!(req.method(), http::Method::PATCH);
+                patches.push(req);
+                send.send_response(respond(409, &conflict()));
+                let (req, send) = handle.as_mut().next_request().await.expect("a GET after the conflict");
+                assert_eq!(req.method(), http::Method::GET);
+                // The orchestrator reset the (same) plan to pending meanwhile.
+                send.send_response(respond(200, &secret_json("7", "pending")));
+                if reapply {
+                    let (req, send) = handle.as_mut().next_request().await.expect("the re-applied PATCH");
+                    let body = http_body_util::BodyExt::collect(req.into_body()).await.unwrap().to_bytes();
+                    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    assert_eq!(body["metadata"]["resourceVersion"], "7", "re-applied on the fresh version");
+                    send.send_response(respond(200, &secret_json("8", "in-progress")));
+                }
+                patches.len()
+            };
+            let (written, _) = tokio::join!(agent.write(&base, &checksum, keys, reapply), server);
+            match (reapply, written) {
+                (false, Written::Abandoned) => {}
+                (true, Written::Done(s)) => assert_eq!(s.resource_version, "8"),
+                (r, Written::Done(_)) => panic!("reapply={r}: written"),
+                (r, Written::Abandoned) => panic!("reapply={r}: abandoned"),
+                (r, Written::Failed(e)) => panic!("reapply={r}: {e}"),
+            }
+            assert_eq!(agent.seen_rv, Some(7), "nothing older than the fresh read is acted on");
+        }
+    }
+}
