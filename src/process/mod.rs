@@ -13,6 +13,7 @@ pub mod cgroup;
 mod outcome;
 mod procfs;
 mod record;
+mod spawn;
 pub mod supervise;
 mod tree;
 
@@ -206,6 +207,8 @@ struct Inner {
     cgroups: Option<cgroup::CgroupRoot>,
     seq: AtomicU64,
     leaf_warned: AtomicBool,
+    /// Spawning straight into the cgroup works here (until the kernel says otherwise).
+    clone3: AtomicBool,
 }
 
 static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
@@ -222,7 +225,13 @@ impl Supervisor {
             }
         };
         Supervisor {
-            inner: Arc::new(Inner { config, cgroups, seq: AtomicU64::new(0), leaf_warned: AtomicBool::new(false) }),
+            inner: Arc::new(Inner {
+                config,
+                cgroups,
+                seq: AtomicU64::new(0),
+                leaf_warned: AtomicBool::new(false),
+                clone3: AtomicBool::new(true),
+            }),
         }
     }
 
@@ -267,7 +276,6 @@ impl Supervisor {
                 None
             }
         });
-        let mut cmd = command(&spec, &marker, leaf.as_ref().map(|(_, fd)| fd.as_raw_fd()));
         let mut cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
         // The record exists before the process does (pid 0 = not known yet): an agent killed at any
         // moment after the spawn leaves a record that finds the tree by its cgroup or marker.
@@ -307,42 +315,65 @@ impl Supervisor {
         if let Some(r) = stop.requested() {
             return abandon(Outcome::NotStarted(r), &cgroup_dir);
         }
-        let mut spawned = cmd.spawn();
-        drop(leaf.map(|(_, fd)| fd));
-        if spawned.is_err()
-            && let Some(d) = cgroup_dir.take()
+        // Born in its cgroup (clone3) where the kernel allows it; otherwise join it before exec.
+        let mut child = None;
+        if let Some(d) = &cgroup_dir
+            && self.inner.clone3.load(Ordering::Relaxed)
         {
-            // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so try once
-            // more with the process group only.
-            cgroup::remove(&d);
-            record.cgroup = None;
-            if let (Some(dir), Some(_)) = (&cfg.pid_dir, &record_path) {
-                let _ = record.write(dir);
-            }
-            spawned = command(&spec, &marker, None).spawn();
-            if spawned.is_ok() && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    "cannot start processes in their own cgroup under {}; using the process group",
-                    d.display()
-                );
+            match spawn::spawn(&spec, &marker, d) {
+                Ok(c) => child = Some(Child::Raw(c)),
+                Err(spawn::SpawnError::Failed(e)) => {
+                    let what = format!("{}: {e}", spec.program.to_string_lossy());
+                    return abandon(Outcome::StartFailed(what), &cgroup_dir);
+                }
+                Err(spawn::SpawnError::Unsupported(e)) => {
+                    self.inner.clone3.store(false, Ordering::Relaxed);
+                    tracing::info!("clone3 into a cgroup is unavailable ({e}); children join their cgroup before exec");
+                }
             }
         }
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                return abandon(Outcome::StartFailed(format!("{}: {e}", spec.program.to_string_lossy())), &cgroup_dir);
+        let mut child = match child {
+            Some(c) => c,
+            None => {
+                let mut spawned = command(&spec, &marker, leaf.as_ref().map(|(_, fd)| fd.as_raw_fd())).spawn();
+                if spawned.is_err()
+                    && let Some(d) = cgroup_dir.take()
+                {
+                    // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so
+                    // try once more with the process group only.
+                    cgroup::remove(&d);
+                    record.cgroup = None;
+                    if let (Some(dir), Some(_)) = (&cfg.pid_dir, &record_path) {
+                        let _ = record.write(dir);
+                    }
+                    spawned = command(&spec, &marker, None).spawn();
+                    if spawned.is_ok() && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "cannot start processes in their own cgroup under {}; using the process group",
+                            d.display()
+                        );
+                    }
+                }
+                match spawned {
+                    Ok(c) => Child::Tokio(c),
+                    Err(e) => {
+                        let what = format!("{}: {e}", spec.program.to_string_lossy());
+                        return abandon(Outcome::StartFailed(what), &cgroup_dir);
+                    }
+                }
             }
         };
+        drop(leaf.map(|(_, fd)| fd));
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
 
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
-        if let Some(out) = child.stdout.take() {
+        if let Some(out) = child.take_output(Stream::Stdout) {
             let read = capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone());
             readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
         }
-        if let Some(err) = child.stderr.take() {
+        if let Some(err) = child.take_output(Stream::Stderr) {
             let read = capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone());
             readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
         }
@@ -527,6 +558,56 @@ async fn sleep_opt(d: Option<Duration>) {
     }
 }
 
+/// A started child: spawned by tokio (joining its cgroup before exec, or without one) or by
+/// [`spawn::spawn`] (born in its cgroup). The one owner of its wait and its kill.
+enum Child {
+    Tokio(tokio::process::Child),
+    Raw(spawn::RawChild),
+}
+
+type Pipe = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+
+impl Child {
+    fn id(&self) -> Option<u32> {
+        match self {
+            Child::Tokio(c) => c.id(),
+            Child::Raw(c) => Some(c.pid as u32),
+        }
+    }
+
+    /// Wait for the process to end and reap it (cancel-safe).
+    async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        match self {
+            Child::Tokio(c) => c.wait().await,
+            Child::Raw(c) => c.wait().await,
+        }
+    }
+
+    fn start_kill(&mut self) -> std::io::Result<()> {
+        match self {
+            Child::Tokio(c) => c.start_kill(),
+            Child::Raw(c) => c.start_kill(),
+        }
+    }
+
+    fn take_output(&mut self, stream: Stream) -> Option<Pipe> {
+        match (self, stream) {
+            (Child::Tokio(c), Stream::Stdout) => c.stdout.take().map(|p| Box::new(p) as Pipe),
+            (Child::Tokio(c), Stream::Stderr) => c.stderr.take().map(|p| Box::new(p) as Pipe),
+            (Child::Raw(c), s) => {
+                let fd = if s == Stream::Stdout { c.stdout.take() } else { c.stderr.take() }?;
+                match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+                    Ok(r) => Some(Box::new(r) as Pipe),
+                    Err(e) => {
+                        tracing::warn!("cannot read the output pipe of pid {}: {e}", c.pid);
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The command for `spec`: its own environment plus the run marker, stdin from /dev/null, piped
 /// output, its own process group, and (with `cgroup_procs`) joining a cgroup before exec.
 fn command(spec: &SpawnSpec, marker: &str, cgroup_procs: Option<std::os::fd::RawFd>) -> tokio::process::Command {
@@ -594,7 +675,7 @@ async fn bounded<T: Send + 'static, R: Send + 'static>(
 /// Returns the leader's status if it was reaped, and whether everything is gone.
 async fn wait_gone<T: TreeOps>(
     tree: &T,
-    leader: &mut Option<&mut tokio::process::Child>,
+    leader: &mut Option<&mut Child>,
     status: &mut Option<ExitKind>,
     wait_err: &mut Option<String>,
     deadline: tokio::time::Instant,
@@ -633,7 +714,7 @@ async fn wait_gone<T: TreeOps>(
 /// up to the kill timeout.
 async fn ladder<T: TreeOps>(
     tree: &T,
-    mut leader: Option<&mut tokio::process::Child>,
+    mut leader: Option<&mut Child>,
     policy: &StopPolicy,
     reason: StopReason,
     close_pipes: impl FnOnce(),

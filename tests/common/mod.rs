@@ -210,9 +210,20 @@ impl AgentProc {
 }
 
 impl Drop for AgentProc {
+    /// SIGKILL the agent and, so that a failing test leaves nothing behind, every process it
+    /// started (their run markers start with `np<agent pid>-`).
     fn drop(&mut self) {
+        let prefix = format!("{MARKER_ENV}=np{}-", self.child.id()).into_bytes();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+            if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ"))
+                && env.split(|b| *b == 0).any(|x| x.starts_with(&prefix))
+            {
+                kill_all(&[pid]);
+            }
+        }
     }
 }
 
