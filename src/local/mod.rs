@@ -305,8 +305,15 @@ impl LocalAgent {
         let path = files.pos();
         let mut p = pos::read_pos(&path).unwrap_or_default();
         f(&mut p);
-        if let Err(e) = pos::write_pos(&path, &p) {
-            tracing::error!("cannot write {}: {e}", path.display());
+        // The write ends in an fsync: off the async threads.
+        let written = tokio::task::spawn_blocking(move || {
+            pos::write_pos(&path, &p).map_err(|e| format!("cannot write {}: {e}", path.display()))
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        if let Err(e) = written {
+            tracing::error!("{e}");
         }
     }
 
@@ -321,6 +328,11 @@ impl LocalAgent {
             self.recover_leftovers(Some(path)).await;
             if let Some(why) = self.blocked.get(path).cloned() {
                 self.update_pos(&files, |p| p.blocked = why).await;
+                // Each look runs the stop ladder again: back off so other plans are not held up.
+                let mem = self.memory.entry(path.to_path_buf()).or_default();
+                let b = mem.apply_backoff.map_or(Duration::from_secs(5), |b| (b * 2).min(Duration::from_secs(300)));
+                mem.apply_backoff = Some(b);
+                mem.hold_until = Some(Instant::now() + b);
                 return false;
             }
             self.update_pos(&files, |p| p.blocked.clear()).await;
@@ -623,7 +635,9 @@ async fn probe_loop(
             let _g = pos_lock.lock().await;
             if let Ok(mut p) = pos::read_pos(&files.pos()) {
                 p.probe_status = statuses;
-                if let Err(e) = pos::write_pos(&files.pos(), &p) {
+                let path = files.pos();
+                let written = tokio::task::spawn_blocking(move || pos::write_pos(&path, &p).map(|_| ())).await;
+                if let Ok(Err(e)) | Err(e) = written.map_err(std::io::Error::other) {
                     tracing::error!("cannot write {}: {e}", files.pos().display());
                 }
             }
