@@ -83,6 +83,8 @@ pub struct LocalAgent {
     blocked: HashMap<PathBuf, String>,
     incomplete: Option<String>,
     shutdown: watch::Receiver<bool>,
+    /// Wakes the dispatcher when a run starts (it polls the running plan's control files).
+    started: Arc<Notify>,
 }
 
 /// Read the control files of a plan into annotation-like values.
@@ -138,6 +140,7 @@ impl LocalAgent {
             blocked: HashMap::new(),
             incomplete: None,
             shutdown: watch::channel(false).1,
+            started: Arc::new(Notify::new()),
         }
     }
 
@@ -162,6 +165,8 @@ impl LocalAgent {
         let wake2 = wake.clone();
         let mut sd = shutdown.clone();
         let stopping = shutdown.clone();
+        let started = self.started.clone();
+        let running = |c: &Arc<Mutex<Option<Running>>>| c.lock().map(|c| c.is_some()).unwrap_or(false);
         let dispatcher = tokio::spawn(async move {
             let mut events_open = true;
             let deliver = |path: Option<&Path>| {
@@ -192,7 +197,9 @@ impl LocalAgent {
                         deliver(Some(Path::new("")));
                         wake2.notify_one();
                     }
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => deliver(None),
+                    // Only while a plan runs (started runs wake this loop through `started`).
+                    _ = tokio::time::sleep(Duration::from_secs(1)), if running(&current) => deliver(None),
+                    _ = started.notified() => {}
                 }
             }
         });
@@ -492,6 +499,7 @@ impl LocalAgent {
         if let Ok(mut cur) = self.current.lock() {
             *cur = Some(Running { files: files.clone(), tx });
         }
+        self.started.notify_one();
         // The files were read before the registration: look again so a change in between is seen.
         if let Ok(cur) = self.current.lock()
             && let Some(r) = cur.as_ref()
@@ -633,7 +641,9 @@ async fn probe_loop(
             let previous = pos::read_pos(&files.pos()).map(|p| p.probe_status).unwrap_or_default();
             let statuses = prober.probe_all(&vp.plan.probes, &previous, false).await;
             let _g = pos_lock.lock().await;
-            if let Ok(mut p) = pos::read_pos(&files.pos()) {
+            if let Ok(mut p) = pos::read_pos(&files.pos())
+                && p.probe_status != statuses
+            {
                 p.probe_status = statuses;
                 let path = files.pos();
                 let written = tokio::task::spawn_blocking(move || pos::write_pos(&path, &p).map(|_| ())).await;
