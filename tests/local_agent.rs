@@ -300,3 +300,27 @@ fn a_plan_system_agent_already_applied_is_not_run_again() {
     assert!(!Path::new(&ran).exists(), "an already-applied plan was run again after the migration");
     assert_eq!(agent.stop(), 0);
 }
+
+#[test]
+fn without_inotify_pause_and_shutdown_still_reach_a_running_plan() {
+    let s = Setup::new();
+    let (ready, go, marker) = (s.fifo("ready"), s.fifo("go"), s.p("marker"));
+    s.plan(
+        "n",
+        serde_json::json!({"instructions": [
+            sh("one", &format!("echo one >> {marker}; echo > {ready}; cat {go} > /dev/null")),
+            sh("two", &format!("echo two >> {marker}")),
+        ]}),
+    );
+    let plan = s.plan_path("n");
+    let mut agent = AgentProc::start_with(s.dir.path().join("config.yaml").as_path(), &[("NODEPLAN_NO_INOTIFY", "1")]);
+    read_fifo(&ready);
+    s.cli(&["plan", "pause", plan.to_str().unwrap()]);
+    // No inotify: the running plan's control files are polled.
+    agent.wait_log("pause requested");
+    release_fifo(&go);
+    let p = s.wait_pos("n", "paused", |p| p.plan_state == "paused");
+    assert_eq!(p.checkpoint.unwrap().completed_instructions, 1);
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n");
+    assert_eq!(agent.stop(), 0);
+}

@@ -106,6 +106,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         lc.rescan = cfg.rescan_period();
         lc.probe_period = cfg.probe_period();
         lc.retry_base = Duration::from_secs(cfg.local_retry_seconds);
+        lc.inotify = std::env::var_os("NODEPLAN_NO_INOTIFY").is_none_or(|v| v != "1");
         let agent = LocalAgent::new(lc, parts.app.clone(), parts.prober.clone());
         let rx = sd_rx.clone();
         tasks.push(tokio::spawn(async move { agent.run(rx).await }));

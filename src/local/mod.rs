@@ -34,6 +34,9 @@ pub struct LocalConfig {
     /// A failed plan is retried after `retry_base` × 2^(failures−1), at most `retry_max`.
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// Watch the directory with inotify (false: rescans and the running plan's control-file poll
+    /// only; the agent uses it when `NODEPLAN_NO_INOTIFY=1`, tests use it to exercise that path).
+    pub inotify: bool,
 }
 
 impl LocalConfig {
@@ -44,6 +47,7 @@ impl LocalConfig {
             probe_period: Duration::from_secs(5),
             retry_base: Duration::from_secs(30),
             retry_max: Duration::from_secs(300),
+            inotify: true,
         }
     }
 
@@ -233,6 +237,9 @@ impl LocalAgent {
 
     fn watch_directory(&self, tx: tokio::sync::mpsc::UnboundedSender<PathBuf>) -> Option<notify::RecommendedWatcher> {
         use notify::Watcher;
+        if !self.cfg.inotify {
+            return None;
+        }
         let mut w = match notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
             use notify::EventKind::{Access, Create, Modify, Remove};
             use notify::event::{AccessKind, AccessMode};

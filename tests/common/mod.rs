@@ -153,10 +153,15 @@ pub struct AgentProc {
 
 impl AgentProc {
     pub fn start(config: &std::path::Path) -> AgentProc {
+        AgentProc::start_with(config, &[])
+    }
+
+    pub fn start_with(config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
         use std::io::BufRead;
         let mut child = std::process::Command::new(NODEPLAN)
             .args(["agent", "--config"])
             .arg(config)
+            .envs(env.iter().copied())
             .env("NODEPLAN_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
