@@ -218,10 +218,11 @@ async fn timeout_runs_the_ladder() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let (sink, _lines) = chan_sink();
     let mut spec = helper(&["term-exit"], sink);
-    spec.timeout = Some(Duration::from_millis(200));
+    // Long enough for the helper to install its SIGTERM handler even on a loaded machine.
+    spec.timeout = Some(Duration::from_millis(1500));
     let r = tokio::time::timeout(GUARD, sup.run(spec, &mut StopSignal::never())).await.unwrap();
     assert!(r.outcome.timed_out());
-    assert_eq!(r.outcome.to_string(), "timed out after 200ms: exited after stop request: exit status 0");
+    assert_eq!(r.outcome.to_string(), "timed out after 1.5s: exited after stop request: exit status 0");
     assert!(!r.outcome.success());
 }
 
