@@ -324,3 +324,67 @@ fn without_inotify_pause_and_shutdown_still_reach_a_running_plan() {
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n");
     assert_eq!(agent.stop(), 0);
 }
+
+/// SPEC §7 faults: the agent SIGKILLed at pseudo-random points of a plan and restarted, again and
+/// again. The plan ends succeeded, no instruction ever ran while its previous copy was alive, and
+/// nothing any of the agents started is left running.
+#[test]
+fn sigkill_at_random_points_then_restart() {
+    let s = Setup::new();
+    let (log, overlap, pidfile) = (s.p("log"), s.p("overlap"), s.p("pid"));
+    let steps: Vec<serde_json::Value> = (0..5)
+        .map(|i| {
+            sh(
+                &format!("s{i}"),
+                &format!(
+                    "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
+                     then echo overlap-{i} >> {overlap}; fi; echo $$ > {pidfile}; echo start-{i} >> {log}; sleep 0.1; echo end-{i} >> {log}"
+                ),
+            )
+        })
+        .collect();
+    s.plan("f", serde_json::json!({ "instructions": steps }));
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut agents = Vec::new();
+    for _ in 0..8 {
+        let agent = s.start();
+        agents.push(agent.child.id());
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        // A fault injected at a pseudo-random moment (this sleep is the fault's timing, not a wait).
+        std::thread::sleep(Duration::from_millis(seed % 400));
+        agent.crash();
+    }
+    let mut last = s.start();
+    agents.push(last.child.id());
+    s.wait_pos("f", "succeeded after the faults", |p| p.plan_state == "succeeded");
+    assert_eq!(last.stop(), 0);
+    assert!(
+        !Path::new(&overlap).exists(),
+        "an instruction ran while its previous copy was alive: {}",
+        std::fs::read_to_string(&overlap).unwrap_or_default()
+    );
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    for i in 0..5 {
+        assert!(log.contains(&format!("end-{i}")), "instruction {i} never finished: {log}");
+    }
+    assert!(log.matches("start-").count() > 5, "the faults hit the plan mid-way (instructions re-ran): {log}");
+    let left: Vec<i32> = agents.iter().flat_map(|a| survivors_with_prefix(&format!("np{a}-"))).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// Live processes whose run marker starts with `prefix`.
+fn survivors_with_prefix(prefix: &str) -> Vec<i32> {
+    let entry = format!("{}={prefix}", nodeplan::process::MARKER_ENV).into_bytes();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| alive(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|x| x.starts_with(&entry)))
+        })
+        .collect()
+}

@@ -149,6 +149,8 @@ pub struct AgentProc {
     pub seen: Vec<String>,
     /// Lines read but not matched by a `wait_log` yet.
     backlog: Vec<String>,
+    /// Set by [`AgentProc::crash`]: leave what it started for the next agent to find.
+    crashed: bool,
 }
 
 impl AgentProc {
@@ -174,7 +176,7 @@ impl AgentProc {
                 let _ = tx.send(l);
             }
         });
-        AgentProc { child, lines: rx, seen: Vec::new(), backlog: Vec::new() }
+        AgentProc { child, lines: rx, seen: Vec::new(), backlog: Vec::new(), crashed: false }
     }
 
     /// Wait for a log line containing `needle` (lines already read included, each matched once).
@@ -199,6 +201,13 @@ impl AgentProc {
         unsafe { libc::kill(self.child.id() as i32, sig) };
     }
 
+    /// SIGKILL the agent like a crash: what it started keeps running (for the next agent).
+    pub fn crash(mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+        self.crashed = true;
+    }
+
     /// The lines logged so far that were not read yet.
     pub fn drain(&mut self) -> Vec<String> {
         let new: Vec<String> = self.lines.try_iter().collect();
@@ -221,6 +230,9 @@ impl Drop for AgentProc {
         let prefix = format!("{MARKER_ENV}=np{}-", self.child.id()).into_bytes();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if self.crashed {
+            return;
+        }
         for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
             if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ"))
