@@ -253,7 +253,13 @@ impl Applyinator {
     /// Apply one plan. Interruptions are not errors: they are reported in the result.
     pub async fn apply(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
         use tracing::Instrument as _;
-        let span = tracing::info_span!("plan", checksum = %&input.plan.checksum[..12], source = %input.owner);
+        // `remote:<checksum>` and `apply:<checksum>` show as the mode; a local plan by its path.
+        let source = match input.owner.split_once(':') {
+            Some(("local", path)) => path,
+            Some((mode, _)) => mode,
+            None => input.owner.as_str(),
+        };
+        let span = tracing::info_span!("plan", checksum = %&input.plan.checksum[..12], source = %source);
         self.apply_inner(input).instrument(span).await
     }
 
