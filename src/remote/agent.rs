@@ -284,6 +284,9 @@ impl RemoteAgent {
         };
         if let Some(why) = self.blocked.clone() {
             self.warn_once(format!("not running plan {}: {why}", &checksum[..12]));
+            if plan::resolve_annotations(&wire::annotations(&snap)).is_err() {
+                return Next::Wait; // R3: nothing is written while a value is invalid
+            }
             let keys = self.probe_keys(&vp, &snap, false).await;
             return self.write_outcome(&snap, &checksum, keys).await;
         }
