@@ -660,3 +660,58 @@ async fn checksum_flow_stops_at_max_failures() {
     assert_eq!(val(&s, "last-apply-time"), old);
     assert_eq!(agent.stop(), 0);
 }
+
+/// SPEC §7 faults, remote mode: the agent SIGKILLed at pseudo-random points of a plan and
+/// restarted. The plan ends succeeded, no instruction ran while its previous copy was alive, and
+/// nothing any of the agents started is left running.
+#[tokio::test]
+async fn sigkill_at_random_points_then_restart() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "faults").await;
+    let (log, overlap, pidfile) = (r.p("log"), r.p("overlap"), r.p("pid"));
+    let steps: Vec<serde_json::Value> = (0..4)
+        .map(|i| {
+            sh(
+                &format!("s{i}"),
+                &format!(
+                    "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
+                     then echo overlap-{i} >> {overlap}; fi; echo $$ > {pidfile}; echo start-{i} >> {log}; sleep 0.15; echo end-{i} >> {log}"
+                ),
+            )
+        })
+        .collect();
+    r.create(&json!({ "instructions": steps }), Some("pending"), &[]).await;
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut agents = Vec::new();
+    for _ in 0..6 {
+        let agent = r.agent();
+        agents.push(agent.child.id());
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        // The fault's timing (not a wait for anything): 0.2–0.8 s into the agent's life.
+        tokio::time::sleep(Duration::from_millis(200 + seed % 600)).await;
+        agent.crash();
+    }
+    let mut last = r.agent();
+    agents.push(last.child.id());
+    let s = r.wait("succeeded after the faults", |s| state(s) == "succeeded").await;
+    assert_eq!(last.stop(), 0);
+    assert_eq!(val(&s, "plan-state"), "succeeded");
+    assert!(!Path::new(&overlap).exists(), "an instruction ran while its previous copy was alive");
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!((0..4).all(|i| log.contains(&format!("end-{i}"))), "{log}");
+    assert!(log.matches("start-").count() > 4, "the faults hit the plan mid-way (it re-ran from the start): {log}");
+    let entry = |a: u32| format!("{}=np{a}-", nodeplan::process::MARKER_ENV).into_bytes();
+    let left: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| alive(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|x| agents.iter().any(|a| x.starts_with(&entry(*a)))))
+        })
+        .collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
