@@ -195,11 +195,9 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
 fn a_killed_agent_leaves_nothing_running_twice() {
     let s = Setup::new();
     let (ready, starts, overlap, pidfile) = (s.fifo("ready"), s.p("starts"), s.p("overlap"), s.p("pid"));
-    // The instruction notes an overlap when the previous copy (its pid in PIDFILE) is still alive
-    // (a zombie is dead: it cannot run anything).
     let script = format!(
-        "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
-         then echo overlap >> {overlap}; fi; echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; exec sleep 300"
+        "{}; echo start >> {starts}; echo > {ready}; exec sleep 300",
+        overlap_check(&pidfile, &overlap, "overlap")
     );
     s.plan("k", serde_json::json!({"instructions": [sh("long", &script)]}));
     let mut first = s.start();
@@ -337,8 +335,8 @@ fn sigkill_at_random_points_then_restart() {
             sh(
                 &format!("s{i}"),
                 &format!(
-                    "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
-                     then echo overlap-{i} >> {overlap}; fi; echo $$ > {pidfile}; echo start-{i} >> {log}; sleep 0.1; echo end-{i} >> {log}"
+                    "{}; echo start-{i} >> {log}; sleep 0.1; echo end-{i} >> {log}",
+                    overlap_check(&pidfile, &overlap, &format!("overlap-{i}"))
                 ),
             )
         })
@@ -370,21 +368,6 @@ fn sigkill_at_random_points_then_restart() {
         assert!(log.contains(&format!("end-{i}")), "instruction {i} never finished: {log}");
     }
     assert!(log.matches("start-").count() > 5, "the faults hit the plan mid-way (instructions re-ran): {log}");
-    let left: Vec<i32> = agents.iter().flat_map(|a| survivors_with_prefix(&format!("np{a}-"))).collect();
+    let left: Vec<i32> = agents.iter().flat_map(|a| started_by(*a)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
-}
-
-/// Live processes whose run marker starts with `prefix`.
-fn survivors_with_prefix(prefix: &str) -> Vec<i32> {
-    let entry = format!("{}={prefix}", nodeplan::process::MARKER_ENV).into_bytes();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
-        .filter(|pid| alive(*pid))
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|x| x.starts_with(&entry)))
-        })
-        .collect()
 }

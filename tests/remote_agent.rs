@@ -539,11 +539,9 @@ async fn a_killed_agent_stops_the_leftover_before_the_rerun() {
     let cp = control_plane!();
     let r = Remote::new(cp, "crash").await;
     let (ready, starts, overlap, pidfile) = (r.fifo("ready"), r.p("starts"), r.p("overlap"), r.p("pid"));
-    // The instruction notes an overlap when the previous copy (its pid in PIDFILE) is still alive
-    // (a zombie is dead: it cannot run anything).
     let script = format!(
-        "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
-         then echo overlap >> {overlap}; fi; echo start >> {starts}; echo $$ > {pidfile}; echo > {ready}; exec sleep 300"
+        "{}; echo start >> {starts}; echo > {ready}; exec sleep 300",
+        overlap_check(&pidfile, &overlap, "overlap")
     );
     r.create(&json!({"instructions": [sh("long", &script)]}), Some("pending"), &[]).await;
     let mut first = r.agent();
@@ -674,8 +672,8 @@ async fn sigkill_at_random_points_then_restart() {
             sh(
                 &format!("s{i}"),
                 &format!(
-                    "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
-                     then echo overlap-{i} >> {overlap}; fi; echo $$ > {pidfile}; echo start-{i} >> {log}; sleep 0.15; echo end-{i} >> {log}"
+                    "{}; echo start-{i} >> {log}; sleep 0.15; echo end-{i} >> {log}",
+                    overlap_check(&pidfile, &overlap, &format!("overlap-{i}"))
                 ),
             )
         })
@@ -702,16 +700,6 @@ async fn sigkill_at_random_points_then_restart() {
     let log = std::fs::read_to_string(&log).unwrap_or_default();
     assert!((0..4).all(|i| log.contains(&format!("end-{i}"))), "{log}");
     assert!(log.matches("start-").count() > 4, "the faults hit the plan mid-way (it re-ran from the start): {log}");
-    let entry = |a: u32| format!("{}=np{a}-", nodeplan::process::MARKER_ENV).into_bytes();
-    let left: Vec<i32> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
-        .filter(|pid| alive(*pid))
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|x| agents.iter().any(|a| x.starts_with(&entry(*a)))))
-        })
-        .collect();
+    let left: Vec<i32> = agents.iter().flat_map(|a| started_by(*a)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }

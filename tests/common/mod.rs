@@ -102,24 +102,42 @@ pub async fn wait_line(lines: &mut Lines, prefix: &str) -> String {
     tokio::time::timeout(GUARD, fut).await.unwrap_or_else(|_| panic!("no line starting with {prefix:?}"))
 }
 
-/// Live (non-zombie) processes whose environment carries `NODEPLAN_RUN=<marker>`.
-pub fn survivors(marker: &str) -> Vec<i32> {
-    let entry = format!("{MARKER_ENV}={marker}").into_bytes();
+/// Live (non-zombie) processes with an environment entry for which `wanted` holds.
+fn live_with_env(wanted: impl Fn(&[u8]) -> bool) -> Vec<i32> {
     let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         if !alive(pid) {
             continue;
         }
         if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ"))
-            && env.split(|b| *b == 0).any(|x| x == entry)
+            && env.split(|b| *b == 0).any(&wanted)
         {
             out.push(pid);
         }
     }
     out
+}
+
+/// Live (non-zombie) processes whose environment carries `NODEPLAN_RUN=<marker>`.
+pub fn survivors(marker: &str) -> Vec<i32> {
+    let entry = format!("{MARKER_ENV}={marker}").into_bytes();
+    live_with_env(|x| x == entry)
+}
+
+/// Live processes started by the agent with this pid (their run markers start with `np<pid>-`).
+pub fn started_by(agent_pid: u32) -> Vec<i32> {
+    let prefix = format!("{MARKER_ENV}=np{agent_pid}-").into_bytes();
+    live_with_env(|x| x.starts_with(&prefix))
+}
+
+/// The start of an instruction script that notes `tag` in OVERLAP when the previous copy (its pid
+/// in PIDFILE) is still alive (a zombie is dead: it cannot run anything), then records its own pid.
+pub fn overlap_check(pidfile: &str, overlap: &str, tag: &str) -> String {
+    format!(
+        "old=$(cat {pidfile} 2>/dev/null); if [ -n \"$old\" ] && [ -e /proc/$old ] && ! grep -q ') Z' /proc/$old/stat; \
+         then echo {tag} >> {overlap}; fi; echo $$ > {pidfile}"
+    )
 }
 
 /// The process exists and is not a zombie.
@@ -227,19 +245,10 @@ impl Drop for AgentProc {
     /// SIGKILL the agent and, so that a failing test leaves nothing behind, every process it
     /// started (their run markers start with `np<agent pid>-`).
     fn drop(&mut self) {
-        let prefix = format!("{MARKER_ENV}=np{}-", self.child.id()).into_bytes();
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if self.crashed {
-            return;
-        }
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-            if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ"))
-                && env.split(|b| *b == 0).any(|x| x.starts_with(&prefix))
-            {
-                kill_all(&[pid]);
-            }
+        if !self.crashed {
+            kill_all(&started_by(self.child.id()));
         }
     }
 }
