@@ -367,6 +367,19 @@ impl Supervisor {
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
 
+        // Now with the pid and its start time (inline: a small file in the page cache, see
+        // PidRecord::write), and before the output is read: no line the process printed is seen
+        // before its record names it.
+        if let Some(dir) = &cfg.pid_dir
+            && record_path.is_some()
+        {
+            record.pid = pid;
+            record.start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
+            if let Err(e) = record.write(dir) {
+                tracing::warn!("cannot update the PID record of pid {pid}: {e}");
+            }
+        }
+
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();
         if let Some(out) = child.take_output(Stream::Stdout) {
@@ -376,18 +389,6 @@ impl Supervisor {
         if let Some(err) = child.take_output(Stream::Stderr) {
             let read = capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone());
             readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
-        }
-
-        // Now with the pid and its start time (inline: a small file in the page cache, see
-        // PidRecord::write).
-        if let Some(dir) = &cfg.pid_dir
-            && record_path.is_some()
-        {
-            record.pid = pid;
-            record.start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
-            if let Err(e) = record.write(dir) {
-                tracing::warn!("cannot update the PID record of pid {pid}: {e}");
-            }
         }
 
         let timeout = spec.timeout;
@@ -472,14 +473,11 @@ impl Supervisor {
             let result = self.recover_one(&rec).await;
             match &result {
                 RecoveryResult::Stopped(o) => {
-                    tracing::info!("stopped leftover pid {} ({}) of {}: {o}", rec.pid, rec.command, rec.owner)
+                    tracing::info!("stopped leftover {} of {}: {o}", leftover_name(&rec), rec.owner)
                 }
-                RecoveryResult::NotStopped(o) => tracing::error!(
-                    "leftover pid {} ({}) of {} could not be stopped: {o}",
-                    rec.pid,
-                    rec.command,
-                    rec.owner
-                ),
+                RecoveryResult::NotStopped(o) => {
+                    tracing::error!("leftover {} of {} could not be stopped: {o}", leftover_name(&rec), rec.owner)
+                }
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
                 }
@@ -540,6 +538,14 @@ pub enum RecoveryResult {
     Stopped(Outcome),
     /// Leftovers could not be stopped; the record is kept.
     NotStopped(Outcome),
+}
+
+/// "pid 42 (/bin/sh)", or for a record written just before its spawn, the run marker instead.
+fn leftover_name(rec: &PidRecord) -> String {
+    match rec.pid {
+        0 => format!("run {} ({}, its pid not recorded yet)", rec.marker, rec.command),
+        pid => format!("pid {pid} ({})", rec.command),
+    }
 }
 
 fn remove_record(path: Option<&Path>) {

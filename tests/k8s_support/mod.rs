@@ -187,11 +187,37 @@ fn k8s_bin() -> Option<PathBuf> {
     None
 }
 
+/// N distinct free loopback ports, chosen at random *below* the kernel's ephemeral range
+/// (`ip_local_port_range`): a port the kernel hands out for outgoing connections (the apiserver's
+/// own connections to etcd, other tests' clients) could otherwise be taken between this choice
+/// and the server's bind, or while an apiserver restarts on the same port. Falls back to port 0
+/// when the range leaves no room below it.
 fn free_ports<const N: usize>() -> [u16; N] {
+    let low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|w| w.parse::<u32>().ok()))
+        .unwrap_or(32768);
+    let (min, max) = (10_000u32, low.saturating_sub(1));
     // Hold all listeners until every port is chosen so the N ports are distinct.
-    let listeners: Vec<std::net::TcpListener> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("bind 127.0.0.1:0: {e}")))
-        .collect();
+    let mut listeners: Vec<std::net::TcpListener> = Vec::new();
+    let mut seed = (std::process::id() as u64) << 32
+        ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    for _ in 0..1000 {
+        if listeners.len() == N || max <= min {
+            break;
+        }
+        // xorshift64: good enough to spread concurrent test binaries over the range.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let port = min + (seed % u64::from(max - min)) as u32;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port as u16)) {
+            listeners.push(l);
+        }
+    }
+    while listeners.len() < N {
+        listeners.push(std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("bind 127.0.0.1:0: {e}")));
+    }
     let mut out = [0u16; N];
     for (slot, l) in out.iter_mut().zip(&listeners) {
         *slot = l.local_addr().unwrap_or_else(|e| panic!("local_addr: {e}")).port();
@@ -283,32 +309,67 @@ impl ControlPlane {
         fs::write(dir.join("tokens.csv"), format!("{TOKEN},admin,admin-uid,system:masters\n"))
             .unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
 
+        let mut cp = ControlPlane {
+            dir,
+            bin,
+            etcd_url: String::new(),
+            port: 0,
+            etcd: None,
+            apiserver: None,
+            ca_pem: String::new(),
+            started_in: Duration::ZERO,
+        };
+        // Another process may still bind a chosen port first; then start over on new ports.
+        for attempt in 1.. {
+            let why = match cp.launch().await {
+                Ok(()) => break,
+                Err(why) => why,
+            };
+            let in_use = ["apiserver.log", "etcd.log"]
+                .iter()
+                .any(|l| fs::read_to_string(cp.dir.join(l)).is_ok_and(|t| t.contains("address already in use")));
+            if !in_use || attempt == 3 {
+                cp.fail(&why);
+            }
+            loud(&format!("k8s_support: a port was taken ({why}); starting again on other ports"));
+            cp.kill_all();
+            for (f, keep) in [("apiserver.log", "apiserver"), ("etcd.log", "etcd")] {
+                let _ = fs::rename(cp.dir.join(f), cp.dir.join(format!("{keep}.attempt{attempt}.log")));
+            }
+            let _ = fs::remove_dir_all(cp.dir.join("etcd"));
+            fs::create_dir_all(cp.dir.join("etcd")).unwrap_or_else(|e| panic!("mkdir etcd: {e}"));
+        }
+        cp.started_in = t0.elapsed();
+        Some(cp)
+    }
+
+    /// Start etcd and the apiserver on fresh ports and wait until ready.
+    async fn launch(&mut self) -> Result<(), String> {
         let [etcd_port, peer_port, port] = free_ports::<3>();
-        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        self.etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        self.port = port;
         let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let mut etcd = Command::new(bin.join("etcd"));
+        let etcd_url = &self.etcd_url;
+        let mut etcd = Command::new(self.bin.join("etcd"));
         etcd.arg("--name=default")
-            .arg(format!("--data-dir={}", dir.join("etcd").display()))
+            .arg(format!("--data-dir={}", self.dir.join("etcd").display()))
             .arg(format!("--listen-client-urls={etcd_url}"))
             .arg(format!("--advertise-client-urls={etcd_url}"))
             .arg(format!("--listen-peer-urls={peer_url}"))
             .arg(format!("--initial-advertise-peer-urls={peer_url}"))
             .arg(format!("--initial-cluster=default={peer_url}"));
-        let etcd = Proc::spawn("etcd", etcd, &dir.join("etcd.log"), Some(&dir));
+        self.etcd = Some(Proc::spawn("etcd", etcd, &self.dir.join("etcd.log"), Some(&self.dir)));
+        self.spawn_apiserver();
+        self.wait_ready().await
+    }
 
-        let mut cp = ControlPlane {
-            dir,
-            bin,
-            etcd_url,
-            port,
-            etcd: Some(etcd),
-            apiserver: None,
-            ca_pem: String::new(),
-            started_in: Duration::ZERO,
-        };
-        cp.start_apiserver().await;
-        cp.started_in = t0.elapsed();
-        Some(cp)
+    fn kill_all(&mut self) {
+        if let Some(mut p) = self.apiserver.take() {
+            p.kill();
+        }
+        if let Some(mut p) = self.etcd.take() {
+            p.kill();
+        }
     }
 
     /// The control plane shared by all tests of this test binary (started on first use; killed
@@ -405,6 +466,13 @@ impl ControlPlane {
 
     /// Start the apiserver again on the same port with the same certs and etcd; wait ready.
     pub async fn start_apiserver(&mut self) {
+        self.spawn_apiserver();
+        if let Err(why) = self.wait_ready().await {
+            self.fail(&why);
+        }
+    }
+
+    fn spawn_apiserver(&mut self) {
         assert!(self.apiserver.is_none(), "apiserver already running");
         let d = &self.dir;
         let mut cmd = Command::new(self.bin.join("kube-apiserver"));
@@ -421,10 +489,9 @@ impl ControlPlane {
             .arg("--service-cluster-ip-range=10.0.0.0/24")
             .arg("--disable-admission-plugins=ServiceAccount");
         self.apiserver = Some(Proc::spawn("kube-apiserver", cmd, &d.join("apiserver.log"), None));
-        self.wait_ready().await;
     }
 
-    async fn wait_ready(&mut self) {
+    async fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + READY_TIMEOUT;
         let mut client: Option<kube::Client> = None;
         let mut last = String::from("no attempt yet");
@@ -432,10 +499,10 @@ impl ControlPlane {
             let exited = self.apiserver.as_mut().and_then(Proc::exited).map(|s| format!("kube-apiserver exited: {s}"));
             let etcd_exited = self.etcd.as_mut().and_then(Proc::exited).map(|s| format!("etcd exited: {s}"));
             if let Some(why) = exited.or(etcd_exited) {
-                self.fail(&why);
+                return Err(why);
             }
             if Instant::now() > deadline {
-                self.fail(&format!("not ready within {READY_TIMEOUT:?}; last: {last}"));
+                return Err(format!("not ready within {READY_TIMEOUT:?}; last: {last}"));
             }
             if client.is_none() {
                 // The apiserver writes its self-signed cert at startup; the CA is the 2nd block.
@@ -455,12 +522,12 @@ impl ControlPlane {
                 let req = http::Request::get("/readyz").body(Vec::new());
                 match req {
                     Ok(req) => match tokio::time::timeout(Duration::from_secs(5), c.request_text(req)).await {
-                        Ok(Ok(body)) if body.trim() == "ok" => return,
+                        Ok(Ok(body)) if body.trim() == "ok" => return Ok(()),
                         Ok(Ok(body)) => last = format!("/readyz said {body:?}"),
                         Ok(Err(e)) => last = format!("/readyz: {e}"),
                         Err(_) => last = "/readyz: no answer within 5 s".into(),
                     },
-                    Err(e) => self.fail(&format!("build /readyz request: {e}")),
+                    Err(e) => return Err(format!("build /readyz request: {e}")),
                 }
             }
             tokio::time::sleep(READY_POLL).await;
@@ -479,12 +546,7 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
-        if let Some(mut p) = self.apiserver.take() {
-            p.kill();
-        }
-        if let Some(mut p) = self.etcd.take() {
-            p.kill();
-        }
+        self.kill_all();
         registry().dirs.retain(|d| d != &self.dir);
         let _ = fs::remove_dir_all(&self.dir);
     }
