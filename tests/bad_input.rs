@@ -125,7 +125,10 @@ fn pos_files() {
 
 #[test]
 fn pid_records() {
-    let seeds: &[&[u8]] = &[br#"{"pid":123,"startTime":456,"bootId":"0b0e-1","cgroup":"/sys/fs/cgroup/np/m","marker":"np1-2-3","owner":"local:/p.plan:0","command":"sh"}"#];
+    let seeds: &[&[u8]] = &[
+        br#"{"pid":123,"startTime":456,"bootId":"0b0e-1","cgroup":"/sys/fs/cgroup/np/m","marker":"np1-2-3","owner":"local:/p.plan:0","command":"sh"}"#,
+        b"{\"pid\":0,\"startTime\":0,\"bootId\":\"b\",\"marker\":\"np1-2-4\",\"owner\":\"o\",\"command\":\"sh\"}\n{\"pid\":77,\"startTime\":9}\n",
+    ];
     fuzz(seeds, "pid record", |input| {
         if let Err(e) = PidRecord::parse(input) {
             one_line(&e, "pid record", input);

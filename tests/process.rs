@@ -62,6 +62,51 @@ async fn start_failure_is_an_outcome() {
     assert!(r.outcome.to_string().starts_with("failed to start: /nonexistent/program"));
 }
 
+/// A child that cannot start (exec or chdir fails after the clone) is a StartFailed with the
+/// reason, in either cgroup mode, and leaves neither its PID record nor its cgroup behind.
+#[tokio::test]
+async fn a_child_that_fails_before_exec_reports_why_and_leaves_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let not_exec = d.path().join("not-executable");
+    std::fs::write(&not_exec, "#!/bin/sh\n").unwrap();
+    let pids = d.path().join("pids");
+    for mode in [CgroupMode::Auto, CgroupMode::Off] {
+        let sup = sup_with(long(), mode, Some(&pids));
+        let r = sup.run(SpawnSpec::new(&not_exec, Vec::<String>::new()), &mut StopSignal::never()).await;
+        assert!(r.outcome.to_string().contains("Permission denied"), "{}", r.outcome);
+        let mut spec = SpawnSpec::new("/bin/true", Vec::<String>::new());
+        spec.cwd = Some(d.path().join("no-such-dir"));
+        let r = sup.run(spec, &mut StopSignal::never()).await;
+        assert!(matches!(r.outcome, Outcome::StartFailed(_)), "{:?}", r.outcome);
+        assert!(r.outcome.to_string().contains("No such file or directory"), "{}", r.outcome);
+        assert!(PidRecord::load_all(&pids).is_empty(), "no record left");
+        if let Some(root) = sup.cgroup_root() {
+            assert!(!root.join(&r.marker).exists(), "no cgroup left");
+        }
+    }
+}
+
+/// The agent ignores SIGPIPE (as every Rust program does) and blocks every signal around the
+/// clone; its children must start with neither (what the agent itself inherited as ignored stays
+/// ignored, as with std's Command).
+#[tokio::test]
+async fn a_child_starts_with_no_ignored_and_no_blocked_signals() {
+    let own = std::fs::read_to_string("/proc/self/status").unwrap();
+    let own_ign = own.lines().find_map(|l| l.strip_prefix("SigIgn:")).unwrap().trim();
+    let own_ign = u64::from_str_radix(own_ign, 16).unwrap();
+    assert_ne!(own_ign & (1 << (libc::SIGPIPE - 1)), 0, "the test process ignores SIGPIPE");
+    let expected = format!("SigIgn:\t{:016x}", own_ign & !(1 << (libc::SIGPIPE - 1)));
+    for mode in [CgroupMode::Auto, CgroupMode::Off] {
+        let sup = sup_with(long(), mode, None);
+        let spec = SpawnSpec::new("/bin/grep", ["-E", "^Sig(Ign|Blk):", "/proc/self/status"]);
+        let r = sup.run(spec, &mut StopSignal::never()).await;
+        assert_eq!(r.outcome, Outcome::Exited(ExitKind::Code(0)));
+        let text = String::from_utf8_lossy(&r.output.stdout).into_owned();
+        assert!(text.contains(&expected), "{text} (expected {expected})");
+        assert!(text.contains("SigBlk:\t0000000000000000"), "{text}");
+    }
+}
+
 #[tokio::test]
 async fn exits_on_sigterm() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
@@ -326,8 +371,8 @@ async fn a_record_that_does_not_match_never_gets_its_pid_signalled() {
         command: "sleep".into(),
     };
     let no_marker = PidRecord { start_time: start, marker: "np-test-b".into(), ..bad_start.clone() };
-    bad_start.write(pids.path()).unwrap();
-    no_marker.write(pids.path()).unwrap();
+    bad_start.create(pids.path()).unwrap();
+    no_marker.create(pids.path()).unwrap();
     std::fs::write(pids.path().join("junk.json"), b"{not json").unwrap();
     let sup = sup_with(short(true), CgroupMode::Auto, Some(pids.path()));
     let rec = sup.recover(|_| true).await;

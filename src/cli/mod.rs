@@ -81,7 +81,11 @@ pub fn main() -> ExitCode {
         eprintln!("nodeplan: {e}");
         return ExitCode::from(exit::BAD_INPUT);
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // One thread runs every task: the agent's work is waiting (on the watch, pidfds, pipes,
+    // timers), and a single thread spares the cross-thread wake-ups that dominate both the cost
+    // of a short instruction and the idle agent's wake-ups. Work that can stall (/proc, file
+    // trees) goes to the blocking pool.
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("nodeplan: cannot start the runtime: {e}");

@@ -80,23 +80,22 @@ impl CgroupRoot {
         Ok(Some(CgroupRoot { dir }))
     }
 
-    /// Create the leaf `name` and open its `cgroup.procs` for the child to join before exec.
-    pub fn create_leaf(&self, name: &str) -> io::Result<(PathBuf, OwnedFd)> {
+    /// Create the leaf `name`.
+    pub fn create_leaf(&self, name: &str) -> io::Result<PathBuf> {
         let dir = self.dir.join(name);
         std::fs::create_dir(&dir)?;
-        let procs = rustix::fs::open(
-            dir.join("cgroup.procs"),
-            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        );
-        match procs {
-            Ok(fd) => Ok((dir, fd)),
-            Err(e) => {
-                let _ = std::fs::remove_dir(&dir);
-                Err(e.into())
-            }
-        }
+        Ok(dir)
     }
+}
+
+/// Open a leaf's `cgroup.procs` for a child to join before exec (where clone3 cannot start it
+/// in the leaf).
+pub fn open_procs(dir: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        dir.join("cgroup.procs"),
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?)
 }
 
 /// `populated` from `cgroup.events`; a cgroup that no longer exists is not populated.

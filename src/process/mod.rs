@@ -20,7 +20,7 @@ mod tree;
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
 pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
-pub use record::{PidRecord, write_atomic};
+pub use record::{PidRecord, RecordFile, write_atomic};
 pub use tree::MARKER_ENV;
 
 use capture::Captures;
@@ -276,7 +276,7 @@ impl Supervisor {
                 None
             }
         });
-        let mut cgroup_dir = leaf.as_ref().map(|(d, _)| d.clone());
+        let mut cgroup_dir = leaf;
         // The record exists before the process does (pid 0 = not known yet): an agent killed at any
         // moment after the spawn leaves a record that finds the tree by its cgroup or marker.
         let mut record = PidRecord {
@@ -290,9 +290,9 @@ impl Supervisor {
         };
         // Without its record a process could not be found again after a crash (R17): no record,
         // no spawn.
-        let record_path = match &cfg.pid_dir {
-            Some(dir) => match record.write(dir) {
-                Ok(p) => Some(p),
+        let mut record_file = match &cfg.pid_dir {
+            Some(dir) => match record.create(dir) {
+                Ok(f) => Some(f),
                 Err(e) => {
                     if let Some(d) = &cgroup_dir {
                         cgroup::remove(d);
@@ -303,8 +303,8 @@ impl Supervisor {
             },
             None => None,
         };
-        let abandon = |outcome: Outcome, cgroup_dir: &Option<PathBuf>| {
-            remove_record(record_path.as_deref());
+        let abandon = |outcome: Outcome, cgroup_dir: &Option<PathBuf>, record_file: Option<RecordFile>| {
+            remove_record(record_file.as_ref().map(RecordFile::path));
             if let Some(d) = cgroup_dir {
                 cgroup::remove(d);
             }
@@ -313,18 +313,17 @@ impl Supervisor {
         // The last look before the process exists: a stop requested during the set-up above
         // prevents the spawn (R7).
         if let Some(r) = stop.requested() {
-            return abandon(Outcome::NotStarted(r), &cgroup_dir);
+            return abandon(Outcome::NotStarted(r), &cgroup_dir, record_file);
         }
-        // Born in its cgroup (clone3) where the kernel allows it; otherwise join it before exec.
+        // Born in its cgroup with a pidfd (clone3) where the kernel allows it; otherwise join the
+        // cgroup before exec.
         let mut child = None;
-        if let Some(d) = &cgroup_dir
-            && self.inner.clone3.load(Ordering::Relaxed)
-        {
-            match spawn::spawn(&spec, &marker, d) {
+        if self.inner.clone3.load(Ordering::Relaxed) {
+            match spawn::spawn(&spec, &marker, cgroup_dir.as_deref()) {
                 Ok(c) => child = Some(Child::Raw(c)),
                 Err(spawn::SpawnError::Failed(e)) => {
                     let what = format!("{}: {e}", spec.program.to_string_lossy());
-                    return abandon(Outcome::StartFailed(what), &cgroup_dir);
+                    return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
                 }
                 Err(spawn::SpawnError::Unsupported(e)) => {
                     self.inner.clone3.store(false, Ordering::Relaxed);
@@ -335,7 +334,12 @@ impl Supervisor {
         let mut child = match child {
             Some(c) => c,
             None => {
-                let mut spawned = command(&spec, &marker, leaf.as_ref().map(|(_, fd)| fd.as_raw_fd())).spawn();
+                let procs = cgroup_dir.as_deref().map(cgroup::open_procs).transpose();
+                let mut spawned = match &procs {
+                    Ok(fd) => command(&spec, &marker, fd.as_ref().map(|fd| fd.as_raw_fd())).spawn(),
+                    Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+                };
+                drop(procs);
                 if spawned.is_err()
                     && let Some(d) = cgroup_dir.take()
                 {
@@ -343,8 +347,10 @@ impl Supervisor {
                     // try once more with the process group only.
                     cgroup::remove(&d);
                     record.cgroup = None;
-                    if let (Some(dir), Some(_)) = (&cfg.pid_dir, &record_path) {
-                        let _ = record.write(dir);
+                    if let Some(f) = &mut record_file
+                        && let Err(e) = record.rewrite(f)
+                    {
+                        tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
                     }
                     spawned = command(&spec, &marker, None).spawn();
                     if spawned.is_ok() && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
@@ -358,27 +364,23 @@ impl Supervisor {
                     Ok(c) => Child::Tokio(c),
                     Err(e) => {
                         let what = format!("{}: {e}", spec.program.to_string_lossy());
-                        return abandon(Outcome::StartFailed(what), &cgroup_dir);
+                        return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
                     }
                 }
             }
         };
-        drop(leaf.map(|(_, fd)| fd));
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
 
-        // Now with the pid and its start time (inline: a small file in the page cache, see
-        // PidRecord::write), and before the output is read: no line the process printed is seen
-        // before its record names it.
-        if let Some(dir) = &cfg.pid_dir
-            && record_path.is_some()
-        {
-            record.pid = pid;
-            record.start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
-            if let Err(e) = record.write(dir) {
+        // Now with the pid and its start time (one append to the open record), and before the
+        // output is read: no line the process printed is seen before its record names it.
+        if let Some(f) = &mut record_file {
+            let start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
+            if let Err(e) = f.set_pid(pid, start_time) {
                 tracing::warn!("cannot update the PID record of pid {pid}: {e}");
             }
         }
+        let record_path = record_file.map(|f| f.path().to_path_buf());
 
         let captures = Captures::new(cfg.capture_limit);
         let mut readers = Vec::new();

@@ -51,7 +51,8 @@ impl ProcHandle {
 
     pub fn read(&self, name: &str) -> io::Result<Vec<u8>> {
         let fd = rustix::fs::openat(&self.dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
-        let mut out = Vec::new();
+        // Most of these files fit in one read of this size.
+        let mut out = Vec::with_capacity(1024);
         std::fs::File::from(fd).read_to_end(&mut out)?;
         Ok(out)
     }

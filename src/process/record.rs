@@ -1,6 +1,14 @@
-//! PID records: one small JSON file per running process, written atomically right after spawn and
-//! removed only once the process tree is gone, so a restarted agent can find what the previous one
-//! left behind and verify it before touching it.
+//! PID records: one small file per running process, created just before the spawn and removed only
+//! once the process tree is gone, so a restarted agent can find what the previous one left behind
+//! and verify it before touching it.
+//!
+//! The file is JSON lines: the record (pid 0 until the process exists), then, appended through the
+//! descriptor kept open since its creation, `{"pid":…,"startTime":…}` once the spawn returned.
+//! Neither write renames over an existing file (on ext4 that forces a writeback of the data on
+//! every spawn) and neither is synced (see [`PidRecord::create`]). A record torn by a crash in the
+//! middle of a write is harmless: a torn first line means the spawn never happened (the record is
+//! written before it), and a torn update leaves pid 0, which recovery handles by the run's cgroup
+//! and marker, never by number.
 
 use super::procfs::{self, ProcHandle};
 use super::tree::MARKER_ENV;
@@ -26,6 +34,34 @@ pub struct PidRecord {
     pub command: String,
 }
 
+/// The line appended once the process exists.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PidUpdate {
+    pid: i32,
+    start_time: u64,
+}
+
+/// A record file being kept: its path and the open descriptor its update is appended to.
+#[derive(Debug)]
+pub struct RecordFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl RecordFile {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Append the pid and its start time (one `write`).
+    pub fn set_pid(&mut self, pid: i32, start_time: u64) -> io::Result<()> {
+        let mut line = serde_json::to_vec(&PidUpdate { pid, start_time }).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.file.write_all(&line)
+    }
+}
+
 /// Whether a record still describes a live process of ours.
 #[derive(Debug)]
 pub(crate) enum Identity {
@@ -42,21 +78,76 @@ impl PidRecord {
         format!("{marker}.json")
     }
 
-    /// Write atomically: temp file, then rename over the final name, so a reader sees either no
-    /// record or a whole one. Deliberately no fsync: a record only means something within the boot
-    /// it was written in (its boot id is checked), and the page cache survives an agent crash, so
-    /// an fsync would only protect against a power loss after which every record is stale anyway.
-    /// It would also put a disk flush on the critical path of every spawn.
-    pub fn write(&self, dir: &Path) -> io::Result<PathBuf> {
-        std::fs::create_dir_all(dir)?;
+    /// Create the record file (it must not exist yet) and keep it open for [`RecordFile::set_pid`].
+    /// Deliberately no fsync: a record only means something within the boot it was written in (its
+    /// boot id is checked), and the page cache survives an agent crash, so an fsync would only
+    /// protect against a power loss after which every record is stale anyway. It would also put a
+    /// disk flush on the critical path of every spawn.
+    pub fn create(&self, dir: &Path) -> io::Result<RecordFile> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(Self::file_name(&self.marker));
-        let json = serde_json::to_vec_pretty(self).map_err(io::Error::other)?;
-        write_file(&path, &json, 0o600, false)?;
-        Ok(path)
+        let mut line = serde_json::to_vec(self).map_err(io::Error::other)?;
+        line.push(b'\n');
+        let open = || std::fs::OpenOptions::new().append(true).create_new(true).mode(0o600).open(&path);
+        let mut file = match open() {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(dir)?;
+                open()?
+            }
+            r => r?,
+        };
+        if let Err(e) = file.write_all(&line) {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        Ok(RecordFile { path, file })
     }
 
+    /// Write the whole record again under its name (temp file, rename), e.g. when the cgroup
+    /// changed before the spawn.
+    pub fn rewrite(&self, file: &mut RecordFile) -> io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = file.path.parent().unwrap_or(Path::new("."));
+        let tmp = dir.join(format!(".{}.tmp{}", Self::file_name(&self.marker), std::process::id()));
+        let mut line = serde_json::to_vec(self).map_err(io::Error::other)?;
+        line.push(b'\n');
+        let result = (|| {
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            f.write_all(&line)?;
+            std::fs::rename(&tmp, &file.path)?;
+            Ok(f)
+        })();
+        match result {
+            Ok(f) => {
+                file.file = f;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// One record: a JSON object (the first line), then optional `{"pid","startTime"}` updates.
+    /// A torn last update (the agent died while appending it) is ignored.
     pub fn parse(raw: &[u8]) -> Result<PidRecord, String> {
-        let r: PidRecord = serde_json::from_slice(raw).map_err(|e| format!("malformed PID record: {e}"))?;
+        let mut values = serde_json::Deserializer::from_slice(raw).into_iter::<serde_json::Value>();
+        let first = match values.next() {
+            Some(Ok(v)) => v,
+            Some(Err(e)) => return Err(format!("malformed PID record: {e}")),
+            None => return Err("malformed PID record: the file is empty".into()),
+        };
+        let mut r: PidRecord = serde_json::from_value(first).map_err(|e| format!("malformed PID record: {e}"))?;
+        for v in values {
+            let update: PidUpdate = match v {
+                Ok(v) => serde_json::from_value(v).map_err(|e| format!("malformed PID record update: {e}"))?,
+                Err(e) if e.is_eof() => break,
+                Err(e) => return Err(format!("malformed PID record update: {e}")),
+            };
+            r.pid = update.pid;
+            r.start_time = update.start_time;
+        }
         if r.pid < 0 {
             return Err(format!("malformed PID record: pid {} is negative", r.pid));
         }
@@ -131,10 +222,6 @@ impl PidRecord {
 
 /// Temp file in the same directory, fsync, rename over `path`, fsync the directory.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    write_file(path, data, mode, true)
-}
-
-fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -142,13 +229,9 @@ fn write_file(path: &Path, data: &[u8], mode: u32, durable: bool) -> io::Result<
     let result = (|| {
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
-        if durable {
-            f.sync_all()?;
-        }
+        f.sync_all()?;
         std::fs::rename(&tmp, path)?;
-        if durable {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
+        std::fs::File::open(dir)?.sync_all()?;
         Ok(())
     })();
     if result.is_err() {
@@ -175,6 +258,53 @@ mod tests {
         }
         let ok = PidRecord::parse(br#"{"pid":5,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#).unwrap();
         assert_eq!(ok.pid, 5);
+    }
+
+    fn sample() -> PidRecord {
+        PidRecord {
+            pid: 0,
+            start_time: 0,
+            boot_id: "b".into(),
+            cgroup: None,
+            marker: "np1-2-3".into(),
+            owner: "o".into(),
+            command: "sh".into(),
+        }
+    }
+
+    #[test]
+    fn a_record_is_created_once_then_gets_its_pid_appended() {
+        let d = tempfile::tempdir().unwrap();
+        let mut f = sample().create(d.path().join("sub").as_path()).unwrap();
+        let before = PidRecord::parse(&std::fs::read(f.path()).unwrap()).unwrap();
+        assert_eq!((before.pid, before.start_time), (0, 0), "pid 0 until the process exists");
+        assert!(sample().create(&d.path().join("sub")).is_err(), "never replaces a live record");
+        f.set_pid(42, 4242).unwrap();
+        let raw = std::fs::read(f.path()).unwrap();
+        let after = PidRecord::parse(&raw).unwrap();
+        assert_eq!(after, PidRecord { pid: 42, start_time: 4242, ..sample() });
+        // A crash while appending leaves a torn last line: the record is still read, without it.
+        let torn = [&raw[..], br#"{"pid":99,"sta"#].concat();
+        assert_eq!(PidRecord::parse(&torn).unwrap().pid, 42);
+        let mut bad = raw.clone();
+        bad.extend_from_slice(b"[1]\n");
+        assert!(PidRecord::parse(&bad).unwrap_err().starts_with("malformed PID record update"));
+        assert!(PidRecord::parse(b"").unwrap_err().contains("empty"));
+        // The pretty-printed single-object form of earlier versions still parses.
+        let pretty = serde_json::to_vec_pretty(&after).unwrap();
+        assert_eq!(PidRecord::parse(&pretty).unwrap(), after);
+    }
+
+    #[test]
+    fn rewrite_replaces_the_record_and_keeps_appending_to_the_new_file() {
+        let d = tempfile::tempdir().unwrap();
+        let mut f = sample().create(d.path()).unwrap();
+        let moved = PidRecord { cgroup: None, owner: "changed".into(), ..sample() };
+        moved.rewrite(&mut f).unwrap();
+        f.set_pid(7, 70).unwrap();
+        let r = PidRecord::parse(&std::fs::read(f.path()).unwrap()).unwrap();
+        assert_eq!((r.owner.as_str(), r.pid, r.start_time), ("changed", 7, 70));
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file left");
     }
 
     #[test]

@@ -1,9 +1,13 @@
-//! Spawning straight into a cgroup: `clone3(CLONE_INTO_CGROUP | CLONE_PIDFD)` with fork
-//! semantics, so the child is born in its leaf (no migration, which costs far more than the spawn
-//! itself) and comes with a pidfd. Between the clone and `execve` the child only makes
-//! async-signal-safe system calls on memory prepared before the clone: dup2, setpgid, chdir,
-//! sigaction, sigprocmask, execve, write, _exit. [`RawChild`] owns the child: it waits through the
-//! pidfd (readable when the process ends) and reaps with `waitid(P_PIDFD)`.
+//! Spawning with `clone3`: straight into a cgroup (`CLONE_INTO_CGROUP`, so the child is born in its
+//! leaf: no migration, which costs far more than the spawn itself) and with a pidfd
+//! (`CLONE_PIDFD`). On x86_64 the clone also has vfork semantics (`CLONE_VM | CLONE_VFORK` on a
+//! stack of its own, entered through a few lines of assembly): no page tables are copied and no
+//! copy-on-write faults follow in the agent, which is most of what a fork of a multi-threaded
+//! process costs. Elsewhere it has fork semantics. Either way, between the clone and `execve` the
+//! child only makes async-signal-safe system calls on memory prepared before the clone (dup2,
+//! setpgid, chdir, sigaction, sigprocmask, execve, write, _exit), with every signal blocked until
+//! its handlers are back to the defaults, as glibc's posix_spawn does. [`RawChild`] owns the child:
+//! it waits through the pidfd (readable when the process ends) and reaps with `waitid(P_PIDFD)`.
 
 use super::SpawnSpec;
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -56,6 +60,144 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?)
 }
 
+/// Whether [`clone_child`] shares the address space (vfork) on this architecture.
+const VFORK: bool = cfg!(target_arch = "x86_64");
+
+/// Everything the child reads between the clone and `execve`, prepared by the parent. Under vfork
+/// the child writes `errno` here before `_exit` (the parent is suspended until then).
+#[repr(C)]
+struct ChildCtx {
+    program: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    cwd: *const libc::c_char,
+    fd_null: libc::c_int,
+    fd_out: libc::c_int,
+    fd_err: libc::c_int,
+    fd_report: libc::c_int,
+    errno: libc::c_int,
+}
+
+/// The child side: async-signal-safe calls only, no allocation, no locks, never returns.
+///
+/// # Safety
+/// `ctx` points to a live [`ChildCtx`] whose pointers are valid C strings and arrays.
+unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
+    // SAFETY: see the function's contract; every call below is async-signal-safe.
+    unsafe {
+        let ctx = ctx.cast::<ChildCtx>();
+        let fail = |ctx: *mut ChildCtx| -> ! {
+            let e = *libc::__errno_location();
+            if VFORK {
+                std::ptr::write_volatile(&mut (*ctx).errno, if e == 0 { libc::EINVAL } else { e });
+            } else {
+                libc::write((*ctx).fd_report, (&e as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>());
+            }
+            libc::_exit(127)
+        };
+        if libc::dup2((*ctx).fd_null, 0) < 0 || libc::dup2((*ctx).fd_out, 1) < 0 || libc::dup2((*ctx).fd_err, 2) < 0 {
+            fail(ctx);
+        }
+        if libc::setpgid(0, 0) < 0 {
+            fail(ctx);
+        }
+        if !(*ctx).cwd.is_null() && libc::chdir((*ctx).cwd) < 0 {
+            fail(ctx);
+        }
+        // Every handler the agent installed goes back to the default before any signal is let
+        // through (a handler run here would act on the agent's memory), and SIGPIPE, which Rust
+        // ignores, is restored as std does.
+        for sig in 1..=64 {
+            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                continue;
+            }
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+                continue;
+            }
+            if old.sa_sigaction != libc::SIG_DFL && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE) {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(sig, &dfl, std::ptr::null_mut());
+            }
+        }
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        libc::execve((*ctx).program, (*ctx).argv, (*ctx).envp);
+        fail(ctx)
+    }
+}
+
+/// Clone a child that runs [`child_main`] with `ctx`, every signal blocked around the clone.
+/// Returns the pid, or the negated errno.
+fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
+    // SAFETY: plain signal-mask calls on local sigsets.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+    }
+    let ret = clone_raw(args, ctx);
+    // SAFETY: restoring this thread's mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    ret
+}
+
+/// vfork flavour: the child runs on a stack of its own in the agent's address space, entered
+/// straight from the `syscall` instruction (it cannot return through any Rust frame), while the
+/// parent thread sleeps until the child has exec'd or exited.
+#[cfg(target_arch = "x86_64")]
+fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
+    // 64 KiB, 16-byte aligned: child_main needs a few hundred bytes (glibc's posix_spawn uses
+    // 32 KiB plus the arguments).
+    let mut stack = vec![0u128; 4096];
+    args.flags |= (libc::CLONE_VM | libc::CLONE_VFORK) as u64;
+    args.stack = stack.as_mut_ptr() as u64;
+    args.stack_size = (stack.len() * std::mem::size_of::<u128>()) as u64;
+    let f: unsafe extern "C" fn(*mut libc::c_void) -> ! = child_main;
+    let ret: i64;
+    // SAFETY: clone3 returns twice. The parent gets the pid (or -errno) in rax and continues
+    // normally. The child gets 0, runs on the new stack (the kernel set rsp to its top, 16-byte
+    // aligned) and calls child_main, which never returns; r12/r13 survive the syscall. The
+    // parent is suspended until the child execs or exits, so `ctx` and `stack` outlive the child's
+    // use of them.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            "test rax, rax",
+            "jnz 2f",
+            "xor ebp, ebp",
+            "mov rdi, r12",
+            "call r13",
+            "ud2",
+            "2:",
+            inlateout("rax") libc::SYS_clone3 => ret,
+            in("rdi") args as *mut CloneArgs,
+            in("rsi") std::mem::size_of::<CloneArgs>(),
+            in("r12") ctx as *mut ChildCtx as *mut libc::c_void,
+            in("r13") f,
+            lateout("rcx") _,
+            lateout("r11") _,
+        );
+    }
+    drop(stack);
+    ret
+}
+
+/// fork flavour for other architectures: the child has its own copy of the address space.
+#[cfg(not(target_arch = "x86_64"))]
+fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
+    // SAFETY: clone3 with fork semantics (no CLONE_VM, no new stack); the child only runs
+    // child_main, which never returns.
+    let ret = unsafe { libc::syscall(libc::SYS_clone3, args as *const CloneArgs, std::mem::size_of::<CloneArgs>()) };
+    if ret == 0 {
+        unsafe { child_main(ctx as *mut ChildCtx as *mut libc::c_void) }
+    }
+    if ret < 0 { -(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EINVAL) as i64) } else { ret }
+}
+
 /// A child started by [`spawn`].
 pub(crate) struct RawChild {
     pub pid: i32,
@@ -73,8 +215,8 @@ pub(crate) enum SpawnError {
 }
 
 /// Start `spec` (with the run marker in its environment) in its own process group, inside the
-/// cgroup `cgroup_dir`.
-pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: &Path) -> Result<RawChild, SpawnError> {
+/// cgroup `cgroup_dir` when given.
+pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -> Result<RawChild, SpawnError> {
     use SpawnError::{Failed, Unsupported};
     let mut env: Vec<(OsString, OsString)> = spec.env.iter().filter(|(k, _)| k != super::MARKER_ENV).cloned().collect();
     env.push((super::MARKER_ENV.into(), marker.into()));
@@ -98,12 +240,17 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: &Path) -> Result
         Some(d) => Some(cstring(d.as_os_str()).map_err(Failed)?),
         None => None,
     };
-    let cgroup = rustix::fs::open(
-        cgroup_dir,
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .map_err(|e| Unsupported(e.into()))?;
+    let cgroup = match cgroup_dir {
+        Some(dir) => Some(
+            rustix::fs::open(
+                dir,
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .map_err(|e| Unsupported(e.into()))?,
+        ),
+        None => None,
+    };
     let devnull = rustix::fs::open(
         "/dev/null",
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
@@ -112,51 +259,35 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: &Path) -> Result
     .map_err(|e| Failed(e.into()))?;
     let (out_r, out_w) = pipe().map_err(Failed)?;
     let (err_r, err_w) = pipe().map_err(Failed)?;
-    let (report_r, report_w) = pipe().map_err(Failed)?;
-    let (fd_null, fd_out, fd_err, fd_report) =
-        (devnull.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd(), report_w.as_raw_fd());
-    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: initialising a local sigset.
-    unsafe { libc::sigemptyset(&mut empty) };
+    // Fork semantics need a pipe for the child's errno; under vfork it writes `ctx.errno`.
+    let report = if VFORK { None } else { Some(pipe().map_err(Failed)?) };
+    let mut ctx = ChildCtx {
+        program: program_c.as_ptr(),
+        argv: argv.as_ptr(),
+        envp: envp.as_ptr(),
+        cwd: cwd_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+        fd_null: devnull.as_raw_fd(),
+        fd_out: out_w.as_raw_fd(),
+        fd_err: err_w.as_raw_fd(),
+        fd_report: report.as_ref().map_or(-1, |(_, w)| w.as_raw_fd()),
+        errno: 0,
+    };
 
     let mut pidfd: libc::c_int = -1;
-    let args = CloneArgs {
-        flags: CLONE_INTO_CGROUP | libc::CLONE_PIDFD as u64,
+    let mut flags = libc::CLONE_PIDFD as u64;
+    if cgroup.is_some() {
+        flags |= CLONE_INTO_CGROUP;
+    }
+    let mut args = CloneArgs {
+        flags,
         pidfd: &mut pidfd as *mut libc::c_int as u64,
         exit_signal: libc::SIGCHLD as u64,
-        cgroup: cgroup.as_raw_fd() as u64,
+        cgroup: cgroup.as_ref().map_or(0, |c| c.as_raw_fd() as u64),
         ..Default::default()
     };
-    // SAFETY: clone3 with fork semantics (no CLONE_VM, no new stack). In the child only
-    // async-signal-safe system calls on memory prepared above run before execve or _exit.
-    let ret = unsafe { libc::syscall(libc::SYS_clone3, &args as *const CloneArgs, std::mem::size_of::<CloneArgs>()) };
-    if ret == 0 {
-        unsafe {
-            let fail = |fd: libc::c_int| -> ! {
-                let e = *libc::__errno_location();
-                libc::write(fd, (&e as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>());
-                libc::_exit(127)
-            };
-            if libc::dup2(fd_null, 0) < 0 || libc::dup2(fd_out, 1) < 0 || libc::dup2(fd_err, 2) < 0 {
-                fail(fd_report);
-            }
-            if libc::setpgid(0, 0) < 0 {
-                fail(fd_report);
-            }
-            if let Some(c) = &cwd_c
-                && libc::chdir(c.as_ptr()) < 0
-            {
-                fail(fd_report);
-            }
-            // As std does: default SIGPIPE (Rust ignores it in the agent) and no blocked signals.
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-            libc::execve(program_c.as_ptr(), argv.as_ptr(), envp.as_ptr());
-            fail(fd_report);
-        }
-    }
+    let ret = clone_child(&mut args, &mut ctx);
     if ret < 0 {
-        let e = io::Error::last_os_error();
+        let e = io::Error::from_raw_os_error(-ret as i32);
         return Err(match e.raw_os_error() {
             Some(libc::ENOSYS | libc::EPERM | libc::EINVAL | libc::E2BIG | libc::EOPNOTSUPP | libc::EBADF) => {
                 Unsupported(e)
@@ -167,23 +298,32 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: &Path) -> Result
     let pid = ret as i32;
     // SAFETY: the kernel returned a new pidfd in `pidfd`.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    drop((devnull, out_w, err_w, report_w, cgroup));
-    // The report pipe ends at EOF once execve succeeded (CLOEXEC), or carries the child's errno.
-    let mut buf = [0u8; 4];
-    let n = loop {
-        match rustix::io::read(&report_r, &mut buf) {
-            Err(e) if e == rustix::io::Errno::INTR => continue,
-            r => break r.unwrap_or(0),
+    drop((devnull, out_w, err_w, cgroup));
+    // Under vfork the child has exec'd or exited by now and left its errno in `ctx`. With fork
+    // semantics the report pipe ends at EOF once execve succeeded (CLOEXEC), or carries the errno.
+    // SAFETY: the child no longer runs on this memory (vfork returned), or never shared it.
+    let mut errno = unsafe { std::ptr::read_volatile(&ctx.errno) };
+    if let Some((report_r, report_w)) = report {
+        drop(report_w);
+        let mut buf = [0u8; 4];
+        let n = loop {
+            match rustix::io::read(&report_r, &mut buf) {
+                Err(e) if e == rustix::io::Errno::INTR => continue,
+                r => break r.unwrap_or(0),
+            }
+        };
+        if n == 4 {
+            errno = i32::from_ne_bytes(buf);
         }
-    };
+    }
     let mut child = RawChild { pid, pidfd: None, stdout: Some(out_r), stderr: Some(err_r), reaped: false };
-    if n == 4 {
+    if errno != 0 {
         let _ = rustix::process::waitid(
             rustix::process::WaitId::PidFd(pidfd.as_fd()),
             rustix::process::WaitIdOptions::EXITED,
         );
         child.reaped = true;
-        return Err(Failed(io::Error::from_raw_os_error(i32::from_ne_bytes(buf))));
+        return Err(Failed(io::Error::from_raw_os_error(errno)));
     }
     rustix::io::ioctl_fionbio(&pidfd, true).map_err(|e| Failed(e.into()))?;
     // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it is

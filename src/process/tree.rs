@@ -137,9 +137,11 @@ impl Tree {
 
     /// A cheap, possibly false-positive check after the leader exited by itself: the cgroup is
     /// populated, or a signal-0 probe of the leader's old group finds someone (zombies included).
+    /// An empty cgroup is removed on the way (rmdir succeeds only on an empty cgroup, so it is
+    /// the check itself in the common case).
     pub fn maybe_leftovers(&self, leader: i32) -> bool {
         match &self.cgroup {
-            Some(dir) => cgroup::populated(dir),
+            Some(dir) => std::fs::remove_dir(dir).is_err() && cgroup::populated(dir),
             None => rustix::process::Pid::from_raw(leader)
                 .is_some_and(|p| rustix::process::test_kill_process_group(p).is_ok()),
         }
