@@ -317,12 +317,19 @@ impl Applyinator {
         }
 
         if input.run_one_time {
+            let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
+            let mut next_dir = NextDir::default();
+            let mut stopped_by = None;
             for (index, ins) in plan.instructions.iter().enumerate().skip(resume_from) {
                 if let Some(i) = current().boundary() {
-                    result.interruption = Some(i);
-                    return Ok(result);
+                    stopped_by = Some(i);
+                    break;
                 }
-                let dir = exec_dir.join(format!("{}_{index}", input.plan.checksum));
+                let dir = dir_of(index);
+                next_dir.ready(&dir).await;
+                if index + 1 < total {
+                    next_dir.prepare(dir_of(index + 1));
+                }
                 let report = self.run_one(&input, &dir, index, total, &ins.common, input.attempt, false).await;
                 result.termination_incomplete |= report.outcome.termination_incomplete();
                 save_output(&mut result.one_time_output, ins, &report);
@@ -340,11 +347,16 @@ impl Applyinator {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                         warn_partial(&input.owner, index, &ins.common.name);
                     }
-                    result.interruption = Some(i);
-                    return Ok(result);
+                    stopped_by = Some(i);
+                    break;
                 }
                 tracing::error!("instruction {index} ({}) failed: {outcome}", display_name(&ins.common.name));
                 break;
+            }
+            next_dir.discard().await;
+            if let Some(i) = stopped_by {
+                result.interruption = Some(i);
+                return Ok(result);
             }
             result.one_time_succeeded = result.completed == total;
         }
@@ -452,11 +464,7 @@ impl Applyinator {
                 Output::default(),
             );
         }
-        let made = {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir)
-        };
-        if let Err(e) = made {
+        if let Err(e) = make_dir(dir) {
             return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
         }
         let program: OsString =
@@ -476,6 +484,48 @@ impl Applyinator {
         let mut r = report(run.outcome, run.output);
         r.elapsed = run.elapsed;
         r
+    }
+}
+
+/// An execution directory (and its parents), mode 0755; one that exists already is fine.
+fn make_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir)
+}
+
+/// The next one-time instruction's execution directory, made on the blocking pool while the
+/// current instruction runs: on a busy filesystem a mkdir can cost as much as a short instruction
+/// (ext4 without a journal walks its recently freed inodes on every allocation). `run_one` still
+/// makes the directory itself, so an error here is reported there.
+#[derive(Default)]
+struct NextDir(Option<(PathBuf, tokio::task::JoinHandle<()>)>);
+
+impl NextDir {
+    fn prepare(&mut self, dir: PathBuf) {
+        let target = dir.clone();
+        let made = tokio::task::spawn_blocking(move || {
+            let _ = make_dir(&target);
+        });
+        self.0 = Some((dir, made));
+    }
+
+    /// Wait until the directory prepared for `dir` is made.
+    async fn ready(&mut self, dir: &Path) {
+        if let Some((prepared, made)) = self.0.take() {
+            let _ = made.await;
+            if prepared != dir {
+                let _ = std::fs::remove_dir(&prepared);
+            }
+        }
+    }
+
+    /// Remove a directory prepared for an instruction that did not run (empty, so nothing is
+    /// lost).
+    async fn discard(&mut self) {
+        if let Some((prepared, made)) = self.0.take() {
+            let _ = made.await;
+            let _ = std::fs::remove_dir(&prepared);
+        }
     }
 }
 
