@@ -231,6 +231,44 @@ async fn a_pipe_holding_grandchild_never_hangs_a_natural_exit() {
     assert!(String::from_utf8_lossy(&r.output.stdout).contains("parent exiting"));
 }
 
+/// Policy for a process that exits by itself and leaves a daemon behind: the daemon is left alone
+/// (no record, so no later recovery stops it), and the run's cgroup is removed once it is empty.
+#[tokio::test]
+async fn a_daemon_left_by_an_instruction_is_left_alone_and_its_cgroup_tidied_later() {
+    let pids = tempfile::tempdir().unwrap();
+    let sup = sup_with(long(), CgroupMode::Auto, Some(pids.path()));
+    if !require_cgroup(&sup) {
+        return;
+    }
+    let (sink, mut lines) = chan_sink();
+    let sup2 = sup.clone();
+    let run = tokio::spawn(async move { sup2.run(helper(&["setsid-exit"], sink), &mut StopSignal::never()).await });
+    let daemon: i32 = wait_line(&mut lines, "grandchild").await.parse().unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.unwrap().unwrap();
+    let leaf = sup.cgroup_root().unwrap().join(&r.marker);
+    let (daemon_alive, leaf_kept) = (alive(daemon), leaf.exists());
+    assert!(PidRecord::load_all(pids.path()).is_empty(), "the record goes with the process that was started");
+    let other = sup_with(long(), CgroupMode::Auto, Some(pids.path()));
+    let recovered = other.recover(|_| true).await;
+    let survived_recovery = alive(daemon);
+    // The daemon ends (here: killed by the test); the next run removes its empty cgroup.
+    let fd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(daemon).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .unwrap();
+    kill_all(&[daemon]);
+    let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&fd), events: libc::POLLIN, revents: 0 };
+    let ended = unsafe { libc::poll(&mut pfd, 1, GUARD.as_millis() as i32) };
+    assert_eq!(ended, 1, "the daemon never ended");
+    let next = sup.run(SpawnSpec::new("/bin/true", Vec::<String>::new()), &mut StopSignal::never()).await;
+    assert_eq!(next.outcome, Outcome::Exited(ExitKind::Code(0)));
+    assert_eq!(r.outcome, Outcome::Exited(ExitKind::Code(0)));
+    assert!(daemon_alive && leaf_kept, "the daemon keeps running in the run's cgroup");
+    assert!(recovered.is_empty() && survived_recovery, "a later recovery does not stop it: {recovered:?}");
+    assert!(!leaf.exists(), "its cgroup is removed once empty");
+}
+
 #[tokio::test]
 async fn no_kill_policy_gives_up_and_keeps_the_record() {
     let pids = tempfile::tempdir().unwrap();

@@ -124,6 +124,25 @@ pub fn kill(dir: &Path) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Remove the empty leaves that agents no longer running left under `root` (`np<pid>-…` where
+/// `<pid>` is gone): the cgroups of daemons their runs started, once those ended. Leaves of this
+/// process and of live agents are not touched (one may be about to receive its process), and a
+/// populated leaf cannot be removed at all.
+pub fn sweep_dead_agents(root: &Path) {
+    let Ok(rd) = std::fs::read_dir(root) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix("np").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let alive = pid as u32 == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !alive && e.path().is_dir() {
+            let _ = std::fs::remove_dir(e.path());
+        }
+    }
+}
+
 /// Remove an empty leaf; a populated or missing one is left alone.
 pub fn remove(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
@@ -140,6 +159,25 @@ mod tests {
         let escaped = "41 31 0:38 / /mnt/my\\040cg rw shared:1 - cgroup2 none rw\n";
         assert_eq!(find_cgroup2_mount(escaped), Some(PathBuf::from("/mnt/my cg")));
         assert_eq!(find_cgroup2_mount("24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"), None);
+    }
+
+    #[test]
+    fn the_sweep_removes_only_empty_leaves_of_agents_that_are_gone() {
+        let root = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        let names = ["np999999999-1-aa", "np999999998-2-bb", &format!("np{me}-3-cc"), "np1-4-dd", "other"];
+        for n in names {
+            std::fs::create_dir(root.path().join(n)).unwrap();
+        }
+        // A non-empty leaf cannot be removed (a populated cgroup refuses rmdir the same way).
+        std::fs::write(root.path().join("np999999998-2-bb/x"), "").unwrap();
+        sweep_dead_agents(root.path());
+        let mut left: Vec<String> =
+            std::fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+        left.sort();
+        let mut want = vec!["np999999998-2-bb".to_string(), format!("np{me}-3-cc"), "np1-4-dd".into(), "other".into()];
+        want.sort();
+        assert_eq!(left, want);
     }
 
     #[test]

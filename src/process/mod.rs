@@ -31,7 +31,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tree::{Tree, TreeOps};
@@ -209,6 +209,9 @@ struct Inner {
     leaf_warned: AtomicBool,
     /// Spawning straight into the cgroup works here (until the kernel says otherwise).
     clone3: AtomicBool,
+    /// Leaves of runs whose process exited by itself and left processes behind (a daemon it
+    /// started): removed once they are empty.
+    lingering: Mutex<Vec<PathBuf>>,
 }
 
 static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
@@ -231,6 +234,7 @@ impl Supervisor {
                 seq: AtomicU64::new(0),
                 leaf_warned: AtomicBool::new(false),
                 clone3: AtomicBool::new(true),
+                lingering: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -254,6 +258,7 @@ impl Supervisor {
     /// Run `spec` to completion: until it exits by itself, or until `stop` or its timeout runs the
     /// stop ladder. Never hangs: every wait is bounded once a stop is requested.
     pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
+        self.sweep_lingering();
         let started = Instant::now();
         let marker = self.new_marker();
         let finish = |outcome, output, pid| RunResult {
@@ -409,7 +414,17 @@ impl Supervisor {
                 if tree.maybe_leftovers(pid) {
                     let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
                     if leftovers > 0 {
-                        tracing::warn!("{} exited ({outcome}) and left {leftovers} process(es) running", spec.program.to_string_lossy());
+                        // A process that exits by itself and leaves children behind started them
+                        // on purpose (a daemon): they are left alone, like any daemon started by
+                        // hand. Only the run's own cgroup is tidied up once they are gone.
+                        tracing::warn!(
+                            "{} exited ({outcome}) and left {leftovers} process(es) running; they are left alone{}",
+                            spec.program.to_string_lossy(),
+                            cgroup_dir.as_ref().map(|d| format!(" in {}", d.display())).unwrap_or_default()
+                        );
+                        if let (Some(d), Ok(mut l)) = (&cgroup_dir, self.inner.lingering.lock()) {
+                            l.push(d.clone());
+                        }
                     }
                 }
                 if !outcome.termination_incomplete() {
@@ -438,6 +453,15 @@ impl Supervisor {
         finish(outcome, captures.take(), Some(pid))
     }
 
+    /// Remove the cgroups of daemons left by earlier runs once they are empty.
+    fn sweep_lingering(&self) {
+        if let Ok(mut l) = self.inner.lingering.lock()
+            && !l.is_empty()
+        {
+            l.retain(|d| std::fs::remove_dir(d).is_err_and(|e| e.kind() != std::io::ErrorKind::NotFound));
+        }
+    }
+
     async fn drain(&self, readers: &mut Vec<tokio::task::JoinHandle<()>>, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         for r in readers.iter_mut() {
@@ -453,6 +477,10 @@ impl Supervisor {
     /// accepted by `filter`. Records that do not match a live process of ours are discarded and
     /// their pid is never signalled.
     pub async fn recover(&self, filter: impl Fn(&PidRecord) -> bool) -> Vec<Recovered> {
+        if let Some(root) = self.cgroup_root() {
+            blocking(root.to_path_buf(), |r| cgroup::sweep_dead_agents(&r)).await;
+        }
+        self.sweep_lingering();
         let Some(dir) = self.inner.config.pid_dir.clone() else {
             return Vec::new();
         };
