@@ -210,22 +210,22 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "imagesDirectory",
             p(&d.images_directory),
-            "image tarballs searched before pulling; empty = default (unused: image instructions are not supported yet)",
+            "`docker save` tarballs searched before pulling an `image` instruction's image; empty = default",
         ),
         (
             "agentRegistriesFile",
             p(&d.agent_registries_file),
-            "container registries config; empty = default (unused: image instructions are not supported yet)",
+            "registries file for `image` instructions (k3s/rke2 `registries.yaml` format); empty = default",
         ),
         (
             "imageCredentialProviderConfig",
             p(&d.image_credential_provider_config),
-            "kubelet credential-provider config; empty = default (unused: image instructions are not supported yet)",
+            "kubelet credential-provider config; accepted and unused (system-agent never reaches it either): credentials come from `agentRegistriesFile`",
         ),
         (
             "imageCredentialProviderBinDirectory",
             p(&d.image_credential_provider_bin_directory),
-            "credential-provider plugin binaries; empty = default (unused: image instructions are not supported yet)",
+            "credential-provider plugin binaries; accepted and unused, as above",
         ),
         (
             "interlockDirectory",

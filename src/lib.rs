@@ -17,6 +17,7 @@ pub mod apply;
 pub mod cli;
 pub mod config;
 pub mod flow;
+pub mod image;
 pub mod local;
 pub mod plan;
 pub mod probe;

@@ -192,3 +192,27 @@ fn config_and_connection_files() {
         }
     }
 }
+
+#[test]
+fn image_references_and_registries_files() {
+    let seeds: &[&[u8]] = &[
+        b"registry.example:5000/team/app:v1.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        b"rancher/system-agent-installer-rke2:v1.30.1-rke2r1",
+    ];
+    fuzz(seeds, "image reference", |input| {
+        if let Err(e) = nodeplan::image::ImageRef::parse(&String::from_utf8_lossy(input)) {
+            one_line(&e, "image reference", input);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("registries.yaml");
+    let yaml = b"mirrors:\n  docker.io:\n    endpoint: [\"https://m:5000\"]\nconfigs:\n  \"m:5000\":\n    auth: {username: u, password: p}\n    tls: {insecure_skip_verify: true}\n";
+    let mut rng = Rng(11);
+    for _ in 0..600 {
+        let y = mutate(&mut rng, yaml);
+        std::fs::write(&path, &y).unwrap();
+        if let Err(e) = nodeplan::image::Registries::load(&path) {
+            one_line(&e, "registries file", &y);
+        }
+    }
+}

@@ -34,6 +34,8 @@ pub struct ApplyConfig {
     pub interlock_dir: Option<PathBuf>,
     /// The environment instructions start from (the agent's own).
     pub base_env: Vec<(OsString, OsString)>,
+    /// Where `image` instructions get their images.
+    pub images: crate::image::ImageConfig,
 }
 
 impl ApplyConfig {
@@ -44,6 +46,7 @@ impl ApplyConfig {
             applied_plan_dir: None,
             interlock_dir: None,
             base_env: std::env::vars_os().collect(),
+            images: crate::image::ImageConfig::default(),
         }
     }
 }
@@ -455,17 +458,23 @@ impl Applyinator {
             elapsed: started.elapsed(),
             output,
         };
-        if !ins.image.is_empty() {
-            return report(
-                Outcome::StartFailed(format!(
-                    "image {:?}: container image instructions are not supported by nodeplan yet",
-                    ins.image
-                )),
-                Output::default(),
-            );
-        }
         if let Err(e) = make_dir(dir) {
             return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
+        }
+        let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        if !ins.image.is_empty() {
+            // The image's filesystem goes into the execution directory (its run.sh is the default
+            // command). A cancel or shutdown meanwhile abandons the pull: nothing starts (R7).
+            let stager = crate::image::Stager::new(self.config.images.clone());
+            let staged = tokio::select! {
+                biased;
+                r = stop.wait() => Err(Outcome::NotStarted(r)),
+                r = stager.stage(&ins.image, dir) => r.map_err(Outcome::StartFailed),
+            };
+            match staged {
+                Ok(from) => tracing::info!("[{prefix}] staged image {} {from}", ins.image),
+                Err(o) => return report(o, Output::default()),
+            }
         }
         let program: OsString =
             if ins.command.is_empty() { dir.join("run.sh").into_os_string() } else { OsString::from(&ins.command) };
@@ -478,7 +487,6 @@ impl Applyinator {
             timeout: (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64)),
             sink: Arc::new(LogSink { prefix }),
         };
-        let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
         let span = tracing::info_span!("instruction", index, name = %display_name(&ins.name), periodic);
         let run = tracing::Instrument::instrument(self.sup.run(spec, &mut stop), span).await;
         let mut r = report(run.outcome, run.output);

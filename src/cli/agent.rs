@@ -53,6 +53,10 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
     ac.preserve_work_dir = cfg.preserve_work_directory;
     ac.applied_plan_dir = non_empty(&cfg.applied_plan_directory);
     ac.interlock_dir = non_empty(&cfg.interlock_directory);
+    ac.images = crate::image::ImageConfig {
+        images_dir: non_empty(&cfg.images_directory),
+        registries_file: non_empty(&cfg.agent_registries_file),
+    };
     Ok(Parts { app: Arc::new(Applyinator::new(ac, sup)), prober: Arc::new(Prober::new()) })
 }
 

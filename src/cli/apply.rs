@@ -43,6 +43,12 @@ pub struct ApplyArgs {
     /// Skip the periodic instructions.
     #[arg(long)]
     pub no_periodic: bool,
+    /// Image tarballs searched before pulling (for `image` instructions).
+    #[arg(long, default_value = "/var/lib/rancher/agent/images")]
+    pub images_dir: PathBuf,
+    /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS).
+    #[arg(long, default_value = "/etc/rancher/agent/registries.yaml")]
+    pub registries: PathBuf,
 }
 
 struct Progress {
@@ -126,6 +132,10 @@ pub async fn run(args: ApplyArgs) -> u8 {
 
     let mut cfg = ApplyConfig::new(&args.work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
+    cfg.images = crate::image::ImageConfig {
+        images_dir: Some(args.images_dir.clone()),
+        registries_file: Some(args.registries.clone()),
+    };
     let applyinator = Applyinator::new(cfg, sup);
     let result = applyinator
         .apply(ApplyInput {

@@ -1,0 +1,322 @@
+//! `image` instructions end to end: `nodeplan apply` staging an image from a registry served by
+//! the test (token authentication, an image index, layers with whiteouts, digests checked) or
+//! from a `docker save` tarball in the images directory, then running the image's `run.sh`.
+
+mod common;
+
+use common::*;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+
+const USER: &str = "puller";
+const PASS: &str = "s3cret";
+const TOKEN: &str = "t0ken";
+
+fn sha(b: &[u8]) -> String {
+    format!("sha256:{:x}", Sha256::digest(b))
+}
+
+/// A tar (gzip-compressed when asked) of (path, content, mode) regular files.
+fn tar_of(files: &[(&str, &[u8], u32)], gzip: bool) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, content, mode) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(*mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(content.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, path, *content).unwrap();
+    }
+    let raw = b.into_inner().unwrap();
+    if !gzip {
+        return raw;
+    }
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&raw).unwrap();
+    gz.finish().unwrap()
+}
+
+/// The test image: run.sh proves what the stacked layers left.
+fn layers() -> Vec<Vec<u8>> {
+    let run = b"#!/bin/sh\nset -e\ntest ! -e old.txt\ntest ! -e dir/a\ncat dir/b > \"$OUT\"\necho \" from $CATTLE_AGENT_EXECUTION_PWD\" >> \"$OUT\"\n";
+    vec![
+        tar_of(&[("run.sh", run, 0o755), ("old.txt", b"old", 0o644), ("dir/a", b"a", 0o644)], true),
+        tar_of(&[(".wh.old.txt", b"", 0o644), ("dir/.wh..wh..opq", b"", 0o644), ("dir/b", b"layered", 0o644)], false),
+    ]
+}
+
+struct Registry {
+    port: u16,
+    token_requests: Arc<AtomicUsize>,
+    /// Sends the digest of every blob request before it is answered.
+    blob_requests: mpsc::Receiver<String>,
+}
+
+/// A registry serving `repo` with tag `v1` (an index → this platform's manifest → `layers`),
+/// behind a Bearer token that needs Basic credentials. With `corrupt`, the second layer's bytes
+/// differ from its digest; with `stall`, blob requests are never answered.
+fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: bool, stall: bool) -> Registry {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let mut blobs: HashMap<String, Vec<u8>> = HashMap::new();
+    let config = br#"{"architecture":"amd64","os":"linux"}"#.to_vec();
+    blobs.insert(sha(&config), config.clone());
+    let mut descs = Vec::new();
+    for (i, layer) in layers.iter().enumerate() {
+        let digest = sha(layer);
+        let mut served = layer.clone();
+        if corrupt && i == 1 {
+            served.push(0);
+        }
+        blobs.insert(digest.clone(), served);
+        descs.push(serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": layer.len()}));
+    }
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(&config), "size": config.len()},
+        "layers": descs,
+    }))
+    .unwrap();
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        a => a,
+    };
+    let other = if arch == "amd64" { "arm64" } else { "amd64" };
+    let index = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": format!("sha256:{}", "0".repeat(64)), "size": 1, "platform": {"os": "linux", "architecture": other}},
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": sha(&manifest), "size": manifest.len(), "platform": {"os": "linux", "architecture": arch}},
+        ]
+    }))
+    .unwrap();
+    let mut manifests: HashMap<String, (&str, Vec<u8>)> = HashMap::new();
+    manifests.insert("v1".into(), ("application/vnd.oci.image.index.v1+json", index));
+    manifests.insert(sha(&manifest), ("application/vnd.oci.image.manifest.v1+json", manifest));
+    let token_requests = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel();
+    let (tokens, repo) = (token_requests.clone(), repo.to_string());
+    let held = Arc::new(Mutex::new(Vec::new()));
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut head = String::new();
+            let mut r = BufReader::new(c.try_clone().unwrap());
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                head.push_str(&line);
+            }
+            let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+            let auth = head
+                .lines()
+                .find_map(|l| l.strip_prefix("authorization: ").or_else(|| l.strip_prefix("Authorization: ")))
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            let reply = |c: &mut std::net::TcpStream, status: &str, headers: &str, body: &[u8]| {
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = c.write_all(body);
+            };
+            use base64::Engine;
+            let basic = format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASS}")));
+            if path.starts_with("/token?") {
+                tokens.fetch_add(1, Ordering::SeqCst);
+                if auth == basic && path.contains(&format!("repository%3A{}%3Apull", repo.replace('/', "%2F"))) {
+                    reply(
+                        &mut c,
+                        "200 OK",
+                        "Content-Type: application/json\r\n",
+                        format!("{{\"token\":\"{TOKEN}\"}}").as_bytes(),
+                    );
+                } else {
+                    reply(&mut c, "401 Unauthorized", "", b"");
+                }
+                continue;
+            }
+            if auth != format!("Bearer {TOKEN}") {
+                let challenge = format!(
+                    "WWW-Authenticate: Bearer realm=\"http://127.0.0.1:{port}/token\",service=\"test\",scope=\"repository:{repo}:pull\"\r\n"
+                );
+                reply(&mut c, "401 Unauthorized", &challenge, b"");
+                continue;
+            }
+            if let Some(reference) = path.strip_prefix(&format!("/v2/{repo}/manifests/")) {
+                match manifests.get(reference) {
+                    Some((ct, body)) => reply(&mut c, "200 OK", &format!("Content-Type: {ct}\r\n"), body),
+                    None => reply(&mut c, "404 Not Found", "", b""),
+                }
+            } else if let Some(digest) = path.strip_prefix(&format!("/v2/{repo}/blobs/")) {
+                let _ = tx.send(digest.to_string());
+                if stall {
+                    held.lock().unwrap().push(c);
+                    continue;
+                }
+                match blobs.get(digest) {
+                    Some(body) => reply(&mut c, "200 OK", "", body),
+                    None => reply(&mut c, "404 Not Found", "", b""),
+                }
+            } else {
+                reply(&mut c, "404 Not Found", "", b"");
+            }
+        }
+    });
+    Registry { port, token_requests, blob_requests: rx }
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Env {
+        Env { dir: tempfile::tempdir().unwrap() }
+    }
+    fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+    /// A plan with one image instruction (no command: the image's run.sh).
+    fn plan(&self, image: &str) -> String {
+        let path = self.p("image.plan");
+        let plan = serde_json::json!({"instructions": [
+            {"name": "install", "image": image, "env": [format!("OUT={}", self.p("out"))]}
+        ]});
+        std::fs::write(&path, serde_json::to_vec(&plan).unwrap()).unwrap();
+        path
+    }
+    fn registries(&self, port: u16) -> String {
+        let path = self.p("registries.yaml");
+        let host = format!("127.0.0.1:{port}");
+        std::fs::write(
+            &path,
+            format!(
+                "mirrors:\n  \"{host}\":\n    endpoint: [\"http://{host}\"]\nconfigs:\n  \"{host}\":\n    auth: {{username: {USER}, password: {PASS}}}\n"
+            ),
+        )
+        .unwrap();
+        path
+    }
+    fn apply(&self, plan: &str, registries: &str) -> Command {
+        let mut c = Command::new(NODEPLAN);
+        c.args(["apply", plan, "--work-dir", &self.p("work"), "--pid-dir", &self.p("pids")])
+            .args(["--images-dir", &self.p("images"), "--registries", registries])
+            .env("NODEPLAN_LOG", "info");
+        c
+    }
+    fn out(&self) -> Option<String> {
+        std::fs::read_to_string(self.p("out")).ok()
+    }
+}
+
+#[test]
+fn pulls_an_image_with_a_token_stacks_its_layers_and_runs_its_run_sh() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), false, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let got = e.out().expect("run.sh ran");
+    assert!(got.starts_with("layered from ") && got.contains(&e.p("work")), "{got}");
+    assert!(err.contains(&format!("staged image {image} pulled from http://127.0.0.1:{}", reg.port)), "{err}");
+    assert_eq!(reg.token_requests.load(Ordering::SeqCst), 1, "one token for the whole pull");
+    assert!(!std::fs::read_dir(e.p("work")).unwrap().flatten().any(|d| {
+        std::fs::read_dir(d.path()).unwrap().flatten().any(|f| f.file_name().to_string_lossy().ends_with(".layer"))
+    }));
+}
+
+#[test]
+fn a_layer_that_does_not_match_its_digest_fails_before_anything_runs() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), true, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("layer {}: the registry sent content with digest", sha(&layers()[1]))), "{err}");
+    assert!(e.out().is_none(), "run.sh must not run");
+}
+
+#[test]
+fn wrong_credentials_are_reported_with_the_endpoint() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), false, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let regs = e.registries(reg.port);
+    std::fs::write(&regs, std::fs::read_to_string(&regs).unwrap().replace(PASS, "wrong")).unwrap();
+    let out = e.apply(&e.plan(&image), &regs).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("http://127.0.0.1:{}: token from", reg.port)) && err.contains("401"), "{err}");
+}
+
+#[test]
+fn an_image_tarball_in_the_images_directory_needs_no_registry() {
+    let e = Env::new();
+    std::fs::create_dir(e.p("images")).unwrap();
+    let ls = layers();
+    let manifest = serde_json::json!([{"Config": "cfg.json", "RepoTags": ["example.invalid/team/installer:v1"],
+        "Layers": ["l0/layer.tar", "l1/layer.tar"]}]);
+    let files: Vec<(&str, &[u8], u32)> = vec![
+        ("manifest.json", &[][..], 0o644),
+        ("cfg.json", b"{}", 0o644),
+        ("l0/layer.tar", &ls[0], 0o644),
+        ("l1/layer.tar", &ls[1], 0o644),
+    ];
+    let m = serde_json::to_vec(&manifest).unwrap();
+    let mut files = files;
+    files[0].1 = &m;
+    std::fs::write(e.p("images/installer.tar.gz"), tar_of(&files, true)).unwrap();
+    std::fs::write(e.p("images/other.tar"), tar_of(&[("manifest.json", b"[]", 0o644)], false)).unwrap();
+    let out = e.apply(&e.plan("example.invalid/team/installer:v1"), &e.p("no-registries.yaml")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(e.out().expect("run.sh ran").starts_with("layered from "));
+    assert!(err.contains(&format!("from {}", e.p("images/installer.tar.gz"))), "{err}");
+}
+
+/// R7: a cancel while the image is being pulled abandons the pull; nothing runs.
+#[test]
+fn a_cancel_during_the_pull_abandons_it_and_runs_nothing() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), false, true);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let mut child =
+        e.apply(&e.plan(&image), &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut seen = Vec::new();
+    let mut wait_for = |needle: &str| loop {
+        let l = rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("no line containing {needle:?}: {seen:?}"));
+        seen.push(l.clone());
+        if l.contains(needle) {
+            break;
+        }
+    };
+    reg.blob_requests.recv_timeout(GUARD).expect("the pull never asked for a layer");
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    wait_for("pausing");
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    wait_for("canceled after 0/1 instructions");
+    let err = seen.join("\n");
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(4), "{err}");
+    assert!(e.out().is_none(), "run.sh must not run");
+}
