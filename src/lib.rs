@@ -23,3 +23,19 @@ pub mod plan;
 pub mod probe;
 pub mod process;
 pub mod remote;
+
+/// An error and its sources on one line, joined with `: ` (a source already in the text is not
+/// repeated): the one-line form every user-facing message takes.
+pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out.replace(['\n', '\r'], " ")
+}

@@ -329,7 +329,7 @@ fn build_client(name: &str, key: &TlsKey) -> Result<Client, String> {
                 "cannot use clientCert {} / clientKey {}: {}",
                 key.client_cert,
                 key.client_key,
-                error_chain(&err)
+                crate::error_line(&err)
             );
             warn!(probe = %name, file = %key.client_cert, "{reason}");
             reason
@@ -338,7 +338,7 @@ fn build_client(name: &str, key: &TlsKey) -> Result<Client, String> {
     }
 
     builder.build().map_err(|err| {
-        let reason = format!("cannot build HTTP client: {}", error_chain(&err));
+        let reason = format!("cannot build HTTP client: {}", crate::error_line(&err));
         warn!(probe = %name, "{reason}");
         reason
     })
@@ -378,7 +378,7 @@ fn pem_blocks(text: &[u8], keep: impl Fn(&str) -> bool) -> Vec<String> {
 async fn request(client: &Client, url: Url) -> ProbeResult {
     let mut response = match client.get(url).send().await {
         Ok(response) => response,
-        Err(err) => return ProbeResult::Failure(error_chain(&err)),
+        Err(err) => return ProbeResult::Failure(crate::error_line(&err)),
     };
     // Read (at most MAX_BODY of) the body like the kubelet, so a server that stalls mid-body
     // times out instead of passing.
@@ -387,7 +387,7 @@ async fn request(client: &Client, url: Url) -> ProbeResult {
         match response.chunk().await {
             Ok(Some(chunk)) => read += chunk.len(),
             Ok(None) => break,
-            Err(err) => return ProbeResult::Failure(format!("reading body: {}", error_chain(&err))),
+            Err(err) => return ProbeResult::Failure(format!("reading body: {}", crate::error_line(&err))),
         }
     }
     let status = response.status();
@@ -406,21 +406,6 @@ async fn request(client: &Client, url: Url) -> ProbeResult {
         return ProbeResult::Failure(format!("HTTP {} (redirect not followed)", status.as_u16()));
     }
     ProbeResult::Failure(format!("HTTP {}", status.as_u16()))
-}
-
-/// `err` and its sources joined with `: `, skipping a source already contained in the text.
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ pub fn extract(path: &Path, layers: &[String], dest: &Path, scratch: &Path) -> R
         drop(f);
         let done = super::layers::extract(scratch, dest);
         let _ = std::fs::remove_file(scratch);
-        done.map_err(|e| format!("{}: extracting layer {layer}: {}", path.display(), super::error_chain(&e)))?;
+        done.map_err(|e| format!("{}: extracting layer {layer}: {}", path.display(), crate::error_line(&e)))?;
     }
     Ok(())
 }

@@ -78,21 +78,6 @@ impl Stager {
     }
 }
 
-/// An error with its causes, on one line (`tar` puts the reason in the source).
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        let next = c.to_string();
-        if !s.contains(&next) {
-            s.push_str(": ");
-            s.push_str(&next);
-        }
-        src = c.source();
-    }
-    s
-}
-
 fn empty_dir(dir: &Path) {
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {

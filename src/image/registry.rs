@@ -3,9 +3,9 @@
 //! is extracted. Authentication: anonymous, Basic, or a Bearer token from the registry's token
 //! service (with the configured credentials).
 
-use super::error_chain as chain;
 use super::reference::{ImageRef, is_sha256_digest};
 use super::registries::Endpoint;
+use crate::error_line as chain;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::path::Path;

@@ -87,28 +87,13 @@ impl std::fmt::Debug for SecretClient {
     }
 }
 
-/// Collapse an error (and its sources) into one line.
-fn one_line(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out.replace(['\n', '\r'], " ")
-}
-
 fn kube_error_line(err: &kube::Error) -> String {
     match err {
         kube::Error::Api(status) => {
             let reason = if status.reason.is_empty() { "Unknown" } else { status.reason.as_str() };
             format!("apiserver answered {} {}: {}", status.code, reason, status.message).replace(['\n', '\r'], " ")
         }
-        other => one_line(other),
+        other => crate::error_line(other),
     }
 }
 
@@ -157,10 +142,10 @@ impl SecretClient {
     /// namespace are used; proxy settings follow kube (kubeconfig `proxy-url`, then
     /// `HTTPS_PROXY`).
     pub async fn client_from_kubeconfig_yaml(yaml: &str) -> Result<kube::Client, String> {
-        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| format!("kubeconfig: {}", one_line(&e)))?;
+        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
-            .map_err(|e| format!("kubeconfig: {}", one_line(&e)))?;
+            .map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
         if config.accept_invalid_certs {
             return Err("kubeconfig: insecure-skip-tls-verify is not supported".to_string());
         }
@@ -238,7 +223,7 @@ impl SecretClient {
                         }
                     },
                     Some(Err(e)) => {
-                        tracing::warn!(secret = %what, error = %one_line(&e), "watch error; the watch continues");
+                        tracing::warn!(secret = %what, error = %crate::error_line(&e), "watch error; the watch continues");
                         None
                     }
                 };
