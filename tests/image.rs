@@ -59,9 +59,10 @@ struct Registry {
 }
 
 /// A registry serving `repo` with tag `v1` (an index → this platform's manifest → `layers`),
-/// behind a Bearer token that needs Basic credentials. With `corrupt`, the second layer's bytes
-/// differ from its digest; with `stall`, blob requests are never answered.
-fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: bool, stall: bool) -> Registry {
+/// behind a Bearer token that needs Basic credentials. `corrupt` 1 flips the second layer's last
+/// byte (its digest no longer matches), 2 appends one (larger than the manifest says); with
+/// `stall`, blob requests are never answered.
+fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: u8, stall: bool) -> Registry {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     let mut blobs: HashMap<String, Vec<u8>> = HashMap::new();
@@ -71,8 +72,12 @@ fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: bool, stall: bool) -> Reg
     for (i, layer) in layers.iter().enumerate() {
         let digest = sha(layer);
         let mut served = layer.clone();
-        if corrupt && i == 1 {
-            served.push(0);
+        if i == 1 {
+            match corrupt {
+                1 => *served.last_mut().unwrap() ^= 0xff,
+                2 => served.push(0),
+                _ => {}
+            }
         }
         blobs.insert(digest.clone(), served);
         descs.push(serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": layer.len()}));
@@ -223,7 +228,7 @@ impl Env {
 #[test]
 fn pulls_an_image_with_a_token_stacks_its_layers_and_runs_its_run_sh() {
     let e = Env::new();
-    let reg = registry("team/installer", layers(), false, false);
+    let reg = registry("team/installer", layers(), 0, false);
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
     let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -240,19 +245,22 @@ fn pulls_an_image_with_a_token_stacks_its_layers_and_runs_its_run_sh() {
 #[test]
 fn a_layer_that_does_not_match_its_digest_fails_before_anything_runs() {
     let e = Env::new();
-    let reg = registry("team/installer", layers(), true, false);
-    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
-    let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("layer {}: the registry sent content with digest", sha(&layers()[1]))), "{err}");
-    assert!(e.out().is_none(), "run.sh must not run");
+    let digest = sha(&layers()[1]);
+    for (corrupt, says) in [(1, "the registry sent content with digest"), (2, "the registry sent more than the")] {
+        let reg = registry("team/installer", layers(), corrupt, false);
+        let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+        let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(&format!("layer {digest}: {says}")), "{err}");
+        assert!(e.out().is_none(), "run.sh must not run");
+    }
 }
 
 #[test]
 fn wrong_credentials_are_reported_with_the_endpoint() {
     let e = Env::new();
-    let reg = registry("team/installer", layers(), false, false);
+    let reg = registry("team/installer", layers(), 0, false);
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
     let regs = e.registries(reg.port);
     std::fs::write(&regs, std::fs::read_to_string(&regs).unwrap().replace(PASS, "wrong")).unwrap();
@@ -291,7 +299,7 @@ fn an_image_tarball_in_the_images_directory_needs_no_registry() {
 #[test]
 fn a_cancel_during_the_pull_abandons_it_and_runs_nothing() {
     let e = Env::new();
-    let reg = registry("team/installer", layers(), false, true);
+    let reg = registry("team/installer", layers(), 0, true);
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
     let mut child =
         e.apply(&e.plan(&image), &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();

@@ -67,8 +67,24 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
 }
 
+/// Open /dev/null on any of fds 0, 1 and 2 that the agent was started without (a daemon started by
+/// a careless parent), so that no file the agent opens later lands there: a pipe end on fd 1
+/// would be mistaken for stdout by children and by logging.
+fn ensure_std_fds() {
+    for fd in 0..3 {
+        // SAFETY: F_GETFD only queries the descriptor.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
+            // Opens the lowest free descriptor, which is `fd` (the lower ones are open by now).
+            if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+                let _ = std::os::fd::IntoRawFd::into_raw_fd(f);
+            }
+        }
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    ensure_std_fds();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -72,7 +72,13 @@ pub fn find(dir: &Path, image: &ImageRef) -> Option<(PathBuf, Vec<String>)> {
 }
 
 /// Extract `layers` of the tarball `path` into `dest`, one at a time through `scratch`.
-pub fn extract(path: &Path, layers: &[String], dest: &Path, scratch: &Path) -> Result<(), String> {
+pub fn extract(
+    path: &Path,
+    layers: &[String],
+    dest: &Path,
+    scratch: &Path,
+    cancel: &std::sync::atomic::AtomicBool,
+) -> Result<(), String> {
     for layer in layers {
         let mut f = File::create(scratch).map_err(|e| format!("cannot create {}: {e}", scratch.display()))?;
         match copy_member(path, layer, &mut f) {
@@ -81,7 +87,7 @@ pub fn extract(path: &Path, layers: &[String], dest: &Path, scratch: &Path) -> R
             Err(e) => return Err(format!("{}: reading layer {layer}: {e}", path.display())),
         }
         drop(f);
-        let done = super::layers::extract(scratch, dest);
+        let done = super::layers::extract(scratch, dest, cancel);
         let _ = std::fs::remove_file(scratch);
         done.map_err(|e| format!("{}: extracting layer {layer}: {}", path.display(), crate::error_line(&e)))?;
     }

@@ -6,6 +6,7 @@
 use std::fs::File;
 use std::io::{self, BufReader, Read, Seek};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
@@ -41,22 +42,43 @@ fn remove_any(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Unpack the layer file `layer` into `dest`.
-pub fn extract(layer: &Path, dest: &Path) -> io::Result<()> {
+/// Whether every existing component of `rel` below `dest` is a real directory (never a symlink
+/// or a file): only then may something under it be removed. A missing component means there is
+/// nothing to remove below it.
+fn real_dirs(dest: &Path, rel: &Path) -> bool {
+    let mut at = dest.to_path_buf();
+    for c in rel.components() {
+        at.push(c);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return false,
+            Err(_) => return true,
+        }
+    }
+    true
+}
+
+/// Stop extracting once the instruction is canceled.
+fn check(cancel: &AtomicBool) -> io::Result<()> {
+    if cancel.load(Ordering::Relaxed) { Err(io::Error::new(io::ErrorKind::Interrupted, "canceled")) } else { Ok(()) }
+}
+
+/// Unpack the layer file `layer` into `dest`. setuid and setgid bits are dropped: the files are
+/// an installer's payload in a scratch directory, not a system to boot.
+pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()> {
     // Pass 1: the whiteouts, which only concern the lower layers.
     let mut archive = tar::Archive::new(open(layer)?);
     for entry in archive.entries()? {
+        check(cancel)?;
         let entry = entry?;
         let Some(path) = clean(&entry.path()?) else { continue };
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
         let parent = path.parent().unwrap_or(Path::new(""));
-        // Never through a symlink a lower layer planted: whiteouts only touch real directories.
-        let target_dir = dest.join(parent);
-        if target_dir.strip_prefix(dest).is_err()
-            || std::fs::symlink_metadata(&target_dir).is_ok_and(|m| m.file_type().is_symlink())
-        {
+        // Never through a symlink (or anything but directories) a lower layer planted.
+        if !real_dirs(dest, parent) {
             continue;
         }
+        let target_dir = dest.join(parent);
         if name == OPAQUE {
             if let Ok(rd) = std::fs::read_dir(&target_dir) {
                 for e in rd.flatten() {
@@ -67,6 +89,7 @@ pub fn extract(layer: &Path, dest: &Path) -> io::Result<()> {
             && !hidden.is_empty()
             && hidden != "."
             && hidden != ".."
+            && !hidden.contains('/')
         {
             remove_any(&target_dir.join(hidden))?;
         }
@@ -74,28 +97,33 @@ pub fn extract(layer: &Path, dest: &Path) -> io::Result<()> {
     // Pass 2: everything else.
     let mut archive = tar::Archive::new(open(layer)?);
     archive.set_preserve_permissions(true);
+    archive.set_mask(0o6000);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
     archive.set_preserve_ownerships(rustix::process::geteuid().is_root());
     for entry in archive.entries()? {
+        check(cancel)?;
         let mut entry = entry?;
         let path = entry.path()?.into_owned();
         if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(WHITEOUT)) {
             continue;
         }
-        if matches!(entry.header().entry_type(), tar::EntryType::Block | tar::EntryType::Char | tar::EntryType::Fifo) {
+        let kind = entry.header().entry_type();
+        if matches!(kind, tar::EntryType::Block | tar::EntryType::Char | tar::EntryType::Fifo) {
             continue;
         }
-        // An existing directory in the way of a file (or the reverse) is replaced, as a later
-        // layer means.
-        if let Some(p) = clean(&path) {
-            let target = dest.join(&p);
-            let is_dir_entry = entry.header().entry_type().is_dir();
-            if let Ok(m) = std::fs::symlink_metadata(&target)
-                && (m.is_dir() != is_dir_entry || m.file_type().is_symlink())
-            {
-                remove_any(&target)?;
-            }
+        let Some(p) = clean(&path) else { continue };
+        // Whatever a lower layer has at this path is replaced (a directory stays for a directory
+        // entry), but only below real directories: tar refuses to write through a symlink only
+        // after this removal would have happened.
+        if !real_dirs(dest, p.parent().unwrap_or(Path::new(""))) {
+            continue;
+        }
+        let target = dest.join(&p);
+        if let Ok(m) = std::fs::symlink_metadata(&target)
+            && !(m.is_dir() && kind.is_dir())
+        {
+            remove_any(&target)?;
         }
         entry.unpack_in(dest)?;
     }
@@ -166,7 +194,7 @@ mod tests {
         for (i, layer) in [lower, upper].iter().enumerate() {
             let f = d.path().join(format!("layer{i}"));
             std::fs::write(&f, layer).unwrap();
-            extract(&f, &dest).unwrap();
+            extract(&f, &dest, &AtomicBool::new(false)).unwrap();
         }
         use std::os::unix::fs::PermissionsExt;
         let mode = |p: &str| std::fs::metadata(dest.join(p)).unwrap().permissions().mode() & 0o777;
@@ -177,6 +205,94 @@ mod tests {
         assert!(!dest.join("dir/a").exists(), "an opaque whiteout empties the lower directory");
         assert_eq!(std::fs::read_to_string(dest.join("dir/b")).unwrap(), "b", "but keeps the layer's own entries");
         assert!(!dest.join(".wh.old.txt").exists() && !dest.join("dir/.wh..wh..opq").exists());
+    }
+
+    /// A layer with symlinks and hard links: (path, kind, target or content).
+    fn links_layer(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, arg) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o755);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_entry_type(*kind);
+            match *kind {
+                tar::EntryType::Symlink | tar::EntryType::Link => {
+                    h.set_size(0);
+                    b.append_link(&mut h, path, arg).unwrap();
+                }
+                tar::EntryType::Directory => {
+                    h.set_size(0);
+                    b.append_data(&mut h, path, &[][..]).unwrap();
+                }
+                _ => {
+                    h.set_size(arg.len() as u64);
+                    b.append_data(&mut h, path, arg.as_bytes()).unwrap();
+                }
+            }
+        }
+        b.into_inner().unwrap()
+    }
+
+    /// A lower layer's symlink to a host directory must not let a whiteout, or an entry that
+    /// replaces what is in its way, remove anything there.
+    #[test]
+    fn no_removal_through_a_planted_symlink() {
+        use tar::EntryType::{Directory, Regular, Symlink};
+        let d = tempfile::tempdir().unwrap();
+        let host = d.path().join("host");
+        std::fs::create_dir_all(host.join("sub")).unwrap();
+        std::fs::write(host.join("sub/keep"), "k").unwrap();
+        std::fs::write(host.join("file"), "f").unwrap();
+        let h = host.to_str().unwrap();
+        let dest = d.path().join("root");
+        std::fs::create_dir(&dest).unwrap();
+        let layers = [
+            links_layer(&[("a", Symlink, h)]),
+            links_layer(&[
+                ("a/.wh..wh..opq", Regular, ""),
+                ("a/.wh.file", Regular, ""),
+                ("a/sub/.wh.keep", Regular, ""),
+            ]),
+            links_layer(&[("b", Symlink, h), ("b/sub", Regular, "x"), ("b/file", Directory, "")]),
+        ];
+        for (i, l) in layers.iter().enumerate() {
+            let f = d.path().join(format!("l{i}"));
+            std::fs::write(&f, l).unwrap();
+            let _ = extract(&f, &dest, &AtomicBool::new(false));
+        }
+        assert_eq!(std::fs::read_to_string(host.join("sub/keep")).unwrap(), "k");
+        assert_eq!(std::fs::read_to_string(host.join("file")).unwrap(), "f");
+    }
+
+    #[test]
+    fn an_upper_layer_replaces_files_with_hard_links_and_drops_setuid() {
+        use tar::EntryType::{Link, Regular};
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("root");
+        std::fs::create_dir(&dest).unwrap();
+        let mut lower = links_layer(&[("bin/x", Regular, "old")]);
+        let f = d.path().join("l0");
+        std::fs::write(&f, &lower).unwrap();
+        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        lower = links_layer(&[("bin/y", Regular, "new"), ("bin/x", Link, "bin/y")]);
+        std::fs::write(&f, &lower).unwrap();
+        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        assert_eq!(std::fs::read_to_string(dest.join("bin/x")).unwrap(), "new");
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o4755);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(1);
+        h.set_entry_type(Regular);
+        b.append_data(&mut h, "suid", &b"x"[..]).unwrap();
+        std::fs::write(&f, b.into_inner().unwrap()).unwrap();
+        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(dest.join("suid")).unwrap().permissions().mode() & 0o7777, 0o755);
+        let canceled = AtomicBool::new(true);
+        assert_eq!(extract(&f, &dest, &canceled).unwrap_err().kind(), io::ErrorKind::Interrupted);
     }
 
     #[test]
@@ -202,7 +318,7 @@ mod tests {
         b.append(&wh, &[][..]).unwrap();
         let f = d.path().join("evil");
         std::fs::write(&f, b.into_inner().unwrap()).unwrap();
-        let _ = extract(&f, &dest);
+        let _ = extract(&f, &dest, &AtomicBool::new(false));
         assert_eq!(std::fs::read_to_string(d.path().join("victim")).unwrap(), "keep");
     }
 }

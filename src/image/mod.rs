@@ -18,6 +18,8 @@ pub use reference::ImageRef;
 pub use registries::Registries;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Where images come from.
 #[derive(Debug, Clone, Default)]
@@ -44,12 +46,19 @@ impl Stager {
     pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, String> {
         let r = ImageRef::parse(image)?;
         let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let scratch = dest.with_file_name(format!(".{name}.layer"));
-        if let Some(dir) = self.cfg.images_dir.clone().filter(|d| d.is_dir()) {
-            let (want, to, tmp) = (r.clone(), dest.to_path_buf(), scratch.clone());
+        // Dropping this future (a cancel) stops any extraction still running on the blocking
+        // pool at its next entry, and removes the scratch file.
+        let guard = Abandon {
+            cancel: Arc::new(AtomicBool::new(false)),
+            scratch: dest.with_file_name(format!(".{name}.layer")),
+        };
+        let (cancel, scratch) = (guard.cancel.clone(), guard.scratch.clone());
+        // A tarball only has tags: a reference pinned to a digest is always pulled and verified.
+        if let Some(dir) = self.cfg.images_dir.clone().filter(|d| d.is_dir() && r.digest.is_none()) {
+            let (want, to, tmp, stop) = (r.clone(), dest.to_path_buf(), scratch.clone(), cancel.clone());
             let found = tokio::task::spawn_blocking(move || {
                 archive::find(&dir, &want).map(|(tarball, layers)| {
-                    let done = archive::extract(&tarball, &layers, &to, &tmp);
+                    let done = archive::extract(&tarball, &layers, &to, &tmp, &stop);
                     (tarball, done)
                 })
             })
@@ -68,13 +77,25 @@ impl Stager {
         for ep in regs.endpoints(&r.registry) {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
             empty_dir(dest);
-            match registry::pull(&ep, &r, dest, &scratch).await {
+            match registry::pull(&ep, &r, dest, &scratch, &cancel).await {
                 Ok(()) => return Ok(format!("pulled from {}", ep.base)),
                 Err(e) => tried.push(format!("{}: {e}", ep.base)),
             }
         }
         empty_dir(dest);
         Err(format!("cannot stage image {r}: {}", tried.join("; ")))
+    }
+}
+
+struct Abandon {
+    cancel: Arc<AtomicBool>,
+    scratch: PathBuf,
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        let _ = std::fs::remove_file(&self.scratch);
     }
 }
 

@@ -24,6 +24,9 @@ struct Descriptor {
     #[serde(rename = "mediaType", default)]
     media_type: String,
     digest: String,
+    /// Bytes; a blob may not be larger (0 = not given).
+    #[serde(default)]
+    size: u64,
     #[serde(default)]
     platform: Option<Platform>,
 }
@@ -115,6 +118,18 @@ fn parse_challenge(h: &str) -> (String, Vec<(String, String)>) {
     (scheme.to_ascii_lowercase(), params)
 }
 
+/// The whole body, refused once it passes `cap` bytes.
+async fn body_capped(mut resp: reqwest::Response, cap: usize, what: &str) -> Result<Vec<u8>, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| format!("{what}: {}", chain(&e)))? {
+        if body.len() + chunk.len() > cap {
+            return Err(format!("{what}: larger than {cap} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 struct Session<'a> {
     client: reqwest::Client,
     ep: &'a Endpoint,
@@ -178,7 +193,7 @@ impl Session<'_> {
                 if !resp.status().is_success() {
                     return Err(format!("token from {realm}: HTTP {}", resp.status()));
                 }
-                let body = resp.bytes().await.map_err(|e| format!("token from {realm}: {}", chain(&e)))?;
+                let body = body_capped(resp, MAX_MANIFEST, &format!("token from {realm}")).await?;
                 let t: Token = serde_json::from_slice(&body)
                     .map_err(|e| format!("token from {realm}: not a token answer: {e}"))?;
                 let token = if t.token.is_empty() { t.access_token } else { t.token };
@@ -195,13 +210,7 @@ impl Session<'_> {
     async fn manifest(&mut self, reference: &str) -> Result<Vec<u8>, String> {
         let url = format!("{}/v2/{}/manifests/{reference}", self.ep.base, self.repo);
         let resp = self.get(&url, Some(ACCEPT_MANIFESTS)).await?;
-        if resp.content_length().is_some_and(|l| l > MAX_MANIFEST as u64) {
-            return Err(format!("{url}: the manifest is too large"));
-        }
-        let body = resp.bytes().await.map_err(|e| chain(&e))?;
-        if body.len() > MAX_MANIFEST {
-            return Err(format!("{url}: the manifest is too large"));
-        }
+        let body = body_capped(resp, MAX_MANIFEST, &url).await?;
         if is_sha256_digest(reference) {
             let got = format!("sha256:{:x}", Sha256::digest(&body));
             if got != reference {
@@ -211,14 +220,20 @@ impl Session<'_> {
         Ok(body.to_vec())
     }
 
-    /// Download a blob into `file`, verifying its digest.
-    async fn blob(&mut self, digest: &str, file: &Path) -> Result<(), String> {
+    /// Download a blob into `file`, verifying its digest (and its size, when the manifest gives
+    /// one, as it arrives: a registry cannot fill the disk).
+    async fn blob(&mut self, digest: &str, size: u64, file: &Path) -> Result<(), String> {
         let url = format!("{}/v2/{}/blobs/{digest}", self.ep.base, self.repo);
         let mut resp = self.get(&url, None).await?;
         let mut out =
             tokio::fs::File::create(file).await.map_err(|e| format!("cannot create {}: {e}", file.display()))?;
         let mut hash = Sha256::new();
+        let mut got_bytes = 0u64;
         while let Some(chunk) = resp.chunk().await.map_err(|e| format!("layer {digest}: {}", chain(&e)))? {
+            got_bytes += chunk.len() as u64;
+            if size > 0 && got_bytes > size {
+                return Err(format!("layer {digest}: the registry sent more than the {size} bytes the manifest gives"));
+            }
             hash.update(&chunk);
             out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", file.display()))?;
         }
@@ -232,7 +247,13 @@ impl Session<'_> {
 }
 
 /// Pull `image` from `ep` and extract its layers into `dest`, one at a time through `scratch`.
-pub async fn pull(ep: &Endpoint, image: &ImageRef, dest: &Path, scratch: &Path) -> Result<(), String> {
+pub async fn pull(
+    ep: &Endpoint,
+    image: &ImageRef,
+    dest: &Path,
+    scratch: &Path,
+    cancel: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(), String> {
     let mut s = Session {
         client: client(ep)?,
         ep,
@@ -268,11 +289,11 @@ pub async fn pull(ep: &Endpoint, image: &ImageRef, dest: &Path, scratch: &Path) 
         if layer.media_type.contains("zstd") {
             return Err(format!("layer {}: zstd-compressed layers are not supported", layer.digest));
         }
-        let got = s.blob(&layer.digest, scratch).await;
+        let got = s.blob(&layer.digest, layer.size, scratch).await;
         let done = match got {
             Ok(()) => {
-                let (from, to) = (scratch.to_path_buf(), dest.to_path_buf());
-                tokio::task::spawn_blocking(move || super::layers::extract(&from, &to))
+                let (from, to, cancel) = (scratch.to_path_buf(), dest.to_path_buf(), cancel.clone());
+                tokio::task::spawn_blocking(move || super::layers::extract(&from, &to, &cancel))
                     .await
                     .map_err(|e| e.to_string())
                     .and_then(|r| r.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e))))

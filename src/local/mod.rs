@@ -7,6 +7,7 @@
 //! wiring for local plans (the rules themselves live in [`crate::flow`]). It must not spawn
 //! processes (the applyinator does) or talk to Kubernetes.
 
+mod dirwatch;
 pub mod pos;
 pub mod scan;
 
@@ -235,39 +236,17 @@ impl LocalAgent {
         }
     }
 
-    fn watch_directory(&self, tx: tokio::sync::mpsc::UnboundedSender<PathBuf>) -> Option<notify::RecommendedWatcher> {
-        use notify::Watcher;
+    fn watch_directory(&self, tx: tokio::sync::mpsc::UnboundedSender<PathBuf>) -> Option<AbortOnDrop> {
         if !self.cfg.inotify {
             return None;
         }
-        let mut w = match notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            use notify::EventKind::{Access, Create, Modify, Remove};
-            use notify::event::{AccessKind, AccessMode};
-            let Ok(ev) = res else { return };
-            // Only changes: our own reads (open/close) must not wake the loop.
-            if !matches!(ev.kind, Create(_) | Modify(_) | Remove(_) | Access(AccessKind::Close(AccessMode::Write))) {
-                return;
-            }
-            for p in ev.paths {
-                // The agent's own .pos writes (and their temp files) are not news.
-                let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                if name.ends_with(".pos") || name.starts_with('.') {
-                    continue;
-                }
-                let _ = tx.send(p);
-            }
-        }) {
-            Ok(w) => w,
+        match dirwatch::start(&self.cfg.plan_dir, tx) {
+            Ok(task) => Some(AbortOnDrop(task)),
             Err(e) => {
                 tracing::warn!("cannot watch {} ({e}); relying on the periodic rescan", self.cfg.plan_dir.display());
-                return None;
+                None
             }
-        };
-        if let Err(e) = w.watch(&self.cfg.plan_dir, notify::RecursiveMode::Recursive) {
-            tracing::warn!("cannot watch {} ({e}); relying on the periodic rescan", self.cfg.plan_dir.display());
-            return None;
         }
-        Some(w)
     }
 
     /// Stop verified leftovers of local plans (all of them, or those of one plan). Plans whose
@@ -285,10 +264,7 @@ impl LocalAgent {
                 continue;
             };
             if let crate::process::RecoveryResult::NotStopped(o) = r.result {
-                let why = format!(
-                    "a leftover process of this plan (pid {}, {}) could not be stopped: {o}",
-                    rec.pid, rec.command
-                );
+                let why = format!("a leftover process of this plan ({}) could not be stopped: {o}", rec.describe());
                 tracing::error!("{}: {why}; the plan is blocked until it is gone", plan.display());
                 self.blocked.insert(plan, why);
             }
@@ -619,6 +595,15 @@ impl LocalAgent {
             self.update_pos(files, |p| p.probe_status = statuses).await;
         }
         false
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -324,8 +324,24 @@ impl Supervisor {
         // cgroup before exec.
         let mut child = None;
         if self.inner.clone3.load(Ordering::Relaxed) {
-            match spawn::spawn(&spec, &marker, cgroup_dir.as_deref()) {
+            let mut spawned = spawn::spawn(&spec, &marker, cgroup_dir.as_deref());
+            if let Err(spawn::SpawnError::LeafGone(e)) = &spawned {
+                tracing::warn!("the cgroup of {} vanished before its spawn ({e}); starting it without one", spec.owner);
+                cgroup_dir = None;
+                record.cgroup = None;
+                if let Some(f) = &mut record_file
+                    && let Err(e) = record.rewrite(f)
+                {
+                    tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
+                }
+                spawned = spawn::spawn(&spec, &marker, None);
+            }
+            match spawned {
                 Ok(c) => child = Some(Child::Raw(c)),
+                Err(spawn::SpawnError::LeafGone(e)) => {
+                    let what = format!("{}: {e}", spec.program.to_string_lossy());
+                    return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
+                }
                 Err(spawn::SpawnError::Failed(e)) => {
                     let what = format!("{}: {e}", spec.program.to_string_lossy());
                     return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
@@ -503,10 +519,10 @@ impl Supervisor {
             let result = self.recover_one(&rec).await;
             match &result {
                 RecoveryResult::Stopped(o) => {
-                    tracing::info!("stopped leftover {} of {}: {o}", leftover_name(&rec), rec.owner)
+                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner)
                 }
                 RecoveryResult::NotStopped(o) => {
-                    tracing::error!("leftover {} of {} could not be stopped: {o}", leftover_name(&rec), rec.owner)
+                    tracing::error!("leftover {} of {} could not be stopped: {o}", rec.describe(), rec.owner)
                 }
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
@@ -568,14 +584,6 @@ pub enum RecoveryResult {
     Stopped(Outcome),
     /// Leftovers could not be stopped; the record is kept.
     NotStopped(Outcome),
-}
-
-/// "pid 42 (/bin/sh)", or for a record written just before its spawn, the run marker instead.
-fn leftover_name(rec: &PidRecord) -> String {
-    match rec.pid {
-        0 => format!("run {} ({}, its pid not recorded yet)", rec.marker, rec.command),
-        pid => format!("pid {pid} ({})", rec.command),
-    }
 }
 
 fn remove_record(path: Option<&Path>) {

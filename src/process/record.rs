@@ -78,6 +78,14 @@ impl PidRecord {
         format!("{marker}.json")
     }
 
+    /// "pid 42 (/bin/sh)", or for a record written just before its spawn, the run marker instead.
+    pub fn describe(&self) -> String {
+        match self.pid {
+            0 => format!("run {} ({}, its pid not recorded yet)", self.marker, self.command),
+            pid => format!("pid {pid} ({})", self.command),
+        }
+    }
+
     /// Create the record file (it must not exist yet) and keep it open for [`RecordFile::set_pid`].
     /// Deliberately no fsync: a record only means something within the boot it was written in (its
     /// boot id is checked), and the page cache survives an agent crash, so an fsync would only

@@ -87,15 +87,23 @@ unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
     unsafe {
         let ctx = ctx.cast::<ChildCtx>();
         let fail = |ctx: *mut ChildCtx| -> ! {
-            let e = *libc::__errno_location();
+            let e = match *libc::__errno_location() {
+                0 => libc::EINVAL,
+                e => e,
+            };
             if VFORK {
-                std::ptr::write_volatile(&mut (*ctx).errno, if e == 0 { libc::EINVAL } else { e });
+                std::ptr::write_volatile(&mut (*ctx).errno, e);
             } else {
                 libc::write((*ctx).fd_report, (&e as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>());
             }
             libc::_exit(127)
         };
-        if libc::dup2((*ctx).fd_null, 0) < 0 || libc::dup2((*ctx).fd_out, 1) < 0 || libc::dup2((*ctx).fd_err, 2) < 0 {
+        // dup2 onto itself is a no-op that would leave close-on-exec set (when the agent started
+        // without an fd 0, 1 or 2): clear the flag instead.
+        let onto = |from: libc::c_int, to: libc::c_int| {
+            if from == to { libc::fcntl(to, libc::F_SETFD, 0) } else { libc::dup2(from, to) }
+        };
+        if onto((*ctx).fd_null, 0) < 0 || onto((*ctx).fd_out, 1) < 0 || onto((*ctx).fd_err, 2) < 0 {
             fail(ctx);
         }
         if libc::setpgid(0, 0) < 0 {
@@ -132,16 +140,26 @@ unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
 /// Clone a child that runs [`child_main`] with `ctx`, every signal blocked around the clone.
 /// Returns the pid, or the negated errno.
 fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
-    // SAFETY: plain signal-mask calls on local sigsets.
-    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
-    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // The raw system call, as glibc's posix_spawn does: pthread_sigmask would leave glibc's two
+    // internal signals (cancellation, setxid) deliverable, and their handlers must not run in a
+    // child that shares the agent's memory.
+    let all: u64 = !0;
+    let mut old: u64 = 0;
+    // SAFETY: plain signal-mask system calls on local 64-bit kernel sigsets.
     unsafe {
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &all as *const u64, &mut old as *mut u64, 8usize);
     }
     let ret = clone_raw(args, ctx);
     // SAFETY: restoring this thread's mask saved above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &old as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        );
+    }
     ret
 }
 
@@ -150,12 +168,15 @@ fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
 /// parent thread sleeps until the child has exec'd or exited.
 #[cfg(target_arch = "x86_64")]
 fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
-    // 64 KiB, 16-byte aligned: child_main needs a few hundred bytes (glibc's posix_spawn uses
-    // 32 KiB plus the arguments).
+    // 2 × 32 KiB, 16-byte aligned: child_main needs a few hundred bytes (glibc's posix_spawn
+    // uses 32 KiB plus the arguments). The kernel starts the child at `stack + stack_size`; the
+    // first clone3 kernels (5.3, 5.4) used `stack` itself, so it points at the middle: either
+    // way there are 32 KiB below.
     let mut stack = vec![0u128; 4096];
+    let half = (stack.len() / 2 * std::mem::size_of::<u128>()) as u64;
     args.flags |= (libc::CLONE_VM | libc::CLONE_VFORK) as u64;
-    args.stack = stack.as_mut_ptr() as u64;
-    args.stack_size = (stack.len() * std::mem::size_of::<u128>()) as u64;
+    args.stack = stack.as_mut_ptr() as u64 + half;
+    args.stack_size = half;
     let f: unsafe extern "C" fn(*mut libc::c_void) -> ! = child_main;
     let ret: i64;
     // SAFETY: clone3 returns twice. The parent gets the pid (or -errno) in rax and continues
@@ -211,13 +232,16 @@ pub(crate) struct RawChild {
 #[derive(Debug)]
 pub(crate) enum SpawnError {
     Unsupported(io::Error),
+    /// The cgroup leaf is gone (removed by someone else between its mkdir and the clone): nothing
+    /// ran; start without it.
+    LeafGone(io::Error),
     Failed(io::Error),
 }
 
 /// Start `spec` (with the run marker in its environment) in its own process group, inside the
 /// cgroup `cgroup_dir` when given.
 pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -> Result<RawChild, SpawnError> {
-    use SpawnError::{Failed, Unsupported};
+    use SpawnError::{Failed, LeafGone, Unsupported};
     let mut env: Vec<(OsString, OsString)> = spec.env.iter().filter(|(k, _)| k != super::MARKER_ENV).cloned().collect();
     env.push((super::MARKER_ENV.into(), marker.into()));
     // Everything the child touches is prepared here, before the clone.
@@ -247,7 +271,7 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -
                 rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
                 rustix::fs::Mode::empty(),
             )
-            .map_err(|e| Unsupported(e.into()))?,
+            .map_err(|e| if e == rustix::io::Errno::NOENT { LeafGone(e.into()) } else { Unsupported(e.into()) })?,
         ),
         None => None,
     };
@@ -289,6 +313,7 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -
     if ret < 0 {
         let e = io::Error::from_raw_os_error(-ret as i32);
         return Err(match e.raw_os_error() {
+            Some(libc::ENOENT | libc::ENODEV) if cgroup.is_some() => LeafGone(e),
             Some(libc::ENOSYS | libc::EPERM | libc::EINVAL | libc::E2BIG | libc::EOPNOTSUPP | libc::EBADF) => {
                 Unsupported(e)
             }
@@ -398,5 +423,23 @@ impl Drop for RawChild {
                 );
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_vanished_cgroup_leaf_is_reported_as_such_and_nothing_runs() {
+        let d = tempfile::tempdir().unwrap();
+        let marker_file = d.path().join("ran");
+        let spec = SpawnSpec::new("/bin/touch", [marker_file.as_os_str()]);
+        let gone = d.path().join("no-such-leaf");
+        assert!(matches!(spawn(&spec, "np-test", Some(&gone)), Err(SpawnError::LeafGone(_))));
+        assert!(!marker_file.exists());
+        let mut child = spawn(&spec, "np-test", None).unwrap();
+        assert!(child.wait().await.unwrap().success());
+        assert!(marker_file.exists());
     }
 }

@@ -153,8 +153,8 @@ impl RemoteAgent {
     async fn recover(&mut self) {
         for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(OWNER_PREFIX)).await {
             if let crate::process::RecoveryResult::NotStopped(o) = r.result {
-                let pid = r.record.map(|r| r.pid).unwrap_or(0);
-                let why = format!("a leftover process (pid {pid}) of a remote plan could not be stopped: {o}");
+                let who = r.record.as_ref().map(crate::process::PidRecord::describe).unwrap_or_default();
+                let why = format!("a leftover process ({who}) of a remote plan could not be stopped: {o}");
                 tracing::error!("{why}; no plan runs until it is gone");
                 self.blocked = Some(why);
                 return;

@@ -1,0 +1,92 @@
+//! Change notification for the plan directory: inotify on the directory and every directory below
+//! it, delivered on the runtime (no thread of its own), with a mask of changes only. Opens and
+//! reads are not watched, so the agent's own rescans never wake it, and the agent's own `.pos`
+//! writes (and dot-files such as their temp files) are not reported.
+
+use futures::StreamExt;
+use inotify::{EventMask, Inotify, WatchMask, Watches};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tokio::sync::mpsc::UnboundedSender;
+
+fn mask() -> WatchMask {
+    WatchMask::CREATE
+        | WatchMask::DELETE
+        | WatchMask::CLOSE_WRITE
+        | WatchMask::ATTRIB
+        | WatchMask::MOVED_FROM
+        | WatchMask::MOVED_TO
+        | WatchMask::DELETE_SELF
+        | WatchMask::MOVE_SELF
+}
+
+/// Watch `dir` and the directories below it.
+fn add_tree(watches: &mut Watches, dirs: &mut HashMap<inotify::WatchDescriptor, PathBuf>, dir: &Path) {
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        match watches.add(&d, mask() | WatchMask::ONLYDIR) {
+            Ok(wd) => {
+                dirs.insert(wd, d.clone());
+            }
+            Err(e) => {
+                tracing::debug!("cannot watch {}: {e}", d.display());
+                continue;
+            }
+        }
+        if let Ok(rd) = std::fs::read_dir(&d) {
+            stack.extend(
+                rd.flatten()
+                    .filter(|e| {
+                        e.file_type().is_ok_and(|t| t.is_dir()) && !e.file_name().to_string_lossy().starts_with('.')
+                    })
+                    .map(|e| e.path()),
+            );
+        }
+    }
+}
+
+/// Start watching `dir`; every changed path (not `.pos` files, not dot-files) is sent on `tx`.
+pub fn start(dir: &Path, tx: UnboundedSender<PathBuf>) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let inotify = Inotify::init()?;
+    let mut watches = inotify.watches();
+    let mut dirs = HashMap::new();
+    watches.add(dir, mask() | WatchMask::ONLYDIR)?;
+    add_tree(&mut watches, &mut dirs, dir);
+    let mut events = inotify.into_event_stream([0u8; 4096])?;
+    let root = dir.to_path_buf();
+    Ok(tokio::spawn(async move {
+        while let Some(ev) = events.next().await {
+            let ev = match ev {
+                Ok(ev) => ev,
+                Err(e) => {
+                    tracing::warn!("watching {}: {e}; relying on the periodic rescan", root.display());
+                    return;
+                }
+            };
+            if ev.mask.contains(EventMask::Q_OVERFLOW) {
+                // Events were lost: let the loop rescan everything.
+                let _ = tx.send(root.clone());
+                continue;
+            }
+            if ev.mask.contains(EventMask::IGNORED) {
+                dirs.remove(&ev.wd);
+                continue;
+            }
+            let Some(base) = dirs.get(&ev.wd).cloned() else { continue };
+            let path = match &ev.name {
+                Some(n) => base.join(n),
+                None => base.clone(),
+            };
+            if ev.mask.contains(EventMask::ISDIR) && ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO) {
+                add_tree(&mut watches, &mut dirs, &path);
+            }
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            if name.ends_with(".pos") || name.starts_with('.') {
+                continue;
+            }
+            if tx.send(path).is_err() {
+                return;
+            }
+        }
+    }))
+}
