@@ -124,7 +124,8 @@ pub fn kill(dir: &Path) -> io::Result<bool> {
     Ok(true)
 }
 
-/// Remove the empty leaves that agents no longer running left under `root` (`np<pid>-…` where
+/// Remove the empty leaves that agents no longer running left under `root` (`np<pid>.<start>-…`
+/// where no process `<pid>` started at `<start>` exists; `np<pid>-…` of earlier versions where
 /// `<pid>` is gone): the cgroups of daemons their runs started, once those ended. Leaves of this
 /// process and of live agents are not touched (one may be about to receive its process), and a
 /// populated leaf cannot be removed at all.
@@ -132,11 +133,19 @@ pub fn sweep_dead_agents(root: &Path) {
     let Ok(rd) = std::fs::read_dir(root) else { return };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix("np").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<i32>().ok())
-        else {
-            continue;
+        let Some(head) = name.strip_prefix("np").and_then(|r| r.split('-').next()) else { continue };
+        let (pid, start) = match head.split_once('.') {
+            Some((p, s)) => (p.parse::<i32>().ok(), u64::from_str_radix(s, 16).ok()),
+            None => (head.parse::<i32>().ok(), None),
         };
-        let alive = pid as u32 == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        let Some(pid) = pid else { continue };
+        let alive = pid as u32 == std::process::id()
+            || match start {
+                Some(st) => {
+                    super::procfs::ProcHandle::open(pid).and_then(|h| h.stat()).is_ok_and(|s| s.start_time == st)
+                }
+                None => Path::new(&format!("/proc/{pid}")).exists(),
+            };
         if !alive && e.path().is_dir() {
             let _ = std::fs::remove_dir(e.path());
         }
@@ -165,7 +174,17 @@ mod tests {
     fn the_sweep_removes_only_empty_leaves_of_agents_that_are_gone() {
         let root = tempfile::tempdir().unwrap();
         let me = std::process::id();
-        let names = ["np999999999-1-aa", "np999999998-2-bb", &format!("np{me}-3-cc"), "np1-4-dd", "other"];
+        // pid 1 is alive, but not the agent that started at tick 1 (its own start time is not 1).
+        let one = super::super::procfs::ProcHandle::open(1).unwrap().stat().unwrap().start_time;
+        let names = [
+            "np999999999-1-aa",
+            "np999999998-2-bb",
+            &format!("np{me}-3-cc"),
+            "np1-4-dd",
+            "other",
+            &format!("np1.{:x}-5-ee", one + 1),
+            &format!("np1.{one:x}-6-ff"),
+        ];
         for n in names {
             std::fs::create_dir(root.path().join(n)).unwrap();
         }
@@ -175,7 +194,13 @@ mod tests {
         let mut left: Vec<String> =
             std::fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
         left.sort();
-        let mut want = vec!["np999999998-2-bb".to_string(), format!("np{me}-3-cc"), "np1-4-dd".into(), "other".into()];
+        let mut want = vec![
+            "np999999998-2-bb".to_string(),
+            format!("np{me}-3-cc"),
+            "np1-4-dd".into(),
+            "other".into(),
+            format!("np1.{one:x}-6-ff"),
+        ];
         want.sort();
         assert_eq!(left, want);
     }

@@ -252,7 +252,9 @@ impl Supervisor {
         let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-        format!("np{}-{n}-{nanos:08x}", std::process::id())
+        // The agent's pid and start time first: a later agent can tell whether the one that made
+        // a cgroup leaf still runs, even once its pid is reused.
+        format!("np{}.{:x}-{n}-{nanos:08x}", std::process::id(), own_start_time())
     }
 
     /// Run `spec` to completion: until it exits by itself, or until `stop` or its timeout runs the
@@ -682,6 +684,14 @@ fn command(spec: &SpawnSpec, marker: &str, cgroup_procs: Option<std::os::fd::Raw
         }
     }
     cmd
+}
+
+/// This process's start time (field 22 of /proc/self/stat), read once.
+fn own_start_time() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    *START.get_or_init(|| {
+        procfs::ProcHandle::open(std::process::id() as i32).and_then(|h| h.stat()).map_or(0, |s| s.start_time)
+    })
 }
 
 /// Run /proc and cgroup work off the async threads.

@@ -125,9 +125,9 @@ pub fn survivors(marker: &str) -> Vec<i32> {
     live_with_env(|x| x == entry)
 }
 
-/// Live processes started by the agent with this pid (their run markers start with `np<pid>-`).
+/// Live processes started by the agent with this pid (their run markers start with `np<pid>.`).
 pub fn started_by(agent_pid: u32) -> Vec<i32> {
-    let prefix = format!("{MARKER_ENV}=np{agent_pid}-").into_bytes();
+    let prefix = format!("{MARKER_ENV}=np{agent_pid}.").into_bytes();
     live_with_env(|x| x.starts_with(&prefix))
 }
 
