@@ -302,22 +302,22 @@ impl Applyinator {
             result.interruption = Some(i);
             return Ok(result);
         }
-        let _interlock = match &self.config.interlock_dir {
-            Some(d) => Some(archive::Interlock::enter(d, self.clock.now()).map_err(ApplyError::Interlock)?),
-            None => None,
-        };
         let exec_dir = self.execution_dir();
-        if let Some(dir) = &self.config.applied_plan_dir {
-            archive::archive_plan(dir, &input.plan.plan, &input.plan.checksum, self.clock.now());
-        }
-        if input.reconcile_files {
-            let ops = input.plan.files.clone();
-            let done = tokio::task::spawn_blocking(move || ops.iter().try_for_each(files::apply_file)).await;
-            done.map_err(|e| ApplyError::Files(e.to_string()))?.map_err(ApplyError::Files)?;
-        }
-        if !self.config.preserve_work_dir {
-            wipe_work_dir(&self.config.work_dir).map_err(ApplyError::WorkDir)?;
-        }
+        // The interlock, the archive (both synced to disk), the files and the wipe of the work
+        // directory (possibly large, e.g. extracted images) all go to the blocking pool: the
+        // runtime keeps delivering interrupts and probes meanwhile.
+        let prep = Prepare {
+            interlock_dir: self.config.interlock_dir.clone(),
+            applied_plan_dir: self.config.applied_plan_dir.clone(),
+            plan: input.plan.plan.clone(),
+            checksum: input.plan.checksum.clone(),
+            now: self.clock.now(),
+            files: if input.reconcile_files { input.plan.files.clone() } else { Vec::new() },
+            wipe: (!self.config.preserve_work_dir).then(|| self.config.work_dir.clone()),
+        };
+        let _interlock = tokio::task::spawn_blocking(move || prep.run())
+            .await
+            .map_err(|e| ApplyError::WorkDir(format!("preparing the apply: {e}")))??;
 
         if input.run_one_time {
             let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
@@ -588,6 +588,34 @@ pub fn instruction_env(
     new_path.push(dir.as_os_str());
     set(&mut out, "PATH".into(), new_path);
     out
+}
+
+/// What happens before the first instruction, in this order, off the runtime.
+struct Prepare {
+    interlock_dir: Option<PathBuf>,
+    applied_plan_dir: Option<PathBuf>,
+    plan: crate::plan::Plan,
+    checksum: String,
+    now: chrono::DateTime<chrono::Utc>,
+    files: Vec<crate::plan::FileOp>,
+    wipe: Option<PathBuf>,
+}
+
+impl Prepare {
+    fn run(self) -> Result<Option<archive::Interlock>, ApplyError> {
+        let interlock = match &self.interlock_dir {
+            Some(d) => Some(archive::Interlock::enter(d, self.now).map_err(ApplyError::Interlock)?),
+            None => None,
+        };
+        if let Some(dir) = &self.applied_plan_dir {
+            archive::archive_plan(dir, &self.plan, &self.checksum, self.now);
+        }
+        self.files.iter().try_for_each(files::apply_file).map_err(ApplyError::Files)?;
+        if let Some(w) = &self.wipe {
+            wipe_work_dir(w).map_err(ApplyError::WorkDir)?;
+        }
+        Ok(interlock)
+    }
 }
 
 fn wipe_work_dir(dir: &Path) -> Result<(), String> {
