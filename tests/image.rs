@@ -194,10 +194,13 @@ impl Env {
     }
     /// A plan with one image instruction (no command: the image's run.sh).
     fn plan(&self, image: &str) -> String {
+        self.plan_with(
+            serde_json::json!({"name": "install", "image": image, "env": [format!("OUT={}", self.p("out"))]}),
+        )
+    }
+    fn plan_with(&self, instruction: serde_json::Value) -> String {
         let path = self.p("image.plan");
-        let plan = serde_json::json!({"instructions": [
-            {"name": "install", "image": image, "env": [format!("OUT={}", self.p("out"))]}
-        ]});
+        let plan = serde_json::json!({"instructions": [instruction]});
         std::fs::write(&path, serde_json::to_vec(&plan).unwrap()).unwrap();
         path
     }
@@ -268,6 +271,21 @@ fn wrong_credentials_are_reported_with_the_endpoint() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains(&format!("http://127.0.0.1:{}: token from", reg.port)) && err.contains("401"), "{err}");
+}
+
+/// Rancher's plans name the script through a shell (`sh -c run.sh`): it is found through PATH,
+/// which ends with the execution directory.
+#[test]
+fn rancher_style_sh_c_run_sh_finds_the_image_script() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), 0, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let plan = e.plan_with(serde_json::json!({"name": "install", "image": image, "command": "sh",
+        "args": ["-c", "run.sh"], "env": [format!("OUT={}", e.p("out"))]}));
+    let out = e.apply(&plan, &e.registries(reg.port)).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(e.out().expect("run.sh ran").starts_with("layered from "));
 }
 
 #[test]
