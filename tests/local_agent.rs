@@ -323,6 +323,24 @@ fn without_inotify_pause_and_shutdown_still_reach_a_running_plan() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The plan directory removed and made again: the agent watches the new one (and applies what
+/// appears in it).
+#[test]
+fn a_recreated_plan_directory_is_watched_again() {
+    let s = Setup::new();
+    let mut agent = s.start();
+    let plans = s.p("plans");
+    agent.wait_log(&format!("watching {plans} for changes"));
+    std::fs::remove_dir(&plans).unwrap();
+    std::fs::create_dir(&plans).unwrap();
+    agent.wait_log(&format!("watching {plans} for changes"));
+    let marker = s.p("marker");
+    s.plan("again", serde_json::json!({"instructions": [sh("one", &format!("touch {marker}"))]}));
+    s.wait_pos("again", "applied", |p| p.plan_state == "succeeded");
+    assert!(Path::new(&marker).exists());
+    assert_eq!(agent.stop(), 0);
+}
+
 /// SPEC §7 faults: the agent SIGKILLed at pseudo-random points of a plan and restarted, again and
 /// again. The plan ends succeeded, no instruction ever ran while its previous copy was alive, and
 /// nothing any of the agents started is left running.

@@ -46,11 +46,12 @@ fn add_tree(watches: &mut Watches, dirs: &mut HashMap<inotify::WatchDescriptor, 
 }
 
 /// Start watching `dir`; every changed path (not `.pos` files, not dot-files) is sent on `tx`.
+/// The task ends when `dir` itself goes away.
 pub fn start(dir: &Path, tx: UnboundedSender<PathBuf>) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let inotify = Inotify::init()?;
     let mut watches = inotify.watches();
     let mut dirs = HashMap::new();
-    watches.add(dir, mask() | WatchMask::ONLYDIR)?;
+    let root_wd = watches.add(dir, mask() | WatchMask::ONLYDIR)?;
     add_tree(&mut watches, &mut dirs, dir);
     let mut events = inotify.into_event_stream([0u8; 4096])?;
     let root = dir.to_path_buf();
@@ -70,6 +71,12 @@ pub fn start(dir: &Path, tx: UnboundedSender<PathBuf>) -> std::io::Result<tokio:
             }
             if ev.mask.contains(EventMask::IGNORED) {
                 dirs.remove(&ev.wd);
+                if ev.wd == root_wd {
+                    // The plan directory itself was removed or moved: end, so that the agent
+                    // watches it again once it exists (and rescan meanwhile).
+                    let _ = tx.send(root.clone());
+                    return;
+                }
                 continue;
             }
             let Some(base) = dirs.get(&ev.wd).cloned() else { continue };

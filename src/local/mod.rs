@@ -216,7 +216,7 @@ impl LocalAgent {
             if *shutdown.borrow() {
                 break;
             }
-            if watcher.is_none() && self.cfg.plan_dir.is_dir() {
+            if watcher.as_ref().is_none_or(|w| w.0.is_finished()) && self.cfg.plan_dir.is_dir() {
                 watcher = self.watch_directory(ev_tx.clone());
             }
             if self.cycle().await {
@@ -241,7 +241,10 @@ impl LocalAgent {
             return None;
         }
         match dirwatch::start(&self.cfg.plan_dir, tx) {
-            Ok(task) => Some(AbortOnDrop(task)),
+            Ok(task) => {
+                tracing::info!("watching {} for changes", self.cfg.plan_dir.display());
+                Some(AbortOnDrop(task))
+            }
             Err(e) => {
                 tracing::warn!("cannot watch {} ({e}); relying on the periodic rescan", self.cfg.plan_dir.display());
                 None
