@@ -221,6 +221,10 @@ impl Env {
         c.args(["apply", plan, "--work-dir", &self.p("work"), "--pid-dir", &self.p("pids")])
             .args(["--images-dir", &self.p("images"), "--registries", registries])
             .env("NODEPLAN_LOG", "info");
+        // The registry is on loopback: no proxy of the environment may stand in between.
+        for v in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"] {
+            c.env_remove(v);
+        }
         c
     }
     fn out(&self) -> Option<String> {
