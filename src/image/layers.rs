@@ -33,6 +33,22 @@ fn clean(path: &Path) -> Option<PathBuf> {
     Some(out)
 }
 
+/// Remove everything in `dir` (a missing directory is empty), never following a symlink in it.
+/// Every entry is tried; the first error is returned.
+pub fn empty_dir(dir: &Path) -> io::Result<()> {
+    let mut first = Ok(());
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if let Err(err) = remove_any(&e.path())
+                && first.is_ok()
+            {
+                first = Err(err);
+            }
+        }
+    }
+    first
+}
+
 fn remove_any(path: &Path) -> io::Result<()> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
@@ -80,11 +96,7 @@ pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()>
         }
         let target_dir = dest.join(parent);
         if name == OPAQUE {
-            if let Ok(rd) = std::fs::read_dir(&target_dir) {
-                for e in rd.flatten() {
-                    remove_any(&e.path())?;
-                }
-            }
+            empty_dir(&target_dir)?;
         } else if let Some(hidden) = name.strip_prefix(WHITEOUT)
             && !hidden.is_empty()
             && hidden != "."

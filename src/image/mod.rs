@@ -76,13 +76,13 @@ impl Stager {
         let mut tried = Vec::new();
         for ep in regs.endpoints(&r.registry) {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
-            empty_dir(dest);
+            let _ = layers::empty_dir(dest);
             match registry::pull(&ep, &r, dest, &scratch, &cancel).await {
                 Ok(()) => return Ok(format!("pulled from {}", ep.base)),
                 Err(e) => tried.push(format!("{}: {e}", ep.base)),
             }
         }
-        empty_dir(dest);
+        let _ = layers::empty_dir(dest);
         Err(format!("cannot stage image {r}: {}", tried.join("; ")))
     }
 }
@@ -96,18 +96,5 @@ impl Drop for Abandon {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
         let _ = std::fs::remove_file(&self.scratch);
-    }
-}
-
-fn empty_dir(dir: &Path) {
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            let _ = if e.file_type().is_ok_and(|t| t.is_dir()) {
-                std::fs::remove_dir_all(&p)
-            } else {
-                std::fs::remove_file(&p)
-            };
-        }
     }
 }

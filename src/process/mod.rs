@@ -427,8 +427,8 @@ impl Supervisor {
                 // The leader is gone; the pgid is no longer ours to signal.
                 tree.leader_reaped();
                 self.drain(&mut readers, cfg.drain_timeout).await;
-                // Cheap check first (cgroup.events, or a signal-0 probe of the group); the /proc
-                // scan only when something seems left.
+                // Cheap check first (the leaf's rmdir, which succeeds only once it is empty, or a
+                // signal-0 probe of the group); the /proc scan only when something seems left.
                 if tree.maybe_leftovers(pid) {
                     let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
                     if leftovers > 0 {
@@ -444,11 +444,13 @@ impl Supervisor {
                             l.push(d.clone());
                         }
                     }
+                    // What seemed left may have ended meanwhile (an empty leaf was already
+                    // removed by the check itself).
+                    tree.cleanup();
                 }
                 if !outcome.termination_incomplete() {
                     remove_record(record_path.as_deref());
                 }
-                tree.cleanup();
                 return finish(outcome, captures.take(), Some(pid));
             }
             r = stop.wait() => r,

@@ -56,10 +56,15 @@ impl RecordFile {
 
     /// Append the pid and its start time (one `write`).
     pub fn set_pid(&mut self, pid: i32, start_time: u64) -> io::Result<()> {
-        let mut line = serde_json::to_vec(&PidUpdate { pid, start_time }).map_err(io::Error::other)?;
-        line.push(b'\n');
-        self.file.write_all(&line)
+        self.file.write_all(&json_line(&PidUpdate { pid, start_time })?)
     }
+}
+
+/// One line of the record file: compact JSON and a newline.
+fn json_line<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
+    let mut line = serde_json::to_vec(v).map_err(io::Error::other)?;
+    line.push(b'\n');
+    Ok(line)
 }
 
 /// Whether a record still describes a live process of ours.
@@ -94,8 +99,7 @@ impl PidRecord {
     pub fn create(&self, dir: &Path) -> io::Result<RecordFile> {
         use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(Self::file_name(&self.marker));
-        let mut line = serde_json::to_vec(self).map_err(io::Error::other)?;
-        line.push(b'\n');
+        let line = json_line(self)?;
         let open = || std::fs::OpenOptions::new().append(true).create_new(true).mode(0o600).open(&path);
         let mut file = match open() {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -117,8 +121,7 @@ impl PidRecord {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = file.path.parent().unwrap_or(Path::new("."));
         let tmp = dir.join(format!(".{}.tmp{}", Self::file_name(&self.marker), std::process::id()));
-        let mut line = serde_json::to_vec(self).map_err(io::Error::other)?;
-        line.push(b'\n');
+        let line = json_line(self)?;
         let result = (|| {
             let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
             f.write_all(&line)?;
