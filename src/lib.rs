@@ -12,6 +12,7 @@
 //! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`cli`]: commands, progress display, logging, exit codes.
+//! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
 
 pub mod apply;
 pub mod cli;
@@ -23,6 +24,7 @@ pub mod plan;
 pub mod probe;
 pub mod process;
 pub mod remote;
+pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not
 /// repeated): the one-line form every user-facing message takes.

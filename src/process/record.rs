@@ -231,24 +231,10 @@ impl PidRecord {
     }
 }
 
-/// Temp file in the same directory, fsync, rename over `path`, fsync the directory.
+/// Write `data` to `path` atomically with `mode`, never following a planted link (see
+/// [`crate::safefs`]).
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()?;
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    crate::safefs::write_file(path, data, mode, None).map(drop)
 }
 
 #[cfg(test)]

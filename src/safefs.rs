@@ -1,0 +1,453 @@
+//! Race-free file access for an agent that runs as root in directories other users may write.
+//!
+//! Every file nodeplan writes (plan files, `.pos` and control files, the applied-plan archive, the
+//! interlock files, PID-record directories) goes through here. The rules, which SECURITY.md
+//! states for users:
+//!
+//! - **Paths are walked one component at a time with directory fds** (`openat` with
+//!   `O_NOFOLLOW`), never resolved by the kernel in one go, so a component swapped for a link while
+//!   the walk runs is seen as a link, not followed.
+//! - **A symlink met on the way is followed only when root owns it, or when it points into a
+//!   directory its own owner owns** (so following it gives the link's owner nothing they did not
+//!   already have). Anything else is refused with an error naming the link and its owner: a local
+//!   user must not be able to point root's writes at `/etc`. This is stricter than the kernel's
+//!   `protected_symlinks`, which trusts a link owned by the directory's owner.
+//! - **A file is replaced, never written in place**: an exclusively created temporary file with an
+//!   unguessable name (mode 0600, `O_EXCL | O_NOFOLLOW`), owner then mode set on its fd (owner
+//!   first, so setuid and setgid bits survive), fsync, `renameat` within the directory fd, fsync of
+//!   the directory. Nothing is done by path afterwards.
+//! - **Reads of files others may plant** (control and `.pos` files) open the last component
+//!   without following links and without blocking, accept regular files only and stop at a size
+//!   cap, so a FIFO, a device or a 2 GB file cannot hang or exhaust the agent.
+//!
+//! This module must not know what the files mean; callers give paths, bytes and modes.
+
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
+use std::ffi::OsStr;
+use std::io::{self, Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+/// How many symlinks one walk follows before giving up (the kernel's limit is 40 too).
+const MAX_LINKS: u32 = 40;
+
+/// The uid and gid a written file or directory gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+fn err(kind: io::ErrorKind, msg: String) -> io::Error {
+    io::Error::new(kind, msg)
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// The walker's state: the path shown in errors and the links left to follow.
+struct Walk<'a> {
+    shown: &'a Path,
+    links_left: u32,
+}
+
+impl Walk<'_> {
+    /// Walk `rel` from `start` (or from `/` for an absolute path), creating missing directories
+    /// with `create` when given. Returns the final directory's fd.
+    fn dir(&mut self, start: OwnedFd, rel: &Path, create: Option<Mode>) -> io::Result<OwnedFd> {
+        let mut cur = start;
+        for comp in rel.components() {
+            match comp {
+                Component::RootDir => cur = rustix::fs::open("/", dir_flags(), Mode::empty())?,
+                Component::CurDir | Component::Prefix(_) => {}
+                Component::ParentDir => cur = rustix::fs::openat(&cur, "..", dir_flags(), Mode::empty())?,
+                Component::Normal(name) => cur = self.step(&cur, name, create)?,
+            }
+        }
+        Ok(cur)
+    }
+
+    /// One component: a directory is entered; a symlink is followed under the module's rule; a
+    /// missing one is made when `create`.
+    fn step(&mut self, cur: &OwnedFd, name: &OsStr, create: Option<Mode>) -> io::Result<OwnedFd> {
+        loop {
+            match rustix::fs::openat(cur, name, dir_flags(), Mode::empty()) {
+                Ok(fd) => return Ok(fd),
+                Err(Errno::NOENT) if create.is_some() => {
+                    match rustix::fs::mkdirat(cur, name, create.unwrap_or(Mode::empty())) {
+                        Ok(()) | Err(Errno::EXIST) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Err(e @ (Errno::LOOP | Errno::NOTDIR)) => {
+                    let st = rustix::fs::statat(cur, name, AtFlags::SYMLINK_NOFOLLOW)?;
+                    if FileType::from_raw_mode(st.st_mode) != FileType::Symlink {
+                        return Err(e.into());
+                    }
+                    return self.follow(cur, name, st.st_uid);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn follow(&mut self, cur: &OwnedFd, name: &OsStr, link_uid: u32) -> io::Result<OwnedFd> {
+        if self.links_left == 0 {
+            return Err(err(io::ErrorKind::InvalidInput, format!("too many symlinks in {}", self.shown.display())));
+        }
+        self.links_left -= 1;
+        let target = rustix::fs::readlinkat(cur, name, Vec::new())?;
+        let target = PathBuf::from(OsStr::from_bytes(target.as_bytes()));
+        let here = rustix::io::dup(cur)?;
+        // A link's target is never created: a refused link must not leave directories behind.
+        let resolved = self.dir(here, &target, None)?;
+        let me = rustix::process::geteuid().as_raw();
+        if link_uid != 0 && link_uid != me {
+            let target_uid = rustix::fs::fstat(&resolved)?.st_uid;
+            if target_uid != link_uid {
+                return Err(err(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to follow the symlink {:?} in {} owned by uid {link_uid}: it points into a \
+                         directory owned by uid {target_uid} (only root's links, or links into their owner's \
+                         own directories, are followed)",
+                        name,
+                        self.shown.display()
+                    ),
+                ));
+            }
+        }
+        Ok(resolved)
+    }
+}
+
+fn start_fd(path: &Path) -> io::Result<OwnedFd> {
+    let from = if path.is_absolute() { "/" } else { "." };
+    Ok(rustix::fs::open(from, dir_flags(), Mode::empty())?)
+}
+
+/// Open the directory `path`, walking it under the module's rules; with `create`, missing
+/// directories are made with that mode (as `mkdir -p` would, less the umask).
+pub fn open_dir(path: &Path, create: Option<u32>) -> io::Result<OwnedFd> {
+    let mut walk = Walk { shown: path, links_left: MAX_LINKS };
+    walk.dir(start_fd(path)?, path, create.map(Mode::from_raw_mode))
+}
+
+/// Split `path` into its directory and last component; the last one must be a plain name.
+fn split(path: &Path) -> io::Result<(&Path, &OsStr)> {
+    match (path.parent(), path.components().next_back()) {
+        (Some(parent), Some(Component::Normal(name))) => Ok((parent, name)),
+        _ => Err(err(io::ErrorKind::InvalidInput, format!("{} does not name a file", path.display()))),
+    }
+}
+
+fn set_owner_mode(fd: BorrowedFd<'_>, mode: u32, owner: Option<Owner>) -> io::Result<()> {
+    if let Some(o) = owner {
+        let (uid, gid) = (rustix::fs::Uid::from_raw(o.uid), rustix::fs::Gid::from_raw(o.gid));
+        rustix::fs::fchown(fd, Some(uid), Some(gid))?;
+    }
+    // After the owner: chown clears setuid and setgid bits.
+    rustix::fs::fchmod(fd, Mode::from_raw_mode(mode))?;
+    Ok(())
+}
+
+/// An unguessable name for a temporary file beside `name` (kept well under NAME_MAX).
+fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
+    let mut rnd = [0u8; 8];
+    let mut filled = 0;
+    while filled < rnd.len() {
+        filled += rustix::rand::getrandom(&mut rnd[filled..], rustix::rand::GetRandomFlags::empty())?;
+    }
+    let base = name.as_bytes();
+    let mut out = b".".to_vec();
+    out.extend_from_slice(&base[..base.len().min(200)]);
+    out.extend_from_slice(format!(".{:016x}.tmp", u64::from_ne_bytes(rnd)).as_bytes());
+    Ok(out)
+}
+
+/// Open an existing regular file `name` in `dir` for reading, without following a link and
+/// without blocking; `Ok(None)` when absent or not a regular file.
+fn open_regular(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<(OwnedFd, rustix::fs::Stat)>> {
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    let fd = match rustix::fs::openat(dir, name, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT | Errno::LOOP | Errno::NXIO) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let st = rustix::fs::fstat(&fd)?;
+    Ok((FileType::from_raw_mode(st.st_mode) == FileType::RegularFile).then_some((fd, st)))
+}
+
+/// Whether the regular file `fd` holds exactly `data`.
+fn same_content(fd: &OwnedFd, st: &rustix::fs::Stat, data: &[u8]) -> io::Result<bool> {
+    if st.st_size as u64 != data.len() as u64 {
+        return Ok(false);
+    }
+    let mut f = std::fs::File::from(rustix::io::dup(fd)?);
+    let mut old = Vec::with_capacity(data.len());
+    (&mut f).take(data.len() as u64 + 1).read_to_end(&mut old)?;
+    Ok(old == data)
+}
+
+/// Write `data` to `path` atomically with `mode` (and `owner` when given), under the module's
+/// rules. Missing parent directories are made 0755. When the file already holds `data`, only
+/// its owner and mode are set (on its fd). Returns whether the content was replaced.
+pub fn write_file(path: &Path, data: &[u8], mode: u32, owner: Option<Owner>) -> io::Result<bool> {
+    let (parent, name) = split(path)?;
+    let dir = open_dir(parent, Some(0o755))?;
+    if let Some((fd, st)) = open_regular(dir.as_fd(), name)? {
+        // A file with other hard links is replaced, never chmod-ed in place: the other name may
+        // be a file somebody linked here to have root change it.
+        if st.st_nlink == 1 && same_content(&fd, &st, data)? {
+            set_owner_mode(fd.as_fd(), mode, owner)?;
+            return Ok(false);
+        }
+    }
+    let tmp = temp_name(name)?;
+    let fd = rustix::fs::openat(
+        &dir,
+        tmp.as_slice(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let result = (|| {
+        let mut f = std::fs::File::from(fd);
+        f.write_all(data)?;
+        set_owner_mode(f.as_fd(), mode, owner)?;
+        f.sync_all()?;
+        rustix::fs::renameat(&dir, tmp.as_slice(), &dir, name)?;
+        rustix::fs::fsync(&dir)?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = rustix::fs::unlinkat(&dir, tmp.as_slice(), AtFlags::empty());
+    }
+    result.map(|()| true)
+}
+
+/// Make the directory `path` (and missing parents, with the same mode) and set its owner and
+/// mode on its fd.
+pub fn make_dir(path: &Path, mode: u32, owner: Option<Owner>) -> io::Result<()> {
+    let fd = open_dir(path, Some(mode))?;
+    set_owner_mode(fd.as_fd(), mode, owner)
+}
+
+/// Remove the file (or, with `directory`, the directory tree) `path`. The parent is walked under
+/// the module's rules; the last component is never followed (a link there is removed itself).
+/// Absent is not an error.
+pub fn remove(path: &Path, directory: bool) -> io::Result<()> {
+    let (parent, name) = split(path)?;
+    let dir = match open_dir(parent, None) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let r = if directory {
+        // std's remove_dir_all never follows links inside the tree; the parent is pinned by the
+        // fd through /proc/self/fd, so a swapped parent cannot redirect it.
+        std::fs::remove_dir_all(Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name))
+    } else {
+        rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(io::Error::from)
+    };
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Read a small file that someone other than root may have planted: the parent is walked under
+/// the module's rules, the file itself is opened without following a link and without blocking
+/// and must be a regular file of at most `cap` bytes. `Ok(None)` when it does not exist.
+pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
+    let (parent, name) = split(path)?;
+    let dir = match open_dir(parent, None) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    let fd = match rustix::fs::openat(&dir, name, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),
+        Err(e) => return Err(e.into()),
+    };
+    let st = rustix::fs::fstat(&fd)?;
+    let kind = FileType::from_raw_mode(st.st_mode);
+    if kind != FileType::RegularFile {
+        return Err(err(io::ErrorKind::InvalidInput, format!("is not a regular file ({})", kind_name(kind))));
+    }
+    if st.st_size as u64 > cap {
+        return Err(err(io::ErrorKind::InvalidInput, format!("is {} bytes, more than the {cap} allowed", st.st_size)));
+    }
+    let mut out = Vec::with_capacity(st.st_size as usize);
+    std::fs::File::from(fd).take(cap + 1).read_to_end(&mut out)?;
+    if out.len() as u64 > cap {
+        return Err(err(io::ErrorKind::InvalidInput, format!("grew past the {cap} bytes allowed")));
+    }
+    Ok(Some(out))
+}
+
+/// A file type as a person names it.
+pub fn kind_name(kind: FileType) -> &'static str {
+    match kind {
+        FileType::RegularFile => "a regular file",
+        FileType::Directory => "a directory",
+        FileType::Symlink => "a symlink",
+        FileType::Fifo => "a FIFO",
+        FileType::Socket => "a socket",
+        FileType::CharacterDevice => "a character device",
+        FileType::BlockDevice => "a block device",
+        FileType::Unknown => "of an unknown type",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    const NOBODY: u32 = 65534;
+
+    fn lchown(p: &Path, uid: u32) {
+        std::os::unix::fs::lchown(p, Some(uid), Some(uid)).unwrap();
+    }
+
+    #[test]
+    fn writes_replace_atomically_and_keep_setuid_bits() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a/b/f");
+        assert!(write_file(&p, b"one", 0o4755, Some(Owner { uid: NOBODY, gid: NOBODY })).unwrap());
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (0o4755, NOBODY, NOBODY), "chown first, then chmod");
+        assert!(!write_file(&p, b"one", 0o4750, None).unwrap(), "same content: not replaced");
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o7777, 0o4750);
+        assert!(write_file(&p, b"two", 0o600, None).unwrap());
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(d.path().join("a/b")).unwrap().count(), 1, "no temp file left");
+    }
+
+    #[test]
+    fn a_hard_link_to_another_file_is_replaced_not_chmod_ed() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"same").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::hard_link(&victim, d.path().join("f")).unwrap();
+        write_file(&d.path().join("f"), b"same", 0o666, Some(Owner { uid: NOBODY, gid: NOBODY })).unwrap();
+        let m = std::fs::metadata(&victim).unwrap();
+        assert_eq!((m.mode() & 0o777, m.uid()), (0o600, 0));
+    }
+
+    #[test]
+    fn links_owned_by_others_are_refused_unless_they_point_into_their_own_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("etc");
+        std::fs::create_dir(&victim).unwrap();
+        let user = d.path().join("home");
+        std::fs::create_dir(&user).unwrap();
+        lchown(&user, NOBODY);
+        let link = user.join("cfg");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        lchown(&link, NOBODY);
+        let e = write_file(&link.join("passwd"), b"x", 0o644, None).unwrap_err();
+        assert!(e.to_string().contains("refusing to follow the symlink \"cfg\""), "{e}");
+        assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+        assert!(!victim.join("passwd").exists());
+        assert!(make_dir(&link.join("sub"), 0o755, None).is_err());
+        assert!(!victim.join("sub").exists(), "a refused link leaves nothing behind");
+        assert!(remove(&link.join("keep"), false).is_err());
+
+        // The same link owned by root is followed; a user's link into the user's own directory too.
+        std::fs::write(victim.join("keep"), b"k").unwrap();
+        lchown(&link, 0);
+        write_file(&link.join("ok"), b"x", 0o644, None).unwrap();
+        assert_eq!(std::fs::read(victim.join("ok")).unwrap(), b"x");
+        let own = user.join("real");
+        std::fs::create_dir(&own).unwrap();
+        lchown(&own, NOBODY);
+        let own_link = user.join("mine");
+        std::os::unix::fs::symlink("real", &own_link).unwrap();
+        lchown(&own_link, NOBODY);
+        write_file(&own_link.join("f"), b"y", 0o644, None).unwrap();
+        assert_eq!(std::fs::read(own.join("f")).unwrap(), b"y");
+        assert_eq!(std::fs::read(victim.join("keep")).unwrap(), b"k");
+    }
+
+    #[test]
+    fn a_planted_temp_name_or_final_link_is_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("shadow");
+        std::fs::write(&victim, b"secret").unwrap();
+        // The predictable names of earlier versions, and the file itself, as links to the victim.
+        for name in [format!(".f.tmp{}", std::process::id()), "f".into()] {
+            std::os::unix::fs::symlink(&victim, d.path().join(name)).unwrap();
+        }
+        write_file(&d.path().join("f"), b"pwned", 0o777, Some(Owner { uid: NOBODY, gid: NOBODY })).unwrap();
+        let m = std::fs::metadata(&victim).unwrap();
+        assert_eq!((std::fs::read(&victim).unwrap(), m.mode() & 0o777, m.uid()), (b"secret".to_vec(), 0o644, 0));
+        assert!(!std::fs::symlink_metadata(d.path().join("f")).unwrap().file_type().is_symlink());
+    }
+
+    /// A local user swaps a directory component for a link to a root-owned directory, as fast as
+    /// they can, while root writes: no write, chmod or chown ever lands in the victim directory.
+    #[test]
+    fn a_component_swapped_for_a_link_during_writes_never_redirects_them() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("etc");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::write(victim.join("f"), b"secret").unwrap();
+        let user = d.path().join("home");
+        std::fs::create_dir(&user).unwrap();
+        std::fs::create_dir(user.join("sub")).unwrap();
+        let link = user.join("link");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        lchown(&link, NOBODY);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let swaps = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let swapper = {
+            let (stop, swaps, user) = (stop.clone(), swaps.clone(), user.clone());
+            std::thread::spawn(move || {
+                let dir = std::fs::File::open(&user).unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    rustix::fs::renameat_with(&dir, "sub", &dir, "link", rustix::fs::RenameFlags::EXCHANGE).unwrap();
+                    swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        };
+        let (mut ok, mut refused) = (0, 0);
+        for _ in 0..3000 {
+            match write_file(&user.join("sub/f"), b"pwned", 0o777, Some(Owner { uid: NOBODY, gid: NOBODY })) {
+                Ok(_) => ok += 1,
+                Err(_) => refused += 1,
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        swapper.join().unwrap();
+        let m = std::fs::metadata(victim.join("f")).unwrap();
+        assert_eq!(std::fs::read(victim.join("f")).unwrap(), b"secret");
+        assert_eq!((m.mode() & 0o777, m.uid()), (0o644, 0));
+        assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 1, "no temp file in the victim directory");
+        assert!(swaps.load(std::sync::atomic::Ordering::Relaxed) > 100, "the swapper ran");
+        assert!(ok > 0 && refused > 0, "both sides of the race were taken: {ok} written, {refused} refused");
+    }
+
+    #[test]
+    fn small_reads_refuse_fifos_links_and_large_files_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("x.paused");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, FileType::Fifo, Mode::from_raw_mode(0o644), 0).unwrap();
+        let e = read_small(&fifo, 100).unwrap_err();
+        assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+        std::fs::write(d.path().join("big"), vec![b'a'; 101]).unwrap();
+        assert!(read_small(&d.path().join("big"), 100).unwrap_err().to_string().contains("more than the 100"));
+        std::os::unix::fs::symlink(d.path().join("big"), d.path().join("l")).unwrap();
+        assert!(read_small(&d.path().join("l"), 1000).unwrap_err().to_string().contains("symlink"));
+        assert_eq!(read_small(&d.path().join("absent"), 10).unwrap(), None);
+        std::fs::write(d.path().join("ok"), b"true\n").unwrap();
+        assert_eq!(read_small(&d.path().join("ok"), 10).unwrap().unwrap(), b"true\n");
+    }
+}
