@@ -247,6 +247,39 @@ fn an_invalid_control_value_writes_nothing() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// SECURITY.md, local mode: files others may have planted in the plan directory (a FIFO as a
+/// control file, a `.pos` that is a link, a plan file others can write) hold their plan with one
+/// clear line; they never hang the agent, are never followed, and never run.
+#[test]
+fn hostile_local_files_hold_their_plan_and_never_hang_the_agent() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Setup::new();
+    let ran = |n: &str| s.p(&format!("ran-{n}"));
+    for name in ["fifo", "link", "open", "good"] {
+        s.plan(name, serde_json::json!({"instructions": [sh("a", &format!("touch {}", ran(name)))]}));
+    }
+    mkfifo(&s.p("plans/fifo.paused"));
+    let victim = s.p("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    std::os::unix::fs::symlink(&victim, s.p("plans/link.pos")).unwrap();
+    std::fs::set_permissions(s.plan_path("open"), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let mut agent = s.start();
+    agent.wait_log("fifo.paused: is not a regular file (a FIFO)");
+    agent.wait_log("link.pos: cannot use: is a symlink (not followed)");
+    agent.wait_log("open.plan is writable by group or others (mode 0666)");
+    s.wait_pos("good", "succeeded", |p| p.plan_state == "succeeded");
+    for name in ["fifo", "link", "open"] {
+        assert!(!Path::new(&ran(name)).exists(), "{name}: held, never run");
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    // Once the file is as it should be, the plan runs.
+    std::fs::set_permissions(s.plan_path("open"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    s.wait_pos("open", "succeeded", |p| p.plan_state == "succeeded");
+    // The FIFO never had a writer: the agent still stops on SIGTERM at once.
+    assert_eq!(agent.stop(), 0);
+    assert!(!Path::new(&ran("fifo")).exists());
+}
+
 #[test]
 fn probe_statuses_keep_changing_while_paused() {
     let s = Setup::new();

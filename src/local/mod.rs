@@ -10,6 +10,7 @@
 mod dirwatch;
 pub mod pos;
 pub mod scan;
+pub mod trust;
 
 use crate::apply::{AgentExit, ApplyInput, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt};
 use crate::flow::{self, Decision, RunPlan, Snapshot};
@@ -92,22 +93,20 @@ pub struct LocalAgent {
     started: Arc<Notify>,
 }
 
-/// Read the control files of a plan into annotation-like values.
-fn read_controls(files: &PlanFiles) -> (Option<String>, Option<String>) {
-    let read = |p: &Path| match pos::read_control(p) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::warn!("{e}");
-            None
-        }
-    };
-    (read(&files.paused()), read(&files.canceled()))
-}
-
-fn hold_of(files: &PlanFiles) -> Result<Hold, plan::InvalidAnnotation> {
-    let (p, c) = read_controls(files);
+/// Why a plan is held without anything being run or written (R3): an invalid control value, or a
+/// control file that cannot be read (a directory, a FIFO, a link, too large): a value nobody can
+/// read is as unknown as an invalid one.
+fn hold_of(files: &PlanFiles) -> Result<Hold, String> {
+    let canceled = pos::read_control(&files.canceled());
+    // R2: a valid cancel wins, even over a paused file nobody can read.
+    if let Ok(Some(v)) = &canceled
+        && plan::parse_annotation_value(Some(v)) == Ok(true)
+    {
+        return Ok(Hold::Cancel);
+    }
+    let (p, c) = (pos::read_control(&files.paused())?, canceled?);
     plan::resolve_annotations(&Annotations { paused: p.as_deref(), canceled: c.as_deref() })
-        .map_err(|e| rename_keys(e, files))
+        .map_err(|e| rename_keys(e, files).to_string())
 }
 
 /// Name the control files, not the annotations, in local-mode messages.
@@ -125,7 +124,9 @@ fn rename_keys(e: plan::InvalidAnnotation, files: &PlanFiles) -> plan::InvalidAn
 /// The interrupt a running plan should see: only valid values count (an invalid value in flight is
 /// logged and ignored, "never kill on a guess"); a valid cancel wins.
 fn interrupt_of(files: &PlanFiles) -> Interrupt {
-    let (p, c) = read_controls(files);
+    // An unreadable control file counts as absent here; the next reconcile holds the plan for it.
+    let read = |p: &Path| pos::read_control(p).ok().flatten();
+    let (p, c) = (read(&files.paused()), read(&files.canceled()));
     Interrupt {
         cancel: plan::parse_annotation_value(c.as_deref()) == Ok(true),
         pause: plan::parse_annotation_value(p.as_deref()) == Ok(true),
@@ -310,6 +311,18 @@ impl LocalAgent {
         }
     }
 
+    /// R3-style hold: nothing is run or written for `path`; `why` is logged once per distinct
+    /// text and the plan is looked at again with exponential backoff (1 s doubling to 5 min).
+    fn hold_once(&mut self, path: &Path, why: String) {
+        let mem = self.memory.entry(path.to_path_buf()).or_default();
+        if mem.warned_invalid.insert(why.clone()) {
+            tracing::warn!("{why}");
+        }
+        let b = mem.invalid_backoff.map_or(Duration::from_secs(1), |b| (b * 2).min(Duration::from_secs(300)));
+        mem.invalid_backoff = Some(b);
+        mem.hold_until = Some(Instant::now() + b);
+    }
+
     /// Reconcile one plan. Returns true on shutdown.
     async fn reconcile(&mut self, path: &Path) -> bool {
         let Some(files) = PlanFiles::new(path) else { return false };
@@ -330,10 +343,12 @@ impl LocalAgent {
             }
             self.update_pos(&files, |p| p.blocked.clear()).await;
         }
-        let raw = match std::fs::read(path) {
+        // Anyone who can write the plan can run commands as root; a file that is not what it
+        // should be (a FIFO, a link, too large) is refused without blocking. Both hold the plan.
+        let raw = match trust::check(path).and_then(|()| read_plan(path)) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!("cannot read {}: {e}", path.display());
+                self.hold_once(path, format!("{}: refused: {e}; the plan is held and nothing is run", path.display()));
                 return false;
             }
         };
@@ -355,6 +370,14 @@ impl LocalAgent {
             let _g = self.pos_lock.lock().await;
             match pos::read_pos(&files.pos()) {
                 Ok(p) => p,
+                Err(e @ pos::PosError::Unusable(_)) => {
+                    drop(_g);
+                    self.hold_once(
+                        path,
+                        format!("{}: {e}; the plan is held until it is removed", files.pos().display()),
+                    );
+                    return false;
+                }
                 Err(e) => {
                     let aside = files.pos().with_extension("pos.invalid");
                     tracing::error!("{}: {e}; moved to {} and starting over", files.pos().display(), aside.display());
@@ -363,9 +386,16 @@ impl LocalAgent {
                 }
             }
         };
-        let hold = hold_of(&files);
+        // R3: an invalid or unreadable control value holds the plan: nothing is written or run.
+        let hold = match hold_of(&files) {
+            Ok(h) => h,
+            Err(e) => {
+                self.hold_once(path, format!("{}: {e}; the plan is held and nothing is written", path.display()));
+                return false;
+            }
+        };
         // A reset is an orchestrator's write: not while an invalid control value holds the plan (R3).
-        if hold.is_ok() && files.reset().exists() {
+        if files.reset().exists() {
             tracing::info!("{}: reset requested; the plan runs again from its first instruction", path.display());
             stored.plan_state = PlanState::Pending.as_str().into();
             stored.checkpoint = None;
@@ -392,7 +422,7 @@ impl LocalAgent {
             PlanState::Pending
         };
         // Local mode is its own orchestrator: a failed plan is retried after a backoff.
-        if state == PlanState::Failed && hold == Ok(Hold::None) {
+        if state == PlanState::Failed && hold == Hold::None {
             let last = parse_unix_date(&stored.last_apply_time);
             let delay = self.cfg.retry_delay(stored.failure_count);
             let due =
@@ -405,23 +435,12 @@ impl LocalAgent {
         let snap = Snapshot {
             checksum: checksum.clone(),
             state,
-            hold: hold.clone(),
+            hold: Ok(hold),
             checkpoint: stored.checkpoint.clone().filter(|c| same_plan && c.checksum == checksum),
             total: vp.plan.instructions.len(),
         };
 
         let mem = self.memory.entry(path.to_path_buf()).or_default();
-        if let Err(e) = &hold {
-            // R3: nothing is written or run; logged once per distinct value; retried with backoff.
-            let key = e.to_string();
-            if mem.warned_invalid.insert(key.clone()) {
-                tracing::warn!("{}: {key}; the plan is held and nothing is written", path.display());
-            }
-            let b = mem.invalid_backoff.map_or(Duration::from_secs(1), |b| (b * 2).min(Duration::from_secs(300)));
-            mem.invalid_backoff = Some(b);
-            mem.hold_until = Some(Instant::now() + b);
-            return false;
-        }
         mem.invalid_backoff = None;
         mem.hold_until = None;
         mem.warned_invalid.clear();
@@ -601,6 +620,18 @@ impl LocalAgent {
     }
 }
 
+/// The most a plan file may hold (file contents travel inside it, base64-encoded).
+pub const PLAN_CAP: u64 = 64 << 20;
+
+/// Read a plan file without following a link or blocking; regular files of at most [`PLAN_CAP`].
+fn read_plan(path: &Path) -> Result<Vec<u8>, String> {
+    match crate::safefs::read_small(path, PLAN_CAP) {
+        Ok(Some(raw)) => Ok(raw),
+        Ok(None) => Err("it no longer exists".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Aborts the task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -624,8 +655,8 @@ async fn probe_loop(
             if hold_of(&files).is_err() {
                 continue;
             }
-            let Ok(vp) = std::fs::read(&path)
-                .map_err(|e| e.to_string())
+            let Ok(vp) = trust::check(&path)
+                .and_then(|()| read_plan(&path))
                 .and_then(|raw| plan::parse(&raw).map_err(|e| e.to_string()))
             else {
                 continue;

@@ -93,34 +93,50 @@ pub fn parse_pos(raw: &[u8]) -> Result<Pos, String> {
     serde_json::from_value(v).map_err(|e| format!("malformed .pos file: {e}"))
 }
 
-pub fn read_pos(path: &Path) -> Result<Pos, String> {
-    match std::fs::read(path) {
-        Ok(raw) => parse_pos(&raw),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Pos::default()),
-        Err(e) => Err(format!("cannot read: {e}")),
+/// The most a `.pos` file may hold (outputs are capped and gzipped, so real ones are far smaller).
+pub const POS_CAP: u64 = 32 << 20;
+/// The most a control file may hold: a value is `true` or `false`.
+pub const CONTROL_CAP: u64 = 4096;
+
+/// Why a `.pos` file could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PosError {
+    /// Not a regular file, a link, too large, or unreadable: someone put it there; the plan is
+    /// held until it is removed (nothing is run or written over it).
+    #[error("cannot use: {0}")]
+    Unusable(String),
+    /// A regular file that does not parse: kept aside, the plan starts over.
+    #[error("{0}")]
+    Malformed(String),
+}
+
+/// Read a `.pos` file (absent → empty), never following a link or blocking (see
+/// [`crate::safefs::read_small`]).
+pub fn read_pos(path: &Path) -> Result<Pos, PosError> {
+    match crate::safefs::read_small(path, POS_CAP) {
+        Ok(Some(raw)) => parse_pos(&raw).map_err(PosError::Malformed),
+        Ok(None) => Ok(Pos::default()),
+        Err(e) => Err(PosError::Unusable(e.to_string())),
     }
 }
 
 /// Serialise and write atomically (mode 0600) when the bytes differ from what is there.
 pub fn write_pos(path: &Path, pos: &Pos) -> std::io::Result<bool> {
     let bytes = serde_json::to_vec(pos).map_err(std::io::Error::other)?;
-    if std::fs::read(path).is_ok_and(|old| old == bytes) {
-        return Ok(false);
-    }
-    crate::process::write_atomic(path, &bytes, 0o600)?;
-    Ok(true)
+    crate::safefs::write_file(path, &bytes, 0o600, None)
 }
 
 /// Read a control file: absent → `None`; empty → `"true"`; otherwise the content less one
-/// trailing newline (validated later, as an annotation value would be).
+/// trailing newline (validated later, as an annotation value would be). A file that is not a
+/// regular file, is a link, or is larger than [`CONTROL_CAP`] is an error naming the file.
 pub fn read_control(path: &Path) -> Result<Option<String>, String> {
-    match std::fs::read(path) {
-        Ok(raw) if raw.is_empty() => Ok(Some("true".into())),
-        Ok(raw) => {
+    match crate::safefs::read_small(path, CONTROL_CAP) {
+        Ok(Some(raw)) if raw.is_empty() => Ok(Some("true".into())),
+        Ok(Some(raw)) => {
             let s = String::from_utf8_lossy(&raw).into_owned();
             Ok(Some(s.strip_suffix('\n').map(str::to_string).unwrap_or(s)))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Ok(None) => Ok(None),
         Err(e) => Err(format!("cannot read {}: {e}", path.display())),
     }
 }
