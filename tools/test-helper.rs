@@ -5,7 +5,9 @@
 //! Modes: `exit N`, `term-exit`, `term-ignore`, `term-fail`, `term-die`, `fork N`,
 //! `setsid-wait`, `setsid-exit`, `sigstop`, `write N`, `interleave`, `touch FILE` (create FILE,
 //! then exit 0), `record-term FILE [READY]` (on SIGTERM write CLOCK_REALTIME ns to FILE and exit 0; once ready, write
-//! its pid to READY).
+//! its pid to READY), `fuse-hang DIR` (mount a FUSE filesystem at DIR that answers the kernel's
+//! INIT and nothing else: any lookup under DIR, such as an execve of `DIR/x`, waits until the
+//! helper dies; each request is reported on stdout as `request <opcode>`).
 
 use std::io::Write;
 
@@ -173,9 +175,60 @@ fn main() {
             }
             forever()
         }
+        "fuse-hang" => fuse_hang(&arg(1)),
         other => {
             eprintln!("test-helper: unknown mode {other:?}");
             std::process::exit(64);
         }
+    }
+}
+
+/// A FUSE server that never answers: the stand-in for a hung network or FUSE mount.
+fn fuse_hang(dir: &str) -> ! {
+    const FUSE_INIT: u32 = 26;
+    let fd = unsafe { libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR) };
+    if fd < 0 {
+        eprintln!("test-helper: cannot open /dev/fuse: {}", std::io::Error::last_os_error());
+        std::process::exit(2);
+    }
+    let target = std::ffi::CString::new(dir).unwrap_or_default();
+    let opts = std::ffi::CString::new(format!("fd={fd},rootmode=40000,user_id=0,group_id=0")).unwrap_or_default();
+    let r = unsafe {
+        libc::mount(
+            c"nodeplan-hang".as_ptr(),
+            target.as_ptr(),
+            c"fuse".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            opts.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        eprintln!("test-helper: cannot mount fuse on {dir}: {}", std::io::Error::last_os_error());
+        std::process::exit(2);
+    }
+    ready();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 40 {
+            forever();
+        }
+        let u32_at = |o: usize| u32::from_ne_bytes([buf[o], buf[o + 1], buf[o + 2], buf[o + 3]]);
+        let opcode = u32_at(4);
+        let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default());
+        if opcode != FUSE_INIT {
+            say(&format!("request {opcode}"));
+            continue;
+        }
+        // fuse_out_header (16 bytes) + fuse_init_out (64 bytes): protocol 7.31, nothing else.
+        let mut out = [0u8; 80];
+        out[0..4].copy_from_slice(&80u32.to_ne_bytes());
+        out[8..16].copy_from_slice(&unique.to_ne_bytes());
+        out[16..20].copy_from_slice(&7u32.to_ne_bytes());
+        out[20..24].copy_from_slice(&31u32.to_ne_bytes());
+        out[24..28].copy_from_slice(&u32_at(48).to_ne_bytes()); // max_readahead, as asked
+        out[36..40].copy_from_slice(&4096u32.to_ne_bytes()); // max_write
+        out[40..44].copy_from_slice(&1u32.to_ne_bytes()); // time_gran
+        unsafe { libc::write(fd, out.as_ptr().cast(), out.len()) };
     }
 }

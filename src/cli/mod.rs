@@ -82,9 +82,29 @@ fn ensure_std_fds() {
     }
 }
 
+/// Every descriptor above 2 that whoever started the agent left open becomes close-on-exec, so
+/// no instruction inherits it (a leaked fd to a root-only file or socket would be readable by
+/// whatever the plan runs, and by anyone who can attach to those processes).
+fn cloexec_inherited_fds() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range with the CLOEXEC flag only sets a flag on descriptors.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, libc::c_uint::MAX, CLOSE_RANGE_CLOEXEC) };
+    if r != 0 {
+        // Kernels before 5.11: one by one.
+        if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+            let fds: Vec<i32> = dir.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+            for fd in fds.into_iter().filter(|fd| *fd > 2) {
+                // SAFETY: F_SETFD on a descriptor number; a closed one just fails.
+                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            }
+        }
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     ensure_std_fds();
+    cloexec_inherited_fds();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -323,11 +323,17 @@ impl Supervisor {
             return abandon(Outcome::NotStarted(r), &cgroup_dir, record_file);
         }
         // Born in its cgroup with a pidfd (clone3) where the kernel allows it; otherwise join the
-        // cgroup before exec.
+        // cgroup before exec. Either way the spawn runs on the blocking pool: until the child has
+        // exec'd, the spawning thread waits for it, and a child stuck in chdir or execve (a hung
+        // network or FUSE mount) must not hold the runtime's only thread. A stop or the timeout
+        // meanwhile kills the child where it stands.
+        let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
+        let spec = Arc::new(spec);
         let mut child = None;
+        let mut interrupted = None;
         if self.inner.clone3.load(Ordering::Relaxed) {
-            let mut spawned = spawn::spawn(&spec, &marker, cgroup_dir.as_deref());
-            if let Err(spawn::SpawnError::LeafGone(e)) = &spawned {
+            let mut spawned = self.spawn_raw(&spec, &marker, cgroup_dir.as_deref(), stop, deadline).await;
+            if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
                 tracing::warn!("the cgroup of {} vanished before its spawn ({e}); starting it without one", spec.owner);
                 cgroup_dir = None;
                 record.cgroup = None;
@@ -336,15 +342,26 @@ impl Supervisor {
                 {
                     tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
                 }
-                spawned = spawn::spawn(&spec, &marker, None);
+                spawned = self.spawn_raw(&spec, &marker, None, stop, deadline).await;
             }
+            let spawned = match spawned {
+                Ok(r) => r,
+                Err(Interrupted { reason, result: Some(r) }) => {
+                    interrupted = Some(reason);
+                    r
+                }
+                Err(Interrupted { reason, result: None }) => {
+                    stuck_before_exec(&spec, record_file);
+                    return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
+                }
+            };
             match spawned {
                 Ok(c) => child = Some(Child::Raw(c)),
-                Err(spawn::SpawnError::LeafGone(e)) => {
-                    let what = format!("{}: {e}", spec.program.to_string_lossy());
-                    return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
+                Err(_) if interrupted.is_some() => {
+                    let reason = interrupted.unwrap_or(StopReason::Cancel);
+                    return abandon(Outcome::NotStarted(reason), &cgroup_dir, record_file);
                 }
-                Err(spawn::SpawnError::Failed(e)) => {
+                Err(spawn::SpawnError::LeafGone(e) | spawn::SpawnError::Failed(e)) => {
                     let what = format!("{}: {e}", spec.program.to_string_lossy());
                     return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
                 }
@@ -357,13 +374,8 @@ impl Supervisor {
         let mut child = match child {
             Some(c) => c,
             None => {
-                let procs = cgroup_dir.as_deref().map(cgroup::open_procs).transpose();
-                let mut spawned = match &procs {
-                    Ok(fd) => command(&spec, &marker, fd.as_ref().map(|fd| fd.as_raw_fd())).spawn(),
-                    Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
-                };
-                drop(procs);
-                if spawned.is_err()
+                let mut spawned = self.spawn_tokio(&spec, &marker, cgroup_dir.clone(), stop, deadline).await;
+                if matches!(spawned, Ok(Err(_)))
                     && let Some(d) = cgroup_dir.take()
                 {
                     // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so
@@ -375,16 +387,31 @@ impl Supervisor {
                     {
                         tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
                     }
-                    spawned = command(&spec, &marker, None).spawn();
-                    if spawned.is_ok() && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                    spawned = self.spawn_tokio(&spec, &marker, None, stop, deadline).await;
+                    if matches!(spawned, Ok(Ok(_))) && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
                             "cannot start processes in their own cgroup under {}; using the process group",
                             d.display()
                         );
                     }
                 }
+                let spawned = match spawned {
+                    Ok(r) => r,
+                    Err(Interrupted { reason, result: Some(r) }) => {
+                        interrupted = Some(reason);
+                        r
+                    }
+                    Err(Interrupted { reason, result: None }) => {
+                        stuck_before_exec(&spec, record_file);
+                        return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
+                    }
+                };
                 match spawned {
                     Ok(c) => Child::Tokio(c),
+                    Err(_) if interrupted.is_some() => {
+                        let reason = interrupted.unwrap_or(StopReason::Cancel);
+                        return abandon(Outcome::NotStarted(reason), &cgroup_dir, record_file);
+                    }
                     Err(e) => {
                         let what = format!("{}: {e}", spec.program.to_string_lossy());
                         return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
@@ -419,6 +446,8 @@ impl Supervisor {
         let timeout = spec.timeout;
         let stop_reason = tokio::select! {
             biased;
+            // Stopped while it was being spawned: straight to the ladder.
+            r = std::future::ready(interrupted), if interrupted.is_some() => r.unwrap_or(StopReason::Cancel),
             status = child.wait() => {
                 let outcome = match status {
                     Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
@@ -454,7 +483,7 @@ impl Supervisor {
                 return finish(outcome, captures.take(), Some(pid));
             }
             r = stop.wait() => r,
-            _ = sleep_opt(timeout) => StopReason::Timeout(timeout.unwrap_or_default()),
+            _ = sleep_until_opt(deadline) => StopReason::Timeout(timeout.unwrap_or_default()),
         };
 
         let outcome = ladder(&tree, Some(&mut child), &cfg.policy, stop_reason, || {
@@ -471,6 +500,59 @@ impl Supervisor {
             blocking(tree, |t| t.cleanup()).await;
         }
         finish(outcome, captures.take(), Some(pid))
+    }
+
+    /// `clone3` on the blocking pool (see [`spawn::spawn`] and [`await_spawn`]).
+    async fn spawn_raw(
+        &self,
+        spec: &Arc<SpawnSpec>,
+        marker: &str,
+        dir: Option<&Path>,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Spawned<Result<spawn::RawChild, spawn::SpawnError>> {
+        let early = Arc::new(spawn::EarlyPid::default());
+        let job = {
+            let (spec, marker, dir, early) =
+                (spec.clone(), marker.to_string(), dir.map(Path::to_path_buf), early.clone());
+            tokio::task::spawn_blocking(move || spawn::spawn(&spec, &marker, dir.as_deref(), &early))
+        };
+        let leaf = dir.map(Path::to_path_buf);
+        let kill = move || {
+            if let Some(l) = &leaf {
+                let _ = cgroup::kill(l);
+            }
+            early.kill();
+        };
+        let failed = |e| Err(spawn::SpawnError::Failed(std::io::Error::other(e)));
+        await_spawn(job, failed, kill, stop, deadline, spec.timeout, self.inner.config.policy.kill_timeout).await
+    }
+
+    /// tokio's spawn (joining the cgroup `dir` before exec) on the blocking pool. A child stuck
+    /// before exec can only be killed through its cgroup here.
+    async fn spawn_tokio(
+        &self,
+        spec: &Arc<SpawnSpec>,
+        marker: &str,
+        dir: Option<PathBuf>,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Spawned<std::io::Result<tokio::process::Child>> {
+        let leaf = dir.clone();
+        let job = {
+            let (spec, marker) = (spec.clone(), marker.to_string());
+            tokio::task::spawn_blocking(move || {
+                let procs = dir.as_deref().map(cgroup::open_procs).transpose()?;
+                command(&spec, &marker, procs.as_ref().map(|fd| fd.as_raw_fd())).spawn()
+            })
+        };
+        let kill = move || {
+            if let Some(l) = &leaf {
+                let _ = cgroup::kill(l);
+            }
+        };
+        let failed = |e| Err(std::io::Error::other(e));
+        await_spawn(job, failed, kill, stop, deadline, spec.timeout, self.inner.config.policy.kill_timeout).await
     }
 
     /// Remove the cgroups of daemons left by earlier runs once they are empty.
@@ -599,11 +681,54 @@ fn remove_record(path: Option<&Path>) {
     }
 }
 
-async fn sleep_opt(d: Option<Duration>) {
+async fn sleep_until_opt(d: Option<tokio::time::Instant>) {
     match d {
-        Some(d) => tokio::time::sleep(d).await,
+        Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
     }
+}
+
+/// A spawn that a stop or the timeout interrupted: the child (if any) was killed where it stood;
+/// `result` is what the spawn returned once the kill freed it, `None` when it is still stuck.
+struct Interrupted<R> {
+    reason: StopReason,
+    result: Option<R>,
+}
+
+/// What a spawn on the blocking pool came to.
+type Spawned<R> = Result<R, Interrupted<R>>;
+
+/// Await a spawn running on the blocking pool, or, on a stop or at `deadline`, `kill` the child
+/// where it stands and give the spawn `kill_wait` more to return.
+async fn await_spawn<R>(
+    job: tokio::task::JoinHandle<R>,
+    failed: impl Fn(tokio::task::JoinError) -> R,
+    kill: impl FnOnce(),
+    stop: &mut StopSignal,
+    deadline: Option<tokio::time::Instant>,
+    timeout: Option<Duration>,
+    kill_wait: Duration,
+) -> Spawned<R> {
+    tokio::pin!(job);
+    let reason = tokio::select! {
+        biased;
+        r = &mut job => return Ok(r.unwrap_or_else(&failed)),
+        r = stop.wait() => r,
+        _ = sleep_until_opt(deadline) => StopReason::Timeout(timeout.unwrap_or_default()),
+    };
+    kill();
+    let result = tokio::time::timeout(kill_wait, &mut job).await.ok().map(|r| r.unwrap_or_else(&failed));
+    Err(Interrupted { reason, result })
+}
+
+/// A child that SIGKILL did not free from before its exec (an uninterruptible wait in the
+/// kernel): its PID record stays, so that a later recovery finds it by its cgroup or marker.
+fn stuck_before_exec(spec: &SpawnSpec, record: Option<RecordFile>) {
+    tracing::error!(
+        "{} is stuck before exec and survived SIGKILL; its PID record is kept",
+        spec.program.to_string_lossy()
+    );
+    drop(record);
 }
 
 /// A started child: spawned by tokio (joining its cgroup before exec, or without one) or by
@@ -672,18 +797,16 @@ fn command(spec: &SpawnSpec, marker: &str, cgroup_procs: Option<std::os::fd::Raw
     if let Some(cwd) = &spec.cwd {
         cmd.current_dir(cwd);
     }
-    if let Some(fd) = cgroup_procs {
-        // SAFETY: the closure only calls write(2), which is async-signal-safe, on an fd opened
-        // before the fork (and kept open until the spawn returns); it allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
-            });
-        }
+    // SAFETY: the closure only calls sigaction and write(2), which are async-signal-safe, on an
+    // fd opened before the fork (and kept open until the spawn returns); it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            spawn::reset_signal_dispositions();
+            match cgroup_procs {
+                Some(fd) if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 => Err(std::io::Error::last_os_error()),
+                _ => Ok(()),
+            }
+        });
     }
     cmd
 }

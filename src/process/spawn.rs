@@ -19,6 +19,36 @@ use tokio::io::unix::AsyncFd;
 
 const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
 
+/// The child's pid from the moment it exists (the kernel stores it before the child first runs,
+/// `CLONE_PARENT_SETTID`), so that a child stuck before `execve` (in `chdir` or `execve` on an
+/// unresponsive network or FUSE mount), which also holds the spawning thread under vfork, can be
+/// killed from another thread.
+#[derive(Default)]
+pub(crate) struct EarlyPid {
+    pid: std::sync::atomic::AtomicI32,
+    /// Set once the spawning thread reaps the child: its pid may be reused from then on.
+    reaped: std::sync::Mutex<bool>,
+}
+
+impl EarlyPid {
+    /// SIGKILL the child if it exists and has not been reaped. Signalling by pid is safe here: an
+    /// unreaped child's pid cannot be reused.
+    pub fn kill(&self) {
+        let Ok(reaped) = self.reaped.lock() else { return };
+        let pid = self.pid.load(std::sync::atomic::Ordering::SeqCst);
+        if !*reaped && pid > 0 {
+            // SAFETY: kill(2) with a pid of our own unreaped child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+
+    fn reaping(&self) {
+        if let Ok(mut r) = self.reaped.lock() {
+            *r = true;
+        }
+    }
+}
+
 /// `struct clone_args` (version 2, with `cgroup`).
 #[repr(C)]
 #[derive(Default)]
@@ -112,28 +142,50 @@ unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
         if !(*ctx).cwd.is_null() && libc::chdir((*ctx).cwd) < 0 {
             fail(ctx);
         }
-        // Every handler the agent installed goes back to the default before any signal is let
-        // through (a handler run here would act on the agent's memory), and SIGPIPE, which Rust
-        // ignores, is restored as std does.
-        for sig in 1..=64 {
-            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
-                continue;
-            }
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
-                continue;
-            }
-            if old.sa_sigaction != libc::SIG_DFL && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE) {
-                let mut dfl: libc::sigaction = std::mem::zeroed();
-                dfl.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(sig, &dfl, std::ptr::null_mut());
-            }
-        }
+        reset_signal_dispositions();
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
         libc::execve((*ctx).program, (*ctx).argv, (*ctx).envp);
         fail(ctx)
+    }
+}
+
+/// Every signal disposition back to the default, as a service manager starts its services:
+/// handlers the agent installed (a handler run in a vfork child would act on the agent's
+/// memory), SIGPIPE, which Rust ignores, and any signal ignored by whoever started the agent
+/// (`nohup`, a shell's background job): an instruction must not silently ignore SIGHUP or SIGINT
+/// because of how the agent was launched.
+///
+/// # Safety
+/// Async-signal-safe (sigaction only); for a child between fork or clone and exec.
+pub(crate) unsafe fn reset_signal_dispositions() {
+    /// The kernel's `struct sigaction` (x86_64 and the generic layout): the raw system call
+    /// reaches signals 32 and 33 too, which glibc's sigaction refuses as its own.
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: usize,
+        flags: libc::c_ulong,
+        restorer: usize,
+        mask: u64,
+    }
+    // SAFETY: rt_sigaction on local structs of the kernel's layout; see the function's contract.
+    unsafe {
+        for sig in 1..=64 {
+            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                continue;
+            }
+            let mut old: KernelSigaction = std::mem::zeroed();
+            let none = std::ptr::null::<KernelSigaction>();
+            if libc::syscall(libc::SYS_rt_sigaction, sig, none, &mut old as *mut KernelSigaction, 8usize) != 0 {
+                continue;
+            }
+            if old.handler != libc::SIG_DFL {
+                let dfl: KernelSigaction = std::mem::zeroed();
+                let none = std::ptr::null_mut::<KernelSigaction>();
+                libc::syscall(libc::SYS_rt_sigaction, sig, &dfl as *const KernelSigaction, none, 8usize);
+            }
+        }
     }
 }
 
@@ -240,7 +292,16 @@ pub(crate) enum SpawnError {
 
 /// Start `spec` (with the run marker in its environment) in its own process group, inside the
 /// cgroup `cgroup_dir` when given.
-pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -> Result<RawChild, SpawnError> {
+///
+/// Under vfork this blocks the calling thread until the child has exec'd or exited, which may be
+/// never (a hung mount): call it off the runtime thread. `early` learns the pid before the child
+/// runs.
+pub(crate) fn spawn(
+    spec: &SpawnSpec,
+    marker: &str,
+    cgroup_dir: Option<&Path>,
+    early: &EarlyPid,
+) -> Result<RawChild, SpawnError> {
     use SpawnError::{Failed, LeafGone, Unsupported};
     let mut env: Vec<(OsString, OsString)> = spec.env.iter().filter(|(k, _)| k != super::MARKER_ENV).cloned().collect();
     env.push((super::MARKER_ENV.into(), marker.into()));
@@ -298,13 +359,14 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -
     };
 
     let mut pidfd: libc::c_int = -1;
-    let mut flags = libc::CLONE_PIDFD as u64;
+    let mut flags = (libc::CLONE_PIDFD | libc::CLONE_PARENT_SETTID) as u64;
     if cgroup.is_some() {
         flags |= CLONE_INTO_CGROUP;
     }
     let mut args = CloneArgs {
         flags,
         pidfd: &mut pidfd as *mut libc::c_int as u64,
+        parent_tid: early.pid.as_ptr() as u64,
         exit_signal: libc::SIGCHLD as u64,
         cgroup: cgroup.as_ref().map_or(0, |c| c.as_raw_fd() as u64),
         ..Default::default()
@@ -343,6 +405,7 @@ pub(crate) fn spawn(spec: &SpawnSpec, marker: &str, cgroup_dir: Option<&Path>) -
     }
     let mut child = RawChild { pid, pidfd: None, stdout: Some(out_r), stderr: Some(err_r), reaped: false };
     if errno != 0 {
+        early.reaping();
         let _ = rustix::process::waitid(
             rustix::process::WaitId::PidFd(pidfd.as_fd()),
             rustix::process::WaitIdOptions::EXITED,
@@ -436,9 +499,11 @@ mod tests {
         let marker_file = d.path().join("ran");
         let spec = SpawnSpec::new("/bin/touch", [marker_file.as_os_str()]);
         let gone = d.path().join("no-such-leaf");
-        assert!(matches!(spawn(&spec, "np-test", Some(&gone)), Err(SpawnError::LeafGone(_))));
+        let early = EarlyPid::default();
+        assert!(matches!(spawn(&spec, "np-test", Some(&gone), &early), Err(SpawnError::LeafGone(_))));
         assert!(!marker_file.exists());
-        let mut child = spawn(&spec, "np-test", None).unwrap();
+        let mut child = spawn(&spec, "np-test", None, &early).unwrap();
+        assert_eq!(early.pid.load(std::sync::atomic::Ordering::SeqCst), child.pid, "known before the spawn returned");
         assert!(child.wait().await.unwrap().success());
         assert!(marker_file.exists());
     }

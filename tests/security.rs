@@ -1,0 +1,176 @@
+//! SECURITY.md end to end: the attacks and hostile environments it names, against the real
+//! binary. Everything destructive happens under a temporary directory.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+fn sh(name: &str, script: &str) -> serde_json::Value {
+    serde_json::json!({"name": name, "command": "sh", "args": ["-c", script]})
+}
+
+fn write_plan(dir: &Path, json: serde_json::Value) -> String {
+    let path = dir.join("test.plan");
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+fn apply(dir: &Path, plan: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(NODEPLAN);
+    c.args(["apply", plan, "--work-dir"])
+        .arg(dir.join("work"))
+        .arg("--pid-dir")
+        .arg(dir.join("pids"))
+        .args(extra)
+        .env("NODEPLAN_LOG", "warn");
+    c
+}
+
+/// A plan file written under a directory a local user owns: the user swaps a component for a
+/// link to a root-only directory. The write is refused and nothing in that directory changes.
+#[test]
+fn plan_files_never_follow_a_link_another_user_planted() {
+    let d = tempfile::tempdir().unwrap();
+    let victim = d.path().join("etc");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("passwd"), b"root:x:0:0").unwrap();
+    let home = d.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    std::os::unix::fs::lchown(&home, Some(1000), Some(1000)).unwrap();
+    let link = home.join("app");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    std::os::unix::fs::lchown(&link, Some(1000), Some(1000)).unwrap();
+    let plan = write_plan(
+        d.path(),
+        serde_json::json!({"files": [
+            {"path": link.join("passwd"), "content": "cHduZWQ=", "permissions": "0666", "uid": 1000, "gid": 1000}
+        ]}),
+    );
+    let out = apply(d.path(), &plan, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("refusing to follow the symlink \"app\""), "{err}");
+    let m = std::fs::metadata(victim.join("passwd")).unwrap();
+    assert_eq!(std::fs::read(victim.join("passwd")).unwrap(), b"root:x:0:0");
+    assert_eq!((m.uid(), m.mode() & 0o777), (0, 0o644));
+}
+
+/// The agent is started with an open descriptor and ignored signals (as `nohup` or a shell's
+/// background job leaves them): its instructions get neither.
+#[test]
+fn instructions_inherit_no_descriptor_and_no_ignored_signal_from_the_agents_parent() {
+    let d = tempfile::tempdir().unwrap();
+    let out_file = d.path().join("seen");
+    let plan = write_plan(
+        d.path(),
+        serde_json::json!({"instructions": [sh("look", &format!(
+            "if [ -e /proc/$$/fd/7 ]; then echo leaked fd 7; fi > {o}; grep SigIgn /proc/$$/status >> {o}",
+            o = out_file.display()
+        ))]}),
+    );
+    let secret = d.path().join("secret");
+    std::fs::write(&secret, b"s").unwrap();
+    let inner = apply(d.path(), &plan, &[]);
+    let args: Vec<String> = std::iter::once(inner.get_program())
+        .chain(inner.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let script = format!("trap '' HUP INT USR1; exec 7<'{}'; exec {}", secret.display(), args.join(" "));
+    let out = Command::new("sh").args(["-c", &script]).env("NODEPLAN_LOG", "warn").output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let seen = std::fs::read_to_string(&out_file).unwrap();
+    assert_eq!(seen, "SigIgn:\t0000000000000000\n", "no descriptor leaked, no signal ignored");
+}
+
+/// Unmounts and stops the hung FUSE server whatever happens, which frees any process stuck on it.
+struct Fuse {
+    server: std::process::Child,
+    mnt: std::path::PathBuf,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Fuse {
+    fn start(mnt: &Path) -> Option<Fuse> {
+        std::fs::create_dir_all(mnt).unwrap();
+        let mut server = Command::new(HELPER)
+            .arg("fuse-hang")
+            .arg(mnt)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .ok()?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        let stdout = server.stdout.take()?;
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        let f = Fuse { server, mnt: mnt.to_path_buf(), lines };
+        match f.lines.recv_timeout(GUARD) {
+            Ok(l) if l.starts_with("ready") => Some(f),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Fuse {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let c = std::ffi::CString::new(self.mnt.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: umount2 of the test's own mount point.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// An instruction whose program lives on a mount that never answers holds its spawn in execve,
+/// and the spawning thread with it (vfork). The agent still takes SIGTERM and cancels, with
+/// and without a cgroup to kill through, and says what it could not stop.
+#[test]
+fn a_spawn_stuck_in_execve_never_freezes_the_agent() {
+    for cgroup in ["auto", "off"] {
+        let d = tempfile::tempdir().unwrap();
+        let Some(fuse) = Fuse::start(&d.path().join("mnt")) else {
+            assert!(require(false, "a FUSE mount (/dev/fuse)"));
+            return;
+        };
+        let plan = write_plan(
+            d.path(),
+            serde_json::json!({"instructions": [{"name": "stuck", "command": d.path().join("mnt/x")}]}),
+        );
+        let mut agent = apply(d.path(), &plan, &["--cgroup", cgroup, "--kill-timeout", "1s"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The handshake: the FUSE server saw the lookup, so the spawn is stuck in execve.
+        let l = fuse.lines.recv_timeout(GUARD).expect("the execve reached the FUSE mount");
+        assert!(l.starts_with("request"), "{l}");
+        // SAFETY: signalling the test's own child.
+        unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + GUARD;
+        let status = loop {
+            if let Some(s) = agent.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = agent.kill();
+                panic!("cgroup {cgroup}: the agent ignored SIGTERM while a spawn was stuck");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(4), "cgroup {cgroup}: canceled: {err}");
+        // A request the FUSE server has read waits uninterruptibly in the kernel: SIGKILL cannot
+        // free the child, which is said, and its PID record is kept for a later recovery.
+        assert!(err.contains("stuck before exec and survived SIGKILL"), "{err}");
+        assert_eq!(std::fs::read_dir(d.path().join("pids")).unwrap().count(), 1, "{err}");
+        drop(fuse);
+    }
+}
