@@ -194,3 +194,22 @@ fn help_and_bad_arguments() {
     let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A PID directory others can write to may hold forged records (or hide a real leftover): apply
+/// refuses it with one line, runs nothing and exits 1.
+#[test]
+fn an_untrusted_pid_directory_refuses_the_apply() {
+    use std::os::unix::fs::PermissionsExt;
+    let e = Env::new();
+    let ran = e.p("ran");
+    let plan = e.plan(serde_json::json!({"instructions": [sh("touch", &format!("touch {ran}"))]}));
+    std::fs::create_dir(e.p("pids")).unwrap();
+    std::fs::set_permissions(e.p("pids"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = e.cmd(&plan, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("nodeplan: ")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("writable by group or others (mode 0777)"), "{err}");
+    assert!(!Path::new(&ran).exists(), "the plan ran");
+}

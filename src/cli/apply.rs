@@ -109,11 +109,18 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let owner = format!("apply:{}", plan.checksum);
     // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
     for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
-        if let RecoveryResult::NotStopped(o) = r.result {
-            eprintln!(
-                "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
-            );
-            return exit::FAILED;
+        match r.result {
+            RecoveryResult::NotStopped(o) => {
+                eprintln!(
+                    "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
+                );
+                return exit::FAILED;
+            }
+            RecoveryResult::Refused(why) => {
+                eprintln!("nodeplan: {why}; not running the plan (a leftover of it may still run)");
+                return exit::FAILED;
+            }
+            _ => {}
         }
     }
 

@@ -74,10 +74,42 @@ impl CgroupRoot {
             }
         };
         std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create cgroup root {}: {e}", dir.display()))?;
-        if !dir.join("cgroup.procs").exists() {
+        if fs_magic(&dir).ok() != Some(CGROUP2_SUPER_MAGIC) || !dir.join("cgroup.procs").exists() {
             return Err(format!("{} is not a cgroup2 directory", dir.display()));
         }
         Ok(Some(CgroupRoot { dir }))
+    }
+
+    /// Check the cgroup a PID record names before anything in it is signalled: it must be exactly
+    /// this root's leaf for `marker` (canonical paths compared) on a cgroup filesystem of this
+    /// root's kind. `Ok(Some(leaf))` is the verified leaf, `Ok(None)` means the record's own leaf
+    /// no longer exists; `Err` says why the record is refused.
+    pub fn verify_leaf(&self, claimed: &Path, marker: &str) -> Result<Option<PathBuf>, String> {
+        let refuse = |why: String| Err(format!("names cgroup {}, {why}", claimed.display()));
+        let root = std::fs::canonicalize(&self.dir)
+            .map_err(|e| format!("cannot resolve the cgroup root {}: {e}", self.dir.display()))?;
+        let expected = root.join(marker);
+        if marker.contains('/') || marker.starts_with('.') || expected.parent() != Some(root.as_path()) {
+            return refuse(format!("but its marker {marker:?} is not a plain name"));
+        }
+        let leaf = match std::fs::canonicalize(claimed) {
+            Ok(c) => c,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Gone already: fine for the record's own leaf, which the sweep may have removed.
+                let own = claimed.parent().and_then(|p| std::fs::canonicalize(p).ok()).as_deref() == Some(&root)
+                    && claimed.file_name() == expected.file_name();
+                return if own { Ok(None) } else { refuse(format!("not {}", expected.display())) };
+            }
+            Err(e) => return refuse(format!("which cannot be resolved: {e}")),
+        };
+        if leaf != expected {
+            return refuse(format!("not this agent's leaf {}", expected.display()));
+        }
+        match fs_magic(&leaf) {
+            Ok(m) if m == CGROUP2_SUPER_MAGIC => Ok(Some(leaf)),
+            Ok(m) => refuse(format!("which is not on a cgroup2 filesystem (statfs type {m:#x})")),
+            Err(e) => refuse(format!("which cannot be examined: {e}")),
+        }
     }
 
     /// Create the leaf `name`.
@@ -86,6 +118,14 @@ impl CgroupRoot {
         std::fs::create_dir(&dir)?;
         Ok(dir)
     }
+}
+
+/// `f_type` of a cgroup v2 filesystem (`statfs`).
+pub const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+
+/// The filesystem type (`statfs` `f_type`) of `path`.
+pub fn fs_magic(path: &Path) -> io::Result<u64> {
+    Ok(rustix::fs::statfs(path)?.f_type as u64)
 }
 
 /// Open a leaf's `cgroup.procs` for a child to join before exec (where clone3 cannot start it
