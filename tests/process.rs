@@ -676,3 +676,119 @@ async fn untrusted_record_files_are_refused_and_nothing_is_signalled() {
     assert!(out.iter().all(|r| r.record.is_none()), "nothing of an untrusted record is read");
     assert_eq!(std::fs::read_dir(pids.path()).unwrap().count(), 3, "the records are kept");
 }
+
+/// A process the test must not leave behind whatever happens, killed on drop through a pidfd
+/// taken while it was known to be ours (never a recycled pid).
+struct Guard(rustix::fd::OwnedFd);
+
+impl Guard {
+    fn new(pid: i32) -> Guard {
+        let pid = rustix::process::Pid::from_raw(pid).unwrap();
+        Guard(rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap())
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = rustix::process::pidfd_send_signal(&self.0, rustix::process::Signal::KILL);
+    }
+}
+
+/// An instruction that starts an escapee which leaves its session and drops its whole environment
+/// (so neither the process group nor the run marker finds it) and ignores SIGTERM, then waits.
+const ESCAPE: &str = r#"setsid env -i /bin/sh -c 'trap "" TERM; echo escapee $$; exec sleep 1000' </dev/null & echo ready; exec sleep 1000"#;
+
+fn sh_spec(script: &str, sink: std::sync::Arc<dyn LineSink>) -> SpawnSpec {
+    let mut spec = SpawnSpec::new("sh", ["-c", script]);
+    spec.sink = sink;
+    spec.owner = "test".into();
+    spec
+}
+
+fn v1_supervisor(policy: StopPolicy, pid_dir: Option<&std::path::Path>) -> Option<Supervisor> {
+    let sup = sup_with(policy, CgroupMode::V1, pid_dir);
+    require(sup.cgroup_root().is_some(), "a cgroup v1 freezer hierarchy").then_some(sup)
+}
+
+/// Start [`ESCAPE`] and wait until the escapee is set up; its pid, checked to have really escaped.
+async fn start_escapee(lines: &mut Lines) -> (i32, Guard) {
+    let pid: i32 = wait_line(lines, "escapee").await.parse().unwrap();
+    let guard = Guard::new(pid);
+    wait_line(lines, "ready").await;
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    assert!(!env.windows(MARKER_ENV.len()).any(|w| w == MARKER_ENV.as_bytes()), "the escapee kept the marker");
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let sid: i32 = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(sid, pid, "the escapee leads a session of its own");
+    (pid, guard)
+}
+
+/// With the cgroup v1 freezer backend, a cancel stops an escapee that left the session and dropped
+/// its environment (the process-group-and-marker fallback cannot find it): the leaf is frozen, its
+/// processes killed, the leaf thawed and removed.
+#[tokio::test]
+async fn v1_freezer_cancel_kills_an_escapee_that_dropped_its_session_and_environment() {
+    let Some(sup) = v1_supervisor(short(true), None) else { return };
+    let root = sup.cgroup_root().unwrap().to_path_buf();
+    assert_eq!(nodeplan::process::cgroup::fs_magic(&root).unwrap(), nodeplan::process::cgroup::CGROUP_SUPER_MAGIC);
+    let (sink, mut lines) = chan_sink();
+    let (tx, mut stop) = StopSignal::channel();
+    let sup2 = sup.clone();
+    let run = tokio::spawn(async move { sup2.run(sh_spec(ESCAPE, sink), &mut stop).await });
+    let (escapee, _guard) = start_escapee(&mut lines).await;
+    let in_leaf = std::fs::read_to_string(format!("/proc/{escapee}/cgroup")).unwrap();
+    tx.send(Some(StopReason::Cancel)).unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.expect("the cancel hung").unwrap();
+    let survived = alive(escapee);
+    assert!(in_leaf.lines().any(|l| l.contains(":freezer:") && l.ends_with(&r.marker)), "{in_leaf}");
+    assert!(!survived, "the escapee survived the cancel");
+    assert_eq!(r.outcome.to_string(), "killed after 300ms grace");
+    assert!(!root.join(&r.marker).exists(), "the run's v1 leaf is removed once empty");
+}
+
+/// Recovery with the v1 backend: the record names the v1 leaf, which is verified (this agent's v1
+/// root plus the marker, on a cgroup v1 filesystem) and stopped with everything in it.
+#[tokio::test]
+async fn v1_freezer_recovery_stops_a_leftover_escapee_through_its_leaf() {
+    let pids = tempfile::tempdir().unwrap();
+    let Some(first) = v1_supervisor(long(), Some(pids.path())) else { return };
+    let (sink, mut lines) = chan_sink();
+    // The "crashed agent": its run is dropped mid-flight, leaving the tree and its record.
+    let run = tokio::spawn(async move { first.run(sh_spec(ESCAPE, sink), &mut StopSignal::never()).await });
+    let (escapee, _guard) = start_escapee(&mut lines).await;
+    run.abort();
+    let _ = run.await;
+    let recs = PidRecord::load_all(pids.path());
+    let leaf = recs[0].1.as_ref().unwrap().cgroup.clone().unwrap();
+    assert!(alive(escapee) && leaf.is_dir());
+    let second = v1_supervisor(short(true), Some(pids.path())).unwrap();
+    assert!(leaf.starts_with(second.cgroup_root().unwrap()), "{}", leaf.display());
+    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test")).await.unwrap();
+    let survived = alive(escapee);
+    assert_eq!(rec.len(), 1);
+    assert!(matches!(rec[0].result, RecoveryResult::Stopped(Outcome::Killed { .. })), "{:?}", rec[0].result);
+    assert!(!survived, "the escapee survived recovery");
+    assert!(!leaf.exists(), "the leaf is removed");
+    assert!(PidRecord::load_all(pids.path()).is_empty());
+}
+
+/// Item 3's rule holds for the v1 backend too: a record naming a v1 freezer cgroup outside the
+/// agent's v1 root is refused, and nothing in it is signalled or removed.
+#[tokio::test]
+async fn a_record_naming_another_v1_cgroup_is_refused() {
+    let Some(sup) = v1_supervisor(short(true), None) else { return };
+    let hierarchy = sup.cgroup_root().unwrap().parent().unwrap().to_path_buf();
+    let marker = format!("np1.1-0-forgedv1{}", std::process::id());
+    let outside = hierarchy.join(format!("nodeplan-test-forged-{}", std::process::id()));
+    std::fs::create_dir_all(outside.join(&marker)).unwrap();
+    let cg = TestCgroup(outside.join(&marker));
+    let mut victim = Victim::start(None);
+    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
+    rec.create(pids.path()).unwrap();
+    let sup = v1_supervisor(short(true), Some(pids.path())).unwrap();
+    let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+    assert!(victim.alive() && cg.0.is_dir(), "a v1 cgroup the record merely named was acted on");
+    assert!(refused(&out[0]).contains("not this agent's leaf"), "{out:?}");
+}

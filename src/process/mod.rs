@@ -1,7 +1,8 @@
 //! The process layer: the only place in nodeplan that spawns, waits for or signals a process.
 //!
-//! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup v2
-//! leaf when cgroup2 is writable: born in it with clone3, or joining it before exec), concurrent
+//! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup
+//! leaf when a hierarchy is usable: cgroup v2, born in it with clone3 or joining it before exec, else
+//! a cgroup v1 freezer leaf joined before exec; see [`cgroup`]), concurrent
 //! capture of stdout and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace,
 //! SIGKILL/`cgroup.kill`, kill timeout), typed outcomes, PID records and crash recovery, and the
 //! respawn loop of `nodeplan supervise`. It knows nothing about plans: callers hand it a
@@ -222,7 +223,7 @@ impl Supervisor {
             Ok(c) => c,
             Err(e) => {
                 CGROUP_WARNING.get_or_init(|| {
-                    tracing::warn!("cgroup v2 unavailable ({e}); process trees are tracked by process group and run marker only, so a setsid escapee that clears its environment cannot be stopped");
+                    tracing::warn!("no usable cgroup hierarchy ({e}); process trees are tracked by process group and run marker only, so a setsid escapee that clears its environment cannot be stopped");
                 });
                 None
             }
@@ -393,7 +394,8 @@ impl Supervisor {
             }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
+        let backend = self.inner.cgroups.as_ref().map_or(cgroup::Backend::V2, |r| r.backend);
+        let tree = Tree::new(cgroup_dir.clone().map(|dir| cgroup::Leaf { dir, backend }), Some(pid), marker.clone());
 
         // Now with the pid and its start time (one append to the open record), and before the
         // output is read: no line the process printed is seen before its record names it.
@@ -581,7 +583,7 @@ impl Supervisor {
             }
             (Some(c), Some(root)) => {
                 let (root, c, marker) = (root.clone(), c.clone(), rec.marker.clone());
-                match blocking((), move |_| root.verify_leaf(&c, &marker)).await {
+                match blocking((), move |_| root.verify_leaf(&c, &marker).map(|l| l.map(|d| root.leaf(d)))).await {
                     Ok(l) => l,
                     Err(why) => return RecoveryResult::Refused(why),
                 }
