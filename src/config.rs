@@ -90,7 +90,7 @@ pub struct AgentConfig {
     pub no_kill: bool,
     /// `outputCap`: bytes of output kept per instruction.
     pub output_cap: usize,
-    /// `cgroupRoot`: `auto`, `off` or an absolute directory; see [`AgentConfig::cgroup_root`].
+    /// `cgroupRoot`: `auto`, `v1`, `off` or an absolute directory; see [`AgentConfig::cgroup_root`].
     pub cgroup_root: String,
     /// `pidDirectory`: PID records of running instructions.
     pub pid_directory: PathBuf,
@@ -143,8 +143,11 @@ impl Default for AgentConfig {
 /// What `cgroupRoot` asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CgroupRoot {
-    /// Find the cgroup v2 mount and use a leaf per instruction under the agent's own cgroup.
+    /// Find the cgroup v2 mount and use a leaf per instruction under the agent's own cgroup; where
+    /// cgroup v2 is unusable, the cgroup v1 freezer hierarchy.
     Auto,
+    /// The cgroup v1 freezer hierarchy, under the agent's own freezer cgroup.
+    V1,
     /// No cgroups: process groups only.
     Off,
     /// Leaves under this directory.
@@ -152,15 +155,16 @@ pub enum CgroupRoot {
 }
 
 impl AgentConfig {
-    /// `cgroupRoot` parsed; an error for anything but `auto`, `off` or an absolute directory.
+    /// `cgroupRoot` parsed; an error for anything but `auto`, `v1`, `off` or an absolute directory.
     pub fn cgroup_root(&self) -> Result<CgroupRoot, ConfigError> {
         match self.cgroup_root.as_str() {
             "auto" => Ok(CgroupRoot::Auto),
+            "v1" => Ok(CgroupRoot::V1),
             "off" => Ok(CgroupRoot::Off),
             p if p.starts_with('/') => Ok(CgroupRoot::Dir(p.into())),
             other => Err(ConfigError::Invalid {
                 problems: vec![format!(
-                    "cgroupRoot: {} must be \"auto\", \"off\" or an absolute directory",
+                    "cgroupRoot: {} must be \"auto\", \"v1\", \"off\" or an absolute directory",
                     quoted(other)
                 )],
             }),
@@ -255,7 +259,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "cgroupRoot",
             d.cgroup_root.clone(),
-            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup), `off`, or an absolute directory",
+            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup; on cgroup v1 hosts a v1 freezer leaf), `v1` (the v1 freezer hierarchy), `off`, or an absolute directory",
         ),
         ("pidDirectory", p(&d.pid_directory), "PID records of running instructions, verified before any signal"),
         ("probePeriodSeconds", d.probe_period_seconds.to_string(), "local mode: seconds between probe runs"),
@@ -877,9 +881,11 @@ mod tests {
         assert_eq!(c.cgroup_root().ok(), Some(CgroupRoot::Auto));
         c.cgroup_root = "off".into();
         assert_eq!(c.cgroup_root().ok(), Some(CgroupRoot::Off));
+        c.cgroup_root = "v1".into();
+        assert_eq!(c.cgroup_root().ok(), Some(CgroupRoot::V1));
         c.cgroup_root = "/sys/fs/cgroup/np".into();
         assert_eq!(c.cgroup_root().ok(), Some(CgroupRoot::Dir("/sys/fs/cgroup/np".into())));
-        for bad in ["Auto", "rel/dir", ""] {
+        for bad in ["Auto", "rel/dir", "", "V1", "v2"] {
             c.cgroup_root = bad.into();
             let e = c.cgroup_root().expect_err(bad).to_string();
             assert!(e.contains("cgroupRoot"), "{e}");

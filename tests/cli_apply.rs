@@ -194,3 +194,69 @@ fn help_and_bad_arguments() {
     let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A PID directory others can write to may hold forged records (or hide a real leftover): apply
+/// refuses it with one line, runs nothing and exits 1.
+#[test]
+fn an_untrusted_pid_directory_refuses_the_apply() {
+    use std::os::unix::fs::PermissionsExt;
+    let e = Env::new();
+    let ran = e.p("ran");
+    let plan = e.plan(serde_json::json!({"instructions": [sh("touch", &format!("touch {ran}"))]}));
+    std::fs::create_dir(e.p("pids")).unwrap();
+    std::fs::set_permissions(e.p("pids"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = e.cmd(&plan, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("nodeplan: ")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("writable by group or others (mode 0777)"), "{err}");
+    assert!(!Path::new(&ran).exists(), "the plan ran");
+}
+
+/// The cgroup v1 host case: with cgroup2 hidden in a private mount namespace (only the v1
+/// hierarchies left, as on RHEL 8), `--cgroup auto` falls back to the v1 freezer hierarchy, and a
+/// cancel stops an escapee that left the session and dropped its whole environment (process group
+/// and run marker cannot find it; it used to survive).
+#[test]
+fn on_a_host_without_cgroup2_a_cancel_kills_an_escapee_through_the_v1_freezer() {
+    use nodeplan::process::cgroup::{find_cgroup2_mount, find_v1_mount};
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let unshare = Command::new("unshare").arg("--help").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !require(unshare && find_v1_mount(&mi, "freezer").is_some(), "unshare and a cgroup v1 freezer hierarchy") {
+        return;
+    }
+    let e = Env::new();
+    let fifo = e.fifo("escapee");
+    let script = format!(
+        r#"setsid env -i /bin/sh -c 'trap "" TERM; echo $$ > {fifo}; exec sleep 1000' </dev/null >/dev/null 2>&1 & exec sleep 1000"#
+    );
+    let plan = e.plan(serde_json::json!({"instructions": [sh("escape", &script)]}));
+    // The private namespace only hides the cgroup2 mount from nodeplan; the host keeps it.
+    let hide = match find_cgroup2_mount(&mi) {
+        Some(m) => format!("umount -l '{}' && ", m.display()),
+        None => String::new(),
+    };
+    let mut c = Command::new("unshare");
+    c.args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(format!("{hide}exec \"$@\""))
+        .args(["sh", NODEPLAN, "apply", &plan, "--work-dir", &e.p("work"), "--pid-dir", &e.p("pids")])
+        .args(["--cgroup", "auto", "--stop-timeout", "300ms"])
+        .env("NODEPLAN_LOG", "info");
+    let (mut child, rx) = spawn_with_stderr(c);
+    let escapee: i32 = read_fifo(&fifo).trim().parse().unwrap();
+    let guard = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(escapee).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .unwrap();
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let mut seen = Vec::new();
+    wait_stderr(&rx, "canceled after 0/1 instructions", &mut seen);
+    let status = child.wait().unwrap();
+    let survived = alive(escapee);
+    let _ = rustix::process::pidfd_send_signal(&guard, rustix::process::Signal::KILL);
+    assert_eq!(status.code(), Some(4), "{seen:?}");
+    assert!(seen.iter().any(|l| l.contains("using the cgroup v1 freezer hierarchy")), "{seen:?}");
+    assert!(!survived, "the escapee survived the cancel; nodeplan said: {seen:?}");
+}

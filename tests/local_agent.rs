@@ -422,3 +422,34 @@ fn sigkill_at_random_points_then_restart() {
     let left: Vec<i32> = agents.iter().flat_map(|a| started_by(*a)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+/// A PID record of one plan that cannot be trusted (it names a cgroup that is not the agent's
+/// leaf for its marker) holds that plan, reported as blocked, instead of letting it run again
+/// beside whatever may still be running; other plans run.
+#[test]
+fn a_refused_pid_record_blocks_its_plan_and_only_that_plan() {
+    let s = Setup::new();
+    let (ran_a, ran_b) = (s.p("ran-a"), s.p("ran-b"));
+    s.plan("a", serde_json::json!({"instructions": [sh("a", &format!("touch {ran_a}"))]}));
+    s.plan("b", serde_json::json!({"instructions": [sh("b", &format!("touch {ran_b}"))]}));
+    let marker = "np1.1-0-forgedlocal";
+    let fake = s.dir.path().join("fake").join(marker);
+    std::fs::create_dir_all(&fake).unwrap();
+    let record = nodeplan::process::PidRecord {
+        pid: 0,
+        start_time: 0,
+        boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string(),
+        cgroup: Some(fake.clone()),
+        marker: marker.into(),
+        owner: format!("local:{}:0", s.plan_path("a").display()),
+        command: "sh".into(),
+    };
+    let file = record.create(Path::new(&s.p("pids"))).unwrap().path().to_path_buf();
+    let mut agent = s.start();
+    let pos = s.wait_pos("a", "blocked", |p| !p.blocked.is_empty());
+    s.wait_pos("b", "succeeded", |p| p.plan_state == "succeeded");
+    assert!(pos.blocked.contains("refused") && pos.blocked.contains(&fake.display().to_string()), "{}", pos.blocked);
+    assert!(!Path::new(&ran_a).exists(), "the blocked plan ran");
+    assert!(file.exists() && fake.is_dir(), "nothing is removed");
+    assert_eq!(agent.stop(), 0);
+}

@@ -500,3 +500,296 @@ async fn supervise_stops_a_verified_previous_instance_or_refuses_to_start() {
     assert_ne!(new_pid, pid);
     assert!(matches!(done, Ok(Outcome::Killed { .. })), "{done:?}");
 }
+
+/// A `sleep` started by the test (optionally carrying a run marker, as a process of ours would),
+/// SIGKILLed and reaped when dropped, whatever the test found.
+struct Victim {
+    child: std::process::Child,
+    pid: i32,
+}
+
+impl Victim {
+    fn start(marker: Option<&str>) -> Victim {
+        let mut c = std::process::Command::new("sleep");
+        c.arg("1000");
+        if let Some(m) = marker {
+            c.env(MARKER_ENV, m);
+        }
+        // spawn() returns once exec succeeded: its environment is in /proc from here on.
+        let child = c.spawn().unwrap();
+        let pid = child.id() as i32;
+        Victim { child, pid }
+    }
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+    /// A record a previous agent could have written for this process (identity verifiable).
+    fn record(&self, marker: &str, cgroup: Option<std::path::PathBuf>) -> PidRecord {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap();
+        let start_time = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(19).unwrap().parse().unwrap();
+        PidRecord {
+            pid: self.pid,
+            start_time,
+            boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string(),
+            cgroup,
+            marker: marker.into(),
+            owner: "test".into(),
+            command: "sleep".into(),
+        }
+    }
+}
+
+impl Drop for Victim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A cgroup the test makes (and removes, moving its processes out first).
+struct TestCgroup(std::path::PathBuf);
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        if let Ok(p) = std::fs::read_to_string(self.0.join("cgroup.procs")) {
+            let parent = self.0.parent().unwrap().join("cgroup.procs");
+            for pid in p.lines() {
+                let _ = std::fs::write(&parent, pid);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.0);
+        if let Some(p) = self.0.parent() {
+            let _ = std::fs::remove_dir(p);
+        }
+    }
+}
+
+fn refused(r: &Recovered) -> &str {
+    match &r.result {
+        RecoveryResult::Refused(why) => why,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// A record naming a real cgroup2 directory outside the agent's root (with the record's marker as
+/// its last component, which is all that used to be checked) is refused: its process is not
+/// signalled, the cgroup is not removed, the record is kept.
+#[tokio::test]
+async fn a_record_naming_another_cgroup_is_refused_and_nothing_in_it_is_touched() {
+    let sup = sup_with(short(true), CgroupMode::Auto, None);
+    if !require_cgroup(&sup) {
+        return;
+    }
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mount = nodeplan::process::cgroup::find_cgroup2_mount(&mi).unwrap();
+    let marker = format!("np1.1-0-forged{}", std::process::id());
+    let outside = mount.join(format!("nodeplan-test-forged-{}", std::process::id()));
+    std::fs::create_dir_all(outside.join(&marker)).unwrap();
+    let cg = TestCgroup(outside.join(&marker));
+    let mut victim = Victim::start(None);
+    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    // pid 0: the run "never started" as far as the record knows, so only its cgroup could matter.
+    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
+    let file = rec.create(pids.path()).unwrap().path().to_path_buf();
+    let sup = sup_with(short(true), CgroupMode::Auto, Some(pids.path()));
+    let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+    let (alive, kept) = (victim.alive(), cg.0.is_dir());
+    assert!(alive, "a process in a cgroup the record merely named was signalled");
+    assert!(kept, "a cgroup the record merely named was removed");
+    assert_eq!(out.len(), 1);
+    let why = refused(&out[0]);
+    assert!(why.contains("not this agent's leaf") && !why.contains('\n'), "{why}");
+    assert!(file.exists(), "the refused record is kept");
+}
+
+/// A record naming a plain directory made to look like a populated cgroup is refused: the process
+/// its fake `cgroup.procs` lists is not signalled and nothing is removed.
+#[tokio::test]
+async fn a_record_naming_a_fake_cgroup_directory_is_refused() {
+    let fake = tempfile::tempdir().unwrap();
+    let marker = "np1.1-0-fakecg";
+    let leaf = fake.path().join(marker);
+    std::fs::create_dir(&leaf).unwrap();
+    let mut victim = Victim::start(None);
+    std::fs::write(leaf.join("cgroup.procs"), format!("{}\n", victim.pid)).unwrap();
+    std::fs::write(leaf.join("cgroup.events"), "populated 1\nfrozen 0\n").unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(marker, Some(leaf.clone())) };
+    let file = rec.create(pids.path()).unwrap().path().to_path_buf();
+    for mode in [CgroupMode::Auto, CgroupMode::Off] {
+        let sup = sup_with(short(true), mode.clone(), Some(pids.path()));
+        let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+        assert!(victim.alive(), "{mode:?}: a process listed in a fake cgroup.procs was signalled");
+        assert_eq!(out.len(), 1, "{mode:?}");
+        let why = refused(&out[0]);
+        assert!(why.contains(&leaf.display().to_string()) && !why.contains('\n'), "{why}");
+        assert!(leaf.join("cgroup.procs").exists() && file.exists(), "{mode:?}: something was removed");
+    }
+}
+
+/// A PID directory writable by group or others could hold anyone's records: all of them are
+/// refused, even one that would verify, with one line naming the directory.
+#[tokio::test]
+async fn a_group_writable_pid_directory_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let pids = tempfile::tempdir().unwrap();
+    let marker = "np1.1-0-gw";
+    let mut victim = Victim::start(Some(marker));
+    victim.record(marker, None).create(pids.path()).unwrap();
+    std::fs::set_permissions(pids.path(), std::fs::Permissions::from_mode(0o770)).unwrap();
+    let sup = sup_with(short(true), CgroupMode::Off, Some(pids.path()));
+    let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+    assert!(victim.alive(), "a record in a group-writable directory was acted on");
+    assert_eq!(out.len(), 1);
+    let why = refused(&out[0]);
+    assert!(why.contains("writable by group or others (mode 0770)") && !why.contains('\n'), "{why}");
+    assert_eq!(out[0].path, pids.path());
+    assert_eq!(std::fs::read_dir(pids.path()).unwrap().count(), 1, "the record is kept");
+}
+
+/// Record files the agent cannot have written are refused without being read: a symbolic link
+/// (to a record that would verify), a file writable by group, a file owned by another user.
+#[tokio::test]
+async fn untrusted_record_files_are_refused_and_nothing_is_signalled() {
+    use std::os::unix::fs::PermissionsExt;
+    let elsewhere = tempfile::tempdir().unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    let marker = "np1.1-0-untrusted";
+    let mut victim = Victim::start(Some(marker));
+    let target = victim.record(marker, None).create(elsewhere.path()).unwrap().path().to_path_buf();
+    std::os::unix::fs::symlink(&target, pids.path().join("a-link.json")).unwrap();
+    let gw = pids.path().join("b-group-writable.json");
+    std::fs::copy(&target, &gw).unwrap();
+    std::fs::set_permissions(&gw, std::fs::Permissions::from_mode(0o620)).unwrap();
+    let other = pids.path().join("c-other-owner.json");
+    std::fs::copy(&target, &other).unwrap();
+    std::os::unix::fs::chown(&other, Some(65534), Some(65534)).unwrap();
+    let sup = sup_with(short(true), CgroupMode::Off, Some(pids.path()));
+    let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+    assert!(victim.alive(), "an untrusted record was acted on");
+    let whys: Vec<&str> = out.iter().map(refused).collect();
+    assert_eq!(whys.len(), 3, "{whys:?}");
+    assert!(whys[0].contains("a-link.json is a symbolic link"), "{}", whys[0]);
+    assert!(whys[1].contains("writable by group or others (mode 0620)"), "{}", whys[1]);
+    assert!(whys[2].contains("is owned by uid 65534"), "{}", whys[2]);
+    assert!(whys.iter().all(|w| !w.contains('\n')));
+    assert!(out.iter().all(|r| r.record.is_none()), "nothing of an untrusted record is read");
+    assert_eq!(std::fs::read_dir(pids.path()).unwrap().count(), 3, "the records are kept");
+}
+
+/// A process the test must not leave behind whatever happens, killed on drop through a pidfd
+/// taken while it was known to be ours (never a recycled pid).
+struct Guard(rustix::fd::OwnedFd);
+
+impl Guard {
+    fn new(pid: i32) -> Guard {
+        let pid = rustix::process::Pid::from_raw(pid).unwrap();
+        Guard(rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap())
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = rustix::process::pidfd_send_signal(&self.0, rustix::process::Signal::KILL);
+    }
+}
+
+/// An instruction that starts an escapee which leaves its session and drops its whole environment
+/// (so neither the process group nor the run marker finds it) and ignores SIGTERM, then waits.
+const ESCAPE: &str = r#"setsid env -i /bin/sh -c 'trap "" TERM; echo escapee $$; exec sleep 1000' </dev/null & echo ready; exec sleep 1000"#;
+
+fn sh_spec(script: &str, sink: std::sync::Arc<dyn LineSink>) -> SpawnSpec {
+    let mut spec = SpawnSpec::new("sh", ["-c", script]);
+    spec.sink = sink;
+    spec.owner = "test".into();
+    spec
+}
+
+fn v1_supervisor(policy: StopPolicy, pid_dir: Option<&std::path::Path>) -> Option<Supervisor> {
+    let sup = sup_with(policy, CgroupMode::V1, pid_dir);
+    require(sup.cgroup_root().is_some(), "a cgroup v1 freezer hierarchy").then_some(sup)
+}
+
+/// Start [`ESCAPE`] and wait until the escapee is set up; its pid, checked to have really escaped.
+async fn start_escapee(lines: &mut Lines) -> (i32, Guard) {
+    let pid: i32 = wait_line(lines, "escapee").await.parse().unwrap();
+    let guard = Guard::new(pid);
+    wait_line(lines, "ready").await;
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    assert!(!env.windows(MARKER_ENV.len()).any(|w| w == MARKER_ENV.as_bytes()), "the escapee kept the marker");
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let sid: i32 = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(sid, pid, "the escapee leads a session of its own");
+    (pid, guard)
+}
+
+/// With the cgroup v1 freezer backend, a cancel stops an escapee that left the session and dropped
+/// its environment (the process-group-and-marker fallback cannot find it): the leaf is frozen, its
+/// processes killed, the leaf thawed and removed.
+#[tokio::test]
+async fn v1_freezer_cancel_kills_an_escapee_that_dropped_its_session_and_environment() {
+    let Some(sup) = v1_supervisor(short(true), None) else { return };
+    let root = sup.cgroup_root().unwrap().to_path_buf();
+    assert_eq!(nodeplan::process::cgroup::fs_magic(&root).unwrap(), nodeplan::process::cgroup::CGROUP_SUPER_MAGIC);
+    let (sink, mut lines) = chan_sink();
+    let (tx, mut stop) = StopSignal::channel();
+    let sup2 = sup.clone();
+    let run = tokio::spawn(async move { sup2.run(sh_spec(ESCAPE, sink), &mut stop).await });
+    let (escapee, _guard) = start_escapee(&mut lines).await;
+    let in_leaf = std::fs::read_to_string(format!("/proc/{escapee}/cgroup")).unwrap();
+    tx.send(Some(StopReason::Cancel)).unwrap();
+    let r = tokio::time::timeout(GUARD, run).await.expect("the cancel hung").unwrap();
+    let survived = alive(escapee);
+    assert!(in_leaf.lines().any(|l| l.contains(":freezer:") && l.ends_with(&r.marker)), "{in_leaf}");
+    assert!(!survived, "the escapee survived the cancel");
+    assert_eq!(r.outcome.to_string(), "killed after 300ms grace");
+    assert!(!root.join(&r.marker).exists(), "the run's v1 leaf is removed once empty");
+}
+
+/// Recovery with the v1 backend: the record names the v1 leaf, which is verified (this agent's v1
+/// root plus the marker, on a cgroup v1 filesystem) and stopped with everything in it.
+#[tokio::test]
+async fn v1_freezer_recovery_stops_a_leftover_escapee_through_its_leaf() {
+    let pids = tempfile::tempdir().unwrap();
+    let Some(first) = v1_supervisor(long(), Some(pids.path())) else { return };
+    let (sink, mut lines) = chan_sink();
+    // The "crashed agent": its run is dropped mid-flight, leaving the tree and its record.
+    let run = tokio::spawn(async move { first.run(sh_spec(ESCAPE, sink), &mut StopSignal::never()).await });
+    let (escapee, _guard) = start_escapee(&mut lines).await;
+    run.abort();
+    let _ = run.await;
+    let recs = PidRecord::load_all(pids.path());
+    let leaf = recs[0].1.as_ref().unwrap().cgroup.clone().unwrap();
+    assert!(alive(escapee) && leaf.is_dir());
+    let second = v1_supervisor(short(true), Some(pids.path())).unwrap();
+    assert!(leaf.starts_with(second.cgroup_root().unwrap()), "{}", leaf.display());
+    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test")).await.unwrap();
+    let survived = alive(escapee);
+    assert_eq!(rec.len(), 1);
+    assert!(matches!(rec[0].result, RecoveryResult::Stopped(Outcome::Killed { .. })), "{:?}", rec[0].result);
+    assert!(!survived, "the escapee survived recovery");
+    assert!(!leaf.exists(), "the leaf is removed");
+    assert!(PidRecord::load_all(pids.path()).is_empty());
+}
+
+/// Item 3's rule holds for the v1 backend too: a record naming a v1 freezer cgroup outside the
+/// agent's v1 root is refused, and nothing in it is signalled or removed.
+#[tokio::test]
+async fn a_record_naming_another_v1_cgroup_is_refused() {
+    let Some(sup) = v1_supervisor(short(true), None) else { return };
+    let hierarchy = sup.cgroup_root().unwrap().parent().unwrap().to_path_buf();
+    let marker = format!("np1.1-0-forgedv1{}", std::process::id());
+    let outside = hierarchy.join(format!("nodeplan-test-forged-{}", std::process::id()));
+    std::fs::create_dir_all(outside.join(&marker)).unwrap();
+    let cg = TestCgroup(outside.join(&marker));
+    let mut victim = Victim::start(None);
+    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
+    rec.create(pids.path()).unwrap();
+    let sup = v1_supervisor(short(true), Some(pids.path())).unwrap();
+    let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
+    assert!(victim.alive() && cg.0.is_dir(), "a v1 cgroup the record merely named was acted on");
+    assert!(refused(&out[0]).contains("not this agent's leaf"), "{out:?}");
+}

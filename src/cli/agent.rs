@@ -39,6 +39,7 @@ pub struct Parts {
 pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
     let cgroup = match cfg.cgroup_root().map_err(|e| e.to_string())? {
         CgroupRoot::Auto => CgroupMode::Auto,
+        CgroupRoot::V1 => CgroupMode::V1,
         CgroupRoot::Off => CgroupMode::Off,
         CgroupRoot::Dir(d) => CgroupMode::Root(d),
     };

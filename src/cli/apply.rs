@@ -36,8 +36,9 @@ pub struct ApplyArgs {
     /// Bytes of output kept per instruction (head and tail).
     #[arg(long, default_value_t = 64 * 1024)]
     pub output_cap: usize,
-    /// Where instructions get their cgroups: `auto` (discovered from /proc/self/mountinfo), `off`
-    /// (process groups only), or a directory inside a cgroup2 mount.
+    /// Where instructions get their cgroups: `auto` (cgroup v2 discovered from /proc/self/mountinfo,
+    /// else the cgroup v1 freezer hierarchy), `v1` (the v1 freezer hierarchy), `off` (process
+    /// groups only), or a directory inside a cgroup2 mount or a v1 freezer hierarchy.
     #[arg(long, default_value = "auto", value_parser = super::parse_cgroup_mode)]
     pub cgroup: crate::process::CgroupMode,
     /// Skip the periodic instructions.
@@ -109,11 +110,18 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let owner = format!("apply:{}", plan.checksum);
     // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
     for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
-        if let RecoveryResult::NotStopped(o) = r.result {
-            eprintln!(
-                "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
-            );
-            return exit::FAILED;
+        match r.result {
+            RecoveryResult::NotStopped(o) => {
+                eprintln!(
+                    "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
+                );
+                return exit::FAILED;
+            }
+            RecoveryResult::Refused(why) => {
+                eprintln!("nodeplan: {why}; not running the plan (a leftover of it may still run)");
+                return exit::FAILED;
+            }
+            _ => {}
         }
     }
 

@@ -179,14 +179,15 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
     r.map_err(|e| format!("cannot set up logging: {e}"))
 }
 
-/// `auto`, `off` or a directory.
+/// `auto`, `v1`, `off` or a directory.
 pub(crate) fn parse_cgroup_mode(s: &str) -> Result<crate::process::CgroupMode, String> {
     use crate::process::CgroupMode;
     Ok(match s {
         "auto" => CgroupMode::Auto,
+        "v1" => CgroupMode::V1,
         "off" => CgroupMode::Off,
         p if p.starts_with('/') => CgroupMode::Root(p.into()),
-        other => return Err(format!("{other:?}: expected auto, off or an absolute directory")),
+        other => return Err(format!("{other:?}: expected auto, v1, off or an absolute directory")),
     })
 }
 

@@ -87,6 +87,9 @@ pub struct LocalAgent {
     current: Arc<Mutex<Option<Running>>>,
     memory: HashMap<PathBuf, Memory>,
     blocked: HashMap<PathBuf, String>,
+    /// Set while the PID directory, or a record in it whose plan cannot be known, is refused:
+    /// every plan is held, as any of them may still be running.
+    blocked_all: Option<String>,
     incomplete: Option<String>,
     shutdown: watch::Receiver<bool>,
     /// Wakes the dispatcher when a run starts (it polls the running plan's control files).
@@ -144,6 +147,7 @@ impl LocalAgent {
             current: Arc::new(Mutex::new(None)),
             memory: HashMap::new(),
             blocked: HashMap::new(),
+            blocked_all: None,
             incomplete: None,
             shutdown: watch::channel(false).1,
             started: Arc::new(Notify::new()),
@@ -254,34 +258,42 @@ impl LocalAgent {
     }
 
     /// Stop verified leftovers of local plans (all of them, or those of one plan). Plans whose
-    /// leftovers cannot be stopped are blocked.
+    /// leftovers cannot be stopped, or whose records are refused, are blocked; a refused record
+    /// whose plan cannot be known (or a refused PID directory) blocks every plan.
     async fn recover_leftovers(&mut self, only: Option<&Path>) {
         let prefix = match only {
             Some(p) => format!("{OWNER_PREFIX}{}:", p.display()),
             None => OWNER_PREFIX.to_string(),
         };
+        let mut held: HashMap<PathBuf, String> = HashMap::new();
+        let mut held_all = None;
         for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(&prefix)).await {
-            let Some(rec) = &r.record else { continue };
-            let Some(plan) =
+            let Some(why) = r.hold_reason() else { continue };
+            let plan = r.record.as_ref().and_then(|rec| {
                 rec.owner.strip_prefix(OWNER_PREFIX).and_then(|o| o.rsplit_once(':')).map(|(p, _)| PathBuf::from(p))
-            else {
-                continue;
-            };
-            if let crate::process::RecoveryResult::NotStopped(o) = r.result {
-                let why = format!("a leftover process of this plan ({}) could not be stopped: {o}", rec.describe());
-                tracing::error!("{}: {why}; the plan is blocked until it is gone", plan.display());
-                self.blocked.insert(plan, why);
+            });
+            match plan {
+                Some(plan) => {
+                    tracing::error!("{}: {why}; the plan is blocked until this is resolved", plan.display());
+                    held.insert(plan, why);
+                }
+                None => {
+                    tracing::error!("{why}; every local plan is blocked until this is resolved");
+                    held_all = Some(why);
+                }
             }
         }
-        if let Some(p) = only
-            && !self.app.supervisor().config().pid_dir.as_ref().is_some_and(|d| {
-                crate::process::PidRecord::load_all(d)
-                    .iter()
-                    .any(|(_, r)| r.as_ref().is_ok_and(|r| r.owner.starts_with(&prefix)))
-            })
-        {
-            self.blocked.remove(p);
+        match only {
+            Some(p) => {
+                // Kept records (not stopped, refused) are exactly what this recovery reported.
+                match held.remove(p).or_else(|| held_all.clone()) {
+                    Some(why) => self.blocked.insert(p.to_path_buf(), why),
+                    None => self.blocked.remove(p),
+                };
+            }
+            None => self.blocked.extend(held),
         }
+        self.blocked_all = held_all;
     }
 
     /// One pass over every plan. Returns true when the agent must stop (shutdown).
@@ -330,7 +342,7 @@ impl LocalAgent {
         if mem.hold_until.is_some_and(|t| Instant::now() < t) {
             return false;
         }
-        if self.blocked.contains_key(path) {
+        if self.blocked.contains_key(path) || self.blocked_all.is_some() {
             self.recover_leftovers(Some(path)).await;
             if let Some(why) = self.blocked.get(path).cloned() {
                 self.update_pos(&files, |p| p.blocked = why).await;

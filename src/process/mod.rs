@@ -1,7 +1,8 @@
 //! The process layer: the only place in nodeplan that spawns, waits for or signals a process.
 //!
-//! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup v2
-//! leaf when cgroup2 is writable: born in it with clone3, or joining it before exec), concurrent
+//! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup
+//! leaf when a hierarchy is usable: cgroup v2, born in it with clone3 or joining it before exec, else
+//! a cgroup v1 freezer leaf joined before exec; see [`cgroup`]), concurrent
 //! capture of stdout and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace,
 //! SIGKILL/`cgroup.kill`, kill timeout), typed outcomes, PID records and crash recovery, and the
 //! respawn loop of `nodeplan supervise`. It knows nothing about plans: callers hand it a
@@ -222,7 +223,7 @@ impl Supervisor {
             Ok(c) => c,
             Err(e) => {
                 CGROUP_WARNING.get_or_init(|| {
-                    tracing::warn!("cgroup v2 unavailable ({e}); process trees are tracked by process group and run marker only, so a setsid escapee that clears its environment cannot be stopped");
+                    tracing::warn!("no usable cgroup hierarchy ({e}); process trees are tracked by process group and run marker only, so a setsid escapee that clears its environment cannot be stopped");
                 });
                 None
             }
@@ -420,7 +421,8 @@ impl Supervisor {
             }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let tree = Tree::new(cgroup_dir.clone(), Some(pid), marker.clone());
+        let backend = self.inner.cgroups.as_ref().map_or(cgroup::Backend::V2, |r| r.backend);
+        let tree = Tree::new(cgroup_dir.clone().map(|dir| cgroup::Leaf { dir, backend }), Some(pid), marker.clone());
 
         // Now with the pid and its start time (one append to the open record), and before the
         // output is read: no line the process printed is seen before its record names it.
@@ -577,7 +579,9 @@ impl Supervisor {
 
     /// Verify and stop what a previous agent left behind: every PID record in the PID directory
     /// accepted by `filter`. Records that do not match a live process of ours are discarded and
-    /// their pid is never signalled.
+    /// their pid is never signalled. Records (or a whole PID directory) that cannot be trusted are
+    /// [`RecoveryResult::Refused`] whatever `filter` says, since their owner is not known: callers
+    /// hold what they were about to run, as for a leftover that could not be stopped.
     pub async fn recover(&self, filter: impl Fn(&PidRecord) -> bool) -> Vec<Recovered> {
         if let Some(root) = self.cgroup_root() {
             blocking(root.to_path_buf(), |r| cgroup::sweep_dead_agents(&r)).await;
@@ -586,23 +590,41 @@ impl Supervisor {
         let Some(dir) = self.inner.config.pid_dir.clone() else {
             return Vec::new();
         };
-        let records = blocking(dir, |d| PidRecord::load_all(&d)).await;
+        let entries = match blocking(dir.clone(), |d| record::scan(&d)).await {
+            Ok(e) => e,
+            Err(why) => {
+                tracing::error!("{why}");
+                return vec![Recovered { path: dir, record: None, result: RecoveryResult::Refused(why) }];
+            }
+        };
         let mut out = Vec::new();
-        for (path, rec) in records {
-            let rec = match rec {
-                Ok(r) => r,
-                Err(e) => {
+        for (path, entry) in entries {
+            let rec = match entry {
+                record::Entry::Record(r) => r,
+                record::Entry::Invalid(e) => {
                     let kept = path.with_extension("invalid");
                     tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
                     let _ = std::fs::rename(&path, &kept);
                     out.push(Recovered { path, record: None, result: RecoveryResult::Invalid(e) });
                     continue;
                 }
+                record::Entry::Untrusted(why) => {
+                    tracing::error!("{why}");
+                    out.push(Recovered { path, record: None, result: RecoveryResult::Refused(why) });
+                    continue;
+                }
             };
             if !filter(&rec) {
                 continue;
             }
-            let result = self.recover_one(&rec).await;
+            let result = match self.recover_one(&rec).await {
+                RecoveryResult::Refused(why) => RecoveryResult::Refused(format!(
+                    "PID record {} of {} {why}; refused (nothing was signalled, the record is kept)",
+                    path.display(),
+                    rec.owner
+                )),
+                r => r,
+            };
             match &result {
                 RecoveryResult::Stopped(o) => {
                     tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner)
@@ -613,9 +635,10 @@ impl Supervisor {
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
                 }
+                RecoveryResult::Refused(why) => tracing::error!("{why}"),
                 _ => {}
             }
-            if !matches!(result, RecoveryResult::NotStopped(_)) {
+            if !matches!(result, RecoveryResult::NotStopped(_) | RecoveryResult::Refused(_)) {
                 remove_record(Some(&path));
             }
             out.push(Recovered { path, record: Some(rec), result });
@@ -623,13 +646,39 @@ impl Supervisor {
         out
     }
 
+    /// Stop what one trusted record describes. Signals go only to a verified leaf (exactly this
+    /// agent's cgroup root plus the record's marker, on a cgroup filesystem), to the verified
+    /// leader and its process group, or to processes verified through their /proc dirfd to carry
+    /// the record's unique marker; never to a pid, pgid or cgroup taken from the record on trust.
     async fn recover_one(&self, rec: &PidRecord) -> RecoveryResult {
+        if procfs::boot_id().is_ok_and(|b| b != rec.boot_id) {
+            // Nothing of another boot can be running; its cgroups went with it.
+            return RecoveryResult::Gone;
+        }
+        let leaf = match (&rec.cgroup, &self.inner.cgroups) {
+            (None, _) => None,
+            (Some(c), None) => {
+                return RecoveryResult::Refused(format!(
+                    "names cgroup {}, which cannot be verified without a cgroup root (cgroups are off or unavailable here)",
+                    c.display()
+                ));
+            }
+            (Some(c), Some(root)) => {
+                let (root, c, marker) = (root.clone(), c.clone(), rec.marker.clone());
+                match blocking((), move |_| root.verify_leaf(&c, &marker).map(|l| l.map(|d| root.leaf(d)))).await {
+                    Ok(l) => l,
+                    Err(why) => return RecoveryResult::Refused(why),
+                }
+            }
+        };
         let identity = blocking(rec.clone(), |r| r.verify()).await;
-        // The tree is the run's own cgroup (named by its unique marker) or the processes carrying
-        // its marker; never the recorded pid or pgid by number.
-        let cgroup =
-            rec.cgroup.clone().filter(|c| c.file_name().is_some_and(|n| n == rec.marker.as_str()) && c.is_dir());
-        let tree = Tree::new(cgroup, None, rec.marker.clone());
+        // The leader's process group only while the leader itself is verified alive (its pgid
+        // cannot have been reused then).
+        let pgid = matches!(identity, Identity::Match).then_some(rec.pid);
+        let tree = match &leaf {
+            Some(l) => Tree::new(Some(l.clone()), None, rec.marker.clone()),
+            None => Tree::new(None, pgid, rec.marker.clone()),
+        };
         if blocking(tree.clone(), |t| t.is_empty()).await {
             blocking(tree, |t| t.cleanup()).await;
             return match identity {
@@ -638,7 +687,11 @@ impl Supervisor {
             };
         }
         if let Identity::Mismatch(why) = &identity {
-            tracing::warn!("PID record of {}: {why}; stopping only the processes that carry its marker", rec.owner);
+            tracing::warn!(
+                "PID record of {}: {why}; stopping only {}",
+                rec.owner,
+                if leaf.is_some() { "its verified cgroup leaf" } else { "the processes that carry its marker" }
+            );
         }
         let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
         if outcome.termination_incomplete() {
@@ -658,6 +711,21 @@ pub struct Recovered {
     pub result: RecoveryResult,
 }
 
+impl Recovered {
+    /// Why what this record belongs to must not run now (a leftover that could not be stopped, or
+    /// a record that was refused); `None` when recovery is done with it.
+    pub fn hold_reason(&self) -> Option<String> {
+        match &self.result {
+            RecoveryResult::NotStopped(o) => Some(format!(
+                "a leftover process ({}) could not be stopped: {o}",
+                self.record.as_ref().map(PidRecord::describe).unwrap_or_default()
+            )),
+            RecoveryResult::Refused(why) => Some(why.clone()),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum RecoveryResult {
     /// The record could not be parsed; it was renamed to `*.invalid` and nothing was signalled.
@@ -670,6 +738,10 @@ pub enum RecoveryResult {
     Stopped(Outcome),
     /// Leftovers could not be stopped; the record is kept.
     NotStopped(Outcome),
+    /// The record (or the whole PID directory) cannot be trusted: a symbolic link, not a regular
+    /// file, the wrong owner or mode, or a cgroup that is not this agent's leaf for its marker.
+    /// Nothing was signalled or removed; the record is kept and what it belongs to must be held.
+    Refused(String),
 }
 
 fn remove_record(path: Option<&Path>) {

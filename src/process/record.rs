@@ -14,6 +14,7 @@ use super::procfs::{self, ProcHandle};
 use super::tree::MARKER_ENV;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,26 +163,27 @@ impl PidRecord {
         if r.pid < 0 {
             return Err(format!("malformed PID record: pid {} is negative", r.pid));
         }
-        if r.marker.is_empty() || r.marker.contains(['/', '\0']) {
+        // The marker names the run's cgroup leaf under the agent's root: one plain path component.
+        if r.marker.is_empty()
+            || r.marker.starts_with('.')
+            || !r.marker.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+        {
             return Err(format!("malformed PID record: bad marker {:?}", r.marker));
         }
         Ok(r)
     }
 
-    /// Every `*.json` record in `dir`, parsed or with the reason it could not be.
+    /// Every `*.json` record in `dir` (see [`scan`]), parsed or with the reason it could not be
+    /// used; nothing when the directory itself is refused.
     pub fn load_all(dir: &Path) -> Vec<(PathBuf, Result<PidRecord, String>)> {
-        let Ok(rd) = std::fs::read_dir(dir) else {
-            return Vec::new();
-        };
-        let mut paths: Vec<PathBuf> = rd
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
-            .collect();
-        paths.sort();
-        paths
+        scan(dir)
+            .unwrap_or_default()
             .into_iter()
-            .map(|p| {
-                let r = std::fs::read(&p).map_err(|e| format!("cannot read: {e}")).and_then(|b| PidRecord::parse(&b));
+            .map(|(p, e)| {
+                let r = match e {
+                    Entry::Record(r) => Ok(r),
+                    Entry::Invalid(e) | Entry::Untrusted(e) => Err(e),
+                };
                 (p, r)
             })
             .collect()
@@ -231,6 +233,100 @@ impl PidRecord {
     }
 }
 
+/// One `*.json` entry of the PID directory.
+#[derive(Debug)]
+pub(crate) enum Entry {
+    Record(PidRecord),
+    /// A trusted file that does not parse (e.g. torn by a crash before its spawn).
+    Invalid(String),
+    /// Not a file the agent can have written (a symbolic link, not a regular file, another
+    /// owner, writable by group or others): its content is not read.
+    Untrusted(String),
+}
+
+/// Whether a file or directory with this owner and mode can only have been written by the agent's
+/// own user: owned by the effective uid, not writable by group or others.
+fn trusted(st: &rustix::fs::Stat) -> Result<(), String> {
+    let euid = rustix::process::geteuid().as_raw();
+    if st.st_uid != euid {
+        return Err(format!("is owned by uid {}, not {euid}", st.st_uid));
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(format!("is writable by group or others (mode {:04o})", st.st_mode & 0o7777));
+    }
+    Ok(())
+}
+
+/// Read the PID directory without trusting anything in it that the agent's user did not write:
+/// the directory must be owned by the effective uid and not writable by group or others (`Err`
+/// with one line otherwise; a missing directory holds no records). Each `*.json` entry is opened
+/// through the directory fd without following symbolic links and must be a regular file passing
+/// the same owner and mode check; only then is it read and parsed.
+pub(crate) fn scan(dir: &Path) -> Result<Vec<(PathBuf, Entry)>, String> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    let dfd = match rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(Vec::new()),
+        Err(e) => return Err(format!("PID directory {}: cannot open it: {}", dir.display(), io::Error::from(e))),
+    };
+    let st = rustix::fs::fstat(&dfd).map_err(|e| format!("PID directory {}: {}", dir.display(), io::Error::from(e)))?;
+    trusted(&st).map_err(|why| {
+        format!(
+            "PID directory {} {why}; its records are refused until it is fixed (nothing was signalled)",
+            dir.display()
+        )
+    })?;
+    let mut names: Vec<std::ffi::OsString> = Vec::new();
+    let rd = rustix::fs::Dir::read_from(&dfd)
+        .map_err(|e| format!("PID directory {}: cannot list it: {}", dir.display(), io::Error::from(e)))?;
+    for e in rd {
+        let e = e.map_err(|e| format!("PID directory {}: cannot list it: {}", dir.display(), io::Error::from(e)))?;
+        let name = std::ffi::OsStr::from_bytes(e.file_name().to_bytes());
+        if Path::new(name).extension().is_some_and(|x| x == "json") {
+            names.push(name.to_os_string());
+        }
+    }
+    names.sort();
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let path = dir.join(&name);
+        let refuse = |why: String| {
+            Entry::Untrusted(format!(
+                "PID record {} {why}; refused (nothing was signalled, the record is kept)",
+                path.display()
+            ))
+        };
+        // O_NONBLOCK: a FIFO planted under a record's name must not hang the open.
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let entry = match rustix::fs::openat(&dfd, name.as_os_str(), flags, Mode::empty()) {
+            Err(rustix::io::Errno::LOOP) => refuse("is a symbolic link".into()),
+            Err(rustix::io::Errno::NOENT) => continue,
+            Err(e) => refuse(format!("cannot be opened: {}", io::Error::from(e))),
+            Ok(fd) => match rustix::fs::fstat(&fd) {
+                Err(e) => refuse(format!("cannot be examined: {}", io::Error::from(e))),
+                Ok(st) if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile => {
+                    refuse("is not a regular file".into())
+                }
+                Ok(st) => match trusted(&st) {
+                    Err(why) => refuse(why),
+                    Ok(()) => {
+                        let mut raw = Vec::new();
+                        match std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut raw) {
+                            Err(e) => Entry::Invalid(format!("cannot read: {e}")),
+                            Ok(_) => match PidRecord::parse(&raw) {
+                                Ok(r) => Entry::Record(r),
+                                Err(e) => Entry::Invalid(e),
+                            },
+                        }
+                    }
+                },
+            },
+        };
+        out.push((path, entry));
+    }
+    Ok(out)
+}
+
 /// Write `data` to `path` atomically with `mode`, never following a planted link (see
 /// [`crate::safefs`]).
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
@@ -248,6 +344,8 @@ mod tests {
             b"[]",
             br#"{"pid":-3,"startTime":1,"bootId":"b","marker":"m","owner":"o"}"#,
             br#"{"pid":5,"startTime":1,"bootId":"b","marker":"../x","owner":"o"}"#,
+            br#"{"pid":5,"startTime":1,"bootId":"b","marker":"..","owner":"o"}"#,
+            br#"{"pid":5,"startTime":1,"bootId":"b","marker":"a b","owner":"o"}"#,
             br#"{"pid":"5"}"#,
         ] {
             let e = PidRecord::parse(raw).unwrap_err();

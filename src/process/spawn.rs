@@ -105,6 +105,9 @@ struct ChildCtx {
     fd_out: libc::c_int,
     fd_err: libc::c_int,
     fd_report: libc::c_int,
+    /// A cgroup v1 leaf's `cgroup.procs` (open for writing) that the child joins before anything
+    /// else it runs can fork, or -1. cgroup v2 leaves are entered by the clone itself.
+    fd_join: libc::c_int,
     errno: libc::c_int,
 }
 
@@ -137,6 +140,10 @@ unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
             fail(ctx);
         }
         if libc::setpgid(0, 0) < 0 {
+            fail(ctx);
+        }
+        // "0" is the writer itself: the child moves into its v1 leaf before exec.
+        if (*ctx).fd_join >= 0 && libc::write((*ctx).fd_join, b"0".as_ptr().cast(), 1) != 1 {
             fail(ctx);
         }
         if !(*ctx).cwd.is_null() && libc::chdir((*ctx).cwd) < 0 {
@@ -291,7 +298,8 @@ pub(crate) enum SpawnError {
 }
 
 /// Start `spec` (with the run marker in its environment) in its own process group, inside the
-/// cgroup `cgroup_dir` when given.
+/// cgroup `cgroup_dir` when given: born in it when it is a cgroup2 directory, joining it before
+/// exec otherwise (a cgroup v1 leaf, which `CLONE_INTO_CGROUP` does not accept).
 ///
 /// Under vfork this blocks the calling thread until the child has exec'd or exited, which may be
 /// never (a hung mount): call it off the runtime thread. `early` learns the pid before the child
@@ -325,7 +333,7 @@ pub(crate) fn spawn(
         Some(d) => Some(cstring(d.as_os_str()).map_err(Failed)?),
         None => None,
     };
-    let cgroup = match cgroup_dir {
+    let leaf = match cgroup_dir {
         Some(dir) => Some(
             rustix::fs::open(
                 dir,
@@ -335,6 +343,25 @@ pub(crate) fn spawn(
             .map_err(|e| if e == rustix::io::Errno::NOENT { LeafGone(e.into()) } else { Unsupported(e.into()) })?,
         ),
         None => None,
+    };
+    let (cgroup, join) = match leaf {
+        Some(fd) => {
+            let v2 = rustix::fs::fstatfs(&fd).map_err(|e| Unsupported(e.into()))?.f_type as u64
+                == super::cgroup::CGROUP2_SUPER_MAGIC;
+            if v2 {
+                (Some(fd), None)
+            } else {
+                let procs = rustix::fs::openat(
+                    &fd,
+                    "cgroup.procs",
+                    rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(|e| if e == rustix::io::Errno::NOENT { LeafGone(e.into()) } else { Failed(e.into()) })?;
+                (None, Some(procs))
+            }
+        }
+        None => (None, None),
     };
     let devnull = rustix::fs::open(
         "/dev/null",
@@ -355,6 +382,7 @@ pub(crate) fn spawn(
         fd_out: out_w.as_raw_fd(),
         fd_err: err_w.as_raw_fd(),
         fd_report: report.as_ref().map_or(-1, |(_, w)| w.as_raw_fd()),
+        fd_join: join.as_ref().map_or(-1, |j| j.as_raw_fd()),
         errno: 0,
     };
 
@@ -385,7 +413,7 @@ pub(crate) fn spawn(
     let pid = ret as i32;
     // SAFETY: the kernel returned a new pidfd in `pidfd`.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    drop((devnull, out_w, err_w, cgroup));
+    drop((devnull, out_w, err_w, cgroup, join));
     // Under vfork the child has exec'd or exited by now and left its errno in `ctx`. With fork
     // semantics the report pipe ends at EOF once execve succeeded (CLOEXEC), or carries the errno.
     // SAFETY: the child no longer runs on this memory (vfork returned), or never shared it.

@@ -43,6 +43,8 @@ pub enum SuperviseError {
     PreviousInstance { pid: i32, outcome: Outcome },
     #[error("could not be stopped: {0}")]
     NotStopped(Outcome),
+    #[error("{0}; not starting it")]
+    Refused(String),
 }
 
 /// Observations of the respawn loop, for logs and tests.
@@ -64,9 +66,13 @@ pub async fn supervise(
 ) -> Result<Outcome, SuperviseError> {
     let owner = spec.owner.clone();
     for r in sup.recover(|rec| rec.owner == owner).await {
-        if let RecoveryResult::NotStopped(outcome) = r.result {
-            let pid = r.record.map(|r| r.pid).unwrap_or(0);
-            return Err(SuperviseError::PreviousInstance { pid, outcome });
+        match r.result {
+            RecoveryResult::NotStopped(outcome) => {
+                let pid = r.record.map(|r| r.pid).unwrap_or(0);
+                return Err(SuperviseError::PreviousInstance { pid, outcome });
+            }
+            RecoveryResult::Refused(why) => return Err(SuperviseError::Refused(why)),
+            _ => {}
         }
     }
     let mut attempt = 0u64;

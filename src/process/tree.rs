@@ -1,14 +1,14 @@
-//! The process tree of one run, behind one type: its cgroup when there is one, otherwise its
-//! process group plus every process that still carries the run's environment marker (which also
-//! finds `setsid` escapees that kept their environment). Members are always opened through
+//! The process tree of one run, behind one type: its cgroup when there is one (v2, or a v1 freezer
+//! leaf), otherwise its process group plus every process that still carries the run's environment
+//! marker (which also finds `setsid` escapees that kept their environment, but not one that
+//! dropped both its session and its environment). Members are always opened through
 //! `/proc/<pid>` dirfds and signalled through them.
 
-use super::cgroup;
+use super::cgroup::{self, Backend, Leaf};
 use super::procfs::{self, ProcHandle};
 use rustix::process::Signal;
 use std::collections::HashSet;
 use std::io;
-use std::path::PathBuf;
 
 /// The environment variable that marks every process of a run.
 pub const MARKER_ENV: &str = "NODEPLAN_RUN";
@@ -46,7 +46,7 @@ impl TreeOps for Tree {
 
 #[derive(Debug, Clone)]
 pub(crate) struct Tree {
-    pub cgroup: Option<PathBuf>,
+    pub cgroup: Option<Leaf>,
     /// The run's process group id, only while its leader has not been reaped (so the id is ours);
     /// 0 afterwards. Shared by clones, so the ladder can retire it while it waits.
     pub pgid: std::sync::Arc<std::sync::atomic::AtomicI32>,
@@ -54,7 +54,7 @@ pub(crate) struct Tree {
 }
 
 impl Tree {
-    pub fn new(cgroup: Option<PathBuf>, pgid: Option<i32>, marker: String) -> Tree {
+    pub fn new(cgroup: Option<Leaf>, pgid: Option<i32>, marker: String) -> Tree {
         Tree { cgroup, pgid: std::sync::Arc::new(std::sync::atomic::AtomicI32::new(pgid.unwrap_or(0))), marker }
     }
 
@@ -64,8 +64,8 @@ impl Tree {
 
     /// Live (non-zombie) members, each opened and checked through its dirfd.
     pub fn members(&self) -> Vec<ProcHandle> {
-        if let Some(dir) = &self.cgroup {
-            return cgroup::procs(dir)
+        if let Some(leaf) = &self.cgroup {
+            return cgroup::procs(&leaf.dir)
                 .into_iter()
                 .filter_map(|pid| ProcHandle::open(pid).ok())
                 .filter(|h| h.alive())
@@ -115,22 +115,35 @@ impl Tree {
         Ok(())
     }
 
-    /// SIGKILL the whole tree: `cgroup.kill` where available, else each member.
+    /// SIGKILL the whole tree: `cgroup.kill` where available; a v1 freezer leaf is frozen first
+    /// (nothing in it can fork while each member is killed) and thawed after; else each member.
     pub fn kill(&self) -> io::Result<()> {
-        if let Some(dir) = &self.cgroup {
-            match cgroup::kill(dir) {
+        match &self.cgroup {
+            Some(Leaf { dir, backend: Backend::V2 }) => match cgroup::kill(dir) {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
                 Err(e) => return Err(e),
+            },
+            Some(Leaf { dir, backend: Backend::V1Freezer }) => {
+                let frozen = cgroup::freeze(dir);
+                // Frozen or not (a task stuck in the kernel can hold the leaf in FREEZING), kill
+                // every member, repeating until a pass finds no new one; always thaw, so that the
+                // SIGKILLs take effect.
+                let killed = self.signal(Signal::KILL).map(|_| ());
+                let thawed = cgroup::thaw(dir);
+                frozen?;
+                killed?;
+                return thawed;
             }
+            None => {}
         }
         self.signal(Signal::KILL).map(|_| ())
     }
 
     pub fn is_empty(&self) -> bool {
         match &self.cgroup {
-            Some(dir) => !cgroup::populated(dir),
+            Some(leaf) => !cgroup::populated(leaf),
             None => self.members().is_empty(),
         }
     }
@@ -141,7 +154,7 @@ impl Tree {
     /// the check itself in the common case).
     pub fn maybe_leftovers(&self, leader: i32) -> bool {
         match &self.cgroup {
-            Some(dir) => std::fs::remove_dir(dir).is_err() && cgroup::populated(dir),
+            Some(leaf) => std::fs::remove_dir(&leaf.dir).is_err() && cgroup::populated(leaf),
             None => rustix::process::Pid::from_raw(leader)
                 .is_some_and(|p| rustix::process::test_kill_process_group(p).is_ok()),
         }
@@ -153,8 +166,8 @@ impl Tree {
 
     /// Remove the run's cgroup once it is empty.
     pub fn cleanup(&self) {
-        if let Some(dir) = &self.cgroup {
-            cgroup::remove(dir);
+        if let Some(leaf) = &self.cgroup {
+            cgroup::remove(&leaf.dir);
         }
     }
 }

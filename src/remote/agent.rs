@@ -152,10 +152,8 @@ impl RemoteAgent {
 
     async fn recover(&mut self) {
         for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(OWNER_PREFIX)).await {
-            if let crate::process::RecoveryResult::NotStopped(o) = r.result {
-                let who = r.record.as_ref().map(crate::process::PidRecord::describe).unwrap_or_default();
-                let why = format!("a leftover process ({who}) of a remote plan could not be stopped: {o}");
-                tracing::error!("{why}; no plan runs until it is gone");
+            if let Some(why) = r.hold_reason() {
+                tracing::error!("{why}; no remote plan runs until this is resolved");
                 self.blocked = Some(why);
                 return;
             }
