@@ -51,6 +51,37 @@ fn layers() -> Vec<Vec<u8>> {
     ]
 }
 
+/// A tar of (path, content, mode) regular files owned by `uid` (a local user's, in the attacks).
+fn tar_as(files: &[(&str, &[u8], u32)], uid: u64, gzip: bool) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, content, mode) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(*mode);
+        h.set_uid(uid);
+        h.set_gid(uid);
+        h.set_mtime(1_700_000_000);
+        h.set_size(content.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, path, *content).unwrap();
+    }
+    let raw = b.into_inner().unwrap();
+    if !gzip {
+        return raw;
+    }
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&raw).unwrap();
+    gz.finish().unwrap()
+}
+
+/// How the test registry misbehaves or what it checks (see [`registry`]).
+#[derive(Default)]
+struct Opts {
+    corrupt: u8,
+    stall: bool,
+    /// Every blob but the first layer's waits for a message here before it is answered.
+    gate: Option<mpsc::Receiver<()>>,
+}
+
 struct Registry {
     port: u16,
     token_requests: Arc<AtomicUsize>,
@@ -63,6 +94,12 @@ struct Registry {
 /// byte (its digest no longer matches), 2 appends one (larger than the manifest says); with
 /// `stall`, blob requests are never answered.
 fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: u8, stall: bool) -> Registry {
+    registry_with(repo, layers, Opts { corrupt, stall, ..Default::default() })
+}
+
+fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
+    let Opts { corrupt, stall, gate } = opts;
+    let first_layer = layers.first().map(|l| sha(l)).unwrap_or_default();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     let mut blobs: HashMap<String, Vec<u8>> = HashMap::new();
@@ -168,6 +205,11 @@ fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: u8, stall: bool) -> Regis
                 if stall {
                     held.lock().unwrap().push(c);
                     continue;
+                }
+                if let Some(g) = &gate
+                    && digest != first_layer
+                {
+                    let _ = g.recv();
                 }
                 match blobs.get(digest) {
                     Some(body) => reply(&mut c, "200 OK", "", body),
@@ -349,4 +391,82 @@ fn a_cancel_during_the_pull_abandons_it_and_runs_nothing() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(4), "{err}");
     assert!(e.out().is_none(), "run.sh must not run");
+}
+
+fn mode_and_owner(p: &str) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap_or_else(|e| panic!("{p}: {e}"));
+    (m.mode() & 0o7777, m.uid())
+}
+
+/// The one execution directory of the first instruction: `<work>/<stamp>/<checksum>_0`.
+fn exec_dir(work: &str) -> String {
+    for stamp in std::fs::read_dir(work).unwrap().flatten() {
+        for d in std::fs::read_dir(stamp.path()).into_iter().flatten().flatten() {
+            if d.file_name().to_string_lossy().ends_with("_0") {
+                return d.path().to_string_lossy().into_owned();
+            }
+        }
+    }
+    panic!("no execution directory under {work}");
+}
+
+/// A local user (uid 1000) tries to rewrite the image's run.sh (mode 0777 and owned by uid 1000
+/// in the image) while the next layer is still being pulled. The work and execution directories
+/// are private to root and the file is root's without group/other write, so the attempt fails
+/// and root runs the image's own script.
+#[test]
+fn a_local_user_cannot_rewrite_the_image_while_it_is_staged() {
+    use std::os::unix::process::CommandExt;
+    let e = Env::new();
+    // The work directory's parent is world-searchable, as /var/lib/rancher/agent is.
+    std::fs::set_permissions(e.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let run = b"#!/bin/sh\necho original > \"$OUT\"\n";
+    let ls = vec![tar_as(&[("run.sh", run, 0o777)], 1000, true), tar_as(&[("data", b"x", 0o666)], 1000, false)];
+    let (go, gate) = mpsc::channel();
+    let reg = registry_with("team/installer", ls.clone(), Opts { gate: Some(gate), ..Default::default() });
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let child =
+        e.apply(&e.plan(&image), &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    // The second layer is asked for once the first one is extracted.
+    let second = sha(&ls[1]);
+    while reg.blob_requests.recv_timeout(GUARD).expect("the pull never asked for the second layer") != second {}
+    let run_sh = format!("{}/run.sh", exec_dir(&e.p("work")));
+    assert!(std::path::Path::new(&run_sh).exists(), "the first layer is extracted");
+    let attack = Command::new("/bin/sh")
+        .args(["-c", "echo 'echo pwned > \"$OUT\"' >> \"$0\"", &run_sh])
+        .uid(1000)
+        .gid(1000)
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    go.send(()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!attack.success(), "a local user rewrote run.sh during the pull");
+    assert_eq!(e.out().as_deref(), Some("original\n"));
+    let dir = exec_dir(&e.p("work"));
+    assert_eq!(mode_and_owner(&e.p("work")), (0o700, 0), "the work directory");
+    assert_eq!(mode_and_owner(&dir), (0o700, 0), "the execution directory");
+    assert_eq!(mode_and_owner(&run_sh), (0o755, 0), "run.sh: root's, no group/other write");
+    assert_eq!(mode_and_owner(&format!("{dir}/data")), (0o644, 0));
+}
+
+/// A preserved work directory that another user owns, world-writable, is made private to the
+/// agent before anything is put in it, and a warning says so.
+#[test]
+fn an_existing_work_dir_of_another_user_is_made_private_with_a_warning() {
+    let e = Env::new();
+    let work = e.p("work");
+    std::fs::create_dir(&work).unwrap();
+    std::fs::set_permissions(&work, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    std::os::unix::fs::chown(&work, Some(1000), Some(1000)).unwrap();
+    let plan = e.plan_with(serde_json::json!({"name": "x", "command": "true"}));
+    let out = e.apply(&plan, &e.p("none.yaml")).arg("--preserve-work-dir").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(mode_and_owner(&work), (0o700, 0));
+    assert!(err.contains(&format!("{work} was owned by uid 1000 gid 1000 with mode 0777; made private")), "{err}");
+    assert_eq!(mode_and_owner(&exec_dir(&work)), (0o700, 0));
 }

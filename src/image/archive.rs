@@ -71,25 +71,25 @@ pub fn find(dir: &Path, image: &ImageRef) -> Option<(PathBuf, Vec<String>)> {
     None
 }
 
-/// Extract `layers` of the tarball `path` into `dest`, one at a time through `scratch`.
+/// Extract `layers` of the tarball `path` into `dest`, one at a time through a scratch file in
+/// `scratch_dir` (see [`super::scratch_file`]).
 pub fn extract(
     path: &Path,
     layers: &[String],
     dest: &Path,
-    scratch: &Path,
+    scratch_dir: &Path,
     cancel: &std::sync::atomic::AtomicBool,
 ) -> Result<(), String> {
     for layer in layers {
-        let mut f = File::create(scratch).map_err(|e| format!("cannot create {}: {e}", scratch.display()))?;
+        let mut f = super::scratch_file(scratch_dir)
+            .map_err(|e| format!("cannot create a scratch file in {}: {e}", scratch_dir.display()))?;
         match copy_member(path, layer, &mut f) {
             Ok(true) => {}
             Ok(false) => return Err(format!("{}: layer {layer} listed in manifest.json is missing", path.display())),
             Err(e) => return Err(format!("{}: reading layer {layer}: {e}", path.display())),
         }
-        drop(f);
-        let done = super::layers::extract(scratch, dest, cancel);
-        let _ = std::fs::remove_file(scratch);
-        done.map_err(|e| format!("{}: extracting layer {layer}: {}", path.display(), crate::error_line(&e)))?;
+        super::layers::extract(&f, dest, cancel)
+            .map_err(|e| format!("{}: extracting layer {layer}: {}", path.display(), crate::error_line(&e)))?;
     }
     Ok(())
 }

@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
 
-fn open(layer: &Path) -> io::Result<Box<dyn Read>> {
-    let mut f = File::open(layer)?;
+/// The layer from its start, decompressed when it is gzip.
+fn open(layer: &File) -> io::Result<Box<dyn Read + '_>> {
+    let mut f = layer;
+    f.rewind()?;
     let mut magic = [0u8; 2];
     let n = f.read(&mut magic)?;
     f.rewind()?;
@@ -79,9 +81,11 @@ fn check(cancel: &AtomicBool) -> io::Result<()> {
     if cancel.load(Ordering::Relaxed) { Err(io::Error::new(io::ErrorKind::Interrupted, "canceled")) } else { Ok(()) }
 }
 
-/// Unpack the layer file `layer` into `dest`. setuid and setgid bits are dropped: the files are
-/// an installer's payload in a scratch directory, not a system to boot.
-pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()> {
+/// Unpack the layer file `layer` (read from its start) into `dest`. The files are an installer's
+/// payload that root will run, not a system to boot: they belong to the agent's effective user
+/// (never to the image's uids, which may be a local user's), and setuid, setgid and the group and
+/// other write bits are dropped, so no one but the agent can change them once written.
+pub fn extract(layer: &File, dest: &Path, cancel: &AtomicBool) -> io::Result<()> {
     // Pass 1: the whiteouts, which only concern the lower layers.
     let mut archive = tar::Archive::new(open(layer)?);
     for entry in archive.entries()? {
@@ -109,10 +113,10 @@ pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()>
     // Pass 2: everything else.
     let mut archive = tar::Archive::new(open(layer)?);
     archive.set_preserve_permissions(true);
-    archive.set_mask(0o6000);
+    archive.set_mask(0o6022);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
-    archive.set_preserve_ownerships(rustix::process::geteuid().is_root());
+    archive.set_preserve_ownerships(false);
     for entry in archive.entries()? {
         check(cancel)?;
         let mut entry = entry?;
@@ -206,7 +210,7 @@ mod tests {
         for (i, layer) in [lower, upper].iter().enumerate() {
             let f = d.path().join(format!("layer{i}"));
             std::fs::write(&f, layer).unwrap();
-            extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+            extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false)).unwrap();
         }
         use std::os::unix::fs::PermissionsExt;
         let mode = |p: &str| std::fs::metadata(dest.join(p)).unwrap().permissions().mode() & 0o777;
@@ -271,7 +275,7 @@ mod tests {
         for (i, l) in layers.iter().enumerate() {
             let f = d.path().join(format!("l{i}"));
             std::fs::write(&f, l).unwrap();
-            let _ = extract(&f, &dest, &AtomicBool::new(false));
+            let _ = extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false));
         }
         assert_eq!(std::fs::read_to_string(host.join("sub/keep")).unwrap(), "k");
         assert_eq!(std::fs::read_to_string(host.join("file")).unwrap(), "f");
@@ -286,10 +290,10 @@ mod tests {
         let mut lower = links_layer(&[("bin/x", Regular, "old")]);
         let f = d.path().join("l0");
         std::fs::write(&f, &lower).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false)).unwrap();
         lower = links_layer(&[("bin/y", Regular, "new"), ("bin/x", Link, "bin/y")]);
         std::fs::write(&f, &lower).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false)).unwrap();
         assert_eq!(std::fs::read_to_string(dest.join("bin/x")).unwrap(), "new");
         let mut b = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_gnu();
@@ -300,11 +304,42 @@ mod tests {
         h.set_entry_type(Regular);
         b.append_data(&mut h, "suid", &b"x"[..]).unwrap();
         std::fs::write(&f, b.into_inner().unwrap()).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false)).unwrap();
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(dest.join("suid")).unwrap().permissions().mode() & 0o7777, 0o755);
         let canceled = AtomicBool::new(true);
-        assert_eq!(extract(&f, &dest, &canceled).unwrap_err().kind(), io::ErrorKind::Interrupted);
+        assert_eq!(extract(&File::open(&f).unwrap(), &dest, &canceled).unwrap_err().kind(), io::ErrorKind::Interrupted);
+    }
+
+    /// An image's file owned by a local user's uid and writable by everyone is extracted owned by
+    /// the agent, without group or other write bits (directories too).
+    #[test]
+    fn extracted_files_belong_to_the_agent_and_are_not_group_or_world_writable() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("root");
+        std::fs::create_dir(&dest).unwrap();
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, mode) in
+            [("bin", tar::EntryType::Directory, 0o777), ("bin/run.sh", tar::EntryType::Regular, 0o777)]
+        {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(mode);
+            h.set_uid(1000);
+            h.set_gid(1000);
+            h.set_entry_type(kind);
+            let data: &[u8] = if kind.is_dir() { b"" } else { b"#!/bin/sh\n" };
+            h.set_size(data.len() as u64);
+            b.append_data(&mut h, path, data).unwrap();
+        }
+        let f = d.path().join("l");
+        std::fs::write(&f, b.into_inner().unwrap()).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false)).unwrap();
+        let euid = rustix::process::geteuid().as_raw();
+        for p in ["bin", "bin/run.sh"] {
+            let m = std::fs::symlink_metadata(dest.join(p)).unwrap();
+            assert_eq!((m.uid(), m.mode() & 0o7777), (euid, 0o755), "{p}");
+        }
     }
 
     #[test]
@@ -330,7 +365,7 @@ mod tests {
         b.append(&wh, &[][..]).unwrap();
         let f = d.path().join("evil");
         std::fs::write(&f, b.into_inner().unwrap()).unwrap();
-        let _ = extract(&f, &dest, &AtomicBool::new(false));
+        let _ = extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false));
         assert_eq!(std::fs::read_to_string(d.path().join("victim")).unwrap(), "keep");
     }
 }

@@ -220,13 +220,13 @@ impl Session<'_> {
         Ok(body.to_vec())
     }
 
-    /// Download a blob into `file`, verifying its digest (and its size, when the manifest gives
-    /// one, as it arrives: a registry cannot fill the disk).
-    async fn blob(&mut self, digest: &str, size: u64, file: &Path) -> Result<(), String> {
+    /// Download a blob into `file` (an empty scratch file), verifying its digest (and its size,
+    /// when the manifest gives one, as it arrives: a registry cannot fill the disk).
+    async fn blob(&mut self, digest: &str, size: u64, file: &std::fs::File) -> Result<(), String> {
         let url = format!("{}/v2/{}/blobs/{digest}", self.ep.base, self.repo);
         let mut resp = self.get(&url, None).await?;
-        let mut out =
-            tokio::fs::File::create(file).await.map_err(|e| format!("cannot create {}: {e}", file.display()))?;
+        let scratch = || format!("the scratch file for layer {digest}");
+        let mut out = tokio::fs::File::from_std(file.try_clone().map_err(|e| format!("writing {}: {e}", scratch()))?);
         let mut hash = Sha256::new();
         let mut got_bytes = 0u64;
         while let Some(chunk) = resp.chunk().await.map_err(|e| format!("layer {digest}: {}", chain(&e)))? {
@@ -235,9 +235,9 @@ impl Session<'_> {
                 return Err(format!("layer {digest}: the registry sent more than the {size} bytes the manifest gives"));
             }
             hash.update(&chunk);
-            out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", file.display()))?;
+            out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", scratch()))?;
         }
-        out.flush().await.map_err(|e| format!("writing {}: {e}", file.display()))?;
+        out.flush().await.map_err(|e| format!("writing {}: {e}", scratch()))?;
         let got = format!("sha256:{:x}", hash.finalize());
         if got != digest {
             return Err(format!("layer {digest}: the registry sent content with digest {got}"));
@@ -246,12 +246,13 @@ impl Session<'_> {
     }
 }
 
-/// Pull `image` from `ep` and extract its layers into `dest`, one at a time through `scratch`.
+/// Pull `image` from `ep` and extract its layers into `dest`, one at a time through a scratch
+/// file in `scratch_dir` (see [`super::scratch_file`]).
 pub async fn pull(
     ep: &Endpoint,
     image: &ImageRef,
     dest: &Path,
-    scratch: &Path,
+    scratch_dir: &Path,
     cancel: &std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> Result<(), String> {
     let mut s = Session {
@@ -289,19 +290,14 @@ pub async fn pull(
         if layer.media_type.contains("zstd") {
             return Err(format!("layer {}: zstd-compressed layers are not supported", layer.digest));
         }
-        let got = s.blob(&layer.digest, layer.size, scratch).await;
-        let done = match got {
-            Ok(()) => {
-                let (from, to, cancel) = (scratch.to_path_buf(), dest.to_path_buf(), cancel.clone());
-                tokio::task::spawn_blocking(move || super::layers::extract(&from, &to, &cancel))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e))))
-            }
-            Err(e) => Err(e),
-        };
-        let _ = std::fs::remove_file(scratch);
-        done?;
+        let file = super::scratch_file(scratch_dir)
+            .map_err(|e| format!("cannot create a scratch file in {}: {e}", scratch_dir.display()))?;
+        s.blob(&layer.digest, layer.size, &file).await?;
+        let (to, cancel) = (dest.to_path_buf(), cancel.clone());
+        tokio::task::spawn_blocking(move || super::layers::extract(&file, &to, &cancel))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e))))?;
     }
     Ok(())
 }
