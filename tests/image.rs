@@ -80,6 +80,8 @@ struct Opts {
     stall: bool,
     /// Every blob but the first layer's waits for a message here before it is answered.
     gate: Option<mpsc::Receiver<()>>,
+    /// The Bearer challenge's realm (default: this registry's own `/token`).
+    realm: Option<String>,
 }
 
 struct Registry {
@@ -98,7 +100,7 @@ fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: u8, stall: bool) -> Regis
 }
 
 fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
-    let Opts { corrupt, stall, gate } = opts;
+    let Opts { corrupt, stall, gate, realm } = opts;
     let first_layer = layers.first().map(|l| sha(l)).unwrap_or_default();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
@@ -189,8 +191,9 @@ fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
                 continue;
             }
             if auth != format!("Bearer {TOKEN}") {
+                let realm = realm.clone().unwrap_or_else(|| format!("http://127.0.0.1:{port}/token"));
                 let challenge = format!(
-                    "WWW-Authenticate: Bearer realm=\"http://127.0.0.1:{port}/token\",service=\"test\",scope=\"repository:{repo}:pull\"\r\n"
+                    "WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test\",scope=\"repository:{repo}:pull\"\r\n"
                 );
                 reply(&mut c, "401 Unauthorized", &challenge, b"");
                 continue;
@@ -469,4 +472,69 @@ fn an_existing_work_dir_of_another_user_is_made_private_with_a_warning() {
     assert_eq!(mode_and_owner(&work), (0o700, 0));
     assert!(err.contains(&format!("{work} was owned by uid 1000 gid 1000 with mode 0777; made private")), "{err}");
     assert_eq!(mode_and_owner(&exec_dir(&work)), (0o700, 0));
+}
+
+/// A token service on its own port that gives anyone the registry's token and records the
+/// Authorization header of every request ("" when there was none).
+fn foreign_realm() -> (u16, Arc<Mutex<Vec<String>>>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut auth = String::new();
+            let mut r = BufReader::new(c.try_clone().unwrap());
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if line.to_ascii_lowercase().starts_with("authorization:") {
+                    auth = line.trim().to_string();
+                }
+            }
+            record.lock().unwrap().push(auth);
+            let body = format!("{{\"token\":\"{TOKEN}\"}}");
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (port, seen)
+}
+
+/// A registry whose Bearer challenge points at a token service on another host:port (plain http)
+/// does not get the registry's credentials there: the token is asked for anonymously, with a
+/// warning. Once the registries file names that host, the credentials go to it.
+#[test]
+fn registry_credentials_never_go_to_a_foreign_token_realm() {
+    let e = Env::new();
+    let (foreign, seen) = foreign_realm();
+    let realm = format!("http://127.0.0.1:{foreign}/token");
+    let opts = Opts { realm: Some(realm.clone()), ..Default::default() };
+    let reg = registry_with("team/installer", layers(), opts);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out = e.apply(&e.plan(&image), &e.registries(reg.port)).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(*seen.lock().unwrap(), [""], "the foreign realm received credentials");
+    assert!(err.contains(&format!("not sending its credentials to the token realm {realm}")), "{err}");
+    assert!(!err.contains(PASS), "{err}");
+
+    // Named in the registries file: trusted.
+    let regs = e.registries(reg.port);
+    let named = format!("{}  \"127.0.0.1:{foreign}\": {{}}\n", std::fs::read_to_string(&regs).unwrap());
+    std::fs::write(&regs, named).unwrap();
+    std::fs::remove_file(e.p("out")).unwrap();
+    let out = e.apply(&e.plan(&image), &regs).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    use base64::Engine;
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{USER}:{PASS}"));
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].eq_ignore_ascii_case(&format!("authorization: Basic {basic}")), "{seen:?}");
 }

@@ -69,6 +69,9 @@ impl Auth {
 pub struct Endpoint {
     pub base: String,
     pub config: HostConfig,
+    /// Hosts (`host` or `host:port`) the registries file names, in `configs` keys or mirror
+    /// endpoints: besides the endpoint's own, the only token realms its credentials may go to.
+    pub named_hosts: Vec<String>,
 }
 
 impl Registries {
@@ -95,6 +98,7 @@ impl Registries {
         let mut bases: Vec<String> =
             mirror.map(|m| m.endpoint.iter().map(|e| normalize(e)).collect()).unwrap_or_default();
         bases.push(default);
+        let named_hosts = self.named_hosts();
         let mut seen = std::collections::HashSet::new();
         bases
             .into_iter()
@@ -108,9 +112,21 @@ impl Registries {
                     .or_else(|| self.configs.get("*"))
                     .cloned()
                     .unwrap_or_default();
-                Endpoint { base, config }
+                Endpoint { base, config, named_hosts: named_hosts.clone() }
             })
             .collect()
+    }
+}
+
+impl Registries {
+    /// Every host the file names: `configs` keys (but `*`) and the hosts of mirror endpoints.
+    fn named_hosts(&self) -> Vec<String> {
+        let configs = self.configs.keys().filter(|k| k.as_str() != "*").map(|k| k.trim().to_ascii_lowercase());
+        let mirrors = self.mirrors.values().flat_map(|m| m.endpoint.iter()).map(|e| host_of(&normalize(e)));
+        let mut hosts: Vec<String> = configs.chain(mirrors.map(|h| h.to_ascii_lowercase())).collect();
+        hosts.sort();
+        hosts.dedup();
+        hosts
     }
 }
 

@@ -118,6 +118,37 @@ fn parse_challenge(h: &str) -> (String, Vec<(String, String)>) {
     (scheme.to_ascii_lowercase(), params)
 }
 
+/// Whether the registry's credentials may go to the token service at `realm`, or why not.
+///
+/// The rule: only to the endpoint's own host and port, to a host the registries file names
+/// (`configs` keys, mirror endpoints; `host` means the scheme's default port), or to Docker Hub's
+/// own token service for Docker Hub; and never over plain http when the endpoint is https. A
+/// registry (or whoever answers for it) otherwise picks where a `WWW-Authenticate` realm points,
+/// so a realm on another host, even another port of the same host (a local user can listen
+/// there), gets no password.
+fn may_send_credentials(base: &str, realm: &reqwest::Url, named: &[String]) -> Result<(), &'static str> {
+    let base = reqwest::Url::parse(base).map_err(|_| "the endpoint is not a URL")?;
+    if base.scheme() == "https" && realm.scheme() != "https" {
+        return Err("the realm is plain http while the registry endpoint is https");
+    }
+    let host = |u: &reqwest::Url| u.host_str().unwrap_or_default().to_ascii_lowercase();
+    let (realm_host, realm_port) = (host(realm), realm.port_or_known_default());
+    if realm_host == host(&base) && realm_port == base.port_or_known_default() {
+        return Ok(());
+    }
+    if host(&base) == "registry-1.docker.io" && realm_host == "auth.docker.io" && realm.scheme() == "https" {
+        return Ok(());
+    }
+    let named_ok = named.iter().any(|n| {
+        let parsed = reqwest::Url::parse(&format!("{}://{n}", realm.scheme()));
+        parsed.is_ok_and(|u| host(&u) == realm_host && u.port() == realm.port())
+    });
+    if named_ok {
+        return Ok(());
+    }
+    Err("its host is neither the registry endpoint's nor one the registries file names")
+}
+
 /// The whole body, refused once it passes `cap` bytes.
 async fn body_capped(mut resp: reqwest::Response, cap: usize, what: &str) -> Result<Vec<u8>, String> {
     let mut body = Vec::new();
@@ -181,13 +212,25 @@ impl Session<'_> {
             "basic" => Err(format!("{} wants credentials; none are configured for it", self.ep.base)),
             "bearer" => {
                 let realm = param("realm").ok_or("a Bearer challenge without a realm")?;
+                let realm_url =
+                    reqwest::Url::parse(&realm).map_err(|_| format!("the token realm {realm:?} is not a URL"))?;
                 let scope = param("scope").unwrap_or_else(|| format!("repository:{}:pull", self.repo));
-                let mut req = self.client.get(&realm).query(&[("scope", scope.as_str())]);
+                let mut req = self.client.get(realm_url.clone()).query(&[("scope", scope.as_str())]);
                 if let Some(service) = param("service") {
                     req = req.query(&[("service", service.as_str())]);
                 }
+                // A realm that fails the rule gets an anonymous token request rather than an error:
+                // public images still pull (as from a registry without credentials), and a private
+                // one fails with the realm's own answer, after this warning says why.
                 if let Some((u, p)) = &self.basic {
-                    req = req.basic_auth(u, Some(p));
+                    match may_send_credentials(&self.ep.base, &realm_url, &self.ep.named_hosts) {
+                        Ok(()) => req = req.basic_auth(u, Some(p)),
+                        Err(why) => tracing::warn!(
+                            "{}: not sending its credentials to the token realm {realm}: {why}; asking for a token \
+                             anonymously (name the realm's host in the registries file's configs to trust it)",
+                            self.ep.base
+                        ),
+                    }
                 }
                 let resp = req.send().await.map_err(|e| format!("token from {realm}: {}", chain(&e)))?;
                 if !resp.status().is_success() {
@@ -321,5 +364,25 @@ mod tests {
             ]
         );
         assert_eq!(parse_challenge(r#"Basic realm="x""#).0, "basic");
+    }
+
+    #[test]
+    fn credentials_go_only_to_the_registry_or_named_hosts_and_never_downgraded() {
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        let named = ["auth.example".to_string(), "127.0.0.1:5001".to_string()];
+        let ok = |base: &str, realm: &str| may_send_credentials(base, &url(realm), &named).is_ok();
+        assert!(ok("https://reg.example", "https://reg.example/token"));
+        assert!(ok("https://reg.example", "https://REG.example:443/token"));
+        assert!(ok("http://127.0.0.1:5000", "http://127.0.0.1:5000/token"));
+        assert!(ok("https://reg.example", "https://auth.example/token"), "named in the file");
+        assert!(ok("http://127.0.0.1:5000", "http://127.0.0.1:5001/token"), "named with its port");
+        assert!(ok("https://registry-1.docker.io", "https://auth.docker.io/token"));
+        assert!(!ok("https://reg.example", "http://reg.example/token"), "https → http");
+        assert!(!ok("https://reg.example", "http://auth.example/token"), "https → http, even named");
+        assert!(!ok("https://reg.example", "https://evil.example/token"));
+        assert!(!ok("https://reg.example", "https://reg.example:8443/token"), "another port");
+        assert!(!ok("http://127.0.0.1:5000", "http://127.0.0.1:5002/token"));
+        assert!(!ok("https://reg.example", "https://auth.example:444/token"), "named without that port");
+        assert!(!ok("https://mirror.example", "https://auth.docker.io/token"), "Docker Hub's only");
     }
 }
