@@ -489,11 +489,13 @@ pub fn load_connection(path: &Path) -> Result<ConnectionInfo, ConfigError> {
             _ => Err(ConfigError::Missing { what: doc.what, path: doc.path.to_path_buf(), key }),
         }
     };
-    Ok(ConnectionInfo {
-        kube_config: field("kubeConfig")?,
-        namespace: field("namespace")?,
-        secret_name: field("secretName")?,
-    })
+    let kube_config = field("kubeConfig")?;
+    // Checked here so `validate-connection` and the agent's start both name the problem; the
+    // kubeconfig holds tokens and keys, so the error gives the position only.
+    if let Err(e) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(&kube_config) {
+        return Err(doc.value_err("kubeConfig", format!("invalid YAML {}", yaml_location(&e))));
+    }
+    Ok(ConnectionInfo { kube_config, namespace: field("namespace")?, secret_name: field("secretName")? })
 }
 
 /// `10s`, `500ms`, `5m`, `1h`, `1.5s`, or a bare number of seconds. Exact (no floating point).
@@ -554,6 +556,26 @@ fn quoted(s: &str) -> String {
     format!("\"{}\"", cut.escape_debug())
 }
 
+/// Where a JSON parser error is, never what the text there was (it can be a credential).
+pub(crate) fn json_location(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    let what = match e.classify() {
+        Category::Io => "read error",
+        Category::Syntax => "syntax error",
+        Category::Data => "unexpected value",
+        Category::Eof => "unexpected end of input",
+    };
+    if e.line() == 0 { what.to_string() } else { format!("{what} at line {} column {}", e.line(), e.column()) }
+}
+
+/// Where a YAML parser error is, never what the text there was (it can be a credential).
+pub(crate) fn yaml_location(e: &serde_yaml_ng::Error) -> String {
+    match e.location() {
+        Some(l) => format!("at line {} column {}", l.line(), l.column()),
+        None => "(no position given; the text is not shown, it may hold credentials)".to_string(),
+    }
+}
+
 /// Squashes a parser message to one line.
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -595,17 +617,21 @@ impl<'a> Doc<'a> {
             let name = if matches!(format, Format::Json) { "JSON" } else { "YAML" };
             parse_err(name, format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
         })?;
+        // The connection info holds credentials: its parser messages, which can quote the text,
+        // become positions only. The config file holds none, and a duplicate key named helps.
+        let json_msg = |e: serde_json::Error| if echo { e.to_string() } else { json_location(&e) };
+        let yaml_msg = |e: serde_yaml_ng::Error| if echo { e.to_string() } else { yaml_location(&e) };
         let value = match format {
-            Format::Json => serde_json::from_str::<Value>(&text).map_err(|e| parse_err("JSON", e.to_string()))?,
+            Format::Json => serde_json::from_str::<Value>(&text).map_err(|e| parse_err("JSON", json_msg(e)))?,
             Format::Yaml => {
                 let mut y: serde_yaml_ng::Value =
-                    serde_yaml_ng::from_str(&text).map_err(|e| parse_err("YAML", e.to_string()))?;
-                y.apply_merge().map_err(|e| parse_err("YAML", e.to_string()))?;
+                    serde_yaml_ng::from_str(&text).map_err(|e| parse_err("YAML", yaml_msg(e)))?;
+                y.apply_merge().map_err(|e| parse_err("YAML", yaml_msg(e)))?;
                 if has_non_finite(&y) {
                     // JSON has no such numbers; the conversion would quietly turn them into null.
                     return Err(parse_err("YAML", "infinite or NaN numbers are not accepted".into()));
                 }
-                serde_json::to_value(y).map_err(|e| parse_err("YAML", e.to_string()))?
+                serde_json::to_value(y).map_err(|e| parse_err("YAML", json_msg(e)))?
             }
         };
         let map = match value {

@@ -77,8 +77,8 @@ impl Stager {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
             let _ = layers::empty_dir(dest);
             match registry::pull(&ep, &r, dest, &scratch, &cancel).await {
-                Ok(()) => return Ok(format!("pulled from {}", ep.base)),
-                Err(e) => tried.push(format!("{}: {e}", ep.base)),
+                Ok(()) => return Ok(format!("pulled from {}", ep.shown())),
+                Err(e) => tried.push(format!("{}: {e}", ep.shown())),
             }
         }
         let _ = layers::empty_dir(dest);

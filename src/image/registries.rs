@@ -79,8 +79,10 @@ impl Registries {
     pub fn load(path: &Path) -> Result<Registries, String> {
         match std::fs::read(path) {
             Ok(raw) if raw.iter().all(u8::is_ascii_whitespace) => Ok(Registries::default()),
-            Ok(raw) => serde_yaml_ng::from_slice(&raw)
-                .map_err(|e| format!("{}: {}", path.display(), e.to_string().replace('\n', " "))),
+            // The file holds registry passwords, which the parser's message can quote: position only.
+            Ok(raw) => serde_yaml_ng::from_slice(&raw).map_err(|e| {
+                format!("{}: invalid registries file {}", path.display(), crate::config::yaml_location(&e))
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Registries::default()),
             Err(e) => Err(format!("cannot read {}: {e}", path.display())),
         }
@@ -115,6 +117,13 @@ impl Registries {
                 Endpoint { base, config, named_hosts: named_hosts.clone() }
             })
             .collect()
+    }
+}
+
+impl Endpoint {
+    /// The base URL for messages, without any `user:password@` in it.
+    pub fn shown(&self) -> String {
+        super::reference::redact_userinfo(&self.base)
     }
 }
 
@@ -183,5 +192,13 @@ configs:
         std::fs::write(&bad, "mirrors: [1, 2\n  x").unwrap();
         let e = Registries::load(&bad).unwrap_err();
         assert!(e.starts_with(&bad.display().to_string()) && !e.contains('\n'), "{e}");
+        // The parser would quote the value that does not fit: a password must not reach the log.
+        std::fs::write(
+            &bad,
+            "configs:\n  h:\n    auth: {username: u, password: hunter2}\n    tls: {insecure_skip_verify: hunter2}\n",
+        )
+        .unwrap();
+        let e = Registries::load(&bad).unwrap_err();
+        assert!(!e.contains("hunter2") && e.contains("line 4"), "{e}");
     }
 }

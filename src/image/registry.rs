@@ -3,7 +3,7 @@
 //! is extracted. Authentication: anonymous, Basic, or a Bearer token from the registry's token
 //! service (with the configured credentials).
 
-use super::reference::{ImageRef, is_sha256_digest};
+use super::reference::{ImageRef, is_sha256_digest, redact_userinfo};
 use super::registries::Endpoint;
 use crate::error_line as chain;
 use serde::Deserialize;
@@ -194,11 +194,11 @@ impl Session<'_> {
                 continue;
             }
             if !resp.status().is_success() {
-                return Err(format!("GET {url}: HTTP {}", resp.status()));
+                return Err(format!("GET {}: HTTP {}", redact_userinfo(url), resp.status()));
             }
             return Ok(resp);
         }
-        Err(format!("GET {url}: still unauthorized after authenticating"))
+        Err(format!("GET {}: still unauthorized after authenticating", redact_userinfo(url)))
     }
 
     async fn authenticate(&mut self, challenge: &str) -> Result<(), String> {
@@ -209,7 +209,7 @@ impl Session<'_> {
                 self.use_basic = true;
                 Ok(())
             }
-            "basic" => Err(format!("{} wants credentials; none are configured for it", self.ep.base)),
+            "basic" => Err(format!("{} wants credentials; none are configured for it", self.ep.shown())),
             "bearer" => {
                 let realm = param("realm").ok_or("a Bearer challenge without a realm")?;
                 let realm_url =
@@ -228,7 +228,7 @@ impl Session<'_> {
                         Err(why) => tracing::warn!(
                             "{}: not sending its credentials to the token realm {realm}: {why}; asking for a token \
                              anonymously (name the realm's host in the registries file's configs to trust it)",
-                            self.ep.base
+                            self.ep.shown()
                         ),
                     }
                 }
@@ -237,8 +237,9 @@ impl Session<'_> {
                     return Err(format!("token from {realm}: HTTP {}", resp.status()));
                 }
                 let body = body_capped(resp, MAX_MANIFEST, &format!("token from {realm}")).await?;
-                let t: Token = serde_json::from_slice(&body)
-                    .map_err(|e| format!("token from {realm}: not a token answer: {e}"))?;
+                let t: Token = serde_json::from_slice(&body).map_err(|e| {
+                    format!("token from {realm}: not a token answer ({})", crate::config::json_location(&e))
+                })?;
                 let token = if t.token.is_empty() { t.access_token } else { t.token };
                 if token.is_empty() {
                     return Err(format!("token from {realm}: no token in the answer"));
@@ -253,7 +254,7 @@ impl Session<'_> {
     async fn manifest(&mut self, reference: &str) -> Result<Vec<u8>, String> {
         let url = format!("{}/v2/{}/manifests/{reference}", self.ep.base, self.repo);
         let resp = self.get(&url, Some(ACCEPT_MANIFESTS)).await?;
-        let body = body_capped(resp, MAX_MANIFEST, &url).await?;
+        let body = body_capped(resp, MAX_MANIFEST, &redact_userinfo(&url)).await?;
         if is_sha256_digest(reference) {
             let got = format!("sha256:{:x}", Sha256::digest(&body));
             if got != reference {
