@@ -27,7 +27,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 21] = [
+pub const KEYS: [&str; 23] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -39,6 +39,8 @@ pub const KEYS: [&str; 21] = [
     "agentRegistriesFile",
     "imageCredentialProviderConfig",
     "imageCredentialProviderBinDirectory",
+    "imageMaxBytes",
+    "imageMaxEntries",
     "interlockDirectory",
     "stopTimeout",
     "killTimeout",
@@ -80,6 +82,11 @@ pub struct AgentConfig {
     pub image_credential_provider_config: PathBuf,
     /// `imageCredentialProviderBinDirectory` (an empty value means the default).
     pub image_credential_provider_bin_directory: PathBuf,
+    /// `imageMaxBytes`: bytes one image's layers may decompress to together (and the largest
+    /// layer download).
+    pub image_max_bytes: u64,
+    /// `imageMaxEntries`: tar entries one image's layers may hold together.
+    pub image_max_entries: u64,
     /// `interlockDirectory`: upgrade interlock files; empty = no interlock.
     pub interlock_directory: PathBuf,
     /// `stopTimeout`: stop ladder grace after SIGTERM.
@@ -125,6 +132,8 @@ impl Default for AgentConfig {
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
             image_credential_provider_config: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG.into(),
             image_credential_provider_bin_directory: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY.into(),
+            image_max_bytes: crate::image::DEFAULT_MAX_BYTES,
+            image_max_entries: crate::image::DEFAULT_MAX_ENTRIES,
             interlock_directory: "/var/lib/rancher/agent/interlock".into(),
             stop_timeout: Duration::from_secs(10),
             kill_timeout: Duration::from_secs(5),
@@ -226,6 +235,16 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "imageCredentialProviderBinDirectory",
             p(&d.image_credential_provider_bin_directory),
             "credential-provider plugin binaries; accepted and unused, as above",
+        ),
+        (
+            "imageMaxBytes",
+            d.image_max_bytes.to_string(),
+            "bytes one image's layers may decompress to, all together (also the largest layer download); more is an error naming this key",
+        ),
+        (
+            "imageMaxEntries",
+            d.image_max_entries.to_string(),
+            "files, directories and links one image's layers may hold, all together; more is an error naming this key",
         ),
         (
             "interlockDirectory",
@@ -374,6 +393,12 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     doc.path_into("agentRegistriesFile", &mut c.agent_registries_file, true)?;
     doc.path_into("imageCredentialProviderConfig", &mut c.image_credential_provider_config, true)?;
     doc.path_into("imageCredentialProviderBinDirectory", &mut c.image_credential_provider_bin_directory, true)?;
+    if let Some(n) = doc.uint("imageMaxBytes")? {
+        c.image_max_bytes = n;
+    }
+    if let Some(n) = doc.uint("imageMaxEntries")? {
+        c.image_max_entries = n;
+    }
     doc.path_into("interlockDirectory", &mut c.interlock_directory, false)?;
     doc.duration_into("stopTimeout", &mut c.stop_timeout)?;
     doc.duration_into("killTimeout", &mut c.kill_timeout)?;
@@ -448,6 +473,8 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         ("probePeriodSeconds", cfg.probe_period_seconds),
         ("rescanSeconds", cfg.rescan_seconds),
         ("localRetrySeconds", cfg.local_retry_seconds),
+        ("imageMaxBytes", cfg.image_max_bytes),
+        ("imageMaxEntries", cfg.image_max_entries),
     ] {
         if n == 0 {
             problems.push(format!("{key} must be at least 1, found 0"));

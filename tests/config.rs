@@ -43,6 +43,8 @@ imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
 imageCredentialProviderConfig: /w/cp.yaml
 imageCredentialProviderBinDirectory: /w/cpbin
+imageMaxBytes: 1000
+imageMaxEntries: 10
 interlockDirectory: /w/interlock
 stopTimeout: 30s
 killTimeout: 250ms
@@ -67,6 +69,8 @@ const FULL_JSON: &str = r#"{
   "agentRegistriesFile": "/w/registries.yaml",
   "imageCredentialProviderConfig": "/w/cp.yaml",
   "imageCredentialProviderBinDirectory": "/w/cpbin",
+  "imageMaxBytes": 1000,
+  "imageMaxEntries": 10,
   "interlockDirectory": "/w/interlock",
   "stopTimeout": "30s",
   "killTimeout": "250ms",
@@ -92,6 +96,8 @@ fn full() -> AgentConfig {
         agent_registries_file: "/w/registries.yaml".into(),
         image_credential_provider_config: "/w/cp.yaml".into(),
         image_credential_provider_bin_directory: "/w/cpbin".into(),
+        image_max_bytes: 1000,
+        image_max_entries: 10,
         interlock_directory: "/w/interlock".into(),
         stop_timeout: Duration::from_secs(30),
         kill_timeout: Duration::from_millis(250),

@@ -82,6 +82,8 @@ struct Opts {
     gate: Option<mpsc::Receiver<()>>,
     /// The Bearer challenge's realm (default: this registry's own `/token`).
     realm: Option<String>,
+    /// The manifest gives no layer sizes.
+    no_size: bool,
 }
 
 struct Registry {
@@ -100,7 +102,7 @@ fn registry(repo: &str, layers: Vec<Vec<u8>>, corrupt: u8, stall: bool) -> Regis
 }
 
 fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
-    let Opts { corrupt, stall, gate, realm } = opts;
+    let Opts { corrupt, stall, gate, realm, no_size } = opts;
     let first_layer = layers.first().map(|l| sha(l)).unwrap_or_default();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
@@ -119,7 +121,11 @@ fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
             }
         }
         blobs.insert(digest.clone(), served);
-        descs.push(serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": layer.len()}));
+        let mut desc = serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": layer.len()});
+        if no_size {
+            desc.as_object_mut().unwrap().remove("size");
+        }
+        descs.push(desc);
     }
     let manifest = serde_json::to_vec(&serde_json::json!({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -537,4 +543,82 @@ fn registry_credentials_never_go_to_a_foreign_token_realm() {
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);
     assert!(seen[1].eq_ignore_ascii_case(&format!("authorization: Basic {basic}")), "{seen:?}");
+}
+
+/// A 6 KB layer that decompresses to 4 MiB, a layer of many entries, and a layer the manifest
+/// gives no size for: each is refused with one line naming the cap and how to raise it, before
+/// anything is extracted or run.
+#[test]
+fn layers_past_the_caps_are_refused_naming_the_cap() {
+    let e = Env::new();
+    let zeros = vec![0u8; 4 << 20];
+    let bomb = tar_of(&[("run.sh", b"#!/bin/sh\ntouch \"$OUT\"\n", 0o755), ("bomb", &zeros, 0o644)], true);
+    assert!(bomb.len() < 64 << 10, "{}", bomb.len());
+    let reg = registry("team/installer", vec![bomb], 0, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out =
+        e.apply(&e.plan(&image), &e.registries(reg.port)).args(["--image-max-bytes", "1048576"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("decompresses to more than 1048576 bytes, the cap (raise imageMaxBytes"), "{err}");
+    assert!(err.contains("--image-max-bytes"), "{err}");
+    assert!(e.out().is_none() && !std::path::Path::new(&format!("{}/bomb", exec_dir(&e.p("work")))).exists());
+
+    let names: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
+    let many: Vec<(&str, &[u8], u32)> = names.iter().map(|n| (n.as_str(), &b""[..], 0o644)).collect();
+    let reg = registry("team/installer", vec![tar_of(&many, true)], 0, false);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out = e.apply(&e.plan(&image), &e.registries(reg.port)).args(["--image-max-entries", "10"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("more than 10 entries, the cap (raise imageMaxEntries"), "{err}");
+
+    let big = tar_of(&[("big", &zeros[..2 << 20], 0o644)], false);
+    let opts = Opts { no_size: true, ..Default::default() };
+    let reg = registry_with("team/installer", vec![big.clone()], opts);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let out =
+        e.apply(&e.plan(&image), &e.registries(reg.port)).args(["--image-max-bytes", "1048576"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let says = format!("layer {}: the manifest gives no size and the registry sent more than 1048576 bytes", sha(&big));
+    assert!(err.contains(&says), "{err}");
+}
+
+/// Staging counts toward the instruction's timeoutSeconds: a registry that never sends the layer
+/// fails the instruction as timed out, and nothing runs.
+#[test]
+fn a_pull_that_outlasts_the_timeout_fails_the_instruction_as_timed_out() {
+    let e = Env::new();
+    let reg = registry("team/installer", layers(), 0, true);
+    let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
+    let plan = e.plan_with(serde_json::json!({"name": "install", "image": image, "timeoutSeconds": 1,
+        "env": [format!("OUT={}", e.p("out"))]}));
+    let mut child =
+        e.apply(&plan, &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut seen = Vec::new();
+    loop {
+        let Ok(l) = rx.recv_timeout(GUARD) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the instruction did not time out: {seen:?}");
+        };
+        seen.push(l.clone());
+        if l.contains("instruction 0 install: FAILED") {
+            break;
+        }
+    }
+    let status = child.wait().unwrap();
+    let err = seen.join("\n");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("timed out after 1s: not started"), "{err}");
+    assert!(err.contains("used up the instruction's timeout"), "{err}");
+    assert!(e.out().is_none(), "run.sh must not run");
 }

@@ -463,18 +463,41 @@ impl Applyinator {
             return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
         }
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        let timeout = (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64));
+        // What the process may still use of `timeoutSeconds` (all of it, unless an image was staged).
+        let mut remaining = timeout;
         if !ins.image.is_empty() {
             // The image's filesystem goes into the execution directory (its run.sh is the default
             // command). A cancel or shutdown meanwhile abandons the pull: nothing starts (R7).
+            // Staging counts toward the instruction's timeout: a registry or tarball that is slow
+            // (or endless) fails the instruction as timed out, and the process gets what is left.
             let stager = crate::image::Stager::new(self.config.images.clone());
+            let staging = Instant::now();
+            let expired = async {
+                match timeout {
+                    Some(t) => tokio::time::sleep(t).await,
+                    None => std::future::pending().await,
+                }
+            };
             let staged = tokio::select! {
                 biased;
                 r = stop.wait() => Err(Outcome::NotStarted(r)),
+                () = expired => Err(Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()))),
                 r = stager.stage(&ins.image, dir) => r.map_err(Outcome::StartFailed),
             };
             match staged {
                 Ok(from) => tracing::info!("[{prefix}] staged image {} {from}", ins.image),
-                Err(o) => return report(o, Output::default()),
+                Err(o) => {
+                    if o.timed_out() {
+                        tracing::error!("[{prefix}] staging image {} used up the instruction's timeout", ins.image);
+                    }
+                    return report(o, Output::default());
+                }
+            }
+            remaining = timeout.map(|t| t.saturating_sub(staging.elapsed()));
+            if remaining.is_some_and(|r| r.is_zero()) {
+                let o = Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()));
+                return report(o, Output::default());
             }
         }
         let program: OsString =
@@ -485,14 +508,33 @@ impl Applyinator {
             env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
             cwd: Some(dir.to_path_buf()),
             owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
-            timeout: (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64)),
+            timeout: remaining,
             sink: Arc::new(LogSink { prefix }),
         };
         let span = tracing::info_span!("instruction", index, name = %display_name(&ins.name), periodic);
         let run = tracing::Instrument::instrument(self.sup.run(spec, &mut stop), span).await;
-        let mut r = report(run.outcome, run.output);
+        // A timeout is reported as the instruction's own, not what was left after staging.
+        let outcome = match timeout {
+            Some(t) if remaining != timeout => full_timeout(run.outcome, t),
+            _ => run.outcome,
+        };
+        let mut r = report(outcome, run.output);
         r.elapsed = run.elapsed;
         r
+    }
+}
+
+/// `o` with a timeout reason of `full` (the instruction's `timeoutSeconds`).
+fn full_timeout(o: Outcome, full: Duration) -> Outcome {
+    let t = |r: StopReason| if matches!(r, StopReason::Timeout(_)) { StopReason::Timeout(full) } else { r };
+    match o {
+        Outcome::NotStarted(r) => Outcome::NotStarted(t(r)),
+        Outcome::ExitedAfterStop { reason, status } => Outcome::ExitedAfterStop { reason: t(reason), status },
+        Outcome::Killed { reason, grace } => Outcome::Killed { reason: t(reason), grace },
+        Outcome::GaveUp { reason, grace, survivors } => Outcome::GaveUp { reason: t(reason), grace, survivors },
+        Outcome::Incomplete { reason, survivors } => Outcome::Incomplete { reason: t(reason), survivors },
+        Outcome::SignalFailed { reason, error } => Outcome::SignalFailed { reason: t(reason), error },
+        other => other,
     }
 }
 

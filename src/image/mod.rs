@@ -29,6 +29,57 @@ pub struct ImageConfig {
     pub images_dir: Option<PathBuf>,
     /// The registries file (`agentRegistriesFile`); read at every pull, so edits apply at once.
     pub registries_file: Option<PathBuf>,
+    /// What one image may cost.
+    pub limits: Limits,
+}
+
+/// Caps on the work an image (outside input) can cause. The defaults are far above real
+/// installer images (rke2/k3s installers are a few hundred MB uncompressed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes all layers of one image may decompress to together (`imageMaxBytes`); also the
+    /// largest layer download.
+    pub max_bytes: u64,
+    /// Tar entries all layers of one image may hold together (`imageMaxEntries`).
+    pub max_entries: u64,
+}
+
+pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
+pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { max_bytes: DEFAULT_MAX_BYTES, max_entries: DEFAULT_MAX_ENTRIES }
+    }
+}
+
+impl Limits {
+    fn bytes_breach(&self) -> String {
+        format!(
+            "more than {} bytes, the cap (raise imageMaxBytes in the agent's config, or --image-max-bytes for nodeplan apply)",
+            self.max_bytes
+        )
+    }
+    fn entries_breach(&self) -> String {
+        format!(
+            "more than {} entries, the cap (raise imageMaxEntries in the agent's config, or --image-max-entries for nodeplan apply)",
+            self.max_entries
+        )
+    }
+}
+
+/// What one image has used of its [`Limits`] so far, across its layers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    pub limits: Limits,
+    pub bytes: u64,
+    pub entries: u64,
+}
+
+impl Budget {
+    pub fn new(limits: Limits) -> Budget {
+        Budget { limits, bytes: 0, entries: 0 }
+    }
 }
 
 /// Stages images into execution directories.
@@ -55,9 +106,10 @@ impl Stager {
         // A tarball only has tags: a reference pinned to a digest is always pulled and verified.
         if let Some(dir) = self.cfg.images_dir.clone().filter(|d| d.is_dir() && r.digest.is_none()) {
             let (want, to, tmp, stop) = (r.clone(), dest.to_path_buf(), scratch.clone(), cancel.clone());
+            let limits = self.cfg.limits;
             let found = tokio::task::spawn_blocking(move || {
-                archive::find(&dir, &want).map(|(tarball, layers)| {
-                    let done = archive::extract(&tarball, &layers, &to, &tmp, &stop);
+                archive::find(&dir, &want, &limits, &stop).map(|(tarball, layers)| {
+                    let done = archive::extract(&tarball, &layers, &to, &tmp, &stop, limits);
                     (tarball, done)
                 })
             })
@@ -76,7 +128,7 @@ impl Stager {
         for ep in regs.endpoints(&r.registry) {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
             let _ = layers::empty_dir(dest);
-            match registry::pull(&ep, &r, dest, &scratch, &cancel).await {
+            match registry::pull(&ep, &r, dest, &scratch, &cancel, self.cfg.limits).await {
                 Ok(()) => return Ok(format!("pulled from {}", ep.shown())),
                 Err(e) => tried.push(format!("{}: {e}", ep.shown())),
             }
@@ -176,7 +228,7 @@ mod tests {
         let victim = d.path().join("victim");
         std::fs::write(&victim, "keep").unwrap();
         std::os::unix::fs::symlink(&victim, stamp.join(".sum_0.layer")).unwrap();
-        let stager = Stager::new(ImageConfig { images_dir: Some(images), registries_file: None });
+        let stager = Stager::new(ImageConfig { images_dir: Some(images), ..Default::default() });
         stager.stage("example.invalid/a/b:v1", &dest).await.unwrap();
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
         assert_eq!(std::fs::read(dest.join("run.sh")).unwrap(), b"#!x");

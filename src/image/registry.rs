@@ -266,7 +266,14 @@ impl Session<'_> {
 
     /// Download a blob into `file` (an empty scratch file), verifying its digest (and its size,
     /// when the manifest gives one, as it arrives: a registry cannot fill the disk).
-    async fn blob(&mut self, digest: &str, size: u64, file: &std::fs::File) -> Result<(), String> {
+    /// Without a size in the manifest, the download stops at the image's byte cap.
+    async fn blob(
+        &mut self,
+        digest: &str,
+        size: u64,
+        file: &std::fs::File,
+        limits: &super::Limits,
+    ) -> Result<(), String> {
         let url = format!("{}/v2/{}/blobs/{digest}", self.ep.base, self.repo);
         let mut resp = self.get(&url, None).await?;
         let scratch = || format!("the scratch file for layer {digest}");
@@ -277,6 +284,12 @@ impl Session<'_> {
             got_bytes += chunk.len() as u64;
             if size > 0 && got_bytes > size {
                 return Err(format!("layer {digest}: the registry sent more than the {size} bytes the manifest gives"));
+            }
+            if size == 0 && got_bytes > limits.max_bytes {
+                return Err(format!(
+                    "layer {digest}: the manifest gives no size and the registry sent {}",
+                    limits.bytes_breach()
+                ));
             }
             hash.update(&chunk);
             out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", scratch()))?;
@@ -298,6 +311,7 @@ pub async fn pull(
     dest: &Path,
     scratch_dir: &Path,
     cancel: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    limits: super::Limits,
 ) -> Result<(), String> {
     let mut s = Session {
         client: client(ep)?,
@@ -327,6 +341,7 @@ pub async fn pull(
     if m.layers.is_empty() {
         return Err("the image manifest lists no layers (schema 1 manifests are not supported)".into());
     }
+    let mut budget = super::Budget::new(limits);
     for layer in &m.layers {
         if !is_sha256_digest(&layer.digest) {
             return Err(format!("bad layer digest {:?}", layer.digest));
@@ -334,14 +349,21 @@ pub async fn pull(
         if layer.media_type.contains("zstd") {
             return Err(format!("layer {}: zstd-compressed layers are not supported", layer.digest));
         }
+        if layer.size > limits.max_bytes {
+            return Err(format!("layer {} is {} bytes, {}", layer.digest, layer.size, limits.bytes_breach()));
+        }
         let file = super::scratch_file(scratch_dir)
             .map_err(|e| format!("cannot create a scratch file in {}: {e}", scratch_dir.display()))?;
-        s.blob(&layer.digest, layer.size, &file).await?;
+        s.blob(&layer.digest, layer.size, &file, &limits).await?;
         let (to, cancel) = (dest.to_path_buf(), cancel.clone());
-        tokio::task::spawn_blocking(move || super::layers::extract(&file, &to, &cancel))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e))))?;
+        let (done, used) = tokio::task::spawn_blocking(move || {
+            let done = super::layers::extract(&file, &to, &cancel, &mut budget);
+            (done, budget)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        budget = used;
+        done.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e)))?;
     }
     Ok(())
 }
