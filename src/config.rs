@@ -27,7 +27,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 21] = [
+pub const KEYS: [&str; 23] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -39,6 +39,8 @@ pub const KEYS: [&str; 21] = [
     "agentRegistriesFile",
     "imageCredentialProviderConfig",
     "imageCredentialProviderBinDirectory",
+    "imageMaxBytes",
+    "imageMaxEntries",
     "interlockDirectory",
     "stopTimeout",
     "killTimeout",
@@ -80,6 +82,11 @@ pub struct AgentConfig {
     pub image_credential_provider_config: PathBuf,
     /// `imageCredentialProviderBinDirectory` (an empty value means the default).
     pub image_credential_provider_bin_directory: PathBuf,
+    /// `imageMaxBytes`: bytes one image's layers may decompress to together (and the largest
+    /// layer download).
+    pub image_max_bytes: u64,
+    /// `imageMaxEntries`: tar entries one image's layers may hold together.
+    pub image_max_entries: u64,
     /// `interlockDirectory`: upgrade interlock files; empty = no interlock.
     pub interlock_directory: PathBuf,
     /// `stopTimeout`: stop ladder grace after SIGTERM.
@@ -125,6 +132,8 @@ impl Default for AgentConfig {
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
             image_credential_provider_config: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG.into(),
             image_credential_provider_bin_directory: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY.into(),
+            image_max_bytes: crate::image::DEFAULT_MAX_BYTES,
+            image_max_entries: crate::image::DEFAULT_MAX_ENTRIES,
             interlock_directory: "/var/lib/rancher/agent/interlock".into(),
             stop_timeout: Duration::from_secs(10),
             kill_timeout: Duration::from_secs(5),
@@ -230,6 +239,16 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "imageCredentialProviderBinDirectory",
             p(&d.image_credential_provider_bin_directory),
             "credential-provider plugin binaries; accepted and unused, as above",
+        ),
+        (
+            "imageMaxBytes",
+            d.image_max_bytes.to_string(),
+            "bytes one image's layers may decompress to, all together (also the largest layer download); more is an error naming this key",
+        ),
+        (
+            "imageMaxEntries",
+            d.image_max_entries.to_string(),
+            "files, directories and links one image's layers may hold, all together; more is an error naming this key",
         ),
         (
             "interlockDirectory",
@@ -378,6 +397,12 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     doc.path_into("agentRegistriesFile", &mut c.agent_registries_file, true)?;
     doc.path_into("imageCredentialProviderConfig", &mut c.image_credential_provider_config, true)?;
     doc.path_into("imageCredentialProviderBinDirectory", &mut c.image_credential_provider_bin_directory, true)?;
+    if let Some(n) = doc.uint("imageMaxBytes")? {
+        c.image_max_bytes = n;
+    }
+    if let Some(n) = doc.uint("imageMaxEntries")? {
+        c.image_max_entries = n;
+    }
     doc.path_into("interlockDirectory", &mut c.interlock_directory, false)?;
     doc.duration_into("stopTimeout", &mut c.stop_timeout)?;
     doc.duration_into("killTimeout", &mut c.kill_timeout)?;
@@ -452,6 +477,8 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         ("probePeriodSeconds", cfg.probe_period_seconds),
         ("rescanSeconds", cfg.rescan_seconds),
         ("localRetrySeconds", cfg.local_retry_seconds),
+        ("imageMaxBytes", cfg.image_max_bytes),
+        ("imageMaxEntries", cfg.image_max_entries),
     ] {
         if n == 0 {
             problems.push(format!("{key} must be at least 1, found 0"));
@@ -493,11 +520,13 @@ pub fn load_connection(path: &Path) -> Result<ConnectionInfo, ConfigError> {
             _ => Err(ConfigError::Missing { what: doc.what, path: doc.path.to_path_buf(), key }),
         }
     };
-    Ok(ConnectionInfo {
-        kube_config: field("kubeConfig")?,
-        namespace: field("namespace")?,
-        secret_name: field("secretName")?,
-    })
+    let kube_config = field("kubeConfig")?;
+    // Checked here so `validate-connection` and the agent's start both name the problem; the
+    // kubeconfig holds tokens and keys, so the error gives the position only.
+    if let Err(e) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(&kube_config) {
+        return Err(doc.value_err("kubeConfig", format!("invalid YAML {}", yaml_location(&e))));
+    }
+    Ok(ConnectionInfo { kube_config, namespace: field("namespace")?, secret_name: field("secretName")? })
 }
 
 /// `10s`, `500ms`, `5m`, `1h`, `1.5s`, or a bare number of seconds. Exact (no floating point).
@@ -558,6 +587,26 @@ fn quoted(s: &str) -> String {
     format!("\"{}\"", cut.escape_debug())
 }
 
+/// Where a JSON parser error is, never what the text there was (it can be a credential).
+pub(crate) fn json_location(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    let what = match e.classify() {
+        Category::Io => "read error",
+        Category::Syntax => "syntax error",
+        Category::Data => "unexpected value",
+        Category::Eof => "unexpected end of input",
+    };
+    if e.line() == 0 { what.to_string() } else { format!("{what} at line {} column {}", e.line(), e.column()) }
+}
+
+/// Where a YAML parser error is, never what the text there was (it can be a credential).
+pub(crate) fn yaml_location(e: &serde_yaml_ng::Error) -> String {
+    match e.location() {
+        Some(l) => format!("at line {} column {}", l.line(), l.column()),
+        None => "(no position given; the text is not shown, it may hold credentials)".to_string(),
+    }
+}
+
 /// Squashes a parser message to one line.
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -599,17 +648,21 @@ impl<'a> Doc<'a> {
             let name = if matches!(format, Format::Json) { "JSON" } else { "YAML" };
             parse_err(name, format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
         })?;
+        // The connection info holds credentials: its parser messages, which can quote the text,
+        // become positions only. The config file holds none, and a duplicate key named helps.
+        let json_msg = |e: serde_json::Error| if echo { e.to_string() } else { json_location(&e) };
+        let yaml_msg = |e: serde_yaml_ng::Error| if echo { e.to_string() } else { yaml_location(&e) };
         let value = match format {
-            Format::Json => serde_json::from_str::<Value>(&text).map_err(|e| parse_err("JSON", e.to_string()))?,
+            Format::Json => serde_json::from_str::<Value>(&text).map_err(|e| parse_err("JSON", json_msg(e)))?,
             Format::Yaml => {
                 let mut y: serde_yaml_ng::Value =
-                    serde_yaml_ng::from_str(&text).map_err(|e| parse_err("YAML", e.to_string()))?;
-                y.apply_merge().map_err(|e| parse_err("YAML", e.to_string()))?;
+                    serde_yaml_ng::from_str(&text).map_err(|e| parse_err("YAML", yaml_msg(e)))?;
+                y.apply_merge().map_err(|e| parse_err("YAML", yaml_msg(e)))?;
                 if has_non_finite(&y) {
                     // JSON has no such numbers; the conversion would quietly turn them into null.
                     return Err(parse_err("YAML", "infinite or NaN numbers are not accepted".into()));
                 }
-                serde_json::to_value(y).map_err(|e| parse_err("YAML", e.to_string()))?
+                serde_json::to_value(y).map_err(|e| parse_err("YAML", json_msg(e)))?
             }
         };
         let map = match value {

@@ -43,6 +43,8 @@ imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
 imageCredentialProviderConfig: /w/cp.yaml
 imageCredentialProviderBinDirectory: /w/cpbin
+imageMaxBytes: 1000
+imageMaxEntries: 10
 interlockDirectory: /w/interlock
 stopTimeout: 30s
 killTimeout: 250ms
@@ -67,6 +69,8 @@ const FULL_JSON: &str = r#"{
   "agentRegistriesFile": "/w/registries.yaml",
   "imageCredentialProviderConfig": "/w/cp.yaml",
   "imageCredentialProviderBinDirectory": "/w/cpbin",
+  "imageMaxBytes": 1000,
+  "imageMaxEntries": 10,
   "interlockDirectory": "/w/interlock",
   "stopTimeout": "30s",
   "killTimeout": "250ms",
@@ -92,6 +96,8 @@ fn full() -> AgentConfig {
         agent_registries_file: "/w/registries.yaml".into(),
         image_credential_provider_config: "/w/cp.yaml".into(),
         image_credential_provider_bin_directory: "/w/cpbin".into(),
+        image_max_bytes: 1000,
+        image_max_entries: 10,
         interlock_directory: "/w/interlock".into(),
         stop_timeout: Duration::from_secs(30),
         kill_timeout: Duration::from_millis(250),
@@ -575,4 +581,41 @@ fn docs_show_the_defaults_table() {
     assert!(!docs.is_empty(), "neither README.md nor CONFIG.md in {}", root.display());
     let found = docs.iter().any(|p| fs::read_to_string(p).is_ok_and(|t| t.contains(&table)));
     assert!(found, "{docs:?} do not contain the current defaults table; paste this:\n{table}");
+}
+
+/// A kubeconfig with a token and a YAML syntax error: the error (and `nodeplan validate-connection`)
+/// names the file, `kubeConfig`, the line and the column, never the text.
+#[test]
+fn a_broken_kubeconfig_is_reported_by_position_never_by_content() {
+    let dir = TempDir::new().unwrap();
+    let token = "eyJhbGciOi.S3CRET-T0KEN-VALUE";
+    let kubeconfig = format!(
+        "apiVersion: v1\nclusters:\n- cluster:\n    server: https://10.0.0.1:6443\n  name: c\nusers:\n- name: u\n  user:\n    token: {token}\n   bad: [\"{token}\"\n"
+    );
+    let conn = serde_json::json!({"kubeConfig": kubeconfig, "namespace": "n", "secretName": "s"});
+    let p = write(&dir, "conn.json", &conn.to_string());
+    let e = err_line(load_connection(&p).unwrap_err(), &p);
+    assert!(!e.contains("S3CRET") && !e.contains("eyJhbG"), "{e}");
+    assert!(e.contains("kubeConfig") && e.contains("line 10") && e.contains("column"), "{e}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+        .args(["validate-connection", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("S3CRET") && !stderr.contains("eyJhbG"), "{stderr}");
+    assert!(
+        stderr.contains(&p.display().to_string()) && stderr.contains("line 10") && stderr.contains("column"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
+
+/// A connection-info file in YAML whose parser error would quote a value gives the position only.
+#[test]
+fn connection_info_parse_errors_never_quote_the_text() {
+    let dir = TempDir::new().unwrap();
+    let p = write(&dir, "conn.yaml", "kubeConfig: \"S3CRET\"\nkubeConfig: \"S3CRET\"\nnamespace: [\n");
+    let e = err_line(load_connection(&p).unwrap_err(), &p);
+    assert!(!e.contains("S3CRET") && e.contains("line"), "{e}");
 }

@@ -313,7 +313,8 @@ impl Applyinator {
             checksum: input.plan.checksum.clone(),
             now: self.clock.now(),
             files: if input.reconcile_files { input.plan.files.clone() } else { Vec::new() },
-            wipe: (!self.config.preserve_work_dir).then(|| self.config.work_dir.clone()),
+            work_dir: self.config.work_dir.clone(),
+            wipe: !self.config.preserve_work_dir,
         };
         let _interlock = tokio::task::spawn_blocking(move || prep.run())
             .await
@@ -462,18 +463,41 @@ impl Applyinator {
             return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
         }
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        let timeout = (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64));
+        // What the process may still use of `timeoutSeconds` (all of it, unless an image was staged).
+        let mut remaining = timeout;
         if !ins.image.is_empty() {
             // The image's filesystem goes into the execution directory (its run.sh is the default
             // command). A cancel or shutdown meanwhile abandons the pull: nothing starts (R7).
+            // Staging counts toward the instruction's timeout: a registry or tarball that is slow
+            // (or endless) fails the instruction as timed out, and the process gets what is left.
             let stager = crate::image::Stager::new(self.config.images.clone());
+            let staging = Instant::now();
+            let expired = async {
+                match timeout {
+                    Some(t) => tokio::time::sleep(t).await,
+                    None => std::future::pending().await,
+                }
+            };
             let staged = tokio::select! {
                 biased;
                 r = stop.wait() => Err(Outcome::NotStarted(r)),
+                () = expired => Err(Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()))),
                 r = stager.stage(&ins.image, dir) => r.map_err(Outcome::StartFailed),
             };
             match staged {
                 Ok(from) => tracing::info!("[{prefix}] staged image {} {from}", ins.image),
-                Err(o) => return report(o, Output::default()),
+                Err(o) => {
+                    if o.timed_out() {
+                        tracing::error!("[{prefix}] staging image {} used up the instruction's timeout", ins.image);
+                    }
+                    return report(o, Output::default());
+                }
+            }
+            remaining = timeout.map(|t| t.saturating_sub(staging.elapsed()));
+            if remaining.is_some_and(|r| r.is_zero()) {
+                let o = Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()));
+                return report(o, Output::default());
             }
         }
         let program: OsString =
@@ -484,21 +508,103 @@ impl Applyinator {
             env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
             cwd: Some(dir.to_path_buf()),
             owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
-            timeout: (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64)),
+            timeout: remaining,
             sink: Arc::new(LogSink { prefix }),
         };
         let span = tracing::info_span!("instruction", index, name = %display_name(&ins.name), periodic);
         let run = tracing::Instrument::instrument(self.sup.run(spec, &mut stop), span).await;
-        let mut r = report(run.outcome, run.output);
+        // A timeout is reported as the instruction's own, not what was left after staging.
+        let outcome = match timeout {
+            Some(t) if remaining != timeout => full_timeout(run.outcome, t),
+            _ => run.outcome,
+        };
+        let mut r = report(outcome, run.output);
         r.elapsed = run.elapsed;
         r
     }
 }
 
-/// An execution directory (and its parents), mode 0755; one that exists already is fine.
+/// `o` with a timeout reason of `full` (the instruction's `timeoutSeconds`).
+fn full_timeout(o: Outcome, full: Duration) -> Outcome {
+    let t = |r: StopReason| if matches!(r, StopReason::Timeout(_)) { StopReason::Timeout(full) } else { r };
+    match o {
+        Outcome::NotStarted(r) => Outcome::NotStarted(t(r)),
+        Outcome::ExitedAfterStop { reason, status } => Outcome::ExitedAfterStop { reason: t(reason), status },
+        Outcome::Killed { reason, grace } => Outcome::Killed { reason: t(reason), grace },
+        Outcome::GaveUp { reason, grace, survivors } => Outcome::GaveUp { reason: t(reason), grace, survivors },
+        Outcome::Incomplete { reason, survivors } => Outcome::Incomplete { reason: t(reason), survivors },
+        Outcome::SignalFailed { reason, error } => Outcome::SignalFailed { reason: t(reason), error },
+        other => other,
+    }
+}
+
+/// An execution directory (and the per-apply directory above it), private to the agent: mode 0700,
+/// owned by its effective user. The work directory above them is already private
+/// ([`private_dir`] in [`Prepare`]), so no other user can reach, plant or rewrite anything in
+/// them; one that exists already (a preserved work directory) is checked and fixed the same way.
 fn make_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir)
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => make_private(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent() {
+                make_dir(parent)?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => make_private(dir),
+                r => r,
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The work directory: its parents as usual, the directory itself as [`make_dir`] makes
+/// execution directories.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+    }
+    make_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))
+}
+
+/// Make an existing directory private to the agent (owner: its effective uid and gid, mode 0700).
+///
+/// Policy: a directory with another owner or a wider mode is *fixed*, with a warning, rather than
+/// refused: the usual cause is a work directory an earlier version (or system-agent) made 0755,
+/// and refusing would stop every plan on an upgraded node. Fixing is safe because it happens
+/// through a descriptor opened with O_NOFOLLOW before anything is put in the directory: once the
+/// mode is 0700 and the owner is the agent, no other user can create, open or rename anything
+/// in it. A symlink or a non-directory at the path is refused (one error line).
+fn make_private(dir: &Path) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    let fd =
+        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| match e {
+            rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => std::io::Error::other(
+                "not a directory (a symlink or a file is never used as a work or execution directory)",
+            ),
+            e => e.into(),
+        })?;
+    let st = rustix::fs::fstat(&fd)?;
+    let (uid, gid) = (rustix::process::geteuid(), rustix::process::getegid());
+    let mode = st.st_mode & 0o7777;
+    if st.st_uid == uid.as_raw() && st.st_gid == gid.as_raw() && mode == 0o700 {
+        return Ok(());
+    }
+    // Mode first: the other user loses access at once, before the owner changes.
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700))?;
+    rustix::fs::fchown(&fd, Some(uid), Some(gid))?;
+    tracing::warn!(
+        "{} was owned by uid {} gid {} with mode {mode:04o}; made private to the agent (uid {}, gid {}, mode 0700)",
+        dir.display(),
+        st.st_uid,
+        st.st_gid,
+        uid.as_raw(),
+        gid.as_raw()
+    );
+    Ok(())
 }
 
 /// The next one-time instruction's execution directory, made on the blocking pool while the
@@ -598,7 +704,9 @@ struct Prepare {
     checksum: String,
     now: chrono::DateTime<chrono::Utc>,
     files: Vec<crate::plan::FileOp>,
-    wipe: Option<PathBuf>,
+    work_dir: PathBuf,
+    /// Wipe `work_dir` first.
+    wipe: bool,
 }
 
 impl Prepare {
@@ -611,9 +719,12 @@ impl Prepare {
             archive::archive_plan(dir, &self.plan, &self.checksum, self.now);
         }
         self.files.iter().try_for_each(files::apply_file).map_err(ApplyError::Files)?;
-        if let Some(w) = &self.wipe {
-            wipe_work_dir(w).map_err(ApplyError::WorkDir)?;
+        if self.wipe {
+            wipe_work_dir(&self.work_dir).map_err(ApplyError::WorkDir)?;
         }
+        // Execution directories hold what instructions run (image files included): nobody but
+        // the agent may reach them.
+        private_dir(&self.work_dir).map_err(ApplyError::WorkDir)?;
         Ok(interlock)
     }
 }

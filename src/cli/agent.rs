@@ -57,6 +57,7 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
     ac.images = crate::image::ImageConfig {
         images_dir: non_empty(&cfg.images_directory),
         registries_file: non_empty(&cfg.agent_registries_file),
+        limits: crate::image::Limits { max_bytes: cfg.image_max_bytes, max_entries: cfg.image_max_entries },
     };
     Ok(Parts { app: Arc::new(Applyinator::new(ac, sup)), prober: Arc::new(Prober::new()) })
 }

@@ -50,6 +50,12 @@ pub struct ApplyArgs {
     /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS).
     #[arg(long, default_value = "/etc/rancher/agent/registries.yaml")]
     pub registries: PathBuf,
+    /// Bytes one image's layers may decompress to, all together (the config's imageMaxBytes).
+    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub image_max_bytes: u64,
+    /// Tar entries one image's layers may hold, all together (the config's imageMaxEntries).
+    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub image_max_entries: u64,
 }
 
 struct Progress {
@@ -143,6 +149,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     cfg.images = crate::image::ImageConfig {
         images_dir: Some(args.images_dir.clone()),
         registries_file: Some(args.registries.clone()),
+        limits: crate::image::Limits { max_bytes: args.image_max_bytes, max_entries: args.image_max_entries },
     };
     let applyinator = Applyinator::new(cfg, sup);
     let result = applyinator

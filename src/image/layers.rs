@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
 
-fn open(layer: &Path) -> io::Result<Box<dyn Read>> {
-    let mut f = File::open(layer)?;
+/// The layer from its start, decompressed when it is gzip.
+fn open(layer: &File) -> io::Result<Box<dyn Read + '_>> {
+    let mut f = layer;
+    f.rewind()?;
     let mut magic = [0u8; 2];
     let n = f.read(&mut magic)?;
     f.rewind()?;
@@ -74,27 +76,71 @@ fn real_dirs(dest: &Path, rel: &Path) -> bool {
     true
 }
 
+/// Counts what passes through and refuses to go past `left` bytes.
+struct Capped<'a, R> {
+    inner: R,
+    left: u64,
+    read: u64,
+    limits: &'a super::Limits,
+}
+
+impl<R: Read> Read for Capped<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read += n as u64;
+        if self.read > self.left {
+            return Err(io::Error::other(format!("the image decompresses to {}", self.limits.bytes_breach())));
+        }
+        Ok(n)
+    }
+}
+
 /// Stop extracting once the instruction is canceled.
 fn check(cancel: &AtomicBool) -> io::Result<()> {
     if cancel.load(Ordering::Relaxed) { Err(io::Error::new(io::ErrorKind::Interrupted, "canceled")) } else { Ok(()) }
 }
 
-/// Unpack the layer file `layer` into `dest`. setuid and setgid bits are dropped: the files are
-/// an installer's payload in a scratch directory, not a system to boot.
-pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()> {
-    // Pass 1: the whiteouts, which only concern the lower layers.
-    let mut archive = tar::Archive::new(open(layer)?);
+/// Unpack the layer file `layer` (read from its start) into `dest`. The files are an installer's
+/// payload that root will run, not a system to boot: they belong to the agent's effective user
+/// (never to the image's uids, which may be a local user's), and setuid, setgid and the group and
+/// other write bits are dropped, so no one but the agent can change them once written.
+///
+/// The first pass reads the whole decompressed layer before anything is written: it counts its
+/// bytes and entries against what `budget` has left (all layers of one image together), so a
+/// decompression bomb or a flood of entries is refused, one error line naming the cap, before
+/// it reaches the disk.
+pub(crate) fn extract(layer: &File, dest: &Path, cancel: &AtomicBool, budget: &mut super::Budget) -> io::Result<()> {
+    // Pass 1: the caps, and the whiteouts, which only concern the lower layers. Whiteouts are
+    // applied only once the whole layer is known to fit.
+    let limits = budget.limits;
+    let left = limits.max_bytes.saturating_sub(budget.bytes);
+    let mut archive = tar::Archive::new(Capped { inner: open(layer)?, left, read: 0, limits: &limits });
+    let mut whiteouts = Vec::new();
     for entry in archive.entries()? {
         check(cancel)?;
+        budget.entries += 1;
+        if budget.entries > limits.max_entries {
+            return Err(io::Error::other(format!("the image has {}", limits.entries_breach())));
+        }
         let entry = entry?;
         let Some(path) = clean(&entry.path()?) else { continue };
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
         let parent = path.parent().unwrap_or(Path::new(""));
+        if name == OPAQUE || name.starts_with(WHITEOUT) {
+            whiteouts.push((parent.to_path_buf(), name.to_string()));
+        }
+    }
+    // The rest of the stream (tar's end blocks, anything after them) counts too.
+    let mut rest = archive.into_inner();
+    io::copy(&mut rest, &mut io::sink())?;
+    budget.bytes += rest.read;
+    for (parent, name) in whiteouts {
+        check(cancel)?;
         // Never through a symlink (or anything but directories) a lower layer planted.
-        if !real_dirs(dest, parent) {
+        if !real_dirs(dest, &parent) {
             continue;
         }
-        let target_dir = dest.join(parent);
+        let target_dir = dest.join(&parent);
         if name == OPAQUE {
             empty_dir(&target_dir)?;
         } else if let Some(hidden) = name.strip_prefix(WHITEOUT)
@@ -109,10 +155,10 @@ pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()>
     // Pass 2: everything else.
     let mut archive = tar::Archive::new(open(layer)?);
     archive.set_preserve_permissions(true);
-    archive.set_mask(0o6000);
+    archive.set_mask(0o6022);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
-    archive.set_preserve_ownerships(rustix::process::geteuid().is_root());
+    archive.set_preserve_ownerships(false);
     for entry in archive.entries()? {
         check(cancel)?;
         let mut entry = entry?;
@@ -145,6 +191,10 @@ pub fn extract(layer: &Path, dest: &Path, cancel: &AtomicBool) -> io::Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn budget() -> crate::image::Budget {
+        crate::image::Budget::new(crate::image::Limits::default())
+    }
 
     /// A tar with (path, content) files; a content of None makes a directory.
     fn tar_of(entries: &[(&str, Option<&[u8]>, u32)], gzip: bool) -> Vec<u8> {
@@ -206,7 +256,7 @@ mod tests {
         for (i, layer) in [lower, upper].iter().enumerate() {
             let f = d.path().join(format!("layer{i}"));
             std::fs::write(&f, layer).unwrap();
-            extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+            extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget()).unwrap();
         }
         use std::os::unix::fs::PermissionsExt;
         let mode = |p: &str| std::fs::metadata(dest.join(p)).unwrap().permissions().mode() & 0o777;
@@ -271,7 +321,7 @@ mod tests {
         for (i, l) in layers.iter().enumerate() {
             let f = d.path().join(format!("l{i}"));
             std::fs::write(&f, l).unwrap();
-            let _ = extract(&f, &dest, &AtomicBool::new(false));
+            let _ = extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget());
         }
         assert_eq!(std::fs::read_to_string(host.join("sub/keep")).unwrap(), "k");
         assert_eq!(std::fs::read_to_string(host.join("file")).unwrap(), "f");
@@ -286,10 +336,10 @@ mod tests {
         let mut lower = links_layer(&[("bin/x", Regular, "old")]);
         let f = d.path().join("l0");
         std::fs::write(&f, &lower).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget()).unwrap();
         lower = links_layer(&[("bin/y", Regular, "new"), ("bin/x", Link, "bin/y")]);
         std::fs::write(&f, &lower).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget()).unwrap();
         assert_eq!(std::fs::read_to_string(dest.join("bin/x")).unwrap(), "new");
         let mut b = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_gnu();
@@ -300,11 +350,45 @@ mod tests {
         h.set_entry_type(Regular);
         b.append_data(&mut h, "suid", &b"x"[..]).unwrap();
         std::fs::write(&f, b.into_inner().unwrap()).unwrap();
-        extract(&f, &dest, &AtomicBool::new(false)).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget()).unwrap();
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(dest.join("suid")).unwrap().permissions().mode() & 0o7777, 0o755);
         let canceled = AtomicBool::new(true);
-        assert_eq!(extract(&f, &dest, &canceled).unwrap_err().kind(), io::ErrorKind::Interrupted);
+        assert_eq!(
+            extract(&File::open(&f).unwrap(), &dest, &canceled, &mut budget()).unwrap_err().kind(),
+            io::ErrorKind::Interrupted
+        );
+    }
+
+    /// An image's file owned by a local user's uid and writable by everyone is extracted owned by
+    /// the agent, without group or other write bits (directories too).
+    #[test]
+    fn extracted_files_belong_to_the_agent_and_are_not_group_or_world_writable() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("root");
+        std::fs::create_dir(&dest).unwrap();
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, mode) in
+            [("bin", tar::EntryType::Directory, 0o777), ("bin/run.sh", tar::EntryType::Regular, 0o777)]
+        {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(mode);
+            h.set_uid(1000);
+            h.set_gid(1000);
+            h.set_entry_type(kind);
+            let data: &[u8] = if kind.is_dir() { b"" } else { b"#!/bin/sh\n" };
+            h.set_size(data.len() as u64);
+            b.append_data(&mut h, path, data).unwrap();
+        }
+        let f = d.path().join("l");
+        std::fs::write(&f, b.into_inner().unwrap()).unwrap();
+        extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget()).unwrap();
+        let euid = rustix::process::geteuid().as_raw();
+        for p in ["bin", "bin/run.sh"] {
+            let m = std::fs::symlink_metadata(dest.join(p)).unwrap();
+            assert_eq!((m.uid(), m.mode() & 0o7777), (euid, 0o755), "{p}");
+        }
     }
 
     #[test]
@@ -330,7 +414,7 @@ mod tests {
         b.append(&wh, &[][..]).unwrap();
         let f = d.path().join("evil");
         std::fs::write(&f, b.into_inner().unwrap()).unwrap();
-        let _ = extract(&f, &dest, &AtomicBool::new(false));
+        let _ = extract(&File::open(&f).unwrap(), &dest, &AtomicBool::new(false), &mut budget());
         assert_eq!(std::fs::read_to_string(d.path().join("victim")).unwrap(), "keep");
     }
 }

@@ -17,6 +17,7 @@ mod registry;
 pub use reference::ImageRef;
 pub use registries::Registries;
 
+use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +29,57 @@ pub struct ImageConfig {
     pub images_dir: Option<PathBuf>,
     /// The registries file (`agentRegistriesFile`); read at every pull, so edits apply at once.
     pub registries_file: Option<PathBuf>,
+    /// What one image may cost.
+    pub limits: Limits,
+}
+
+/// Caps on the work an image (outside input) can cause. The defaults are far above real
+/// installer images (rke2/k3s installers are a few hundred MB uncompressed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes all layers of one image may decompress to together (`imageMaxBytes`); also the
+    /// largest layer download.
+    pub max_bytes: u64,
+    /// Tar entries all layers of one image may hold together (`imageMaxEntries`).
+    pub max_entries: u64,
+}
+
+pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
+pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { max_bytes: DEFAULT_MAX_BYTES, max_entries: DEFAULT_MAX_ENTRIES }
+    }
+}
+
+impl Limits {
+    fn bytes_breach(&self) -> String {
+        format!(
+            "more than {} bytes, the cap (raise imageMaxBytes in the agent's config, or --image-max-bytes for nodeplan apply)",
+            self.max_bytes
+        )
+    }
+    fn entries_breach(&self) -> String {
+        format!(
+            "more than {} entries, the cap (raise imageMaxEntries in the agent's config, or --image-max-entries for nodeplan apply)",
+            self.max_entries
+        )
+    }
+}
+
+/// What one image has used of its [`Limits`] so far, across its layers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    pub limits: Limits,
+    pub bytes: u64,
+    pub entries: u64,
+}
+
+impl Budget {
+    pub fn new(limits: Limits) -> Budget {
+        Budget { limits, bytes: 0, entries: 0 }
+    }
 }
 
 /// Stages images into execution directories.
@@ -43,22 +95,21 @@ impl Stager {
 
     /// Put the filesystem of `image` into `dest` (an existing, empty directory). Returns where it
     /// came from, for the log. The error is one line naming the image and every source tried.
+    /// Scratch files (one layer at a time) go to `dest`'s parent, the per-apply directory.
     pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, String> {
         let r = ImageRef::parse(image)?;
-        let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let scratch = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
         // Dropping this future (a cancel) stops any extraction still running on the blocking
-        // pool at its next entry, and removes the scratch file.
-        let guard = Abandon {
-            cancel: Arc::new(AtomicBool::new(false)),
-            scratch: dest.with_file_name(format!(".{name}.layer")),
-        };
-        let (cancel, scratch) = (guard.cancel.clone(), guard.scratch.clone());
+        // pool at its next entry; scratch files have no name, so nothing is left behind.
+        let guard = Abandon { cancel: Arc::new(AtomicBool::new(false)) };
+        let cancel = guard.cancel.clone();
         // A tarball only has tags: a reference pinned to a digest is always pulled and verified.
         if let Some(dir) = self.cfg.images_dir.clone().filter(|d| d.is_dir() && r.digest.is_none()) {
             let (want, to, tmp, stop) = (r.clone(), dest.to_path_buf(), scratch.clone(), cancel.clone());
+            let limits = self.cfg.limits;
             let found = tokio::task::spawn_blocking(move || {
-                archive::find(&dir, &want).map(|(tarball, layers)| {
-                    let done = archive::extract(&tarball, &layers, &to, &tmp, &stop);
+                archive::find(&dir, &want, &limits, &stop).map(|(tarball, layers)| {
+                    let done = archive::extract(&tarball, &layers, &to, &tmp, &stop, limits);
                     (tarball, done)
                 })
             })
@@ -77,9 +128,9 @@ impl Stager {
         for ep in regs.endpoints(&r.registry) {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
             let _ = layers::empty_dir(dest);
-            match registry::pull(&ep, &r, dest, &scratch, &cancel).await {
-                Ok(()) => return Ok(format!("pulled from {}", ep.base)),
-                Err(e) => tried.push(format!("{}: {e}", ep.base)),
+            match registry::pull(&ep, &r, dest, &scratch, &cancel, self.cfg.limits).await {
+                Ok(()) => return Ok(format!("pulled from {}", ep.shown())),
+                Err(e) => tried.push(format!("{}: {e}", ep.shown())),
             }
         }
         let _ = layers::empty_dir(dest);
@@ -89,12 +140,113 @@ impl Stager {
 
 struct Abandon {
     cancel: Arc<AtomicBool>,
-    scratch: PathBuf,
 }
 
 impl Drop for Abandon {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
-        let _ = std::fs::remove_file(&self.scratch);
+    }
+}
+
+/// A scratch file in `dir` for one layer, readable and writable by the agent only: anonymous
+/// (`O_TMPFILE`, mode 0600), so there is no path another user could pre-plant (a symlink to a
+/// file root would then overwrite) or open. Where the filesystem has no `O_TMPFILE`, a random
+/// name is created with `O_EXCL|O_NOFOLLOW`, mode 0600, and unlinked at once.
+pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let anon = OpenOptions::new().read(true).write(true).mode(0o600).custom_flags(libc::O_TMPFILE).open(dir);
+    match anon {
+        Ok(f) => return Ok(f),
+        Err(e) if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR | libc::ENOENT)) => return Err(e),
+        Err(_) => {}
+    }
+    for _ in 0..16 {
+        let path = dir.join(format!(".nodeplan-layer-{:016x}", random_u64()));
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path);
+        match f {
+            Ok(f) => {
+                std::fs::remove_file(&path)?;
+                return Ok(f);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        u64::from_ne_bytes(b)
+    } else {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+
+    /// The old scratch path `.<name>.layer` beside the execution directory, pre-planted as a
+    /// symlink to a file root must not write: staging never follows it, nor leaves a file.
+    #[tokio::test]
+    async fn staging_never_writes_through_a_planted_scratch_path() {
+        let d = tempfile::tempdir().unwrap();
+        let images = d.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        let mut layer = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o755);
+        h.set_size(3);
+        h.set_entry_type(tar::EntryType::Regular);
+        layer.append_data(&mut h, "run.sh", &b"#!x"[..]).unwrap();
+        let layer = layer.into_inner().unwrap();
+        let manifest = br#"[{"RepoTags":["example.invalid/a/b:v1"],"Layers":["l/layer.tar"]}]"#;
+        let mut tarball = tar::Builder::new(Vec::new());
+        for (name, data) in [("manifest.json", &manifest[..]), ("l/layer.tar", &layer[..])] {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o644);
+            h.set_size(data.len() as u64);
+            h.set_entry_type(tar::EntryType::Regular);
+            tarball.append_data(&mut h, name, data).unwrap();
+        }
+        std::fs::write(images.join("b.tar"), tarball.into_inner().unwrap()).unwrap();
+        let stamp = d.path().join("stamp");
+        let dest = stamp.join("sum_0");
+        std::fs::create_dir_all(&dest).unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, stamp.join(".sum_0.layer")).unwrap();
+        let stager = Stager::new(ImageConfig { images_dir: Some(images), ..Default::default() });
+        stager.stage("example.invalid/a/b:v1", &dest).await.unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert_eq!(std::fs::read(dest.join("run.sh")).unwrap(), b"#!x");
+        let left: Vec<_> = std::fs::read_dir(&stamp).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 2, "only the execution directory and the planted link: {left:?}");
+    }
+
+    #[test]
+    fn scratch_files_have_no_name_and_mode_0600() {
+        let d = tempfile::tempdir().unwrap();
+        let mut f = scratch_file(d.path()).unwrap();
+        f.write_all(b"layer").unwrap();
+        f.rewind().unwrap();
+        let mut back = String::new();
+        f.read_to_string(&mut back).unwrap();
+        assert_eq!(back, "layer");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
     }
 }

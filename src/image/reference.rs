@@ -15,9 +15,25 @@ pub struct ImageRef {
 
 pub const DOCKER_HUB: &str = "docker.io";
 
+/// `user:password@` in a reference or URL (`https://u:p@host/…`, `u:p@host/…`) replaced by
+/// `***@`, for messages: a password someone put there must not reach a log.
+pub fn redact_userinfo(s: &str) -> String {
+    let (scheme, rest) = match s.find("://") {
+        Some(i) => s.split_at(i + 3),
+        None => ("", s),
+    };
+    let host_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..host_end].rfind('@') {
+        Some(at) if rest[..at].contains(':') && !rest[at + 1..].starts_with("sha256:") => {
+            format!("{scheme}***{}", &rest[at..])
+        }
+        _ => s.to_string(),
+    }
+}
+
 impl ImageRef {
     pub fn parse(raw: &str) -> Result<ImageRef, String> {
-        let bad = |why: &str| format!("invalid image reference {raw:?}: {why}");
+        let bad = |why: &str| format!("invalid image reference {:?}: {why}", redact_userinfo(raw));
         if raw.is_empty() || raw.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(bad("empty or contains whitespace"));
         }
@@ -148,5 +164,15 @@ mod tests {
             let e = ImageRef::parse(raw).unwrap_err();
             assert!(e.starts_with("invalid image reference"), "{raw}: {e}");
         }
+    }
+
+    #[test]
+    fn a_password_in_a_reference_or_endpoint_is_never_shown() {
+        let e = ImageRef::parse("puller:hunter2@reg.io/a/b:1").unwrap_err();
+        assert!(!e.contains("hunter2") && e.contains("***@reg.io/a/b:1"), "{e}");
+        assert_eq!(redact_userinfo("https://u:hunter2@mirror:5000/v2"), "https://***@mirror:5000/v2");
+        let pinned = format!("busybox@sha256:{}", "a".repeat(64));
+        assert_eq!(redact_userinfo(&pinned), pinned);
+        assert_eq!(redact_userinfo("reg.io/a:1"), "reg.io/a:1");
     }
 }

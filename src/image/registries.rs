@@ -69,6 +69,9 @@ impl Auth {
 pub struct Endpoint {
     pub base: String,
     pub config: HostConfig,
+    /// Hosts (`host` or `host:port`) the registries file names, in `configs` keys or mirror
+    /// endpoints: besides the endpoint's own, the only token realms its credentials may go to.
+    pub named_hosts: Vec<String>,
 }
 
 impl Registries {
@@ -76,8 +79,10 @@ impl Registries {
     pub fn load(path: &Path) -> Result<Registries, String> {
         match std::fs::read(path) {
             Ok(raw) if raw.iter().all(u8::is_ascii_whitespace) => Ok(Registries::default()),
-            Ok(raw) => serde_yaml_ng::from_slice(&raw)
-                .map_err(|e| format!("{}: {}", path.display(), e.to_string().replace('\n', " "))),
+            // The file holds registry passwords, which the parser's message can quote: position only.
+            Ok(raw) => serde_yaml_ng::from_slice(&raw).map_err(|e| {
+                format!("{}: invalid registries file {}", path.display(), crate::config::yaml_location(&e))
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Registries::default()),
             Err(e) => Err(format!("cannot read {}: {e}", path.display())),
         }
@@ -95,6 +100,7 @@ impl Registries {
         let mut bases: Vec<String> =
             mirror.map(|m| m.endpoint.iter().map(|e| normalize(e)).collect()).unwrap_or_default();
         bases.push(default);
+        let named_hosts = self.named_hosts();
         let mut seen = std::collections::HashSet::new();
         bases
             .into_iter()
@@ -108,9 +114,28 @@ impl Registries {
                     .or_else(|| self.configs.get("*"))
                     .cloned()
                     .unwrap_or_default();
-                Endpoint { base, config }
+                Endpoint { base, config, named_hosts: named_hosts.clone() }
             })
             .collect()
+    }
+}
+
+impl Endpoint {
+    /// The base URL for messages, without any `user:password@` in it.
+    pub fn shown(&self) -> String {
+        super::reference::redact_userinfo(&self.base)
+    }
+}
+
+impl Registries {
+    /// Every host the file names: `configs` keys (but `*`) and the hosts of mirror endpoints.
+    fn named_hosts(&self) -> Vec<String> {
+        let configs = self.configs.keys().filter(|k| k.as_str() != "*").map(|k| k.trim().to_ascii_lowercase());
+        let mirrors = self.mirrors.values().flat_map(|m| m.endpoint.iter()).map(|e| host_of(&normalize(e)));
+        let mut hosts: Vec<String> = configs.chain(mirrors.map(|h| h.to_ascii_lowercase())).collect();
+        hosts.sort();
+        hosts.dedup();
+        hosts
     }
 }
 
@@ -167,5 +192,13 @@ configs:
         std::fs::write(&bad, "mirrors: [1, 2\n  x").unwrap();
         let e = Registries::load(&bad).unwrap_err();
         assert!(e.starts_with(&bad.display().to_string()) && !e.contains('\n'), "{e}");
+        // The parser would quote the value that does not fit: a password must not reach the log.
+        std::fs::write(
+            &bad,
+            "configs:\n  h:\n    auth: {username: u, password: hunter2}\n    tls: {insecure_skip_verify: hunter2}\n",
+        )
+        .unwrap();
+        let e = Registries::load(&bad).unwrap_err();
+        assert!(!e.contains("hunter2") && e.contains("line 4"), "{e}");
     }
 }

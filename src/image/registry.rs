@@ -3,7 +3,7 @@
 //! is extracted. Authentication: anonymous, Basic, or a Bearer token from the registry's token
 //! service (with the configured credentials).
 
-use super::reference::{ImageRef, is_sha256_digest};
+use super::reference::{ImageRef, is_sha256_digest, redact_userinfo};
 use super::registries::Endpoint;
 use crate::error_line as chain;
 use serde::Deserialize;
@@ -118,6 +118,37 @@ fn parse_challenge(h: &str) -> (String, Vec<(String, String)>) {
     (scheme.to_ascii_lowercase(), params)
 }
 
+/// Whether the registry's credentials may go to the token service at `realm`, or why not.
+///
+/// The rule: only to the endpoint's own host and port, to a host the registries file names
+/// (`configs` keys, mirror endpoints; `host` means the scheme's default port), or to Docker Hub's
+/// own token service for Docker Hub; and never over plain http when the endpoint is https. A
+/// registry (or whoever answers for it) otherwise picks where a `WWW-Authenticate` realm points,
+/// so a realm on another host, even another port of the same host (a local user can listen
+/// there), gets no password.
+fn may_send_credentials(base: &str, realm: &reqwest::Url, named: &[String]) -> Result<(), &'static str> {
+    let base = reqwest::Url::parse(base).map_err(|_| "the endpoint is not a URL")?;
+    if base.scheme() == "https" && realm.scheme() != "https" {
+        return Err("the realm is plain http while the registry endpoint is https");
+    }
+    let host = |u: &reqwest::Url| u.host_str().unwrap_or_default().to_ascii_lowercase();
+    let (realm_host, realm_port) = (host(realm), realm.port_or_known_default());
+    if realm_host == host(&base) && realm_port == base.port_or_known_default() {
+        return Ok(());
+    }
+    if host(&base) == "registry-1.docker.io" && realm_host == "auth.docker.io" && realm.scheme() == "https" {
+        return Ok(());
+    }
+    let named_ok = named.iter().any(|n| {
+        let parsed = reqwest::Url::parse(&format!("{}://{n}", realm.scheme()));
+        parsed.is_ok_and(|u| host(&u) == realm_host && u.port() == realm.port())
+    });
+    if named_ok {
+        return Ok(());
+    }
+    Err("its host is neither the registry endpoint's nor one the registries file names")
+}
+
 /// The whole body, refused once it passes `cap` bytes.
 async fn body_capped(mut resp: reqwest::Response, cap: usize, what: &str) -> Result<Vec<u8>, String> {
     let mut body = Vec::new();
@@ -163,11 +194,11 @@ impl Session<'_> {
                 continue;
             }
             if !resp.status().is_success() {
-                return Err(format!("GET {url}: HTTP {}", resp.status()));
+                return Err(format!("GET {}: HTTP {}", redact_userinfo(url), resp.status()));
             }
             return Ok(resp);
         }
-        Err(format!("GET {url}: still unauthorized after authenticating"))
+        Err(format!("GET {}: still unauthorized after authenticating", redact_userinfo(url)))
     }
 
     async fn authenticate(&mut self, challenge: &str) -> Result<(), String> {
@@ -178,24 +209,37 @@ impl Session<'_> {
                 self.use_basic = true;
                 Ok(())
             }
-            "basic" => Err(format!("{} wants credentials; none are configured for it", self.ep.base)),
+            "basic" => Err(format!("{} wants credentials; none are configured for it", self.ep.shown())),
             "bearer" => {
                 let realm = param("realm").ok_or("a Bearer challenge without a realm")?;
+                let realm_url =
+                    reqwest::Url::parse(&realm).map_err(|_| format!("the token realm {realm:?} is not a URL"))?;
                 let scope = param("scope").unwrap_or_else(|| format!("repository:{}:pull", self.repo));
-                let mut req = self.client.get(&realm).query(&[("scope", scope.as_str())]);
+                let mut req = self.client.get(realm_url.clone()).query(&[("scope", scope.as_str())]);
                 if let Some(service) = param("service") {
                     req = req.query(&[("service", service.as_str())]);
                 }
+                // A realm that fails the rule gets an anonymous token request rather than an error:
+                // public images still pull (as from a registry without credentials), and a private
+                // one fails with the realm's own answer, after this warning says why.
                 if let Some((u, p)) = &self.basic {
-                    req = req.basic_auth(u, Some(p));
+                    match may_send_credentials(&self.ep.base, &realm_url, &self.ep.named_hosts) {
+                        Ok(()) => req = req.basic_auth(u, Some(p)),
+                        Err(why) => tracing::warn!(
+                            "{}: not sending its credentials to the token realm {realm}: {why}; asking for a token \
+                             anonymously (name the realm's host in the registries file's configs to trust it)",
+                            self.ep.shown()
+                        ),
+                    }
                 }
                 let resp = req.send().await.map_err(|e| format!("token from {realm}: {}", chain(&e)))?;
                 if !resp.status().is_success() {
                     return Err(format!("token from {realm}: HTTP {}", resp.status()));
                 }
                 let body = body_capped(resp, MAX_MANIFEST, &format!("token from {realm}")).await?;
-                let t: Token = serde_json::from_slice(&body)
-                    .map_err(|e| format!("token from {realm}: not a token answer: {e}"))?;
+                let t: Token = serde_json::from_slice(&body).map_err(|e| {
+                    format!("token from {realm}: not a token answer ({})", crate::config::json_location(&e))
+                })?;
                 let token = if t.token.is_empty() { t.access_token } else { t.token };
                 if token.is_empty() {
                     return Err(format!("token from {realm}: no token in the answer"));
@@ -210,7 +254,7 @@ impl Session<'_> {
     async fn manifest(&mut self, reference: &str) -> Result<Vec<u8>, String> {
         let url = format!("{}/v2/{}/manifests/{reference}", self.ep.base, self.repo);
         let resp = self.get(&url, Some(ACCEPT_MANIFESTS)).await?;
-        let body = body_capped(resp, MAX_MANIFEST, &url).await?;
+        let body = body_capped(resp, MAX_MANIFEST, &redact_userinfo(&url)).await?;
         if is_sha256_digest(reference) {
             let got = format!("sha256:{:x}", Sha256::digest(&body));
             if got != reference {
@@ -220,13 +264,20 @@ impl Session<'_> {
         Ok(body.to_vec())
     }
 
-    /// Download a blob into `file`, verifying its digest (and its size, when the manifest gives
-    /// one, as it arrives: a registry cannot fill the disk).
-    async fn blob(&mut self, digest: &str, size: u64, file: &Path) -> Result<(), String> {
+    /// Download a blob into `file` (an empty scratch file), verifying its digest (and its size,
+    /// when the manifest gives one, as it arrives: a registry cannot fill the disk).
+    /// Without a size in the manifest, the download stops at the image's byte cap.
+    async fn blob(
+        &mut self,
+        digest: &str,
+        size: u64,
+        file: &std::fs::File,
+        limits: &super::Limits,
+    ) -> Result<(), String> {
         let url = format!("{}/v2/{}/blobs/{digest}", self.ep.base, self.repo);
         let mut resp = self.get(&url, None).await?;
-        let mut out =
-            tokio::fs::File::create(file).await.map_err(|e| format!("cannot create {}: {e}", file.display()))?;
+        let scratch = || format!("the scratch file for layer {digest}");
+        let mut out = tokio::fs::File::from_std(file.try_clone().map_err(|e| format!("writing {}: {e}", scratch()))?);
         let mut hash = Sha256::new();
         let mut got_bytes = 0u64;
         while let Some(chunk) = resp.chunk().await.map_err(|e| format!("layer {digest}: {}", chain(&e)))? {
@@ -234,10 +285,16 @@ impl Session<'_> {
             if size > 0 && got_bytes > size {
                 return Err(format!("layer {digest}: the registry sent more than the {size} bytes the manifest gives"));
             }
+            if size == 0 && got_bytes > limits.max_bytes {
+                return Err(format!(
+                    "layer {digest}: the manifest gives no size and the registry sent {}",
+                    limits.bytes_breach()
+                ));
+            }
             hash.update(&chunk);
-            out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", file.display()))?;
+            out.write_all(&chunk).await.map_err(|e| format!("writing {}: {e}", scratch()))?;
         }
-        out.flush().await.map_err(|e| format!("writing {}: {e}", file.display()))?;
+        out.flush().await.map_err(|e| format!("writing {}: {e}", scratch()))?;
         let got = format!("sha256:{:x}", hash.finalize());
         if got != digest {
             return Err(format!("layer {digest}: the registry sent content with digest {got}"));
@@ -246,13 +303,15 @@ impl Session<'_> {
     }
 }
 
-/// Pull `image` from `ep` and extract its layers into `dest`, one at a time through `scratch`.
+/// Pull `image` from `ep` and extract its layers into `dest`, one at a time through a scratch
+/// file in `scratch_dir` (see [`super::scratch_file`]).
 pub async fn pull(
     ep: &Endpoint,
     image: &ImageRef,
     dest: &Path,
-    scratch: &Path,
+    scratch_dir: &Path,
     cancel: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    limits: super::Limits,
 ) -> Result<(), String> {
     let mut s = Session {
         client: client(ep)?,
@@ -282,6 +341,7 @@ pub async fn pull(
     if m.layers.is_empty() {
         return Err("the image manifest lists no layers (schema 1 manifests are not supported)".into());
     }
+    let mut budget = super::Budget::new(limits);
     for layer in &m.layers {
         if !is_sha256_digest(&layer.digest) {
             return Err(format!("bad layer digest {:?}", layer.digest));
@@ -289,19 +349,21 @@ pub async fn pull(
         if layer.media_type.contains("zstd") {
             return Err(format!("layer {}: zstd-compressed layers are not supported", layer.digest));
         }
-        let got = s.blob(&layer.digest, layer.size, scratch).await;
-        let done = match got {
-            Ok(()) => {
-                let (from, to, cancel) = (scratch.to_path_buf(), dest.to_path_buf(), cancel.clone());
-                tokio::task::spawn_blocking(move || super::layers::extract(&from, &to, &cancel))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e))))
-            }
-            Err(e) => Err(e),
-        };
-        let _ = std::fs::remove_file(scratch);
-        done?;
+        if layer.size > limits.max_bytes {
+            return Err(format!("layer {} is {} bytes, {}", layer.digest, layer.size, limits.bytes_breach()));
+        }
+        let file = super::scratch_file(scratch_dir)
+            .map_err(|e| format!("cannot create a scratch file in {}: {e}", scratch_dir.display()))?;
+        s.blob(&layer.digest, layer.size, &file, &limits).await?;
+        let (to, cancel) = (dest.to_path_buf(), cancel.clone());
+        let (done, used) = tokio::task::spawn_blocking(move || {
+            let done = super::layers::extract(&file, &to, &cancel, &mut budget);
+            (done, budget)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        budget = used;
+        done.map_err(|e| format!("extracting layer {}: {}", layer.digest, chain(&e)))?;
     }
     Ok(())
 }
@@ -325,5 +387,25 @@ mod tests {
             ]
         );
         assert_eq!(parse_challenge(r#"Basic realm="x""#).0, "basic");
+    }
+
+    #[test]
+    fn credentials_go_only_to_the_registry_or_named_hosts_and_never_downgraded() {
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        let named = ["auth.example".to_string(), "127.0.0.1:5001".to_string()];
+        let ok = |base: &str, realm: &str| may_send_credentials(base, &url(realm), &named).is_ok();
+        assert!(ok("https://reg.example", "https://reg.example/token"));
+        assert!(ok("https://reg.example", "https://REG.example:443/token"));
+        assert!(ok("http://127.0.0.1:5000", "http://127.0.0.1:5000/token"));
+        assert!(ok("https://reg.example", "https://auth.example/token"), "named in the file");
+        assert!(ok("http://127.0.0.1:5000", "http://127.0.0.1:5001/token"), "named with its port");
+        assert!(ok("https://registry-1.docker.io", "https://auth.docker.io/token"));
+        assert!(!ok("https://reg.example", "http://reg.example/token"), "https → http");
+        assert!(!ok("https://reg.example", "http://auth.example/token"), "https → http, even named");
+        assert!(!ok("https://reg.example", "https://evil.example/token"));
+        assert!(!ok("https://reg.example", "https://reg.example:8443/token"), "another port");
+        assert!(!ok("http://127.0.0.1:5000", "http://127.0.0.1:5002/token"));
+        assert!(!ok("https://reg.example", "https://auth.example:444/token"), "named without that port");
+        assert!(!ok("https://mirror.example", "https://auth.docker.io/token"), "Docker Hub's only");
     }
 }

@@ -509,9 +509,20 @@ impl LocalAgent {
             })
             .await;
         }
-        let decode = |b: &[u8]| plan::decode_one_time_output(b).unwrap_or_default();
+        // An unreadable (or oversized) output in the .pos is treated as empty, with a warning.
+        let pos_name = files.pos().display().to_string();
+        let warn = |field: &str, e: plan::CodecError| tracing::warn!("{pos_name}: {field}: {e}; treated as empty");
+        let decode = |b: &[u8]| {
+            plan::decode_one_time_output(b).unwrap_or_else(|e| {
+                warn("output", e);
+                BTreeMap::new()
+            })
+        };
         let one_time_output = if same_plan && run.resume_from > 0 { decode(&stored.output) } else { BTreeMap::new() };
-        let periodic_output = plan::decode_periodic_output(&stored.periodic_output).unwrap_or_default();
+        let periodic_output = plan::decode_periodic_output(&stored.periodic_output).unwrap_or_else(|e| {
+            warn("periodicOutput", e);
+            BTreeMap::new()
+        });
         let (tx, rx) = watch::channel(Interrupt { shutdown: *self.shutdown.borrow(), ..interrupt_of(files) });
         if let Ok(mut cur) = self.current.lock() {
             *cur = Some(Running { files: files.clone(), tx });

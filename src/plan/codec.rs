@@ -18,7 +18,17 @@ pub enum CodecError {
     Json(serde_json::Error),
     #[error("bad base64 value for {0:?}: {1}")]
     Base64(String, base64::DecodeError),
+    #[error(
+        "the gzip data decompresses to more than {} MiB, far beyond what the output caps allow; refused",
+        MAX_DECOMPRESSED >> 20
+    )]
+    TooLarge,
 }
+
+/// What outputs read back (from the Secret, or a `.pos` file) may decompress to. Outputs are
+/// capped when they are made (`outputCap` per instruction, a 256 KiB gzip budget per Secret
+/// key), so this only stops a crafted gzip (1 MiB can expand to 1 GiB) from exhausting memory.
+pub const MAX_DECOMPRESSED: u64 = 64 << 20;
 
 fn gzip(json: &[u8]) -> Vec<u8> {
     let mut enc = GzEncoder::new(Vec::new(), Compression::default());
@@ -29,7 +39,10 @@ fn gzip(json: &[u8]) -> Vec<u8> {
 
 fn gunzip(data: &[u8]) -> Result<Vec<u8>, CodecError> {
     let mut out = Vec::new();
-    GzDecoder::new(data).read_to_end(&mut out).map_err(CodecError::Gzip)?;
+    GzDecoder::new(data).take(MAX_DECOMPRESSED + 1).read_to_end(&mut out).map_err(CodecError::Gzip)?;
+    if out.len() as u64 > MAX_DECOMPRESSED {
+        return Err(CodecError::TooLarge);
+    }
     Ok(out)
 }
 
@@ -84,4 +97,23 @@ pub fn parse_unix_date(s: &str) -> Option<DateTime<Utc>> {
     let normal = format!("{month} {day} {time} {year}");
     let naive = NaiveDateTime::parse_from_str(&normal, "%b %d %H:%M:%S %Y").ok()?;
     Some(Utc.from_utc_datetime(&naive))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 65 MiB of JSON whitespace gzips to ~64 KiB: read back, it is refused, not inflated.
+    #[test]
+    fn a_gzip_bomb_read_back_is_refused() {
+        let mut json = vec![b' '; (MAX_DECOMPRESSED + (1 << 20)) as usize];
+        json.extend_from_slice(b"{}");
+        let data = gzip(&json);
+        assert!(matches!(decode_one_time_output(&data), Err(CodecError::TooLarge)));
+        assert!(matches!(decode_periodic_output(&data), Err(CodecError::TooLarge)));
+        let e = decode_one_time_output(&data).unwrap_err().to_string();
+        assert!(e.contains("64 MiB") && !e.contains('\n'), "{e}");
+        let small = gzip(b"{}");
+        assert!(decode_one_time_output(&small).unwrap().is_empty());
+    }
 }

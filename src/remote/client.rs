@@ -142,7 +142,15 @@ impl SecretClient {
     /// namespace are used; proxy settings follow kube (kubeconfig `proxy-url`, then
     /// `HTTPS_PROXY`).
     pub async fn client_from_kubeconfig_yaml(yaml: &str) -> Result<kube::Client, String> {
-        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
+        // The kubeconfig holds tokens and keys, and the YAML parser's message can quote (or show a
+        // snippet of) the text: a parse error gives the position only.
+        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| match e {
+            kube::config::KubeconfigError::Parse(p) => match p.location() {
+                Some(l) => format!("kubeconfig: invalid YAML at line {} column {}", l.line(), l.column()),
+                None => "kubeconfig: invalid YAML (the text is not shown: it may hold credentials)".to_string(),
+            },
+            other => format!("kubeconfig: {}", crate::error_line(&other)),
+        })?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
             .map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
@@ -278,6 +286,18 @@ impl SecretClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// kube's YAML parser shows a snippet of the text around an error; the token in it must not
+    /// reach the error line.
+    #[tokio::test]
+    async fn a_broken_kubeconfig_error_shows_the_position_not_the_token() {
+        let yaml = "apiVersion: v1\nusers:\n- name: u\n  user:\n    token: S3CRET-T0KEN\n   bad: [S3CRET-T0KEN\n";
+        let Err(e) = SecretClient::client_from_kubeconfig_yaml(yaml).await else {
+            panic!("a broken kubeconfig loaded")
+        };
+        assert!(!e.contains("S3CRET"), "{e}");
+        assert!(e.contains("line") && e.contains("column"), "{e}");
+    }
 
     #[test]
     fn data_patch_encodes_values_and_deletes() {

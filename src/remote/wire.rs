@@ -77,12 +77,21 @@ pub fn probe_statuses(s: &SecretSnapshot) -> BTreeMap<String, ProbeStatus> {
     s.data.get(PROBE_STATUSES).and_then(|v| serde_json::from_slice(v).ok()).unwrap_or_default()
 }
 
+/// An unreadable output key is treated as empty (as before), with a warning naming it.
+fn decoded<T: Default>(key: &str, r: Result<T, plan::CodecError>) -> T {
+    r.unwrap_or_else(|e| {
+        tracing::warn!("secret key {key}: {e}; treated as empty");
+        T::default()
+    })
+}
+
 pub fn one_time_output(s: &SecretSnapshot, key: &str) -> BTreeMap<String, Vec<u8>> {
-    s.data.get(key).and_then(|v| plan::decode_one_time_output(v).ok()).unwrap_or_default()
+    s.data.get(key).map(|v| decoded(key, plan::decode_one_time_output(v))).unwrap_or_default()
 }
 
 pub fn periodic_output(s: &SecretSnapshot) -> BTreeMap<String, PeriodicInstructionOutput> {
-    s.data.get(APPLIED_PERIODIC_OUTPUT).and_then(|v| plan::decode_periodic_output(v).ok()).unwrap_or_default()
+    let key = APPLIED_PERIODIC_OUTPUT;
+    s.data.get(key).map(|v| decoded(key, plan::decode_periodic_output(v))).unwrap_or_default()
 }
 
 pub fn annotations(s: &SecretSnapshot) -> Annotations<'_> {
