@@ -20,14 +20,19 @@ fn sha(b: &[u8]) -> String {
     format!("sha256:{:x}", Sha256::digest(b))
 }
 
-/// A tar (gzip-compressed when asked) of (path, content, mode) regular files.
+/// A tar (gzip-compressed when asked) of (path, content, mode) regular files owned by root.
 fn tar_of(files: &[(&str, &[u8], u32)], gzip: bool) -> Vec<u8> {
+    tar_owned(files, 0, gzip)
+}
+
+/// A tar (gzip-compressed when asked) of (path, content, mode) regular files owned by `uid`.
+fn tar_owned(files: &[(&str, &[u8], u32)], uid: u64, gzip: bool) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for (path, content, mode) in files {
         let mut h = tar::Header::new_gnu();
         h.set_mode(*mode);
-        h.set_uid(0);
-        h.set_gid(0);
+        h.set_uid(uid);
+        h.set_gid(uid);
         h.set_mtime(1_700_000_000);
         h.set_size(content.len() as u64);
         h.set_entry_type(tar::EntryType::Regular);
@@ -49,28 +54,6 @@ fn layers() -> Vec<Vec<u8>> {
         tar_of(&[("run.sh", run, 0o755), ("old.txt", b"old", 0o644), ("dir/a", b"a", 0o644)], true),
         tar_of(&[(".wh.old.txt", b"", 0o644), ("dir/.wh..wh..opq", b"", 0o644), ("dir/b", b"layered", 0o644)], false),
     ]
-}
-
-/// A tar of (path, content, mode) regular files owned by `uid` (a local user's, in the attacks).
-fn tar_as(files: &[(&str, &[u8], u32)], uid: u64, gzip: bool) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (path, content, mode) in files {
-        let mut h = tar::Header::new_gnu();
-        h.set_mode(*mode);
-        h.set_uid(uid);
-        h.set_gid(uid);
-        h.set_mtime(1_700_000_000);
-        h.set_size(content.len() as u64);
-        h.set_entry_type(tar::EntryType::Regular);
-        b.append_data(&mut h, path, *content).unwrap();
-    }
-    let raw = b.into_inner().unwrap();
-    if !gzip {
-        return raw;
-    }
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    gz.write_all(&raw).unwrap();
-    gz.finish().unwrap()
 }
 
 /// How the test registry misbehaves or what it checks (see [`registry`]).
@@ -431,7 +414,7 @@ fn a_local_user_cannot_rewrite_the_image_while_it_is_staged() {
     // The work directory's parent is world-searchable, as /var/lib/rancher/agent is.
     std::fs::set_permissions(e.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let run = b"#!/bin/sh\necho original > \"$OUT\"\n";
-    let ls = vec![tar_as(&[("run.sh", run, 0o777)], 1000, true), tar_as(&[("data", b"x", 0o666)], 1000, false)];
+    let ls = vec![tar_owned(&[("run.sh", run, 0o777)], 1000, true), tar_owned(&[("data", b"x", 0o666)], 1000, false)];
     let (go, gate) = mpsc::channel();
     let reg = registry_with("team/installer", ls.clone(), Opts { gate: Some(gate), ..Default::default() });
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);

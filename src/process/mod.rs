@@ -337,21 +337,12 @@ impl Supervisor {
             if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
                 tracing::warn!("the cgroup of {} vanished before its spawn ({e}); starting it without one", spec.owner);
                 cgroup_dir = None;
-                record.cgroup = None;
-                if let Some(f) = &mut record_file
-                    && let Err(e) = record.rewrite(f)
-                {
-                    tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
-                }
+                forget_cgroup(&mut record, &mut record_file);
                 spawned = self.spawn_raw(&spec, &marker, None, stop, deadline).await;
             }
-            let spawned = match spawned {
+            let spawned = match settle(spawned, &mut interrupted) {
                 Ok(r) => r,
-                Err(Interrupted { reason, result: Some(r) }) => {
-                    interrupted = Some(reason);
-                    r
-                }
-                Err(Interrupted { reason, result: None }) => {
+                Err(reason) => {
                     stuck_before_exec(&spec, record_file);
                     return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
                 }
@@ -382,12 +373,7 @@ impl Supervisor {
                     // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so
                     // try once more with the process group only.
                     cgroup::remove(&d);
-                    record.cgroup = None;
-                    if let Some(f) = &mut record_file
-                        && let Err(e) = record.rewrite(f)
-                    {
-                        tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
-                    }
+                    forget_cgroup(&mut record, &mut record_file);
                     spawned = self.spawn_tokio(&spec, &marker, None, stop, deadline).await;
                     if matches!(spawned, Ok(Ok(_))) && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -396,13 +382,9 @@ impl Supervisor {
                         );
                     }
                 }
-                let spawned = match spawned {
+                let spawned = match settle(spawned, &mut interrupted) {
                     Ok(r) => r,
-                    Err(Interrupted { reason, result: Some(r) }) => {
-                        interrupted = Some(reason);
-                        r
-                    }
-                    Err(Interrupted { reason, result: None }) => {
+                    Err(reason) => {
                         stuck_before_exec(&spec, record_file);
                         return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
                     }
@@ -791,6 +773,29 @@ async fn await_spawn<R>(
     kill();
     let result = tokio::time::timeout(kill_wait, &mut job).await.ok().map(|r| r.unwrap_or_else(&failed));
     Err(Interrupted { reason, result })
+}
+
+/// The spawned value, noting in `interrupted` why a stop came during the spawn; `Err` with that
+/// reason when the child is still stuck.
+fn settle<R>(spawned: Spawned<R>, interrupted: &mut Option<StopReason>) -> Result<R, StopReason> {
+    match spawned {
+        Ok(r) => Ok(r),
+        Err(Interrupted { reason, result: Some(r) }) => {
+            *interrupted = Some(reason);
+            Ok(r)
+        }
+        Err(Interrupted { reason, result: None }) => Err(reason),
+    }
+}
+
+/// The run goes on without its cgroup: its PID record stops naming one.
+fn forget_cgroup(record: &mut PidRecord, file: &mut Option<RecordFile>) {
+    record.cgroup = None;
+    if let Some(f) = file
+        && let Err(e) = record.rewrite(f)
+    {
+        tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
+    }
 }
 
 /// A child that SIGKILL did not free from before its exec (an uninterruptible wait in the
