@@ -453,3 +453,47 @@ fn a_refused_pid_record_blocks_its_plan_and_only_that_plan() {
     assert!(file.exists() && fake.is_dir(), "nothing is removed");
     assert_eq!(agent.stop(), 0);
 }
+
+/// The `plan` commands on a local plan: a bare file name works (relative to the current
+/// directory), a plan that does not exist is refused before anything is written, each command
+/// says in one line what it did, and `plan status` shows a long control value as a short prefix.
+#[test]
+fn plan_commands_say_what_they_did_and_refuse_a_missing_plan() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("a.plan"), b"{}").unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(NODEPLAN).args(args).current_dir(d.path()).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = run(&["plan", "pause", "a.plan"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "paused a.plan: wrote a.paused (the agent pauses it at the next instruction boundary)\n"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(d.path().join("a.paused")).unwrap(), b"true\n");
+    let (code, out, _) = run(&["plan", "resume", "a.plan"]);
+    assert_eq!((code, out.as_str()), (Some(0), "resumed a.plan: removed a.paused\n"));
+    let (code, out, _) = run(&["plan", "resume", "a.plan"]);
+    assert_eq!((code, out.as_str()), (Some(0), "a.plan was not paused (no a.paused); nothing to do\n"));
+    for action in ["pause", "resume", "cancel", "reset", "status"] {
+        let (code, out, err) = run(&["plan", action, "b.plan"]);
+        assert_eq!((code, out.as_str()), (Some(2), ""), "{action}: {err}");
+        assert!(err.starts_with("nodeplan: b.plan: No such file or directory"), "{action}: {err}");
+    }
+    let (code, _, err) = run(&["plan", "push", "a.plan"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("plan push needs --secret NAMESPACE/NAME"), "{err}");
+    let names: Vec<String> =
+        std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["a.plan"], "nothing written beside a missing plan");
+    std::fs::write(d.path().join("a.canceled"), "y\n".repeat(500)).unwrap();
+    let (code, out, _) = run(&["plan", "status", "a.plan"]);
+    assert_eq!(code, Some(0));
+    assert!(out.lines().all(|l| l.len() < 300), "{out}");
+    assert!(out.contains(&format!("canceled={:?}… (999 bytes)", "y\n".repeat(20))), "{out}");
+}

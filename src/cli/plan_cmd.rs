@@ -56,60 +56,122 @@ pub enum PlanAction {
     Status(Target),
 }
 
-fn files_of(file: &Path) -> Result<PlanFiles, String> {
-    PlanFiles::new(file).ok_or_else(|| format!("{}: not a .plan file", file.display()))
+/// A command's failure: one line, and whether it was the user's input (exit 2) or the work.
+struct Failure {
+    code: u8,
+    line: String,
+}
+
+impl From<String> for Failure {
+    fn from(line: String) -> Failure {
+        Failure { code: exit::FAILED, line }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(line: &str) -> Failure {
+        Failure::from(line.to_string())
+    }
+}
+
+fn bad_input(line: String) -> Failure {
+    Failure { code: exit::BAD_INPUT, line }
+}
+
+/// The files of an existing local plan: `file` must end in `.plan` and be a regular file (a
+/// typo must not leave control files beside a plan that does not exist).
+fn files_of(file: &Path) -> Result<PlanFiles, Failure> {
+    let f = PlanFiles::new(file).ok_or_else(|| bad_input(format!("{}: not a .plan file", file.display())))?;
+    match std::fs::metadata(file) {
+        Ok(m) if m.is_file() => Ok(f),
+        Ok(_) => Err(bad_input(format!("{}: not a regular file", file.display()))),
+        Err(e) => Err(bad_input(format!("{}: {e}", file.display()))),
+    }
 }
 
 fn write(path: &Path, content: &[u8]) -> Result<(), String> {
     crate::process::write_atomic(path, content, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-fn remove(path: &Path) -> Result<(), String> {
+/// Remove `path`; whether it was there.
+fn remove(path: &Path) -> Result<bool, String> {
     match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("cannot remove {}: {e}", path.display())),
-        _ => Ok(()),
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(format!("cannot remove {}: {e}", path.display())),
     }
 }
 
-fn local(action: &PlanAction, file: &Path) -> Result<(), String> {
+fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
     let f = files_of(file)?;
+    let plan = f.plan.display();
     match action {
-        PlanAction::Pause(_) => write(&f.paused(), b"true\n"),
-        PlanAction::Resume(_) => remove(&f.paused()),
-        PlanAction::Cancel(_) => write(&f.canceled(), b"true\n"),
+        PlanAction::Pause(_) => {
+            write(&f.paused(), b"true\n")?;
+            println!(
+                "paused {plan}: wrote {} (the agent pauses it at the next instruction boundary)",
+                f.paused().display()
+            );
+        }
+        PlanAction::Resume(_) => {
+            if remove(&f.paused())? {
+                println!("resumed {plan}: removed {}", f.paused().display());
+            } else {
+                println!("{plan} was not paused (no {}); nothing to do", f.paused().display());
+            }
+        }
+        PlanAction::Cancel(_) => {
+            write(&f.canceled(), b"true\n")?;
+            println!(
+                "canceled {plan}: wrote {} (the running instruction is stopped; `nodeplan plan reset` runs it again)",
+                f.canceled().display()
+            );
+        }
         PlanAction::Reset(_) => {
             remove(&f.canceled())?;
-            write(&f.reset(), b"")
+            write(&f.reset(), b"")?;
+            println!(
+                "reset {plan}: wrote {} (the agent runs it again from its first instruction)",
+                f.reset().display()
+            );
         }
-        PlanAction::Status(_) => status(&f),
-        PlanAction::Push { .. } => Err("push needs --secret NAMESPACE/NAME".into()),
+        PlanAction::Status(_) => status(&f)?,
+        PlanAction::Push { .. } => return Err(bad_input("plan push needs --secret NAMESPACE/NAME".into())),
     }
+    Ok(())
 }
 
 pub async fn run(args: PlanArgs) -> u8 {
     let r = match &args.action {
-        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await,
+        PlanAction::Push { remote, .. } if remote.secret.is_none() => Err(bad_input(
+            "plan push needs --secret NAMESPACE/NAME (the node's plan Secret); a local plan is pushed by copying \
+             it into the agent's plan directory"
+                .into(),
+        )),
+        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::from),
         PlanAction::Pause(t)
         | PlanAction::Resume(t)
         | PlanAction::Cancel(t)
         | PlanAction::Reset(t)
         | PlanAction::Status(t) => match (&t.file, &t.remote.secret) {
             (Some(file), None) => local(&args.action, file),
-            (None, Some(_)) => remote::run(&args.action, &t.remote).await,
-            _ => Err("give either a PLANFILE or --secret NAMESPACE/NAME".into()),
+            (None, Some(_)) => remote::run(&args.action, &t.remote).await.map_err(Failure::from),
+            _ => Err(bad_input("give either a PLANFILE or --secret NAMESPACE/NAME".into())),
         },
     };
     match r {
         Ok(()) => exit::OK,
-        Err(e) => {
-            eprintln!("nodeplan: {e}");
-            exit::FAILED
+        Err(Failure { code, line }) => {
+            eprintln!("nodeplan: {line}");
+            code
         }
     }
 }
 
 fn status(f: &PlanFiles) -> Result<(), String> {
-    let raw = std::fs::read(&f.plan).map_err(|e| format!("cannot read {}: {e}", f.plan.display()))?;
+    let raw = crate::safefs::read_small(&f.plan, crate::local::PLAN_CAP)
+        .map_err(|e| format!("cannot read {}: {e}", f.plan.display()))?
+        .ok_or_else(|| format!("{} no longer exists", f.plan.display()))?;
     let checksum = plan::checksum(&raw);
     let parsed = plan::parse(&raw);
     let p = pos::read_pos(&f.pos()).map_err(|e| format!("{}: {e}", f.pos().display()))?;
@@ -141,7 +203,7 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     }
     let show = |v: Result<Option<String>, String>| match v {
         Ok(None) => "absent".to_string(),
-        Ok(Some(s)) => format!("{s:?}"),
+        Ok(Some(s)) => plan::shown_value(&s),
         Err(e) => e,
     };
     let (pv, cv) = (pos::read_control(&f.paused()), pos::read_control(&f.canceled()));
@@ -201,6 +263,7 @@ mod remote {
 
     pub async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), String> {
         let c = client(t).await?;
+        let secret = t.secret.as_deref().unwrap_or_default();
         let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
         match action {
             PlanAction::Push { file, .. } => {
@@ -217,20 +280,28 @@ mod remote {
                     }))
                     .await?;
                 }
-                println!("pushed plan {} to {}", &plan::checksum(&raw)[..12], t.secret.as_deref().unwrap_or_default());
+                println!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
             }
-            PlanAction::Pause(_) => drop(c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, Some("true"))).await?),
-            PlanAction::Resume(_) => drop(c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, None)).await?),
+            PlanAction::Pause(_) => {
+                c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, Some("true"))).await?;
+                println!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
+            }
+            PlanAction::Resume(_) => {
+                c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, None)).await?;
+                println!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
+            }
             PlanAction::Cancel(_) => {
-                drop(c.orchestrator_patch(annotate(plan::ANNOTATION_CANCELED, Some("true"))).await?)
+                c.orchestrator_patch(annotate(plan::ANNOTATION_CANCELED, Some("true"))).await?;
+                println!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
             }
-            PlanAction::Reset(_) => drop(
+            PlanAction::Reset(_) => {
                 c.orchestrator_patch(json!({
                     "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
                     "data": {"plan-state": b64(b"pending")}
                 }))
-                .await?,
-            ),
+                .await?;
+                println!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
+            }
             PlanAction::Status(_) => {
                 let s = c.get().await?.ok_or("the secret does not exist")?;
                 let raw = s.data.get(wire::PLAN).ok_or("the secret has no plan")?;

@@ -112,10 +112,25 @@ pub enum Hold {
     Cancel,
 }
 
-/// An invalid annotation value (R3); the message names every bad key with its quoted value.
+/// An invalid annotation value (R3); the message names every bad key with its quoted value (a
+/// short, escaped prefix of it: see [`shown_value`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{}", .0.iter().map(|(k, v)| format!("invalid value {v:?} for {k} (expected \"true\" or \"false\")")).collect::<Vec<_>>().join("; "))]
+#[error("{}", .0.iter().map(|(k, v)| format!("invalid value {} for {k} (expected \"true\" or \"false\")", shown_value(v))).collect::<Vec<_>>().join("; "))]
 pub struct InvalidAnnotation(pub Vec<(String, String)>);
+
+/// How many characters of a value someone else wrote are shown in logs and `plan status`.
+const SHOWN_CHARS: usize = 40;
+
+/// A value someone else wrote (an annotation, a control file), as logs and `plan status` show
+/// it: quoted and escaped (no control characters or line breaks reach a log), and cut to its
+/// first [`SHOWN_CHARS`] characters with its full length when longer, so a 2 MB control file is
+/// not a 2 MB log line.
+pub fn shown_value(v: &str) -> String {
+    match v.char_indices().nth(SHOWN_CHARS) {
+        None => format!("{v:?}"),
+        Some((cut, _)) => format!("{:?}… ({} bytes)", &v[..cut], v.len()),
+    }
+}
 
 /// R1 + R2: a valid `canceled="true"` wins even when `paused` is invalid; otherwise any invalid
 /// value is an error; otherwise `paused="true"` pauses.
