@@ -120,6 +120,40 @@ fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// Files that cannot be written fail the apply like a failing instruction: recorded as failed
+/// with its counter (and shown so by `plan status`), retried on the local schedule the log names
+/// (localRetrySeconds 1: 1s, then 2s), and applied once the obstacle is gone.
+#[test]
+fn a_plan_whose_files_cannot_be_written_is_a_failed_apply_retried_on_schedule() {
+    let s = Setup::new();
+    let blocker = s.p("blocker");
+    std::fs::write(&blocker, b"a file where a directory is needed").unwrap();
+    let ran = s.p("ran");
+    s.plan(
+        "f",
+        serde_json::json!({
+            "files": [{"path": format!("{blocker}/conf"), "content": "eA=="}],
+            "instructions": [sh("a", &format!("touch {ran}"))]
+        }),
+    );
+    let mut agent = s.start();
+    agent.wait_log("the apply failed (failure 1); retrying in 1s");
+    let failed = s.wait_pos("f", "failed", |p| p.plan_state == "failed");
+    assert_eq!(failed.failure_count, 1);
+    let status = Command::new(NODEPLAN).args(["plan", "status", s.plan_path("f").to_str().unwrap()]).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("state:      failed"), "{status}");
+    assert!(status.contains("1 failed in a row"), "{status}");
+    agent.wait_log("the apply failed (failure 2); retrying in 2s");
+    assert!(!Path::new(&ran).exists(), "nothing ran");
+    std::fs::remove_file(&blocker).unwrap();
+    let done = s.wait_pos("f", "succeeded", |p| p.plan_state == "succeeded");
+    assert_eq!(done.failure_count, 0);
+    assert!(Path::new(&ran).exists());
+    assert_eq!(std::fs::read(format!("{blocker}/conf")).unwrap(), b"x");
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn pause_while_instruction_two_runs_then_resume_runs_only_instruction_three() {
     let s = Setup::new();

@@ -12,7 +12,9 @@ pub mod pos;
 pub mod scan;
 pub mod trust;
 
-use crate::apply::{AgentExit, ApplyInput, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt};
+use crate::apply::{
+    AgentExit, ApplyError, ApplyInput, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
+};
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
 use crate::probe::Prober;
@@ -77,6 +79,8 @@ struct Memory {
     warned_bad_plan: Option<String>,
     /// Backoff after an apply that could not start.
     apply_backoff: Option<Duration>,
+    /// When a failed plan is due for its retry: the loop wakes then (never skips a look).
+    retry_at: Option<Instant>,
 }
 
 pub struct LocalAgent {
@@ -227,9 +231,12 @@ impl LocalAgent {
             if self.cycle().await {
                 break;
             }
+            // The next rescan, or sooner when a held or failed plan is due again (so a backoff of
+            // 1 s is 1 s, not the rescan period).
+            let next = self.next_due().map_or(self.cfg.rescan, |d| d.min(self.cfg.rescan));
             tokio::select! {
                 _ = wake.notified() => {}
-                _ = tokio::time::sleep(self.cfg.rescan) => {}
+                _ = tokio::time::sleep(next) => {}
                 _ = shutdown.changed() => {}
             }
         }
@@ -321,6 +328,19 @@ impl LocalAgent {
         if let Err(e) = written {
             tracing::error!("{e}");
         }
+    }
+
+    /// How long until the earliest held or failed plan is due again.
+    fn next_due(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.memory
+            .values()
+            .flat_map(|m| [m.hold_until, m.retry_at])
+            .flatten()
+            // One already past was looked at by the cycle that just ran (or its plan is gone).
+            .filter(|t| *t > now)
+            .min()
+            .map(|t| t.saturating_duration_since(now))
     }
 
     /// R3-style hold: nothing is run or written for `path`; `why` is logged once per distinct
@@ -439,9 +459,19 @@ impl LocalAgent {
             let delay = self.cfg.retry_delay(stored.failure_count);
             let due =
                 last.is_none_or(|t| chrono::Utc::now() >= t + chrono::Duration::from_std(delay).unwrap_or_default());
+            let mem = self.memory.entry(path.to_path_buf()).or_default();
             if due {
                 tracing::info!("{}: retrying after failure {}", path.display(), stored.failure_count);
                 state = PlanState::Pending;
+                mem.retry_at = None;
+            } else if mem.retry_at.is_none()
+                && let Some(t) = last
+            {
+                // Due later (a failure recorded by an earlier run of the agent): wake then.
+                let left = (t + chrono::Duration::from_std(delay).unwrap_or_default() - chrono::Utc::now())
+                    .to_std()
+                    .unwrap_or_default();
+                mem.retry_at = Some(Instant::now() + left);
             }
         }
         let snap = Snapshot {
@@ -562,6 +592,30 @@ impl LocalAgent {
         }
         let result = match result {
             Ok(r) => r,
+            Err(ApplyError::Files(e)) => {
+                // Files that cannot be written fail the apply, as a failing instruction does: it
+                // is recorded (state, counters, time) and retried on the local schedule.
+                let failures = failures + 1;
+                let delay = self.cfg.retry_delay(failures);
+                tracing::error!(
+                    "{}: files: {e}; the apply failed (failure {failures}); retrying in {}",
+                    path.display(),
+                    crate::process::human_duration(delay)
+                );
+                let (cs, now) = (snap.checksum.clone(), format_unix_date(chrono::Utc::now()));
+                self.update_pos(files, |p| {
+                    p.plan_state = PlanState::Failed.as_str().into();
+                    p.plan_checksum = cs.clone();
+                    p.failed_checksum = cs;
+                    p.failure_count = failures;
+                    p.success_count = 0;
+                    p.last_apply_time = now;
+                })
+                .await;
+                let mem = self.memory.entry(path.to_path_buf()).or_default();
+                mem.retry_at = Some(Instant::now() + delay);
+                return false;
+            }
             Err(e) => {
                 // An apply that could not start (interlock, files) records nothing and is retried
                 // with backoff; the plan keeps its state.
