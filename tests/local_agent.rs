@@ -154,6 +154,34 @@ fn a_plan_whose_files_cannot_be_written_is_a_failed_apply_retried_on_schedule() 
     assert_eq!(agent.stop(), 0);
 }
 
+/// A plan file removed while the plan runs: the running instruction finishes, nothing new starts,
+/// the plan is recorded as paused with its checkpoint; the same plan put back continues.
+#[test]
+fn a_plan_removed_while_it_runs_stops_at_the_boundary_and_continues_when_it_comes_back() {
+    let s = Setup::new();
+    let (ready, go, marker) = (s.fifo("ready"), s.fifo("go"), s.p("marker"));
+    let raw = s.plan(
+        "r",
+        serde_json::json!({"instructions": [
+            sh("one", &format!("echo one >> {marker}; echo > {ready}; cat {go} > /dev/null")),
+            sh("two", &format!("echo two >> {marker}")),
+        ]}),
+    );
+    let mut agent = s.start();
+    read_fifo(&ready);
+    std::fs::remove_file(s.plan_path("r")).unwrap();
+    agent.wait_log("the plan file was removed while the plan runs");
+    release_fifo(&go);
+    let paused = s.wait_pos("r", "paused", |p| p.plan_state == "paused");
+    let cp = paused.checkpoint.unwrap();
+    assert_eq!((cp.completed_instructions, cp.total_instructions), (1, 2));
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n", "nothing new started");
+    std::fs::write(s.plan_path("r"), &raw).unwrap();
+    s.wait_pos("r", "succeeded", |p| p.plan_state == "succeeded");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n", "continued, nothing ran twice");
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn pause_while_instruction_two_runs_then_resume_runs_only_instruction_three() {
     let s = Setup::new();

@@ -136,9 +136,15 @@ fn interrupt_of(files: &PlanFiles) -> Interrupt {
     let (p, c) = (read(&files.paused()), read(&files.canceled()));
     Interrupt {
         cancel: plan::parse_annotation_value(c.as_deref()) == Ok(true),
-        pause: plan::parse_annotation_value(p.as_deref()) == Ok(true),
+        // A plan whose file is removed while it runs stops at the next instruction boundary, as
+        // a pause does (never a kill on a guess: an editor may remove and write the file back).
+        pause: plan::parse_annotation_value(p.as_deref()) == Ok(true) || plan_removed(files),
         shutdown: false,
     }
+}
+
+fn plan_removed(files: &PlanFiles) -> bool {
+    std::fs::symlink_metadata(&files.plan).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
 }
 
 impl LocalAgent {
@@ -187,8 +193,18 @@ impl LocalAgent {
                 if let Ok(cur) = current.lock()
                     && let Some(run) = cur.as_ref()
                 {
-                    if path.is_none_or(|p| p == run.files.paused() || p == run.files.canceled()) {
-                        update_interrupt(&run.tx, interrupt_of(&run.files), &run.files.plan.display().to_string());
+                    if path.is_none_or(|p| p == run.files.paused() || p == run.files.canceled() || p == run.files.plan)
+                    {
+                        let next = interrupt_of(&run.files);
+                        if !run.tx.borrow().pause && plan_removed(&run.files) {
+                            tracing::warn!(
+                                "{}: the plan file was removed while the plan runs: the running instruction \
+                                 finishes and nothing new starts (it is recorded as paused, and continues if \
+                                 the same plan comes back)",
+                                run.files.plan.display()
+                            );
+                        }
+                        update_interrupt(&run.tx, next, &run.files.plan.display().to_string());
                     }
                     if *stopping.borrow() {
                         run.tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
