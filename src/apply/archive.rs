@@ -9,8 +9,14 @@ use std::path::{Path, PathBuf};
 pub const ARCHIVE_KEEP: usize = 64;
 const RESTART_PENDING_WAIT: i64 = 5 * 60;
 
-/// Write `<YYYYMMDD-HHMMSS>-applied.plan` (`{"Plan":…,"Checksum":…}`, Go's untagged field names)
-/// unless it equals the newest archived one; keep the newest 64. Errors are only logged.
+/// Write `<seq>-<YYYYMMDD-HHMMSS>Z-applied.plan` (`{"Plan":…,"Checksum":…}`, Go's untagged field
+/// names) unless it equals the newest archived one; keep the newest 64. Errors are only logged.
+///
+/// The sequence number, one more than the highest in the directory, orders the archive: two plans
+/// applied within one second get two entries, and pruning never depends on the wall clock (after
+/// the clock steps back, the newest plan is still the newest). The time is UTC. Names of
+/// system-agent's format (`<local time>-applied.plan`, no sequence) count as older than any
+/// numbered one, and are pruned first.
 pub fn archive_plan(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) {
     if let Err(e) = try_archive(dir, plan, checksum, now) {
         tracing::warn!("archiving the applied plan in {}: {e}", dir.display());
@@ -22,33 +28,46 @@ fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> s
     let body = serde_json::to_vec(&serde_json::json!({ "Plan": plan, "Checksum": checksum }))
         .map_err(std::io::Error::other)?;
     let mut existing = archived(dir);
-    if let Some(newest) = existing.last()
-        && std::fs::read(newest).is_ok_and(|b| b == body)
+    if let Some((_, newest)) = existing.last()
+        && crate::safefs::read_small(&dir.join(newest), 64 << 20).is_ok_and(|b| b.is_some_and(|b| b == body))
     {
         return Ok(());
     }
-    let stamp = now.with_timezone(&chrono::Local).format("%Y%m%d-%H%M%S");
-    let path = dir.join(format!("{stamp}-applied.plan"));
-    crate::process::write_atomic(&path, &body, 0o600)?;
-    if !existing.contains(&path) {
-        existing.push(path);
-        existing.sort();
-    }
-    let excess = existing.len().saturating_sub(ARCHIVE_KEEP);
-    for old in &existing[..excess] {
-        let _ = std::fs::remove_file(old);
+    let seq = existing.last().map_or(1, |(seq, _)| seq + 1);
+    let name = format!("{seq:06}-{}Z-applied.plan", now.format("%Y%m%d-%H%M%S"));
+    crate::process::write_atomic(&dir.join(&name), &body, 0o600)?;
+    existing.push((seq, name));
+    for (_, old) in &existing[..existing.len().saturating_sub(ARCHIVE_KEEP)] {
+        let _ = std::fs::remove_file(dir.join(old));
     }
     Ok(())
 }
 
-fn archived(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().ends_with("-applied.plan")))
-                .collect()
-        })
+/// The archive's entries, oldest first.
+fn archived(dir: &Path) -> Vec<(u64, String)> {
+    let names = std::fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
         .unwrap_or_default();
+    archive_order(names)
+}
+
+/// Archive entries by age, oldest first: by their sequence number; system-agent's names (no
+/// sequence: 0) before every numbered one, in name order. Other files are not entries.
+fn archive_order(names: Vec<String>) -> Vec<(u64, String)> {
+    let mut v: Vec<(u64, String)> = names
+        .into_iter()
+        .filter(|n| n.ends_with("-applied.plan"))
+        .map(|n| {
+            // `<seq>-<YYYYMMDD>-<HHMMSS>Z-applied.plan`; system-agent's names have no `Z` and no
+            // sequence.
+            let seq = n
+                .strip_suffix("Z-applied.plan")
+                .and_then(|stem| stem.split_once('-'))
+                .and_then(|(seq, _)| seq.parse::<u64>().ok())
+                .unwrap_or(0);
+            (seq, n)
+        })
+        .collect();
     v.sort();
     v
 }
@@ -94,5 +113,58 @@ impl Interlock {
 impl Drop for Interlock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.active);
+    }
+}
+
+#[cfg(test)]
+mod order_tests {
+    use super::*;
+
+    #[test]
+    fn the_archive_is_ordered_by_sequence_not_by_clock_or_name() {
+        let names = [
+            "000010-20261130-120000Z-applied.plan",
+            // The clock stepped back a year: still newer (higher sequence).
+            "000011-20251130-120000Z-applied.plan",
+            "000002-20261130-120000Z-applied.plan",
+            "1000000-20261130-120001Z-applied.plan",
+            // system-agent's own names: older than every numbered one.
+            "20270101-000000-applied.plan",
+            "20260101-000000-applied.plan",
+            "notes.txt",
+        ];
+        let got: Vec<(u64, String)> = archive_order(names.iter().map(|n| n.to_string()).collect());
+        let got: Vec<&str> = got.iter().map(|(_, n)| n.as_str()).collect();
+        assert_eq!(
+            got,
+            [
+                "20260101-000000-applied.plan",
+                "20270101-000000-applied.plan",
+                "000002-20261130-120000Z-applied.plan",
+                "000010-20261130-120000Z-applied.plan",
+                "000011-20251130-120000Z-applied.plan",
+                "1000000-20261130-120001Z-applied.plan",
+            ]
+        );
+    }
+
+    #[test]
+    fn plans_applied_within_one_second_are_all_kept_and_pruning_keeps_the_newest() {
+        let d = tempfile::tempdir().unwrap();
+        let now = chrono::DateTime::parse_from_rfc3339("2026-11-30T12:00:00Z").unwrap().with_timezone(&Utc);
+        let plan = |i: usize| {
+            serde_json::from_value::<Plan>(serde_json::json!({"files": [{"path": format!("/p{i}"), "content": ""}]}))
+                .unwrap()
+        };
+        for i in 0..ARCHIVE_KEEP + 3 {
+            // Same second for all; the clock even goes back a minute halfway.
+            let at = if i > ARCHIVE_KEEP / 2 { now - chrono::Duration::minutes(1) } else { now };
+            archive_plan(d.path(), &plan(i), &format!("c{i}"), at);
+        }
+        let kept = archived(d.path());
+        assert_eq!(kept.len(), ARCHIVE_KEEP);
+        let newest = std::fs::read(d.path().join(&kept[ARCHIVE_KEEP - 1].1)).unwrap();
+        assert!(String::from_utf8_lossy(&newest).contains(&format!("\"c{}\"", ARCHIVE_KEEP + 2)));
+        assert_eq!(kept[0].0, 4, "the three oldest were pruned");
     }
 }
