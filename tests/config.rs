@@ -619,3 +619,34 @@ fn connection_info_parse_errors_never_quote_the_text() {
     let e = err_line(load_connection(&p).unwrap_err(), &p);
     assert!(!e.contains("S3CRET") && e.contains("line"), "{e}");
 }
+
+/// `validate-connection` turns the kubeconfig into a client exactly as the agent's start does: a
+/// well-formed YAML the agent cannot use (a missing context, TLS verification switched off) is
+/// not called valid.
+#[test]
+fn validate_connection_checks_the_kubeconfig_as_the_agent_will() {
+    let dir = TempDir::new().unwrap();
+    let kubeconfig = |extra: &str, context: &str| {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: https://10.0.0.1:6443\n{extra}  name: c\n\
+             contexts:\n- context:\n    cluster: c\n    user: u\n  name: ctx\ncurrent-context: {context}\n\
+             users:\n- name: u\n  user:\n    token: abc\n"
+        )
+    };
+    let run = |name: &str, kc: String| {
+        let conn = serde_json::json!({"kubeConfig": kc, "namespace": "n", "secretName": "s"});
+        let p = write(&dir, name, &conn.to_string());
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+            .args(["validate-connection", p.to_str().unwrap()])
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    assert_eq!(run("ok.json", kubeconfig("", "ctx")).0, Some(0));
+    let (code, err) = run("nocontext.json", kubeconfig("", "elsewhere"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nocontext.json: kubeConfig: kubeconfig:") && err.contains("elsewhere"), "{err}");
+    let (code, err) = run("insecure.json", kubeconfig("    insecure-skip-tls-verify: true\n", "ctx"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("insecure-skip-tls-verify is not supported"), "{err}");
+}

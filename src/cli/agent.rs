@@ -188,8 +188,18 @@ pub fn validate_config(args: ValidateArgs) -> u8 {
     }
 }
 
-pub fn validate_connection(args: ValidateArgs) -> u8 {
-    match config::load_connection(&args.file) {
+/// Check a connection-info file exactly as the agent's start does: the file, then its kubeconfig
+/// turned into a client (contexts, credentials, TLS settings), without connecting. A file this
+/// calls valid never stops the agent at start-up.
+pub async fn validate_connection(args: ValidateArgs) -> u8 {
+    let checked = match config::load_connection(&args.file) {
+        Ok(c) => match crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&c.kube_config).await {
+            Ok(_) => Ok(c),
+            Err(e) => Err(format!("{}: kubeConfig: {e}", args.file.display())),
+        },
+        Err(e) => Err(e.to_string()),
+    };
+    match checked {
         Ok(c) => {
             println!("{}: valid (namespace {}, secret {})", args.file.display(), c.namespace, c.secret_name);
             exit::OK

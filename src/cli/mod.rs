@@ -132,7 +132,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Agent(a) => agent::run(a).await,
             Command::ValidateConfig(a) => agent::validate_config(a),
-            Command::ValidateConnection(a) => agent::validate_connection(a),
+            Command::ValidateConnection(a) => agent::validate_connection(a).await,
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
             Command::Plan(p) => plan_cmd::run(p).await,
