@@ -106,7 +106,9 @@ fn respawns_with_backoff() {
     let d = tempfile::tempdir().unwrap();
     let pids = d.path().join("pids").to_string_lossy().into_owned();
     let mut s = supervise(&pids, &[], &["exit", "1"]);
-    assert!(s.wait_log("restarting in").contains("exit status 1; restarting in 1s"));
+    let line = s.wait_log("restarting in");
+    assert!(line.contains("exit status 1; restarting in 1s"), "{line}");
+    assert!(line.contains("supervise:svc"), "names the service: {line}");
     assert!(s.wait_log("restarting in").contains("restarting in 2s"));
     let (code, _) = s.term_and_wait();
     assert_eq!(code, 0);
@@ -129,4 +131,33 @@ fn a_verified_previous_instance_is_stopped_first() {
     assert!(!old_alive);
     assert_ne!(new, old);
     assert_eq!(second.term_and_wait().0, 0);
+}
+
+/// A first start that cannot succeed (no such program, not executable, a PID directory that is a
+/// file) gives up at once with one line naming the service, instead of retrying forever.
+#[test]
+fn a_start_that_cannot_succeed_gives_up_at_once_naming_the_service() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let not_exec = d.path().join("script");
+    std::fs::write(&not_exec, b"#!/bin/sh\n").unwrap();
+    let file_as_dir = d.path().join("file");
+    std::fs::write(&file_as_dir, b"").unwrap();
+    let cannot = "cannot start:";
+    let cases: [(&str, &str, &str, &str); 3] = [
+        (&pids, "/nonexistent/command", cannot, "No such file or directory (os error 2); not retrying"),
+        (&pids, not_exec.to_str().unwrap(), cannot, "Permission denied (os error 13); not retrying"),
+        (file_as_dir.to_str().unwrap(), "/bin/true", "PID directory", "Not a directory (os error 20); not starting it"),
+    ];
+    for (pid_dir, cmd, what, why) in cases {
+        let out = Command::new(NODEPLAN)
+            .args(["supervise", "--name", "svc", "--pid-dir", pid_dir, "--", cmd])
+            .env("NODEPLAN_LOG", "error")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{cmd}: {err}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(last.starts_with(&format!("nodeplan: svc: {what}")) && last.contains(why), "{cmd}: {err}");
+    }
 }

@@ -45,6 +45,10 @@ pub enum SuperviseError {
     NotStopped(Outcome),
     #[error("{0}; not starting it")]
     Refused(String),
+    /// The first start failed: the command or its set-up is wrong (no such program, not
+    /// executable, an unusable PID directory), which retrying cannot mend.
+    #[error("cannot start: {0}; not retrying (a first start that fails cannot succeed by retrying)")]
+    CannotStart(String),
 }
 
 /// Observations of the respawn loop, for logs and tests.
@@ -80,6 +84,11 @@ pub async fn supervise(
         attempt += 1;
         observer.started(attempt);
         let result = sup.run(spec.clone(), &mut stop).await;
+        // Only the first start: once the command has run, a failed start may be passing (its
+        // binary being replaced by an upgrade) and is retried with the backoff.
+        if let (1, Outcome::StartFailed(why)) = (attempt, &result.outcome) {
+            return Err(SuperviseError::CannotStart(why.clone()));
+        }
         if let Some(_reason) = result.outcome.stop_reason() {
             if result.outcome.termination_incomplete() {
                 return Err(SuperviseError::NotStopped(result.outcome));
@@ -88,7 +97,8 @@ pub async fn supervise(
         }
         let delay = backoff.after_run(result.elapsed);
         tracing::warn!(
-            "{} exited after {}: {}; restarting in {}",
+            "{} ({}) exited after {}: {}; restarting in {}",
+            spec.owner,
             spec.program.to_string_lossy(),
             super::human_duration(result.elapsed),
             result.outcome,
