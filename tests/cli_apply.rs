@@ -161,6 +161,70 @@ fn first_ctrl_c_pauses_at_the_boundary_and_the_printed_command_resumes() {
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\nthree\n", "finished instructions are not re-run");
 }
 
+/// A pause that arrives during the last instruction leaves nothing to pause: the plan succeeds
+/// (exit 0), and the pause only holds the periodic instructions.
+#[test]
+fn ctrl_c_during_the_last_instruction_ends_as_succeeded() {
+    let e = Env::new();
+    let (ready, go) = (e.fifo("ready"), e.fifo("go"));
+    let periodic = e.p("periodic");
+    let plan = e.plan(serde_json::json!({
+        "instructions": [sh("one", "true"), sh("last", &format!("echo > {ready}; cat {go} >/dev/null"))],
+        "periodicInstructions": [{"name": "p", "command": "touch", "args": [periodic], "periodSeconds": 60}]
+    }));
+    let (mut child, rx) = spawn_with_stderr(e.cmd(&plan, &[]));
+    read_fifo(&ready);
+    sigint(&child);
+    let mut seen = Vec::new();
+    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
+    std::fs::write(&go, b"").unwrap();
+    wait_stderr(&rx, "succeeded: 2/2 instructions", &mut seen);
+    assert_eq!(child.wait().unwrap().code(), Some(0), "{seen:?}");
+    assert!(!Path::new(&periodic).exists(), "the pause holds the periodic instructions");
+}
+
+/// The printed resume command carries every option that shaped the run, so it runs the rest the
+/// same way.
+#[test]
+fn the_resume_command_carries_every_option() {
+    let e = Env::new();
+    let (ready, go, marker) = (e.fifo("ready"), e.fifo("go"), e.p("marker"));
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("one", &format!("echo > {ready}; cat {go} >/dev/null")),
+        sh("two", &format!("echo two >> {marker}")),
+    ]}));
+    let (regs, images) = (e.p("registries.yaml"), e.p("images"));
+    let extra = [
+        "--registries",
+        &regs,
+        "--images-dir",
+        &images,
+        "--preserve-work-dir",
+        "--stop-timeout",
+        "3s",
+        "--output-cap",
+        "2048",
+        "--cgroup",
+        "off",
+    ];
+    let (mut child, rx) = spawn_with_stderr(e.cmd(&plan, &extra));
+    read_fifo(&ready);
+    sigint(&child);
+    let mut seen = Vec::new();
+    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
+    std::fs::write(&go, b"").unwrap();
+    wait_stderr(&rx, "--resume-from 1", &mut seen);
+    assert_eq!(child.wait().unwrap().code(), Some(3), "{seen:?}");
+    let resume = seen.last().unwrap().trim().to_string();
+    for opt in extra {
+        assert!(resume.split(' ').any(|a| a == opt), "{opt} missing from {resume}");
+    }
+    let args: Vec<&str> = resume.split_whitespace().collect();
+    let out = Command::new(NODEPLAN).args(&args[1..]).env("NODEPLAN_LOG", "warn").output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "two\n");
+}
+
 #[test]
 fn second_ctrl_c_cancels_through_the_stop_ladder() {
     let e = Env::new();

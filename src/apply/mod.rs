@@ -381,7 +381,7 @@ impl Applyinator {
                 }
                 if let Some(i) = current().boundary() {
                     if !one_time_failed {
-                        result.interruption = Some(i);
+                        result.interruption = completed_pass_kept(i, &input, &result);
                     }
                     return Ok(result);
                 }
@@ -421,7 +421,7 @@ impl Applyinator {
         // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
         // pass genuinely failed (the failure is what gets recorded).
         if !one_time_failed {
-            result.interruption = current().boundary();
+            result.interruption = current().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
         }
         Ok(result)
     }
@@ -522,6 +522,14 @@ impl Applyinator {
         r.elapsed = run.elapsed;
         r
     }
+}
+
+/// A pause that arrives once every one-time instruction has succeeded interrupts nothing of the
+/// one-time pass: it is recorded as succeeded (nothing was left to run), and the pause then only
+/// holds the plan's periodic instructions. Any other interruption stands.
+fn completed_pass_kept(i: Interruption, input: &ApplyInput<'_>, result: &ApplyResult) -> Option<Interruption> {
+    let completed_pass = input.run_one_time && result.one_time_succeeded;
+    if i == Interruption::Paused && completed_pass { None } else { Some(i) }
 }
 
 /// `o` with a timeout reason of `full` (the instruction's `timeoutSeconds`).

@@ -6,7 +6,7 @@ use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -221,15 +221,42 @@ pub async fn run(args: ApplyArgs) -> u8 {
     }
 }
 
+/// The command that resumes this run: the same command line, every option kept as given
+/// (work and PID directories, timeouts, caps, images, registries, cgroup, log format…), with
+/// `--resume-from` set to the first instruction not yet done.
 fn resume_command(args: &ApplyArgs, completed: usize) -> String {
-    let mut cmd = format!("nodeplan apply {} --resume-from {completed}", shell_quote(&args.file.to_string_lossy()));
-    if args.work_dir != Path::new("/var/lib/nodeplan/work") {
-        cmd.push_str(&format!(" --work-dir {}", shell_quote(&args.work_dir.to_string_lossy())));
+    let argv: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
+    resume_argv(&argv, &args.file.to_string_lossy(), completed)
+        .iter()
+        .map(|a| shell_quote(a))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `nodeplan` and `argv` (the arguments after the program) less any `--resume-from`, with
+/// `--resume-from N` right after the plan file.
+fn resume_argv(argv: &[String], file: &str, completed: usize) -> Vec<String> {
+    let mut out = vec!["nodeplan".to_string()];
+    let mut rest = argv.iter();
+    let mut placed = false;
+    while let Some(a) = rest.next() {
+        if a == "--resume-from" {
+            rest.next();
+            continue;
+        }
+        if a.starts_with("--resume-from=") {
+            continue;
+        }
+        out.push(a.clone());
+        if !placed && a == file {
+            out.extend(["--resume-from".to_string(), completed.to_string()]);
+            placed = true;
+        }
     }
-    if args.pid_dir != Path::new("/run/nodeplan/pids") {
-        cmd.push_str(&format!(" --pid-dir {}", shell_quote(&args.pid_dir.to_string_lossy())));
+    if !placed {
+        out.extend(["--resume-from".to_string(), completed.to_string()]);
     }
-    cmd
+    out
 }
 
 fn shell_quote(s: &str) -> String {
@@ -276,5 +303,29 @@ mod tests {
     fn quoting() {
         assert_eq!(shell_quote("/a/b.plan"), "/a/b.plan");
         assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
+    }
+}
+
+#[cfg(test)]
+mod resume_tests {
+    use super::resume_argv;
+
+    #[test]
+    fn the_resume_command_keeps_every_option_and_replaces_resume_from() {
+        let argv = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>();
+        let cases = [
+            ("apply p.plan", "nodeplan apply p.plan --resume-from 3"),
+            (
+                "--log-format json apply p.plan --resume-from 1 --registries /r.yaml --images-dir /i --cgroup off",
+                "nodeplan --log-format json apply p.plan --resume-from 3 --registries /r.yaml --images-dir /i --cgroup off",
+            ),
+            (
+                "apply --resume-from=2 --preserve-work-dir --stop-timeout 1s p.plan --output-cap 2048",
+                "nodeplan apply --preserve-work-dir --stop-timeout 1s p.plan --resume-from 3 --output-cap 2048",
+            ),
+        ];
+        for (given, want) in cases {
+            assert_eq!(resume_argv(&argv(given), "p.plan", 3).join(" "), want, "{given}");
+        }
     }
 }
