@@ -225,6 +225,30 @@ fn the_resume_command_carries_every_option() {
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "two\n");
 }
 
+/// `apply` removes only the execution directories of earlier applies; a work directory that
+/// holds anything else (someone's files) is refused with exit 2 and left exactly as it was.
+#[test]
+fn apply_never_wipes_files_it_did_not_create() {
+    use std::os::unix::fs::PermissionsExt;
+    let e = Env::new();
+    let work = e.p("work");
+    std::fs::create_dir_all(format!("{work}/20250101-000000/old_0")).unwrap();
+    let plan = e.plan(serde_json::json!({"instructions": [sh("a", "true")]}));
+    let out = e.cmd(&plan, &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!Path::new(&format!("{work}/20250101-000000")).exists(), "an earlier apply's directory is wiped");
+    std::fs::write(format!("{work}/notes.txt"), b"mine").unwrap();
+    std::fs::create_dir(format!("{work}/20250101-000000")).unwrap();
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = e.cmd(&plan, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("holds entries nodeplan did not create (\"notes.txt\")"), "{err}");
+    assert_eq!(std::fs::read(format!("{work}/notes.txt")).unwrap(), b"mine");
+    assert!(Path::new(&format!("{work}/20250101-000000")).exists(), "nothing touched");
+    assert_eq!(std::fs::metadata(&work).unwrap().permissions().mode() & 0o777, 0o755, "not made private either");
+}
+
 #[test]
 fn second_ctrl_c_cancels_through_the_stop_ladder() {
     let e = Env::new();

@@ -230,6 +230,9 @@ pub enum ApplyError {
     Interlock(String),
     #[error("work directory: {0}")]
     WorkDir(String),
+    /// The work directory holds what nodeplan did not put there: nothing was touched.
+    #[error("work directory: {0}")]
+    ForeignWorkDir(String),
 }
 
 /// Executes plans, one at a time.
@@ -719,6 +722,8 @@ struct Prepare {
 
 impl Prepare {
     fn run(self) -> Result<Option<archive::Interlock>, ApplyError> {
+        // Before anything is touched: a work directory nodeplan does not own stops the apply.
+        check_work_dir(&self.work_dir).map_err(ApplyError::ForeignWorkDir)?;
         let interlock = match &self.interlock_dir {
             Some(d) => Some(archive::Interlock::enter(d, self.now).map_err(ApplyError::Interlock)?),
             None => None,
@@ -737,17 +742,63 @@ impl Prepare {
     }
 }
 
+/// Whether `name` is one of nodeplan's (or system-agent's) per-apply directories in the work
+/// directory: `YYYYMMDD-HHMMSS`, optionally `-N`.
+fn is_apply_dir_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    let digits = |r: std::ops::Range<usize>| b.get(r).is_some_and(|d| d.iter().all(u8::is_ascii_digit));
+    b.len() >= 15
+        && digits(0..8)
+        && b[8] == b'-'
+        && digits(9..15)
+        && (b.len() == 15 || (b.len() > 16 && b[15] == b'-' && digits(16..b.len())))
+}
+
+/// The work directory must hold only per-apply directories: anything else means it was pointed
+/// at a directory nodeplan does not own (a home, `/tmp`), which it must neither wipe nor make
+/// private to root. Entries are looked at without following links.
+fn check_work_dir(dir: &Path) -> Result<(), String> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("reading {}: {e}", dir.display())),
+    };
+    let mut foreign = Vec::new();
+    for e in entries {
+        let e = e.map_err(|e| format!("reading {}: {e}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if !(is_dir && is_apply_dir_name(&name)) {
+            foreign.push(name);
+        }
+    }
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    foreign.sort();
+    let more = if foreign.len() > 3 { format!(" and {} more", foreign.len() - 3) } else { String::new() };
+    Err(format!(
+        "{} holds entries nodeplan did not create ({}{more}); refusing to use it as the work directory \
+         (give an empty directory or one only nodeplan uses)",
+        dir.display(),
+        foreign.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// Remove the per-apply directories of earlier applies (and nothing else: [`check_work_dir`] ran
+/// first).
 fn wipe_work_dir(dir: &Path) -> Result<(), String> {
-    if !dir.is_absolute() || dir.parent().is_none() || dir.parent() == Some(Path::new("/")) {
-        return Err(format!(
-            "refusing to wipe {}: the work directory must be an absolute path at least two levels deep",
-            dir.display()
-        ));
+    let entries = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("reading {}: {e}", dir.display())),
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_str().is_some_and(is_apply_dir_name) {
+            crate::safefs::remove(&e.path(), true).map_err(|err| format!("wiping {}: {err}", e.path().display()))?;
+        }
     }
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("wiping {}: {e}", dir.display())),
-        _ => Ok(()),
-    }
+    Ok(())
 }
 
 #[cfg(test)]

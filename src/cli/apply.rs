@@ -18,10 +18,12 @@ pub struct ApplyArgs {
     /// Skip the first N one-time instructions (they finished in an earlier, paused run).
     #[arg(long, default_value_t = 0)]
     pub resume_from: usize,
-    /// Directory for execution directories (wiped before the instructions run).
+    /// Directory for execution directories. Before the instructions run, the execution
+    /// directories of earlier applies (`YYYYMMDD-HHMMSS[-N]`) are removed and nothing else; a
+    /// directory that holds anything else is refused (exit 2) and left untouched.
     #[arg(long, default_value = "/var/lib/nodeplan/work")]
     pub work_dir: PathBuf,
-    /// Keep earlier execution directories instead of wiping the work directory.
+    /// Keep the execution directories of earlier applies.
     #[arg(long)]
     pub preserve_work_dir: bool,
     /// Where PID records of running instructions are kept.
@@ -173,7 +175,12 @@ pub async fn run(args: ApplyArgs) -> u8 {
         Ok(r) => r,
         Err(e) => {
             eprintln!("nodeplan: {}: {e}", args.file.display());
-            return exit::FAILED;
+            // A work directory nodeplan does not own is bad input: nothing was touched.
+            return if matches!(e, crate::apply::ApplyError::ForeignWorkDir(_)) {
+                exit::BAD_INPUT
+            } else {
+                exit::FAILED
+            };
         }
     };
     for r in result.failed_reports() {
