@@ -133,6 +133,22 @@ fn sigint(child: &std::process::Child) {
     }
 }
 
+/// Start `cmd`, wait until its instruction says it runs (`ready`), press Ctrl-C, wait for the
+/// pause notice, then let the instruction finish (`go`).
+fn ctrl_c_while_running(
+    cmd: Command,
+    ready: &str,
+    go: &str,
+) -> (std::process::Child, mpsc::Receiver<String>, Vec<String>) {
+    let (child, rx) = spawn_with_stderr(cmd);
+    read_fifo(ready);
+    sigint(&child);
+    let mut seen = Vec::new();
+    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
+    std::fs::write(go, b"").unwrap();
+    (child, rx, seen)
+}
+
 #[test]
 fn first_ctrl_c_pauses_at_the_boundary_and_the_printed_command_resumes() {
     let e = Env::new();
@@ -142,12 +158,7 @@ fn first_ctrl_c_pauses_at_the_boundary_and_the_printed_command_resumes() {
         sh("two", &format!("echo two >> {marker}; echo > {ready}; cat {go} >/dev/null")),
         sh("three", &format!("echo three >> {marker}")),
     ]}));
-    let (mut child, rx) = spawn_with_stderr(e.cmd(&plan, &[]));
-    read_fifo(&ready);
-    sigint(&child);
-    let mut seen = Vec::new();
-    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
-    std::fs::write(&go, b"").unwrap();
+    let (mut child, rx, mut seen) = ctrl_c_while_running(e.cmd(&plan, &[]), &ready, &go);
     wait_stderr(&rx, "resume with:", &mut seen);
     wait_stderr(&rx, "--resume-from 2", &mut seen);
     let status = child.wait().unwrap();
@@ -172,12 +183,7 @@ fn ctrl_c_during_the_last_instruction_ends_as_succeeded() {
         "instructions": [sh("one", "true"), sh("last", &format!("echo > {ready}; cat {go} >/dev/null"))],
         "periodicInstructions": [{"name": "p", "command": "touch", "args": [periodic], "periodSeconds": 60}]
     }));
-    let (mut child, rx) = spawn_with_stderr(e.cmd(&plan, &[]));
-    read_fifo(&ready);
-    sigint(&child);
-    let mut seen = Vec::new();
-    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
-    std::fs::write(&go, b"").unwrap();
+    let (mut child, rx, mut seen) = ctrl_c_while_running(e.cmd(&plan, &[]), &ready, &go);
     wait_stderr(&rx, "succeeded: 2/2 instructions", &mut seen);
     assert_eq!(child.wait().unwrap().code(), Some(0), "{seen:?}");
     assert!(!Path::new(&periodic).exists(), "the pause holds the periodic instructions");
@@ -207,12 +213,7 @@ fn the_resume_command_carries_every_option() {
         "--cgroup",
         "off",
     ];
-    let (mut child, rx) = spawn_with_stderr(e.cmd(&plan, &extra));
-    read_fifo(&ready);
-    sigint(&child);
-    let mut seen = Vec::new();
-    wait_stderr(&rx, "pausing after the running instruction", &mut seen);
-    std::fs::write(&go, b"").unwrap();
+    let (mut child, rx, mut seen) = ctrl_c_while_running(e.cmd(&plan, &extra), &ready, &go);
     wait_stderr(&rx, "--resume-from 1", &mut seen);
     assert_eq!(child.wait().unwrap().code(), Some(3), "{seen:?}");
     let resume = seen.last().unwrap().trim().to_string();
