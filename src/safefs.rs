@@ -155,7 +155,7 @@ fn set_owner_mode(fd: BorrowedFd<'_>, mode: u32, owner: Option<Owner>) -> io::Re
 }
 
 /// An unguessable name for a temporary file beside `name` (kept well under NAME_MAX).
-fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
+pub(crate) fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
     let mut rnd = [0u8; 8];
     let mut filled = 0;
     while filled < rnd.len() {

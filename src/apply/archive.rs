@@ -2,7 +2,6 @@
 
 use crate::plan::{Plan, format_unix_date, parse_unix_date};
 use chrono::{DateTime, Utc};
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 /// How many archived plans are kept.
@@ -24,7 +23,7 @@ pub fn archive_plan(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>)
 }
 
 fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> std::io::Result<()> {
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    crate::safefs::open_dir(dir, Some(0o700))?;
     let body = serde_json::to_vec(&serde_json::json!({ "Plan": plan, "Checksum": checksum }))
         .map_err(std::io::Error::other)?;
     let mut existing = archived(dir);
@@ -81,18 +80,15 @@ impl Interlock {
     /// system-agent's protocol: a stale `applyinator-active` is removed; a `restart-pending`
     /// younger than 5 minutes (or unparsable, which starts the 5 minutes now) blocks the apply.
     pub fn enter(dir: &Path, now: DateTime<Utc>) -> Result<Interlock, String> {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        // Walked and written through crate::safefs, read without following links or blocking.
+        crate::safefs::open_dir(dir, Some(0o700)).map_err(|e| format!("{}: {e}", dir.display()))?;
         let active = dir.join("applyinator-active");
-        let _ = std::fs::remove_file(&active);
+        let _ = crate::safefs::remove(&active, false);
         let pending = dir.join("restart-pending");
-        if let Ok(raw) = std::fs::read_to_string(&pending) {
-            match parse_unix_date(raw.trim()) {
+        if let Ok(Some(raw)) = crate::safefs::read_small(&pending, 4096) {
+            match parse_unix_date(String::from_utf8_lossy(&raw).trim()) {
                 None => {
-                    let _ = std::fs::write(&pending, format_unix_date(now));
+                    let _ = crate::process::write_atomic(&pending, format_unix_date(now).as_bytes(), 0o600);
                     return Err("restart is pending; waiting 5m0s".into());
                 }
                 Some(t) if now < t + chrono::Duration::seconds(RESTART_PENDING_WAIT) => {
@@ -100,7 +96,7 @@ impl Interlock {
                     return Err(format!("restart is pending; waiting {left}s more"));
                 }
                 Some(_) => {
-                    let _ = std::fs::remove_file(&pending);
+                    let _ = crate::safefs::remove(&pending, false);
                 }
             }
         }
@@ -166,5 +162,37 @@ mod order_tests {
         let newest = std::fs::read(d.path().join(&kept[ARCHIVE_KEEP - 1].1)).unwrap();
         assert!(String::from_utf8_lossy(&newest).contains(&format!("\"c{}\"", ARCHIVE_KEEP + 2)));
         assert_eq!(kept[0].0, 4, "the three oldest were pruned");
+    }
+}
+
+#[cfg(test)]
+mod interlock_tests {
+    use super::*;
+
+    /// A `restart-pending` planted as a link (or a FIFO) is neither followed nor waited on.
+    #[test]
+    fn planted_interlock_files_are_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("interlock");
+        std::fs::create_dir(&dir).unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"not a date").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("restart-pending")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("applyinator-active")).unwrap();
+        let now = Utc::now();
+        let held = Interlock::enter(&dir, now).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"not a date", "the link was not written through");
+        assert!(!std::fs::symlink_metadata(dir.join("applyinator-active")).unwrap().file_type().is_symlink());
+        drop(held);
+        std::fs::remove_file(dir.join("restart-pending")).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &dir.join("restart-pending"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(Interlock::enter(&dir, now).is_ok(), "a FIFO is not read (it would block)");
     }
 }

@@ -121,10 +121,17 @@ impl PidRecord {
     pub fn rewrite(&self, file: &mut RecordFile) -> io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = file.path.parent().unwrap_or(Path::new("."));
-        let tmp = dir.join(format!(".{}.tmp{}", Self::file_name(&self.marker), std::process::id()));
+        // An unguessable name, created exclusively: nothing planted in the directory is followed.
+        let name = crate::safefs::temp_name(std::ffi::OsStr::new(&Self::file_name(&self.marker)))?;
+        let tmp = dir.join(std::ffi::OsStr::from_bytes(&name));
         let line = json_line(self)?;
         let result = (|| {
-            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .mode(0o600)
+                .open(&tmp)?;
             f.write_all(&line)?;
             std::fs::rename(&tmp, &file.path)?;
             Ok(f)
