@@ -187,7 +187,7 @@ mod interlock_tests {
         std::fs::remove_file(dir.join("restart-pending")).unwrap();
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &dir.join("restart-pending"),
+            dir.join("restart-pending"),
             rustix::fs::FileType::Fifo,
             rustix::fs::Mode::from_raw_mode(0o600),
             0,
