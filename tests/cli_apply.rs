@@ -75,12 +75,53 @@ fn bad_plans_give_one_clear_line_and_change_nothing() {
     let e = Env::new();
     let early = e.p("early-file");
     let good_file = serde_json::json!({"path": early, "content": "eA=="});
+    let kept_dir = e.p("kept");
+    let kept_dir_dot = format!("{kept_dir}/./");
+    std::fs::create_dir(&kept_dir).unwrap();
+    std::fs::write(e.p("kept/keep"), b"k").unwrap();
     let cases: Vec<(serde_json::Value, &str)> = vec![
         (serde_json::json!({"files": [good_file, {"path": "relative/x"}]}), "files[1].path"),
         (serde_json::json!({"files": [good_file, {"path": "/x", "content": "%%%"}]}), "files[1].content: bad base64"),
         (serde_json::json!({"files": [good_file, {"path": "/x", "permissions": "rw-r--r--"}]}), "files[1].permissions"),
         (serde_json::json!({"files": [good_file, {"path": ""}]}), "files[1].path: is empty"),
         (serde_json::json!({"files": [good_file], "instructions": [{"name": "x"}]}), "instructions[0].command"),
+        // Paths: every one of these used to write the files before it, or worse.
+        (
+            serde_json::json!({"files": [good_file, {"path": kept_dir_dot, "directory": true, "action": "delete"}]}),
+            "files[1].path",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": "/", "content": "eA=="}]}),
+            "files[1].path: \"/\" is the root directory",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": format!("{kept_dir}//keep"), "action": "delete"}]}),
+            "contains \"//\"",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": format!("{kept_dir}/keep/"), "action": "delete"}]}),
+            "ends with \"/\"",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": kept_dir, "directory": true, "action": "delete"}, {"path": format!("{kept_dir}/"), "directory": true}]}),
+            "files[2].path",
+        ),
+        (serde_json::json!({"files": [good_file, good_file]}), "files[1].path: "),
+        // Other fields.
+        (
+            serde_json::json!({"files": [good_file], "periodicInstructions": [{"name": "p", "command": "true", "periodSeconds": -1}]}),
+            "periodicInstructions[0].periodSeconds: -1 is negative",
+        ),
+        (
+            serde_json::json!({"files": [good_file], "instructions": [{"command": "true"}]}),
+            "instructions[0].name: is empty",
+        ),
+        (serde_json::json!({"files": [good_file, {"path": "/x", "permissions": "77777"}]}), "files[1].permissions"),
+        (
+            serde_json::json!({"files": [good_file], "probes": {"web": {"httpGet": {"url": "http//nohost"}}}}),
+            "probes[\"web\"].httpGet.url",
+        ),
+        (serde_json::json!([{"files": [good_file]}]), "the plan must be a JSON object"),
     ];
     for (plan, want) in cases {
         let path = e.plan(plan);
@@ -90,7 +131,16 @@ fn bad_plans_give_one_clear_line_and_change_nothing() {
         assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
         assert!(err.contains(want), "{want}: {err}");
         assert!(!Path::new(&early).exists(), "nothing is touched before the whole plan is valid");
+        assert!(Path::new(&e.p("kept/keep")).exists(), "{want}: nothing is deleted before the whole plan is valid");
     }
+    // A byte order mark is refused by name (Go's encoding/json refuses it too).
+    let bom = [&b"\xef\xbb\xbf"[..], &serde_json::to_vec(&serde_json::json!({"files": [good_file]})).unwrap()].concat();
+    std::fs::write(e.p("bom.plan"), bom).unwrap();
+    let out = e.cmd(&e.p("bom.plan"), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!((out.status.code(), err.trim_end().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("byte order mark"), "{err}");
+    assert!(!Path::new(&early).exists());
     std::fs::write(e.p("junk.plan"), b"{\"instructions\": [").unwrap();
     let out = e.cmd(&e.p("junk.plan"), &[]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
