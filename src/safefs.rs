@@ -481,6 +481,20 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
         Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),
         Err(e) => return Err(e.into()),
     };
+    read_regular(fd, cap).map(Some)
+}
+
+/// Read a file named on the command line (a plan given to `nodeplan apply`): a link is followed,
+/// as for any path the operator typed, but the file is opened without blocking and must be a
+/// regular file of at most `cap` bytes, so a FIFO, a device or a directory gives one clear error at
+/// once instead of a hang or a huge read.
+pub fn read_named(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    read_regular(rustix::fs::open(path, flags, Mode::empty())?, cap)
+}
+
+/// The content of the open file `fd`, which must be a regular file of at most `cap` bytes.
+fn read_regular(fd: OwnedFd, cap: u64) -> io::Result<Vec<u8>> {
     let st = rustix::fs::fstat(&fd)?;
     let kind = FileType::from_raw_mode(st.st_mode);
     if kind != FileType::RegularFile {
@@ -494,7 +508,7 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
     if out.len() as u64 > cap {
         return Err(err(io::ErrorKind::InvalidInput, format!("grew past the {cap} bytes allowed")));
     }
-    Ok(Some(out))
+    Ok(out)
 }
 
 /// A file type as a person names it.

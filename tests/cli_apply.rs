@@ -310,3 +310,52 @@ fn on_a_host_without_cgroup2_a_cancel_kills_an_escapee_through_the_v1_freezer() 
     assert!(seen.iter().any(|l| l.contains("using the cgroup v1 freezer hierarchy")), "{seen:?}");
     assert!(!survived, "the escapee survived the cancel; nodeplan said: {seen:?}");
 }
+
+/// Run `c` to completion with a hang guard: a command that blocks is killed and the test fails.
+fn output_within(mut c: Command) -> std::process::Output {
+    let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(GUARD) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            kill_all(&[pid]);
+            panic!("{c:?} hung");
+        }
+    }
+}
+
+/// A plan path that is a FIFO, a device or a directory gets one clear line at once, from `apply`
+/// (exit 2) and from `plan status`; a FIFO used to block the read forever, deaf to Ctrl-C.
+#[test]
+fn a_plan_path_that_is_a_fifo_a_device_or_a_directory_is_refused_at_once() {
+    let e = Env::new();
+    let fifo = e.fifo("fifo.plan");
+    std::fs::create_dir(e.p("dir.plan")).unwrap();
+    for (path, kind) in
+        [(fifo.as_str(), "a FIFO"), ("/dev/null", "a character device"), (&e.p("dir.plan"), "a directory")]
+    {
+        let out = output_within(e.cmd(path, &[]));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{path}: one line: {err}");
+        assert!(err.contains(&format!("cannot read {path}: is not a regular file ({kind})")), "{err}");
+    }
+    for path in [&fifo, &e.p("dir.plan")] {
+        let mut c = Command::new(NODEPLAN);
+        c.args(["plan", "status", path]);
+        let out = output_within(c);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{path}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{path}: one line: {err}");
+        assert!(err.contains("is not a regular file"), "{err}");
+    }
+    // A link to a plan is followed, as for any path typed on the command line.
+    let plan = e.plan(serde_json::json!({"instructions": [sh("a", "true")]}));
+    std::os::unix::fs::symlink(&plan, e.p("link.plan")).unwrap();
+    let out = output_within(e.cmd(&e.p("link.plan"), &[]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -87,7 +87,8 @@ impl Observer for Progress {
 }
 
 pub async fn run(args: ApplyArgs) -> u8 {
-    let raw = match std::fs::read(&args.file) {
+    // Never blocks: a FIFO, a device or a directory is refused at once.
+    let raw = match crate::safefs::read_named(&args.file, crate::local::PLAN_CAP) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("nodeplan: cannot read {}: {e}", args.file.display());

@@ -60,6 +60,11 @@ fn files_of(file: &Path) -> Result<PlanFiles, String> {
     PlanFiles::new(file).ok_or_else(|| format!("{}: not a .plan file", file.display()))
 }
 
+/// A plan file's bytes, without ever blocking: a FIFO, a device or a directory is one error line.
+fn read_plan(path: &Path) -> Result<Vec<u8>, String> {
+    crate::safefs::read_named(path, crate::local::PLAN_CAP).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
 fn write(path: &Path, content: &[u8]) -> Result<(), String> {
     crate::process::write_atomic(path, content, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
@@ -109,7 +114,7 @@ pub async fn run(args: PlanArgs) -> u8 {
 }
 
 fn status(f: &PlanFiles) -> Result<(), String> {
-    let raw = std::fs::read(&f.plan).map_err(|e| format!("cannot read {}: {e}", f.plan.display()))?;
+    let raw = read_plan(&f.plan)?;
     let checksum = plan::checksum(&raw);
     let parsed = plan::parse(&raw);
     let p = pos::read_pos(&f.pos()).map_err(|e| format!("{}: {e}", f.pos().display()))?;
@@ -204,7 +209,7 @@ mod remote {
         let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
         match action {
             PlanAction::Push { file, .. } => {
-                let raw = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+                let raw = super::read_plan(file)?;
                 plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
                 if c.get().await?.is_none() {
                     let data = [("plan".to_string(), raw.clone()), ("plan-state".to_string(), b"pending".to_vec())];
