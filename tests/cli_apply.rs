@@ -240,7 +240,9 @@ fn second_ctrl_c_cancels_through_the_stop_ladder() {
 fn help_and_bad_arguments() {
     let out = Command::new(NODEPLAN).args(["apply", "--help"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("--resume-from"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--resume-from"));
+    assert!(help.contains("\n  5  already running: another live `nodeplan apply` of this plan"), "{help}");
     let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
@@ -358,4 +360,70 @@ fn a_plan_path_that_is_a_fifo_a_device_or_a_directory_is_refused_at_once() {
     std::os::unix::fs::symlink(&plan, e.p("link.plan")).unwrap();
     let out = output_within(e.cmd(&e.p("link.plan"), &[]));
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// One run of a plan at a time: a second `apply` of a plan whose first run is alive refuses at once
+/// with exit 5 naming the first's pid, and the first run's instruction is left alone and finishes.
+/// This holds through the owner lock and, were the lock gone (an earlier version, removed by
+/// hand), through the run marker of the first's PID record. It used to stop the first's
+/// instruction as a "leftover" and run the plan a second time.
+#[test]
+fn a_second_apply_of_a_running_plan_refuses_and_leaves_the_first_alone() {
+    let e = Env::new();
+    let (ready, go, done) = (e.fifo("ready"), e.fifo("go"), e.p("done"));
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("long", &format!("echo $$ > {ready}; cat {go} > /dev/null; touch {done}")),
+    ]}));
+    let (mut first, rx) = spawn_with_stderr(e.cmd(&plan, &[]));
+    let instruction: i32 = read_fifo(&ready).trim().parse().unwrap();
+    let want = format!("this plan is already being applied by nodeplan pid {}", first.id());
+    let second = output_within(e.cmd(&plan, &[]));
+    let err = String::from_utf8_lossy(&second.stderr);
+    let alive_after_second = alive(instruction);
+    // Without the lock file: the first's PID record names it (pid, start time, boot) as alive.
+    let locks: Vec<_> = std::fs::read_dir(e.p("pids"))
+        .unwrap()
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().ends_with(".lock"))
+        .collect();
+    assert_eq!(locks.len(), 1, "one owner lock in the PID directory");
+    std::fs::remove_file(locks[0].path()).unwrap();
+    let third = output_within(e.cmd(&plan, &[]));
+    let err3 = String::from_utf8_lossy(&third.stderr);
+    let alive_after_third = alive(instruction);
+    release_fifo(&go);
+    let status = first.wait().unwrap();
+    let seen: Vec<String> = rx.try_iter().collect();
+    assert_eq!(second.status.code(), Some(5), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.contains(&want), "{err}");
+    assert!(alive_after_second, "the second apply stopped the first's instruction");
+    assert_eq!(third.status.code(), Some(5), "{err3}");
+    assert!(err3.lines().any(|l| l.contains(&want)), "{err3}");
+    assert!(alive_after_third, "the third apply stopped the first's instruction");
+    assert_eq!(status.code(), Some(0), "the first run finishes: {seen:?}");
+    assert!(Path::new(&done).exists());
+}
+
+/// What a SIGKILLed `apply` left running is a leftover: the next apply of the plan stops it (the
+/// kernel dropped the dead one's lock) and runs the plan.
+#[test]
+fn a_leftover_of_a_killed_apply_is_stopped_by_the_next_one() {
+    let e = Env::new();
+    let ready = e.fifo("ready");
+    let once = e.p("once");
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("long", &format!("if mkdir {once} 2>/dev/null; then echo $$ > {ready}; exec sleep 300; fi")),
+    ]}));
+    let (mut first, _rx) = spawn_with_stderr(e.cmd(&plan, &[]));
+    let leftover: i32 = read_fifo(&ready).trim().parse().unwrap();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let was_alive = alive(leftover);
+    let out = output_within(e.cmd(&plan, &["--stop-timeout", "2s"]));
+    let still = alive(leftover);
+    kill_all(&[leftover]);
+    assert!(was_alive, "the instruction outlives a SIGKILLed apply");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!still, "the leftover was not stopped");
 }
