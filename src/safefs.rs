@@ -16,13 +16,16 @@
 //!   unguessable name (mode 0600, `O_EXCL | O_NOFOLLOW`), owner then mode set on its fd (owner
 //!   first, so setuid and setgid bits survive), fsync, `renameat` within the directory fd, fsync of
 //!   the directory. Nothing is done by path afterwards.
+//! - **A delete never follows a link and never crosses into another mount**: the tree is removed
+//!   through directory fds (`openat` with `O_NOFOLLOW`, `unlinkat`), and a tree that holds a mount
+//!   point (a mounted filesystem or a bind mount) is not deleted at all.
 //! - **Reads of files others may plant** (control and `.pos` files) open the last component
 //!   without following links and without blocking, accept regular files only and stop at a size
 //!   cap, so a FIFO, a device or a 2 GB file cannot hang or exhaust the agent.
 //!
 //! This module must not know what the files mean; callers give paths, bytes and modes.
 
-use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 use std::ffi::OsStr;
@@ -236,8 +239,13 @@ pub fn make_dir(path: &Path, mode: u32, owner: Option<Owner>) -> io::Result<()> 
 }
 
 /// Remove the file (or, with `directory`, the directory tree) `path`. The parent is walked under
-/// the module's rules; the last component is never followed (a link there is removed itself).
-/// Absent is not an error.
+/// the module's rules; nothing below it is ever followed: the last component and every entry of
+/// the tree are handled through directory fds (`openat` with `O_NOFOLLOW`, `unlinkat`), so a link
+/// is removed itself. A delete never crosses into another mount: when the tree holds a mount point
+/// (a mounted filesystem or a bind mount, told by `statx`'s mount id and mount-root attribute and
+/// by the device number), or `path` is one, nothing is deleted and the error names the mount
+/// point; one that appears while the tree is being removed is left alone, with everything that
+/// holds it, and named the same way. Absent is not an error.
 pub fn remove(path: &Path, directory: bool) -> io::Result<()> {
     let (parent, name) = split(path)?;
     let dir = match open_dir(parent, None) {
@@ -246,16 +254,214 @@ pub fn remove(path: &Path, directory: bool) -> io::Result<()> {
         Err(e) => return Err(e),
     };
     let r = if directory {
-        // std's remove_dir_all never follows links inside the tree; the parent is pinned by the
-        // fd through /proc/self/fd, so a swapped parent cannot redirect it.
-        std::fs::remove_dir_all(Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name))
+        remove_tree(&dir, name, path)
     } else {
-        rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(io::Error::from)
+        match rustix::fs::unlinkat(&dir, name, AtFlags::empty()) {
+            Err(Errno::ISDIR) => Err(err(
+                io::ErrorKind::InvalidInput,
+                "is a directory (a directory tree is deleted only with \"directory\": true)".into(),
+            )),
+            Err(Errno::BUSY) => Err(mount_error(path, path, false)),
+            r => r.map_err(io::Error::from),
+        }
     };
     match r {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// Where a file is: its device and, where the kernel says (`statx`, Linux 5.8), its mount.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MountPos {
+    dev: u64,
+    mnt_id: Option<u64>,
+    mount_root: bool,
+}
+
+impl MountPos {
+    /// Whether a file at `self` found in a directory at `parent` is on another mount.
+    fn crosses_from(&self, parent: &MountPos) -> bool {
+        self.mount_root
+            || self.dev != parent.dev
+            || matches!((self.mnt_id, parent.mnt_id), (Some(a), Some(b)) if a != b)
+    }
+}
+
+/// The type and mount position of `name` in `dir` (not followed), or of `dir` itself for `None`.
+fn examine(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> io::Result<(FileType, MountPos)> {
+    use rustix::fs::{StatxAttributes, StatxFlags};
+    let (at, flags) = match name {
+        Some(n) => (n, AtFlags::SYMLINK_NOFOLLOW),
+        None => (OsStr::new(""), AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW),
+    };
+    match rustix::fs::statx(dir, at, flags, StatxFlags::TYPE | StatxFlags::MNT_ID) {
+        Ok(x) => {
+            let mnt_id = (x.stx_mask & StatxFlags::MNT_ID.bits() != 0).then_some(x.stx_mnt_id);
+            let root = StatxAttributes::MOUNT_ROOT;
+            let mount_root = x.stx_attributes_mask.contains(root) && x.stx_attributes.contains(root);
+            let pos = MountPos { dev: rustix::fs::makedev(x.stx_dev_major, x.stx_dev_minor), mnt_id, mount_root };
+            Ok((FileType::from_raw_mode(u32::from(x.stx_mode)), pos))
+        }
+        // Kernels before 4.11: the device number is all there is.
+        Err(Errno::NOSYS) => {
+            let st = rustix::fs::statat(dir, at, flags)?;
+            Ok((FileType::from_raw_mode(st.st_mode), MountPos { dev: st.st_dev, mnt_id: None, mount_root: false }))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn mount_error(mount: &Path, tree: &Path, rest_deleted: bool) -> io::Error {
+    let what = if rest_deleted {
+        format!("it was left alone (it appeared while {} was being deleted; the rest was deleted)", tree.display())
+    } else if mount == tree {
+        "nothing was deleted".to_string()
+    } else {
+        format!("nothing under {} was deleted", tree.display())
+    };
+    err(
+        io::ErrorKind::ResourceBusy,
+        format!(
+            "{} is a mount point (a mounted filesystem or a bind mount) and a delete never crosses into one: {what}; \
+             unmount it first",
+            mount.display()
+        ),
+    )
+}
+
+/// Open the directory `name` in `dir` without following it; `None` when it is not a directory
+/// (any more) or is gone.
+fn open_subdir(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<OwnedFd>> {
+    match rustix::fs::openat(dir, name, dir_flags() | OFlags::NONBLOCK, Mode::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::NOTDIR | Errno::LOOP | Errno::NOENT) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The names in the directory `fd` (`.` and `..` left out).
+fn list(fd: &OwnedFd) -> io::Result<Vec<std::ffi::OsString>> {
+    let mut names = Vec::new();
+    for e in rustix::fs::Dir::read_from(fd)? {
+        let e = e?;
+        let name = e.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(OsStr::from_bytes(name).to_os_string());
+        }
+    }
+    Ok(names)
+}
+
+/// Remove the directory tree `name` in `parent` (or `name` itself when it is not a directory).
+/// First a walk that changes nothing looks for a mount point in the tree, then a second walk
+/// removes it, checking every directory again before entering it.
+fn remove_tree(parent: &OwnedFd, name: &OsStr, shown: &Path) -> io::Result<()> {
+    let Some(top) = open_subdir(parent.as_fd(), name)? else {
+        // A file or a link: removed itself, never followed.
+        return match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
+            Err(Errno::BUSY) => Err(mount_error(shown, shown, false)),
+            r => r.map_err(io::Error::from),
+        };
+    };
+    let (_, parent_pos) = examine(parent.as_fd(), None)?;
+    let (_, top_pos) = examine(top.as_fd(), None)?;
+    if top_pos.crosses_from(&parent_pos) {
+        return Err(mount_error(shown, shown, false));
+    }
+    if let Some(mount) = walk_tree(rustix::io::dup(&top)?, top_pos, shown, false)? {
+        return Err(mount_error(&mount, shown, false));
+    }
+    if let Some(mount) = walk_tree(top, top_pos, shown, true)? {
+        return Err(mount_error(&mount, shown, true));
+    }
+    rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR).map_err(|e| with_path(e, shown))
+}
+
+fn with_path(e: Errno, path: &Path) -> io::Error {
+    err(io::Error::from(e).kind(), format!("{}: {}", path.display(), io::Error::from(e)))
+}
+
+/// One directory being walked: its fd, its path for messages, the names left to handle and its
+/// name in its parent (none for the top).
+struct Frame {
+    fd: OwnedFd,
+    path: PathBuf,
+    names: Vec<std::ffi::OsString>,
+    name: Option<std::ffi::OsString>,
+}
+
+/// Walk the tree under `top` (which is on the mount `pos`) without recursion and without
+/// following anything. Without `delete`, stop at the first mount point and return it. With
+/// `delete`, remove every entry (the top itself is left to the caller); a mount point found is
+/// left alone, with the directories that hold it, and the first one is returned.
+fn walk_tree(top: OwnedFd, pos: MountPos, shown: &Path, delete: bool) -> io::Result<Option<PathBuf>> {
+    let names = list(&top).map_err(|e| err(e.kind(), format!("{}: {e}", shown.display())))?;
+    let mut stack = vec![Frame { fd: top, path: shown.to_path_buf(), names, name: None }];
+    let mut mount: Option<PathBuf> = None;
+    while let Some(frame) = stack.last_mut() {
+        let Some(name) = frame.names.pop() else {
+            let Some(done) = stack.pop() else { break };
+            if let (true, Some(up), Some(name)) = (delete, stack.last(), done.name) {
+                drop(done.fd);
+                match rustix::fs::unlinkat(&up.fd, name.as_os_str(), AtFlags::REMOVEDIR) {
+                    Ok(()) | Err(Errno::NOENT) => {}
+                    // It holds the mount point that was left alone.
+                    Err(Errno::NOTEMPTY | Errno::BUSY) if mount.is_some() => {}
+                    Err(e) => return Err(with_path(e, &done.path)),
+                }
+            }
+            continue;
+        };
+        let path = frame.path.join(&name);
+        let (kind, entry_pos) = match examine(frame.fd.as_fd(), Some(&name)) {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(err(e.kind(), format!("{}: {e}", path.display()))),
+        };
+        if entry_pos.crosses_from(&pos) {
+            if !delete {
+                return Ok(Some(path));
+            }
+            mount.get_or_insert(path);
+            continue;
+        }
+        if kind != FileType::Directory {
+            if delete {
+                match rustix::fs::unlinkat(&frame.fd, name.as_os_str(), AtFlags::empty()) {
+                    Ok(()) | Err(Errno::NOENT) => {}
+                    // A file bind-mounted over this one.
+                    Err(Errno::BUSY) => {
+                        mount.get_or_insert(path);
+                    }
+                    Err(e) => return Err(with_path(e, &path)),
+                }
+            }
+            continue;
+        }
+        let Some(fd) = open_subdir(frame.fd.as_fd(), &name)? else {
+            // Replaced by something else since: handle the name again.
+            if delete {
+                match rustix::fs::unlinkat(&frame.fd, name.as_os_str(), AtFlags::empty()) {
+                    Ok(()) | Err(Errno::NOENT) => {}
+                    Err(e) => return Err(with_path(e, &path)),
+                }
+            }
+            continue;
+        };
+        // What was opened is what counts: a mount made after the look above is seen here.
+        let (_, opened) = examine(fd.as_fd(), None)?;
+        if opened.crosses_from(&pos) {
+            if !delete {
+                return Ok(Some(path));
+            }
+            mount.get_or_insert(path);
+            continue;
+        }
+        let names = list(&fd).map_err(|e| err(e.kind(), format!("{}: {e}", path.display())))?;
+        stack.push(Frame { fd, path, names, name: Some(name) });
+    }
+    Ok(mount)
 }
 
 /// Read a small file that someone other than root may have planted: the parent is walked under
@@ -275,6 +481,20 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
         Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),
         Err(e) => return Err(e.into()),
     };
+    read_regular(fd, cap).map(Some)
+}
+
+/// Read a file named on the command line (a plan given to `nodeplan apply`): a link is followed,
+/// as for any path the operator typed, but the file is opened without blocking and must be a
+/// regular file of at most `cap` bytes, so a FIFO, a device or a directory gives one clear error at
+/// once instead of a hang or a huge read.
+pub fn read_named(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    read_regular(rustix::fs::open(path, flags, Mode::empty())?, cap)
+}
+
+/// The content of the open file `fd`, which must be a regular file of at most `cap` bytes.
+fn read_regular(fd: OwnedFd, cap: u64) -> io::Result<Vec<u8>> {
     let st = rustix::fs::fstat(&fd)?;
     let kind = FileType::from_raw_mode(st.st_mode);
     if kind != FileType::RegularFile {
@@ -288,7 +508,7 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
     if out.len() as u64 > cap {
         return Err(err(io::ErrorKind::InvalidInput, format!("grew past the {cap} bytes allowed")));
     }
-    Ok(Some(out))
+    Ok(out)
 }
 
 /// A file type as a person names it.
@@ -433,6 +653,33 @@ mod tests {
         assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 1, "no temp file in the victim directory");
         assert!(swaps.load(std::sync::atomic::Ordering::Relaxed) > 100, "the swapper ran");
         assert!(ok > 0 && refused > 0, "both sides of the race were taken: {ok} written, {refused} refused");
+    }
+
+    #[test]
+    fn a_tree_is_removed_without_following_links_or_blocking_on_fifos() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = d.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("keep"), b"k").unwrap();
+        let tree = d.path().join("tree");
+        let mut deep = tree.clone();
+        for i in 0..300 {
+            deep.push(format!("d{i}"));
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::os::unix::fs::symlink(&outside, deep.join("link")).unwrap();
+        rustix::fs::mknodat(rustix::fs::CWD, tree.join("fifo"), FileType::Fifo, Mode::from_raw_mode(0o644), 0).unwrap();
+        std::fs::write(tree.join("f"), b"x").unwrap();
+        remove(&tree, true).unwrap();
+        assert!(!tree.exists());
+        assert_eq!(std::fs::read(outside.join("keep")).unwrap(), b"k");
+        remove(&tree, true).unwrap();
+        // A link given as the tree itself is removed, not followed; a directory needs `directory`.
+        std::os::unix::fs::symlink(&outside, &tree).unwrap();
+        remove(&tree, true).unwrap();
+        assert!(outside.join("keep").exists() && std::fs::symlink_metadata(&tree).is_err());
+        let e = remove(&outside, false).unwrap_err();
+        assert!(e.to_string().contains("is a directory"), "{e}");
     }
 
     #[test]

@@ -75,12 +75,53 @@ fn bad_plans_give_one_clear_line_and_change_nothing() {
     let e = Env::new();
     let early = e.p("early-file");
     let good_file = serde_json::json!({"path": early, "content": "eA=="});
+    let kept_dir = e.p("kept");
+    let kept_dir_dot = format!("{kept_dir}/./");
+    std::fs::create_dir(&kept_dir).unwrap();
+    std::fs::write(e.p("kept/keep"), b"k").unwrap();
     let cases: Vec<(serde_json::Value, &str)> = vec![
         (serde_json::json!({"files": [good_file, {"path": "relative/x"}]}), "files[1].path"),
         (serde_json::json!({"files": [good_file, {"path": "/x", "content": "%%%"}]}), "files[1].content: bad base64"),
         (serde_json::json!({"files": [good_file, {"path": "/x", "permissions": "rw-r--r--"}]}), "files[1].permissions"),
         (serde_json::json!({"files": [good_file, {"path": ""}]}), "files[1].path: is empty"),
         (serde_json::json!({"files": [good_file], "instructions": [{"name": "x"}]}), "instructions[0].command"),
+        // Paths: every one of these used to write the files before it, or worse.
+        (
+            serde_json::json!({"files": [good_file, {"path": kept_dir_dot, "directory": true, "action": "delete"}]}),
+            "files[1].path",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": "/", "content": "eA=="}]}),
+            "files[1].path: \"/\" is the root directory",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": format!("{kept_dir}//keep"), "action": "delete"}]}),
+            "contains \"//\"",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": format!("{kept_dir}/keep/"), "action": "delete"}]}),
+            "ends with \"/\"",
+        ),
+        (
+            serde_json::json!({"files": [good_file, {"path": kept_dir, "directory": true, "action": "delete"}, {"path": format!("{kept_dir}/"), "directory": true}]}),
+            "files[2].path",
+        ),
+        (serde_json::json!({"files": [good_file, good_file]}), "files[1].path: "),
+        // Other fields.
+        (
+            serde_json::json!({"files": [good_file], "periodicInstructions": [{"name": "p", "command": "true", "periodSeconds": -1}]}),
+            "periodicInstructions[0].periodSeconds: -1 is negative",
+        ),
+        (
+            serde_json::json!({"files": [good_file], "instructions": [{"command": "true"}]}),
+            "instructions[0].name: is empty",
+        ),
+        (serde_json::json!({"files": [good_file, {"path": "/x", "permissions": "77777"}]}), "files[1].permissions"),
+        (
+            serde_json::json!({"files": [good_file], "probes": {"web": {"httpGet": {"url": "http//nohost"}}}}),
+            "probes[\"web\"].httpGet.url",
+        ),
+        (serde_json::json!([{"files": [good_file]}]), "the plan must be a JSON object"),
     ];
     for (plan, want) in cases {
         let path = e.plan(plan);
@@ -90,7 +131,16 @@ fn bad_plans_give_one_clear_line_and_change_nothing() {
         assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
         assert!(err.contains(want), "{want}: {err}");
         assert!(!Path::new(&early).exists(), "nothing is touched before the whole plan is valid");
+        assert!(Path::new(&e.p("kept/keep")).exists(), "{want}: nothing is deleted before the whole plan is valid");
     }
+    // A byte order mark is refused by name (Go's encoding/json refuses it too).
+    let bom = [&b"\xef\xbb\xbf"[..], &serde_json::to_vec(&serde_json::json!({"files": [good_file]})).unwrap()].concat();
+    std::fs::write(e.p("bom.plan"), bom).unwrap();
+    let out = e.cmd(&e.p("bom.plan"), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!((out.status.code(), err.trim_end().lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("byte order mark"), "{err}");
+    assert!(!Path::new(&early).exists());
     std::fs::write(e.p("junk.plan"), b"{\"instructions\": [").unwrap();
     let out = e.cmd(&e.p("junk.plan"), &[]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -279,7 +329,9 @@ fn second_ctrl_c_cancels_through_the_stop_ladder() {
 fn help_and_bad_arguments() {
     let out = Command::new(NODEPLAN).args(["apply", "--help"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("--resume-from"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--resume-from"));
+    assert!(help.contains("\n  5  already running: another live `nodeplan apply` of this plan"), "{help}");
     let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
@@ -348,4 +400,119 @@ fn on_a_host_without_cgroup2_a_cancel_kills_an_escapee_through_the_v1_freezer() 
     assert_eq!(status.code(), Some(4), "{seen:?}");
     assert!(seen.iter().any(|l| l.contains("using the cgroup v1 freezer hierarchy")), "{seen:?}");
     assert!(!survived, "the escapee survived the cancel; nodeplan said: {seen:?}");
+}
+
+/// Run `c` to completion with a hang guard: a command that blocks is killed and the test fails.
+fn output_within(mut c: Command) -> std::process::Output {
+    let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(GUARD) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            kill_all(&[pid]);
+            panic!("{c:?} hung");
+        }
+    }
+}
+
+/// A plan path that is a FIFO, a device or a directory gets one clear line at once, from `apply`
+/// (exit 2) and from `plan status`; a FIFO used to block the read forever, deaf to Ctrl-C.
+#[test]
+fn a_plan_path_that_is_a_fifo_a_device_or_a_directory_is_refused_at_once() {
+    let e = Env::new();
+    let fifo = e.fifo("fifo.plan");
+    std::fs::create_dir(e.p("dir.plan")).unwrap();
+    for (path, kind) in
+        [(fifo.as_str(), "a FIFO"), ("/dev/null", "a character device"), (&e.p("dir.plan"), "a directory")]
+    {
+        let out = output_within(e.cmd(path, &[]));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{path}: one line: {err}");
+        assert!(err.contains(&format!("cannot read {path}: is not a regular file ({kind})")), "{err}");
+    }
+    for path in [&fifo, &e.p("dir.plan")] {
+        let mut c = Command::new(NODEPLAN);
+        c.args(["plan", "status", path]);
+        let out = output_within(c);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{path}: one line: {err}");
+        assert!(err.contains("is not a regular file"), "{err}");
+    }
+    // A link to a plan is followed, as for any path typed on the command line.
+    let plan = e.plan(serde_json::json!({"instructions": [sh("a", "true")]}));
+    std::os::unix::fs::symlink(&plan, e.p("link.plan")).unwrap();
+    let out = output_within(e.cmd(&e.p("link.plan"), &[]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// One run of a plan at a time: a second `apply` of a plan whose first run is alive refuses at once
+/// with exit 5 naming the first's pid, and the first run's instruction is left alone and finishes.
+/// This holds through the owner lock and, were the lock gone (an earlier version, removed by
+/// hand), through the run marker of the first's PID record. It used to stop the first's
+/// instruction as a "leftover" and run the plan a second time.
+#[test]
+fn a_second_apply_of_a_running_plan_refuses_and_leaves_the_first_alone() {
+    let e = Env::new();
+    let (ready, go, done) = (e.fifo("ready"), e.fifo("go"), e.p("done"));
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("long", &format!("echo $$ > {ready}; cat {go} > /dev/null; touch {done}")),
+    ]}));
+    let (mut first, rx) = spawn_with_stderr(e.cmd(&plan, &[]));
+    let instruction: i32 = read_fifo(&ready).trim().parse().unwrap();
+    let want = format!("this plan is already being applied by nodeplan pid {}", first.id());
+    let second = output_within(e.cmd(&plan, &[]));
+    let err = String::from_utf8_lossy(&second.stderr);
+    let alive_after_second = alive(instruction);
+    // Without the lock file: the first's PID record names it (pid, start time, boot) as alive.
+    let locks: Vec<_> = std::fs::read_dir(e.p("pids"))
+        .unwrap()
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().ends_with(".lock"))
+        .collect();
+    assert_eq!(locks.len(), 1, "one owner lock in the PID directory");
+    std::fs::remove_file(locks[0].path()).unwrap();
+    let third = output_within(e.cmd(&plan, &[]));
+    let err3 = String::from_utf8_lossy(&third.stderr);
+    let alive_after_third = alive(instruction);
+    release_fifo(&go);
+    let status = first.wait().unwrap();
+    let seen: Vec<String> = rx.try_iter().collect();
+    assert_eq!(second.status.code(), Some(5), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.contains(&want), "{err}");
+    assert!(alive_after_second, "the second apply stopped the first's instruction");
+    assert_eq!(third.status.code(), Some(5), "{err3}");
+    assert!(err3.lines().any(|l| l.contains(&want)), "{err3}");
+    assert!(alive_after_third, "the third apply stopped the first's instruction");
+    assert_eq!(status.code(), Some(0), "the first run finishes: {seen:?}");
+    assert!(Path::new(&done).exists());
+}
+
+/// What a SIGKILLed `apply` left running is a leftover: the next apply of the plan stops it (the
+/// kernel dropped the dead one's lock) and runs the plan.
+#[test]
+fn a_leftover_of_a_killed_apply_is_stopped_by_the_next_one() {
+    let e = Env::new();
+    let ready = e.fifo("ready");
+    let once = e.p("once");
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("long", &format!("if mkdir {once} 2>/dev/null; then echo $$ > {ready}; exec sleep 300; fi")),
+    ]}));
+    let (mut first, _rx) = spawn_with_stderr(e.cmd(&plan, &[]));
+    let leftover: i32 = read_fifo(&ready).trim().parse().unwrap();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let was_alive = alive(leftover);
+    let out = output_within(e.cmd(&plan, &["--stop-timeout", "2s"]));
+    let still = alive(leftover);
+    kill_all(&[leftover]);
+    assert!(was_alive, "the instruction outlives a SIGKILLed apply");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!still, "the leftover was not stopped");
 }

@@ -147,7 +147,12 @@ fn a_start_that_cannot_succeed_gives_up_at_once_naming_the_service() {
     let cases: [(&str, &str, &str, &str); 3] = [
         (&pids, "/nonexistent/command", cannot, "No such file or directory (os error 2); not retrying"),
         (&pids, not_exec.to_str().unwrap(), cannot, "Permission denied (os error 13); not retrying"),
-        (file_as_dir.to_str().unwrap(), "/bin/true", "PID directory", "Not a directory (os error 20); not starting it"),
+        (
+            file_as_dir.to_str().unwrap(),
+            "/bin/true",
+            "owner lock",
+            "cannot make its directory: File exists (os error 17)",
+        ),
     ];
     for (pid_dir, cmd, what, why) in cases {
         let out = Command::new(NODEPLAN)
@@ -160,4 +165,31 @@ fn a_start_that_cannot_succeed_gives_up_at_once_naming_the_service() {
         let last = err.lines().last().unwrap_or_default();
         assert!(last.starts_with(&format!("nodeplan: svc: {what}")) && last.contains(why), "{cmd}: {err}");
     }
+}
+
+/// One owner, one run: a second `supervise --name svc` while the first is alive refuses at once
+/// with exit 5 naming the first's pid, and the first's process is left alone. Both used to end up
+/// running (the second stopped the first's process as a "leftover", then the first respawned it).
+#[test]
+fn a_second_instance_of_a_live_name_refuses_and_leaves_the_first_alone() {
+    let d = tempfile::tempdir().unwrap();
+    let pids = d.path().join("pids").to_string_lossy().into_owned();
+    let mut first = supervise(&pids, &[], &["term-exit"]);
+    let pid = pid_of(&first.wait_log("ready "));
+    let mut second = supervise(&pids, &[], &["term-exit"]);
+    let code = second.child.wait().unwrap().code();
+    let lines: Vec<String> = second.lines.iter().collect();
+    let still = alive(pid);
+    let (first_code, rest) = first.term_and_wait();
+    kill_all(&[pid]);
+    assert_eq!(code, Some(5), "{lines:?}");
+    let errors: Vec<&String> = lines.iter().filter(|l| l.starts_with("nodeplan:")).collect();
+    assert_eq!(errors.len(), 1, "{lines:?}");
+    assert!(errors[0].contains(&format!("svc: already running as nodeplan pid {}", first.child.id())), "{}", errors[0]);
+    assert!(!lines.iter().any(|l| l.contains("[svc:stdout]: ready")), "the second started the command: {lines:?}");
+    assert!(still, "the second stopped the first's process");
+    assert!(!rest.iter().any(|l| l.contains("restarting")), "the first's process was stopped: {rest:?}");
+    assert_eq!(first_code, 0);
+    let out = Command::new(NODEPLAN).args(["supervise", "--help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\n  5  already running: another live `nodeplan supervise`"));
 }

@@ -174,3 +174,109 @@ fn a_spawn_stuck_in_execve_never_freezes_the_agent() {
         drop(fuse);
     }
 }
+
+/// A mount made by a test under its temp directory, detached when dropped (also on a panic).
+struct Mounted(std::path::PathBuf);
+
+impl Mounted {
+    fn new(source: &Path, at: &Path, fstype: Option<&str>, flags: libc::c_ulong) -> Mounted {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let src = CString::new(source.as_os_str().as_bytes()).unwrap();
+        let dst = CString::new(at.as_os_str().as_bytes()).unwrap();
+        let fs = fstype.map(|f| CString::new(f).unwrap());
+        let r = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                fs.as_ref().map_or(std::ptr::null(), |f| f.as_ptr()),
+                flags,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(r, 0, "mount {} on {}: {}", source.display(), at.display(), std::io::Error::last_os_error());
+        Mounted(at.to_path_buf())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        use std::os::unix::ffi::OsStrExt;
+        let p = std::ffi::CString::new(self.0.as_os_str().as_bytes()).unwrap();
+        unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// A directory delete never crosses into another mount: a tree holding a tmpfs or a bind mount
+/// (of a directory or of a file) is not deleted at all, and the error names the mount point; a
+/// directory that is itself a mount point is not emptied. Links inside the tree are removed, not
+/// followed. Every path here is under the test's temp directory.
+#[test]
+fn a_directory_delete_never_crosses_into_a_mount_or_follows_a_link() {
+    let d = tempfile::tempdir().unwrap();
+    let outside = d.path().join("outside");
+    std::fs::create_dir_all(outside.join("sub")).unwrap();
+    std::fs::write(outside.join("sub/precious"), b"p").unwrap();
+    std::fs::write(outside.join("file"), b"f").unwrap();
+
+    // Links only: removed themselves, what they point to stays.
+    let links = d.path().join("links");
+    std::fs::create_dir_all(links.join("a/b")).unwrap();
+    std::fs::write(links.join("a/b/f"), b"x").unwrap();
+    std::os::unix::fs::symlink(outside.join("sub"), links.join("a/to-dir")).unwrap();
+    std::os::unix::fs::symlink(outside.join("file"), links.join("a/b/to-file")).unwrap();
+
+    type MountIn<'a> = Box<dyn Fn(&Path) -> Vec<Mounted> + 'a>;
+    let cases: Vec<(&str, MountIn, &str)> = vec![
+        (
+            "tmpfs",
+            Box::new(|t: &Path| vec![Mounted::new(Path::new("tmpfs"), &t.join("a/mnt"), Some("tmpfs"), 0)]),
+            "a/mnt",
+        ),
+        (
+            "bind",
+            Box::new(|t: &Path| vec![Mounted::new(&outside.join("sub"), &t.join("a/b/bind"), None, libc::MS_BIND)]),
+            "a/b/bind",
+        ),
+        (
+            "file bind",
+            Box::new(|t: &Path| vec![Mounted::new(&outside.join("file"), &t.join("a/b/f"), None, libc::MS_BIND)]),
+            "a/b/f",
+        ),
+        ("top", Box::new(|t: &Path| vec![Mounted::new(Path::new("tmpfs"), t, Some("tmpfs"), 0)]), ""),
+    ];
+    for (what, mount, point) in cases {
+        let tree = d.path().join(format!("tree-{}", what.replace(' ', "-")));
+        std::fs::create_dir_all(tree.join("a/b/bind")).unwrap();
+        std::fs::create_dir_all(tree.join("a/mnt")).unwrap();
+        std::fs::write(tree.join("a/b/f"), b"x").unwrap();
+        let _mounts = mount(&tree);
+        // Content on the mount (for the tmpfs ones) and beside it.
+        std::fs::create_dir_all(tree.join("a/mnt")).unwrap();
+        std::fs::write(tree.join("a/mnt/on-the-mount"), b"m").unwrap();
+        std::fs::write(tree.join("a/beside"), b"b").unwrap();
+        let plan =
+            write_plan(d.path(), serde_json::json!({"files": [{"path": tree, "directory": true, "action": "delete"}]}));
+        let out = apply(d.path(), &plan, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("nodeplan: ")).collect();
+        assert_eq!(lines.len(), 1, "{what}: {err}");
+        let named = tree.join(point);
+        let named = named.to_string_lossy();
+        let named = named.trim_end_matches('/');
+        assert!(lines[0].contains(&format!("{named} is a mount point")), "{what}: {err}");
+        assert!(tree.join("a/mnt/on-the-mount").exists(), "{what}: the mount's content was deleted");
+        assert!(tree.join("a/beside").exists(), "{what}: the tree was deleted although it holds a mount");
+        assert_eq!(std::fs::read(outside.join("sub/precious")).unwrap(), b"p", "{what}");
+        assert_eq!(std::fs::read(outside.join("file")).unwrap(), b"f", "{what}");
+    }
+
+    let plan =
+        write_plan(d.path(), serde_json::json!({"files": [{"path": links, "directory": true, "action": "delete"}]}));
+    let out = apply(d.path(), &plan, &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!links.exists());
+    assert_eq!(std::fs::read(outside.join("sub/precious")).unwrap(), b"p");
+    assert_eq!(std::fs::read(outside.join("file")).unwrap(), b"f");
+}

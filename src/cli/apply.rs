@@ -89,7 +89,8 @@ impl Observer for Progress {
 }
 
 pub async fn run(args: ApplyArgs) -> u8 {
-    let raw = match std::fs::read(&args.file) {
+    // Never blocks: a FIFO, a device or a directory is refused at once.
+    let raw = match crate::safefs::read_named(&args.file, crate::local::PLAN_CAP) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("nodeplan: cannot read {}: {e}", args.file.display());
@@ -116,9 +117,33 @@ pub async fn run(args: ApplyArgs) -> u8 {
         ..Default::default()
     });
     let owner = format!("apply:{}", plan.checksum);
+    // One run of a plan at a time: a live `nodeplan apply` of it holds this lock until it exits
+    // (the kernel drops it if it dies), so whatever records the owner left are leftovers.
+    let _lock = match sup.lock_owner(&owner) {
+        Ok(l) => l,
+        Err(crate::process::LockError::Held { pid, .. }) => {
+            let pid = pid.map_or("(pid unknown)".to_string(), |p| format!("pid {p}"));
+            eprintln!(
+                "nodeplan: {}: this plan is already being applied by nodeplan {pid}; not starting a second run",
+                args.file.display()
+            );
+            return exit::ALREADY_RUNNING;
+        }
+        Err(e) => {
+            eprintln!("nodeplan: {e}; not running the plan");
+            return exit::FAILED;
+        }
+    };
     // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
     for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
         match r.result {
+            RecoveryResult::OwnerAlive(pid) => {
+                eprintln!(
+                    "nodeplan: {}: this plan is already being applied by nodeplan pid {pid}; not starting a second run",
+                    args.file.display()
+                );
+                return exit::ALREADY_RUNNING;
+            }
             RecoveryResult::NotStopped(o) => {
                 eprintln!(
                     "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"

@@ -22,7 +22,29 @@ pub mod exit {
     pub const PAUSED: u8 = 3;
     /// The plan was canceled.
     pub const CANCELED: u8 = 4;
+    /// Another live `nodeplan apply` of the same plan, or `supervise` of the same name, is running
+    /// (with the same PID directory); nothing was started or stopped.
+    pub const ALREADY_RUNNING: u8 = 5;
 }
+
+/// `nodeplan apply --help`'s list of exit codes (the README lists the same).
+const APPLY_EXIT_CODES: &str = "Exit codes:
+  0  succeeded
+  1  failed (or a process could not be stopped)
+  2  bad input: unreadable or invalid plan, bad arguments (nothing on the node was touched)
+  3  paused
+  4  canceled
+  5  already running: another live `nodeplan apply` of this plan with the same --pid-dir
+     (nothing was started or stopped)";
+
+/// `nodeplan supervise --help`'s list of exit codes (the README lists the same).
+const SUPERVISE_EXIT_CODES: &str = "Exit codes:
+  0  stopped on request
+  1  could not be stopped, or a previous instance's leftover could not be stopped or its
+     record was refused
+  2  bad arguments
+  5  already running: another live `nodeplan supervise` with this --name and the same
+     --pid-dir (nothing was started or stopped)";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -59,9 +81,11 @@ enum Command {
     ValidateConnection(agent::ValidateArgs),
     /// Apply one plan file in the foreground with live progress; exit 0 only if it succeeded.
     /// The first Ctrl-C pauses at the next instruction boundary, a second one cancels.
+    #[command(after_help = APPLY_EXIT_CODES)]
     Apply(apply::ApplyArgs),
     /// Run one long-lived command under the supervisor: respawn with backoff, the stop ladder on
     /// SIGTERM/SIGINT, a PID record with identity.
+    #[command(after_help = SUPERVISE_EXIT_CODES)]
     Supervise(supervise::SuperviseArgs),
     /// The orchestrator's side: push, pause, resume, cancel, reset or show a plan (local or in a Secret).
     Plan(plan_cmd::PlanArgs),

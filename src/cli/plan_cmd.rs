@@ -82,11 +82,22 @@ fn bad_input(line: String) -> Failure {
 /// typo must not leave control files beside a plan that does not exist).
 fn files_of(file: &Path) -> Result<PlanFiles, Failure> {
     let f = PlanFiles::new(file).ok_or_else(|| bad_input(format!("{}: not a .plan file", file.display())))?;
-    match std::fs::metadata(file) {
-        Ok(m) if m.is_file() => Ok(f),
-        Ok(_) => Err(bad_input(format!("{}: not a regular file", file.display()))),
-        Err(e) => Err(bad_input(format!("{}: {e}", file.display()))),
+    match rustix::fs::stat(file) {
+        Ok(st) => match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+            rustix::fs::FileType::RegularFile => Ok(f),
+            kind => Err(bad_input(format!(
+                "{}: is not a regular file ({})",
+                file.display(),
+                crate::safefs::kind_name(kind)
+            ))),
+        },
+        Err(e) => Err(bad_input(format!("{}: {}", file.display(), std::io::Error::from(e)))),
     }
+}
+
+/// A plan file's bytes, without ever blocking: a FIFO, a device or a directory is one error line.
+fn read_plan(path: &Path) -> Result<Vec<u8>, String> {
+    crate::safefs::read_named(path, crate::local::PLAN_CAP).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }
 
 fn write(path: &Path, content: &[u8]) -> Result<(), String> {
@@ -169,9 +180,7 @@ pub async fn run(args: PlanArgs) -> u8 {
 }
 
 fn status(f: &PlanFiles) -> Result<(), String> {
-    let raw = crate::safefs::read_small(&f.plan, crate::local::PLAN_CAP)
-        .map_err(|e| format!("cannot read {}: {e}", f.plan.display()))?
-        .ok_or_else(|| format!("{} no longer exists", f.plan.display()))?;
+    let raw = read_plan(&f.plan)?;
     let checksum = plan::checksum(&raw);
     let parsed = plan::parse(&raw);
     let p = pos::read_pos(&f.pos()).map_err(|e| format!("{}: {e}", f.pos().display()))?;
@@ -267,7 +276,7 @@ mod remote {
         let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
         match action {
             PlanAction::Push { file, .. } => {
-                let raw = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+                let raw = super::read_plan(file)?;
                 plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
                 if c.get().await?.is_none() {
                     let data = [("plan".to_string(), raw.clone()), ("plan-state".to_string(), b"pending".to_vec())];

@@ -66,6 +66,10 @@ pub async fn run(args: SuperviseArgs) -> u8 {
             tracing::info!("{name} stopped: {outcome}");
             exit::OK
         }
+        Err(e @ crate::process::supervise::SuperviseError::AlreadyRunning { .. }) => {
+            eprintln!("nodeplan: {name}: {e}");
+            exit::ALREADY_RUNNING
+        }
         Err(e) => {
             eprintln!("nodeplan: {name}: {e}");
             exit::FAILED

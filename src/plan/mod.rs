@@ -257,6 +257,10 @@ pub fn parse_permissions(s: &str, default: u32) -> Result<u32, String> {
     if s.is_empty() {
         return Ok(default);
     }
+    // Digits only: `from_str_radix` would also take a sign (`"+644"`).
+    if !s.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
+        return Err(format!("{s:?} is not an octal permission string such as \"0644\""));
+    }
     let mode =
         u32::from_str_radix(s, 8).map_err(|_| format!("{s:?} is not an octal permission string such as \"0644\""))?;
     if mode > 0o7777 {
@@ -272,6 +276,26 @@ fn id_of(v: i64, what: &str) -> Result<u32, String> {
 /// Parse and validate raw plan bytes. Nothing about the node is touched; the first problem found
 /// is returned, naming the field.
 pub fn parse(raw: &[u8]) -> Result<ValidPlan, PlanError> {
+    if raw.starts_with(b"\xef\xbb\xbf") {
+        // Go's encoding/json (system-agent) refuses it too; the checksum is of the bytes as stored.
+        return Err(PlanError("the plan starts with a UTF-8 byte order mark; save it without one".into()));
+    }
+    // serde would read a struct from a JSON array too (`[]` as an empty plan).
+    let first = raw.iter().find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+    let kind = match first {
+        None => Some("empty"),
+        Some(b'[') => Some("an array"),
+        Some(b'"') => Some("a string"),
+        Some(b'n') => Some("null"),
+        Some(b't' | b'f') => Some("a boolean"),
+        Some(b'-' | b'0'..=b'9') => Some("a number"),
+        _ => None,
+    };
+    if let Some(kind) = kind {
+        return Err(PlanError(format!(
+            "the plan must be a JSON object ({{\"files\": …, \"instructions\": …}}), not {kind}"
+        )));
+    }
     let mut plan: Plan = serde_json::from_slice(raw).map_err(|e| PlanError(format!("malformed JSON: {e}")))?;
     for (key, probe) in plan.probes.iter_mut() {
         probe.name = key.clone();
@@ -282,20 +306,18 @@ pub fn parse(raw: &[u8]) -> Result<ValidPlan, PlanError> {
 
 fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
     let mut ops = Vec::with_capacity(plan.files.len());
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     for (i, f) in plan.files.iter().enumerate() {
         let field = |name: &str, msg: String| PlanError(format!("files[{i}].{name}: {msg}"));
-        if f.path.is_empty() {
-            return Err(field("path", "is empty; an absolute path is required".into()));
-        }
-        if !f.path.starts_with('/') {
-            return Err(field("path", format!("{:?} is not an absolute path", f.path)));
-        }
-        if f.path.split('/').any(|c| c == "..") {
-            return Err(field("path", format!("{:?} contains \"..\"", f.path)));
+        let path = normalised_path(&f.path, f.directory).map_err(|m| field("path", m))?;
+        if let Some(first) = seen.insert(path.clone(), i) {
+            return Err(field(
+                "path",
+                format!("{path:?} is also files[{first}].path (a path may appear once per plan)"),
+            ));
         }
         let uid = id_of(f.uid, "uid").map_err(|m| field("uid", m))?;
         let gid = id_of(f.gid, "gid").map_err(|m| field("gid", m))?;
-        let path = f.path.clone();
         let op = if f.is_delete() {
             FileOp::Delete { path, directory: f.directory }
         } else if f.directory {
@@ -321,6 +343,9 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
         let i = *idx;
         *idx += 1;
         let field = |name: &str, msg: String| PlanError(format!("{list}[{i}].{name}: {msg}"));
+        if c.name.is_empty() {
+            return Err(field("name", "is empty; every instruction needs a name (its output is kept under it)".into()));
+        }
         if c.command.is_empty() && c.image.is_empty() {
             return Err(field("command", "neither command nor image is set".into()));
         }
@@ -342,12 +367,60 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
             return Err(field("timeoutSeconds", format!("{} is negative", c.timeout_seconds)));
         }
     }
+    for (i, p) in plan.periodic_instructions.iter().enumerate() {
+        if p.period_seconds < 0 {
+            return Err(PlanError(format!(
+                "periodicInstructions[{i}].periodSeconds: {} is negative (0 means the default of {DEFAULT_PERIOD_SECONDS})",
+                p.period_seconds
+            )));
+        }
+    }
     for (name, p) in &plan.probes {
-        if p.http_get.url.is_empty() {
-            return Err(PlanError(format!("probes[{name:?}].httpGet.url: is empty")));
+        let field = |msg: String| PlanError(format!("probes[{name:?}].httpGet.url: {msg}"));
+        let url = &p.http_get.url;
+        if url.is_empty() {
+            return Err(field("is empty".into()));
+        }
+        let parsed = reqwest::Url::parse(url).map_err(|e| field(format!("{url:?} is not a URL: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(field(format!("{url:?}: the scheme must be http or https, not {:?}", parsed.scheme())));
         }
     }
     Ok(ops)
+}
+
+/// A plan path, checked to be a normalised absolute path: not `/` itself, no `.` or `..`
+/// components, no `//`, no NUL byte, no trailing `/` on a file. A directory entry (created or
+/// deleted) may end with one `/`, which is dropped. Returns the path to use.
+fn normalised_path(p: &str, directory: bool) -> Result<String, String> {
+    if p.is_empty() {
+        return Err("is empty; an absolute path is required".into());
+    }
+    if p.contains('\0') {
+        return Err(format!("{p:?} contains a NUL byte"));
+    }
+    if !p.starts_with('/') {
+        return Err(format!("{p:?} is not an absolute path"));
+    }
+    let body = match p.strip_suffix('/') {
+        Some(b) if directory && !b.is_empty() && !b.ends_with('/') => b,
+        _ => p,
+    };
+    if body == "/" {
+        return Err(format!("{p:?} is the root directory"));
+    }
+    if body.contains("//") {
+        return Err(format!("{p:?} contains \"//\"; write the normalised path"));
+    }
+    if body.ends_with('/') {
+        return Err(format!(
+            "{p:?} ends with \"/\", which only a directory entry (\"directory\": true) may; write the normalised path"
+        ));
+    }
+    if let Some(c) = body.split('/').skip(1).find(|c| *c == "." || *c == "..") {
+        return Err(format!("{p:?} contains a {c:?} component; write the normalised path"));
+    }
+    Ok(body.to_string())
 }
 
 #[cfg(test)]

@@ -51,7 +51,9 @@ fn reserialises_with_go_omitempty_rules() {
 
 #[test]
 fn go_nulls_read_as_empty() {
-    let v = parse(br#"{"files":null,"instructions":[{"command":"x","env":null,"args":null}],"probes":null}"#).unwrap();
+    let v =
+        parse(br#"{"files":null,"instructions":[{"name":"n","command":"x","env":null,"args":null}],"probes":null}"#)
+            .unwrap();
     assert!(v.plan.files.is_empty());
     assert!(v.plan.instructions[0].common.env.is_empty());
 }
@@ -73,18 +75,83 @@ fn validation_names_the_field_and_index() {
         (r#"{"files":[{"content":""}]}"#, "files[0].path: is empty"),
         (r#"{"files":[{"path":"/a/../b"}]}"#, "files[0].path"),
         (r#"{"files":[{"path":"/a","uid":-1}]}"#, "files[0].uid"),
-        (r#"{"instructions":[{"command":"a"},{"name":"x"}]}"#, "instructions[1].command: neither command nor image"),
+        (
+            r#"{"instructions":[{"name":"a","command":"a"},{"name":"x"}]}"#,
+            "instructions[1].command: neither command nor image",
+        ),
         (r#"{"periodicInstructions":[{"name":"p"}]}"#, "periodicInstructions[0].command"),
-        (r#"{"instructions":[{"command":"a","env":["NOEQUALS"]}]}"#, "instructions[0].env[0]"),
-        (r#"{"instructions":[{"command":"a","timeoutSeconds":-1}]}"#, "instructions[0].timeoutSeconds"),
+        (r#"{"instructions":[{"name":"a","command":"a","env":["NOEQUALS"]}]}"#, "instructions[0].env[0]"),
+        (r#"{"instructions":[{"name":"a","command":"a","timeoutSeconds":-1}]}"#, "instructions[0].timeoutSeconds"),
         (r#"{"probes":{"p":{"httpGet":{}}}}"#, "probes[\"p\"].httpGet.url"),
         (r#"{"files":"nope"}"#, "malformed JSON"),
+        // Paths must be normalised absolute paths, each once per plan.
+        (
+            r#"{"files":[{"path":"/a","content":""},{"path":"/","content":"eA=="}]}"#,
+            "files[1].path: \"/\" is the root directory",
+        ),
+        (
+            r#"{"files":[{"path":"/","directory":true,"action":"delete"}]}"#,
+            "files[0].path: \"/\" is the root directory",
+        ),
+        (r#"{"files":[{"path":"//","directory":true,"action":"delete"}]}"#, "files[0].path: \"//\" contains \"//\""),
+        (
+            r#"{"files":[{"path":"/x/./","directory":true,"action":"delete"}]}"#,
+            "files[0].path: \"/x/./\" contains a \".\" component",
+        ),
+        (r#"{"files":[{"path":"/x/.","directory":true}]}"#, "files[0].path: \"/x/.\" contains a \".\" component"),
+        (r#"{"files":[{"path":"/x/.."}]}"#, "files[0].path: \"/x/..\" contains a \"..\" component"),
+        (r#"{"files":[{"path":"/x//y"}]}"#, "files[0].path: \"/x//y\" contains \"//\""),
+        (r#"{"files":[{"path":"/x/","content":""}]}"#, "files[0].path: \"/x/\" ends with \"/\""),
+        (r#"{"files":[{"path":"/x/","action":"delete"}]}"#, "files[0].path: \"/x/\" ends with \"/\""),
+        (r#"{"files":[{"path":"/x//","directory":true}]}"#, "files[0].path: \"/x//\" contains \"//\""),
+        (r#"{"files":[{"path":"/a\u0000b"}]}"#, "files[0].path: \"/a\\0b\" contains a NUL byte"),
+        (
+            r#"{"files":[{"path":"/d","directory":true},{"path":"/e"},{"path":"/d/","directory":true,"action":"delete"}]}"#,
+            "files[2].path: \"/d\" is also files[0].path",
+        ),
+        (r#"{"files":[{"path":"/e"},{"path":"/e"}]}"#, "files[1].path: \"/e\" is also files[0].path"),
+        // Other fields.
+        (r#"{"files":[{"path":"/a","permissions":"+644"}]}"#, "files[0].permissions: \"+644\" is not an octal"),
+        (r#"{"files":[{"path":"/a","permissions":"77777"}]}"#, "files[0].permissions: \"77777\" is larger than 07777"),
+        (r#"{"instructions":[{"name":"a","command":"a"},{"command":"b"}]}"#, "instructions[1].name: is empty"),
+        (r#"{"periodicInstructions":[{"name":"","command":"b"}]}"#, "periodicInstructions[0].name: is empty"),
+        (
+            r#"{"periodicInstructions":[{"name":"p","command":"b","periodSeconds":-5}]}"#,
+            "periodicInstructions[0].periodSeconds: -5 is negative",
+        ),
+        (
+            r#"{"probes":{"p":{"httpGet":{"url":"not a url"}}}}"#,
+            "probes[\"p\"].httpGet.url: \"not a url\" is not a URL",
+        ),
+        (
+            r#"{"probes":{"p":{"httpGet":{"url":"ftp://h/x"}}}}"#,
+            "probes[\"p\"].httpGet.url: \"ftp://h/x\": the scheme must be http or https",
+        ),
+        // The plan itself.
+        ("[]", "the plan must be a JSON object"),
+        (" \n[{\"files\":[]}]", "not an array"),
+        ("null", "not null"),
+        ("\"x\"", "not a string"),
+        ("7", "not a number"),
+        ("true", "not a boolean"),
+        ("", "not empty"),
+        ("\u{feff}{}", "byte order mark"),
     ];
     for (raw, want) in cases {
         let err = parse(raw.as_bytes()).expect_err(raw).to_string();
         assert!(err.contains(want), "{raw}: got {err:?}, want it to contain {want:?}");
         assert!(!err.contains('\n'), "one line: {err:?}");
     }
+}
+
+#[test]
+fn normalised_paths_are_kept_and_a_directory_may_end_with_one_slash() {
+    let v = parse(
+        br#"{"files":[{"path":"/opt/d/","directory":true},{"path":"/var/gone/","directory":true,"action":"delete"},{"path":"/opt/d/f.conf"},{"path":"/opt/..x"}]}"#,
+    )
+    .unwrap();
+    let paths: Vec<&str> = v.files.iter().map(FileOp::path).collect();
+    assert_eq!(paths, ["/opt/d", "/var/gone", "/opt/d/f.conf", "/opt/..x"]);
 }
 
 #[test]
@@ -97,6 +164,9 @@ fn permission_strings() {
     assert!(parse_permissions("8", 0).is_err());
     assert!(parse_permissions("-1", 0).is_err());
     assert!(parse_permissions("17777", 0).is_err());
+    assert!(parse_permissions("+644", 0).is_err());
+    assert!(parse_permissions(" 644", 0).is_err());
+    assert_eq!(parse_permissions("00644", 0), Ok(0o644));
 }
 
 #[test]

@@ -341,12 +341,7 @@ pub fn sweep_dead_agents(root: &Path) {
     let Ok(rd) = std::fs::read_dir(root) else { return };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(head) = name.strip_prefix("np").and_then(|r| r.split('-').next()) else { continue };
-        let (pid, start) = match head.split_once('.') {
-            Some((p, s)) => (p.parse::<i32>().ok(), u64::from_str_radix(s, 16).ok()),
-            None => (head.parse::<i32>().ok(), None),
-        };
-        let Some(pid) = pid else { continue };
+        let Some((pid, start)) = super::record::marker_owner(&name) else { continue };
         let alive = pid as u32 == std::process::id()
             || match start {
                 Some(st) => {

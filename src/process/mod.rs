@@ -12,6 +12,7 @@
 mod capture;
 pub mod cgroup;
 mod outcome;
+pub mod owner_lock;
 mod procfs;
 mod record;
 mod spawn;
@@ -21,6 +22,7 @@ mod tree;
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
 pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
+pub use owner_lock::{LockError, OwnerLock};
 pub use record::{PidRecord, RecordFile, write_atomic};
 pub use tree::MARKER_ENV;
 
@@ -247,6 +249,16 @@ impl Supervisor {
     /// The directory under which runs get their cgroups, if cgroups are in use.
     pub fn cgroup_root(&self) -> Option<&Path> {
         self.inner.cgroups.as_ref().map(|c| c.dir.as_path())
+    }
+
+    /// Take `owner`'s lock in the PID directory (see [`owner_lock`]) before recovering and running
+    /// anything of it: [`LockError::Held`] names the live instance that holds it. `None` without a
+    /// PID directory.
+    pub fn lock_owner(&self, owner: &str) -> Result<Option<OwnerLock>, LockError> {
+        match &self.inner.config.pid_dir {
+            Some(dir) => owner_lock::lock(dir, owner).map(Some),
+            None => Ok(None),
+        }
     }
 
     fn new_marker(&self) -> String {
@@ -618,9 +630,17 @@ impl Supervisor {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
                 }
                 RecoveryResult::Refused(why) => tracing::error!("{why}"),
+                RecoveryResult::OwnerAlive(pid) => tracing::warn!(
+                    "{} of {} belongs to nodeplan pid {pid}, which is still running; left alone",
+                    rec.describe(),
+                    rec.owner
+                ),
                 _ => {}
             }
-            if !matches!(result, RecoveryResult::NotStopped(_) | RecoveryResult::Refused(_)) {
+            if !matches!(
+                result,
+                RecoveryResult::NotStopped(_) | RecoveryResult::Refused(_) | RecoveryResult::OwnerAlive(_)
+            ) {
                 remove_record(Some(&path));
             }
             out.push(Recovered { path, record: Some(rec), result });
@@ -653,6 +673,11 @@ impl Supervisor {
                 }
             }
         };
+        // A run of another live nodeplan process (its marker names it: pid, start time, and the
+        // record's boot) is not a leftover, whatever it looks like: never stopped from here.
+        if let Some(pid) = blocking(rec.clone(), |r| r.live_owner()).await {
+            return RecoveryResult::OwnerAlive(pid);
+        }
         let identity = blocking(rec.clone(), |r| r.verify()).await;
         // The leader's process group only while the leader itself is verified alive (its pgid
         // cannot have been reused then).
@@ -703,6 +728,10 @@ impl Recovered {
                 self.record.as_ref().map(PidRecord::describe).unwrap_or_default()
             )),
             RecoveryResult::Refused(why) => Some(why.clone()),
+            RecoveryResult::OwnerAlive(pid) => Some(format!(
+                "{} belongs to nodeplan pid {pid}, which is still running",
+                self.record.as_ref().map(PidRecord::describe).unwrap_or_default()
+            )),
             _ => None,
         }
     }
@@ -724,6 +753,9 @@ pub enum RecoveryResult {
     /// file, the wrong owner or mode, or a cgroup that is not this agent's leaf for its marker.
     /// Nothing was signalled or removed; the record is kept and what it belongs to must be held.
     Refused(String),
+    /// The run belongs to another nodeplan process (this pid) that is still running: not a
+    /// leftover. Nothing was signalled; the record is kept and what it belongs to must be held.
+    OwnerAlive(i32),
 }
 
 fn remove_record(path: Option<&Path>) {

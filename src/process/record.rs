@@ -196,6 +196,19 @@ impl PidRecord {
             .collect()
     }
 
+    /// The nodeplan process that started this record's run (the agent, `apply` or `supervise`),
+    /// when it is still running and is not this process: the pid and start time its marker begins
+    /// with (`np<pid>.<start time hex>-…`), checked against `/proc/<pid>`, within the record's
+    /// boot. `None` for a marker without a start time (earlier versions), which cannot be verified.
+    pub(crate) fn live_owner(&self) -> Option<i32> {
+        let (pid, Some(start)) = marker_owner(&self.marker)? else { return None };
+        if pid as u32 == std::process::id() || procfs::boot_id().ok()? != self.boot_id {
+            return None;
+        }
+        let st = ProcHandle::open(pid).and_then(|h| h.stat()).ok()?;
+        (st.start_time == start && !matches!(st.state, 'Z' | 'X' | 'x')).then_some(pid)
+    }
+
     /// Verify through `/proc/<pid>` opened as a directory: same boot, same tgid, same start time,
     /// and our marker in its environment.
     pub(crate) fn verify(&self) -> Identity {
@@ -237,6 +250,16 @@ impl PidRecord {
             Err(_) if !h.alive() => Identity::Gone,
             Err(e) => Identity::Mismatch(e),
         }
+    }
+}
+
+/// The pid and (when present) start time of the nodeplan process that made a run marker or
+/// cgroup leaf name: `np<pid>.<start time hex>-…`, or `np<pid>-…` from earlier versions.
+pub(crate) fn marker_owner(marker: &str) -> Option<(i32, Option<u64>)> {
+    let head = marker.strip_prefix("np")?.split('-').next()?;
+    match head.split_once('.') {
+        Some((p, s)) => Some((p.parse().ok()?, Some(u64::from_str_radix(s, 16).ok()?))),
+        None => Some((head.parse().ok()?, None)),
     }
 }
 

@@ -2,7 +2,7 @@
 //! through the ladder on request, and refuse to start a second copy of a previous instance that
 //! could not be stopped.
 
-use super::{Outcome, RecoveryResult, RunResult, SpawnSpec, StopSignal, Supervisor};
+use super::{LockError, Outcome, RecoveryResult, RunResult, SpawnSpec, StopSignal, Supervisor};
 use std::time::Duration;
 
 /// Exponential respawn delay: `initial` doubling up to `max`, back to `initial` after a run that
@@ -39,6 +39,8 @@ impl Backoff {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SuperviseError {
+    #[error("already running as nodeplan {}; not starting a second instance", .pid.map_or("(pid unknown)".to_string(), |p| format!("pid {p}")))]
+    AlreadyRunning { pid: Option<i32> },
     #[error("a previous instance (pid {pid}) could not be stopped: {outcome}; not starting a second copy")]
     PreviousInstance { pid: i32, outcome: Outcome },
     #[error("could not be stopped: {0}")]
@@ -59,8 +61,10 @@ pub trait SuperviseObserver: Send {
 
 impl SuperviseObserver for () {}
 
-/// Supervise `spec` until `stop` fires. The PID records of a previous instance with the same owner
-/// are verified and stopped first. Returns the final outcome of the stop.
+/// Supervise `spec` until `stop` fires. While another live instance with the same owner runs
+/// (it holds the owner's lock, or a record of the owner names it), nothing is started or stopped:
+/// [`SuperviseError::AlreadyRunning`]. Otherwise the PID records of a previous instance with the
+/// same owner are verified and stopped first. Returns the final outcome of the stop.
 pub async fn supervise(
     sup: &Supervisor,
     spec: SpawnSpec,
@@ -69,8 +73,15 @@ pub async fn supervise(
     observer: &mut dyn SuperviseObserver,
 ) -> Result<Outcome, SuperviseError> {
     let owner = spec.owner.clone();
+    // Held until this function returns; the kernel drops it if the process dies.
+    let _lock = match sup.lock_owner(&owner) {
+        Ok(l) => l,
+        Err(LockError::Held { pid, .. }) => return Err(SuperviseError::AlreadyRunning { pid }),
+        Err(LockError::Io(e)) => return Err(SuperviseError::Refused(e)),
+    };
     for r in sup.recover(|rec| rec.owner == owner).await {
         match r.result {
+            RecoveryResult::OwnerAlive(pid) => return Err(SuperviseError::AlreadyRunning { pid: Some(pid) }),
             RecoveryResult::NotStopped(outcome) => {
                 let pid = r.record.map(|r| r.pid).unwrap_or(0);
                 return Err(SuperviseError::PreviousInstance { pid, outcome });
