@@ -278,7 +278,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "cgroupRoot",
             d.cgroup_root.clone(),
-            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup; on cgroup v1 hosts a v1 freezer leaf), `v1` (the v1 freezer hierarchy), `off`, or an absolute directory",
+            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup; on cgroup v1 hosts a v1 freezer leaf), `v1` (the v1 freezer hierarchy), `off`, or an existing absolute directory in a cgroup2 mount or a v1 freezer hierarchy (checked at start)",
         ),
         ("pidDirectory", p(&d.pid_directory), "PID records of running instructions, verified before any signal"),
         ("probePeriodSeconds", d.probe_period_seconds.to_string(), "local mode: seconds between probe runs"),

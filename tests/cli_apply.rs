@@ -187,12 +187,90 @@ fn second_ctrl_c_cancels_through_the_stop_ladder() {
 }
 
 #[test]
-fn help_and_bad_arguments() {
+fn help_lists_exit_codes_defaults_and_the_duration_format() {
     let out = Command::new(NODEPLAN).args(["apply", "--help"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("--resume-from"));
-    let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--resume-from"), "{help}");
+    for code in ["0  the plan succeeded", "1  the plan failed", "2  bad input", "3  paused", "4  canceled"] {
+        assert!(help.contains(code), "exit code {code:?} missing: {help}");
+    }
+    for (option, default) in [
+        ("--work-dir", "[default: /var/lib/nodeplan/work]"),
+        ("--stop-timeout", "[default: 10s]"),
+        ("--output-cap", "[default: 65536]"),
+        ("--log-level", "else info]"),
+        ("--preserve-work-dir", "[default: off]"),
+    ] {
+        let line = help.lines().find(|l| l.trim_start().starts_with(option)).unwrap_or_else(|| panic!("{option}"));
+        assert!(line.contains(default), "{option} does not show its default {default:?}: {line}");
+    }
+    for option in ["--stop-timeout", "--kill-timeout"] {
+        let line = help.lines().find(|l| l.trim_start().starts_with(option)).unwrap();
+        assert!(line.contains("500ms, 10s, 5m, 1h or seconds"), "{line}");
+    }
+}
+
+/// Every bad argument is one line naming it and exit 2, before anything runs: an unknown log
+/// level (it used to silence every log line), relative directories, an output cap below the
+/// config's minimum, a cgroup directory that does not exist (it used to be a warning).
+#[test]
+fn bad_arguments_exit_two_with_one_line_and_run_nothing() {
+    let e = Env::new();
+    let ran = e.p("ran");
+    let plan = e.plan(serde_json::json!({"instructions": [sh("touch", &format!("touch {ran}"))]}));
+    let missing = e.p("no-such-cgroup");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--log-level", "bogus"], "trace, debug, info, warn, error"),
+        (vec!["--work-dir", "work"], "relative"),
+        (vec!["--pid-dir", "pids"], "relative"),
+        (vec!["--images-dir", "images"], "relative"),
+        (vec!["--registries", "r.yaml"], "relative"),
+        (vec!["--output-cap", "100"], "at least 1024"),
+        (vec!["--cgroup", &missing], "no such directory"),
+        (vec!["--stop-timeout", "soon"], "--stop-timeout"),
+        (vec!["--kill-timeout", "0"], "must be positive"),
+    ];
+    for (args, want) in cases {
+        let mut c = Command::new(NODEPLAN);
+        c.args(["apply", &plan]);
+        for (option, dir) in [("--work-dir", "work"), ("--pid-dir", "pids")] {
+            if !args.contains(&option) {
+                c.args([option, &e.p(dir)]);
+            }
+        }
+        c.args(&args);
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(err.contains(want), "{args:?}: {want:?} not in {err}");
+        assert!(!Path::new(&ran).exists(), "{args:?}: the plan ran");
+    }
+    for args in [&["plan", "pause"][..], &["plan", "push", "x.plan"], &["plan", "pause", "--secret", "nons"]] {
+        let out = Command::new(NODEPLAN).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line: {err}");
+    }
+}
+
+/// `NODEPLAN_LOG`/`CATTLE_LOGLEVEL` that are not a level: one warning and logging at info (a node
+/// system-agent ran with a bad `CATTLE_LOGLEVEL` keeps working); it used to silence every line.
+#[test]
+fn a_bad_log_level_in_the_environment_warns_and_logs_at_info() {
+    for var in ["NODEPLAN_LOG", "CATTLE_LOGLEVEL"] {
+        let e = Env::new();
+        let plan = e.plan(serde_json::json!({"instructions": [sh("say", "echo said-it")]}));
+        let mut c = e.cmd(&plan, &[]);
+        c.env_remove("NODEPLAN_LOG").env(var, "verbose");
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let warned = err.lines().filter(|l| l.contains(&format!("{var}: \"verbose\" is not a log level"))).count();
+        assert_eq!(warned, 1, "{var}: {err}");
+        assert!(err.contains("said-it"), "{var}: info lines are logged: {err}");
+    }
 }
 
 /// A PID directory others can write to may hold forged records (or hide a real leftover): apply

@@ -15,13 +15,15 @@ use tokio::sync::watch;
 
 #[derive(Args, Debug)]
 pub struct AgentArgs {
-    /// Config file (else NODEPLAN_CONFIG, CATTLE_AGENT_CONFIG, /etc/rancher/agent/config.yaml).
-    #[arg(long)]
+    /// Config file [default: NODEPLAN_CONFIG, else CATTLE_AGENT_CONFIG, else
+    /// /etc/rancher/agent/config.yaml].
+    #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
 pub struct ValidateArgs {
+    /// The file to check.
     pub file: PathBuf,
 }
 
@@ -43,6 +45,7 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
         CgroupRoot::Off => CgroupMode::Off,
         CgroupRoot::Dir(d) => CgroupMode::Root(d),
     };
+    super::check_cgroup_dir(&cgroup).map_err(|e| format!("cgroupRoot {e}"))?;
     let sup = Supervisor::new(SupervisorConfig {
         policy: StopPolicy { grace: cfg.stop_timeout, kill_timeout: cfg.kill_timeout, kill: !cfg.no_kill },
         capture_limit: cfg.output_cap,

@@ -11,50 +11,54 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// The defaults of `nodeplan apply` (the README's table shows the same).
+pub const DEFAULT_WORK_DIR: &str = "/var/lib/nodeplan/work";
+pub const DEFAULT_PID_DIR: &str = "/run/nodeplan/pids";
+
 #[derive(Args, Debug)]
 pub struct ApplyArgs {
     /// The plan file (system-agent plan JSON).
     pub file: PathBuf,
     /// Skip the first N one-time instructions (they finished in an earlier, paused run).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0)]
     pub resume_from: usize,
-    /// Directory for execution directories (wiped before the instructions run).
-    #[arg(long, default_value = "/var/lib/nodeplan/work")]
+    /// Directory for execution directories (wiped before the instructions run); absolute.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_WORK_DIR, value_parser = super::absolute_path)]
     pub work_dir: PathBuf,
-    /// Keep earlier execution directories instead of wiping the work directory.
+    /// Keep earlier execution directories instead of wiping the work directory [default: off].
     #[arg(long)]
     pub preserve_work_dir: bool,
-    /// Where PID records of running instructions are kept.
-    #[arg(long, default_value = "/run/nodeplan/pids")]
+    /// Where PID records of running instructions are kept; absolute.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PID_DIR, value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
-    /// Grace period after SIGTERM when an instruction is stopped.
-    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    /// Grace period after SIGTERM when an instruction is stopped (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
     pub stop_timeout: Duration,
-    /// How long to wait after SIGKILL.
-    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    /// How long to wait after SIGKILL for the tree to be gone (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
     pub kill_timeout: Duration,
-    /// Bytes of output kept per instruction (head and tail).
-    #[arg(long, default_value_t = 64 * 1024)]
+    /// Bytes of output kept per instruction (head and tail); at least 1024, as the config's outputCap.
+    #[arg(long, value_name = "BYTES", default_value = "65536", value_parser = super::parse_output_cap)]
     pub output_cap: usize,
     /// Where instructions get their cgroups: `auto` (cgroup v2 discovered from /proc/self/mountinfo,
     /// else the cgroup v1 freezer hierarchy), `v1` (the v1 freezer hierarchy), `off` (process
-    /// groups only), or a directory inside a cgroup2 mount or a v1 freezer hierarchy.
-    #[arg(long, default_value = "auto", value_parser = super::parse_cgroup_mode)]
+    /// groups only), or an existing directory inside a cgroup2 mount or a v1 freezer hierarchy.
+    #[arg(long, value_name = "MODE|DIR", default_value = "auto", value_parser = super::parse_cgroup_mode)]
     pub cgroup: crate::process::CgroupMode,
-    /// Skip the periodic instructions.
+    /// Skip the periodic instructions [default: off].
     #[arg(long)]
     pub no_periodic: bool,
-    /// Image tarballs searched before pulling (for `image` instructions).
-    #[arg(long, default_value = "/var/lib/rancher/agent/images")]
+    /// Image tarballs searched before pulling (for `image` instructions); absolute.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/rancher/agent/images", value_parser = super::absolute_path)]
     pub images_dir: PathBuf,
-    /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS).
-    #[arg(long, default_value = "/etc/rancher/agent/registries.yaml")]
+    /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS); absolute.
+    #[arg(long, value_name = "FILE", default_value = "/etc/rancher/agent/registries.yaml", value_parser = super::absolute_path)]
     pub registries: PathBuf,
     /// Bytes one image's layers may decompress to, all together (the config's imageMaxBytes).
-    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "BYTES", default_value_t = crate::image::DEFAULT_MAX_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
     pub image_max_bytes: u64,
     /// Tar entries one image's layers may hold, all together (the config's imageMaxEntries).
-    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = crate::image::DEFAULT_MAX_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
     pub image_max_entries: u64,
 }
 
@@ -104,6 +108,10 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let total = plan.plan.instructions.len();
     if args.resume_from > total {
         eprintln!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from);
+        return exit::BAD_INPUT;
+    }
+    if let Err(e) = super::check_cgroup_dir(&args.cgroup) {
+        eprintln!("nodeplan: --cgroup {e}");
         return exit::BAD_INPUT;
     }
     let sup = Supervisor::new(SupervisorConfig {
@@ -223,10 +231,10 @@ pub async fn run(args: ApplyArgs) -> u8 {
 
 fn resume_command(args: &ApplyArgs, completed: usize) -> String {
     let mut cmd = format!("nodeplan apply {} --resume-from {completed}", shell_quote(&args.file.to_string_lossy()));
-    if args.work_dir != Path::new("/var/lib/nodeplan/work") {
+    if args.work_dir != Path::new(DEFAULT_WORK_DIR) {
         cmd.push_str(&format!(" --work-dir {}", shell_quote(&args.work_dir.to_string_lossy())));
     }
-    if args.pid_dir != Path::new("/run/nodeplan/pids") {
+    if args.pid_dir != Path::new(DEFAULT_PID_DIR) {
         cmd.push_str(&format!(" --pid-dir {}", shell_quote(&args.pid_dir.to_string_lossy())));
     }
     cmd

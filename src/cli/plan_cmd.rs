@@ -28,10 +28,10 @@ pub struct Target {
 #[derive(Args, Debug, Default)]
 pub struct RemoteTarget {
     /// The node's plan Secret, as NAMESPACE/NAME.
-    #[arg(long)]
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_secret)]
     pub secret: Option<String>,
-    /// Kubeconfig for --secret (default: KUBECONFIG, then ~/.kube/config).
-    #[arg(long)]
+    /// Kubeconfig for --secret [default: KUBECONFIG, else ~/.kube/config].
+    #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
 }
 
@@ -56,6 +56,25 @@ pub enum PlanAction {
     Status(Target),
 }
 
+fn parse_secret(s: &str) -> Result<String, String> {
+    match s.split_once('/') {
+        Some((n, name)) if !n.is_empty() && !name.is_empty() && !name.contains('/') => Ok(s.to_string()),
+        _ => Err(format!("{s:?}: expected NAMESPACE/NAME")),
+    }
+}
+
+/// Bad arguments (exit 2), as opposed to a plan or Secret that could not be read or written (1).
+enum Failure {
+    Usage(String),
+    Failed(String),
+}
+
+impl From<String> for Failure {
+    fn from(s: String) -> Failure {
+        Failure::Failed(s)
+    }
+}
+
 fn files_of(file: &Path) -> Result<PlanFiles, String> {
     PlanFiles::new(file).ok_or_else(|| format!("{}: not a .plan file", file.display()))
 }
@@ -71,38 +90,46 @@ fn remove(path: &Path) -> Result<(), String> {
     }
 }
 
-fn local(action: &PlanAction, file: &Path) -> Result<(), String> {
-    let f = files_of(file)?;
+fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
+    let f = files_of(file).map_err(Failure::Usage)?;
     match action {
-        PlanAction::Pause(_) => write(&f.paused(), b"true\n"),
-        PlanAction::Resume(_) => remove(&f.paused()),
-        PlanAction::Cancel(_) => write(&f.canceled(), b"true\n"),
+        PlanAction::Pause(_) => write(&f.paused(), b"true\n")?,
+        PlanAction::Resume(_) => remove(&f.paused())?,
+        PlanAction::Cancel(_) => write(&f.canceled(), b"true\n")?,
         PlanAction::Reset(_) => {
             remove(&f.canceled())?;
-            write(&f.reset(), b"")
+            write(&f.reset(), b"")?
         }
-        PlanAction::Status(_) => status(&f),
-        PlanAction::Push { .. } => Err("push needs --secret NAMESPACE/NAME".into()),
+        PlanAction::Status(_) => status(&f)?,
+        PlanAction::Push { .. } => return Err(Failure::Usage("push needs --secret NAMESPACE/NAME".into())),
     }
+    Ok(())
 }
 
 pub async fn run(args: PlanArgs) -> u8 {
     let r = match &args.action {
-        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await,
+        PlanAction::Push { remote, .. } if remote.secret.is_none() => {
+            Err(Failure::Usage("push needs --secret NAMESPACE/NAME".into()))
+        }
+        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::Failed),
         PlanAction::Pause(t)
         | PlanAction::Resume(t)
         | PlanAction::Cancel(t)
         | PlanAction::Reset(t)
         | PlanAction::Status(t) => match (&t.file, &t.remote.secret) {
             (Some(file), None) => local(&args.action, file),
-            (None, Some(_)) => remote::run(&args.action, &t.remote).await,
-            _ => Err("give either a PLANFILE or --secret NAMESPACE/NAME".into()),
+            (None, Some(_)) => remote::run(&args.action, &t.remote).await.map_err(Failure::Failed),
+            _ => Err(Failure::Usage("give either a PLANFILE or --secret NAMESPACE/NAME".into())),
         },
     };
     match r {
         Ok(()) => exit::OK,
-        Err(e) => {
-            eprintln!("nodeplan: {e}");
+        Err(Failure::Usage(e)) => {
+            super::say(&format!("nodeplan: {e}"));
+            exit::BAD_INPUT
+        }
+        Err(Failure::Failed(e)) => {
+            super::say(&format!("nodeplan: {e}"));
             exit::FAILED
         }
     }
