@@ -70,21 +70,21 @@ pub async fn run(args: AgentArgs) -> u8 {
     let cfg = match config::load(&path) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     };
     match config::validate(&cfg) {
         Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     }
     let parts = match build(&cfg) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     };
@@ -124,7 +124,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         let agent = match remote_agent(&cfg, &parts).await {
             Ok(a) => a,
             Err(e) => {
-                eprintln!("nodeplan: {e}");
+                super::say(&format!("nodeplan: {e}"));
                 abort_all(&tasks);
                 return exit::BAD_INPUT;
             }
@@ -137,11 +137,11 @@ pub async fn run(args: AgentArgs) -> u8 {
         match t.await {
             Ok(AgentExit::Clean) => {}
             Ok(AgentExit::Incomplete(e)) => {
-                eprintln!("nodeplan: a process could not be stopped: {e}");
+                super::say(&format!("nodeplan: a process could not be stopped: {e}"));
                 code = exit::FAILED;
             }
             Err(e) => {
-                eprintln!("nodeplan: internal error: {e}");
+                super::say(&format!("nodeplan: internal error: {e}"));
                 code = exit::FAILED;
             }
         }
@@ -179,13 +179,13 @@ pub fn validate_config(args: ValidateArgs) -> u8 {
     match r {
         Ok(warnings) => {
             for w in warnings {
-                eprintln!("warning: {w}");
+                super::output::line(tracing::Level::WARN, &format!("warning: {w}"));
             }
             println!("{}: valid", args.file.display());
             exit::OK
         }
         Err(e) => {
-            eprintln!("Validation failed: {e}");
+            super::say(&format!("Validation failed: {e}"));
             exit::FAILED
         }
     }
@@ -198,7 +198,7 @@ pub fn validate_connection(args: ValidateArgs) -> u8 {
             exit::OK
         }
         Err(e) => {
-            eprintln!("Validation failed: {e}");
+            super::say(&format!("Validation failed: {e}"));
             exit::FAILED
         }
     }

@@ -1,7 +1,9 @@
 //! `nodeplan apply FILE`: one plan in the foreground with live progress.
 
 use super::{PROGRESS, exit};
-use crate::apply::{ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer};
+use crate::apply::{
+    ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer, instruction_label,
+};
 use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -62,31 +64,99 @@ pub struct ApplyArgs {
     pub image_max_entries: u64,
 }
 
+/// How progress is shown: a live bar on a terminal, a line per start and end otherwise, JSON
+/// events with `--log-format json` (nothing else is mixed into JSON output).
+#[derive(Clone)]
+enum Display {
+    Bar(ProgressBar),
+    Lines,
+    Json,
+}
+
+/// Lines of a failed instruction's output shown under its result.
+const TAIL_LINES: usize = 20;
+
 struct Progress {
-    bar: ProgressBar,
-    started: Instant,
+    display: Display,
 }
 
 impl Observer for Progress {
     fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
-        let kind = if periodic { "periodic " } else { "" };
-        self.bar.set_length(total as u64);
-        self.bar.set_position(index as u64);
-        self.bar.set_message(format!("{kind}{}", if name.is_empty() { "(unnamed)" } else { name }));
-        self.bar.reset_elapsed();
+        let what = instruction_label(index, total, name, periodic);
+        match &self.display {
+            Display::Bar(bar) => {
+                if !periodic {
+                    bar.set_length(total as u64);
+                    bar.set_position(index as u64);
+                }
+                bar.set_message(what);
+                bar.reset_elapsed();
+            }
+            Display::Lines => super::tell(&format!("{what}: started")),
+            Display::Json => {
+                let (i, n) = (index + 1, total);
+                tracing::info!(event = "instruction_started", i, n, name, periodic, "{what}: started");
+            }
+        }
     }
+
     fn instruction_finished(&self, r: &InstructionReport) {
-        let mark = if r.outcome.success() { "ok" } else { "FAILED" };
-        let kind = if r.periodic { "periodic " } else { "" };
-        let name = if r.name.is_empty() { "(unnamed)" } else { &r.name };
+        let what = instruction_label(r.index, r.total, &r.name, r.periodic);
+        let ok = r.outcome.success();
         let line = format!(
-            "{kind}instruction {} {name}: {mark} ({}, {})",
-            r.index,
+            "{what}: {} ({}, {})",
+            if ok { "ok" } else { "FAILED" },
             r.outcome,
-            crate::process::human_duration(Duration::from_millis(r.elapsed.as_millis() as u64))
+            crate::process::human_duration(r.elapsed)
         );
-        self.bar.suspend(|| eprintln!("{line}"));
-        let _ = self.started;
+        // A failure is reported here, once, with its outcome and the end of its output.
+        let tail = if ok || matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
+            Vec::new()
+        } else {
+            let text = String::from_utf8_lossy(&r.output.combined);
+            let lines: Vec<String> = text.lines().map(str::to_string).collect();
+            lines[lines.len().saturating_sub(TAIL_LINES)..].to_vec()
+        };
+        match &self.display {
+            Display::Bar(_) | Display::Lines => {
+                let mut text = line;
+                for l in &tail {
+                    text.push_str("\n  | ");
+                    text.push_str(l);
+                }
+                if ok { super::tell(&text) } else { super::say(&text) }
+            }
+            Display::Json => {
+                let (i, n, name, periodic) = (r.index + 1, r.total, r.name.as_str(), r.periodic);
+                let (outcome, elapsed_ms, output) =
+                    (r.outcome.to_string(), r.elapsed.as_millis() as u64, tail.join("\n"));
+                if ok {
+                    tracing::info!(event = "instruction_finished", i, n, name, periodic, ok, %outcome, elapsed_ms, "{line}");
+                } else {
+                    tracing::error!(event = "instruction_finished", i, n, name, periodic, ok, %outcome, elapsed_ms, %output, "{line}");
+                }
+            }
+        }
+    }
+}
+
+/// The plan's result: one line (the command that resumes on a second line), or one JSON event.
+fn finished(result: &str, completed: usize, total: usize, elapsed: Duration, text: &str, resume: Option<&str>) {
+    if super::output::is_json() {
+        let elapsed_ms = elapsed.as_millis() as u64;
+        let resume = resume.unwrap_or_default();
+        if result == "failed" {
+            tracing::error!(event = "plan_finished", result, completed, total, elapsed_ms, resume, "{text}");
+        } else {
+            tracing::info!(event = "plan_finished", result, completed, total, elapsed_ms, resume, "{text}");
+        }
+    } else {
+        let mut line = text.to_string();
+        if let Some(cmd) = resume {
+            line.push_str("; resume with:\n  ");
+            line.push_str(cmd);
+        }
+        if result == "failed" { super::say(&line) } else { super::tell(&line) }
     }
 }
 
@@ -94,24 +164,24 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let raw = match std::fs::read(&args.file) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("nodeplan: cannot read {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: cannot read {}: {e}", args.file.display()));
             return exit::BAD_INPUT;
         }
     };
     let plan = match crate::plan::parse(&raw) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("nodeplan: {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: {}: {e}", args.file.display()));
             return exit::BAD_INPUT;
         }
     };
     let total = plan.plan.instructions.len();
     if args.resume_from > total {
-        eprintln!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from);
+        super::say(&format!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from));
         return exit::BAD_INPUT;
     }
     if let Err(e) = super::check_cgroup_dir(&args.cgroup) {
-        eprintln!("nodeplan: --cgroup {e}");
+        super::say(&format!("nodeplan: --cgroup {e}"));
         return exit::BAD_INPUT;
     }
     let sup = Supervisor::new(SupervisorConfig {
@@ -126,31 +196,39 @@ pub async fn run(args: ApplyArgs) -> u8 {
     for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
         match r.result {
             RecoveryResult::NotStopped(o) => {
-                eprintln!(
+                super::say(&format!(
                     "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
-                );
+                ));
                 return exit::FAILED;
             }
             RecoveryResult::Refused(why) => {
-                eprintln!("nodeplan: {why}; not running the plan (a leftover of it may still run)");
+                super::say(&format!("nodeplan: {why}; not running the plan (a leftover of it may still run)"));
                 return exit::FAILED;
             }
             _ => {}
         }
     }
 
-    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{pos}/{len}] {msg} ({elapsed})")
-            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
-    );
-    bar.enable_steady_tick(Duration::from_millis(120));
-    let _ = PROGRESS.set(bar.clone());
+    let display = if super::output::is_json() {
+        Display::Json
+    } else if super::output::stderr_is_terminal() {
+        let target = ProgressDrawTarget::term_like(Box::new(super::output::QueuedTerm));
+        let bar = ProgressBar::with_draw_target(Some(total as u64), target);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.enable_steady_tick(Duration::from_millis(120));
+        let _ = PROGRESS.set(bar.clone());
+        Display::Bar(bar)
+    } else {
+        Display::Lines
+    };
     let started = Instant::now();
-    let observer = Arc::new(Progress { bar: bar.clone(), started });
+    let observer = Arc::new(Progress { display: display.clone() });
 
     let (tx, rx) = watch::channel(Interrupt::default());
-    let signals = tokio::spawn(interrupt_on_signals(tx, bar.clone()));
+    let signals = tokio::spawn(interrupt_on_signals(tx));
 
     let mut cfg = ApplyConfig::new(&args.work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
@@ -176,54 +254,45 @@ pub async fn run(args: ApplyArgs) -> u8 {
         })
         .await;
     signals.abort();
-    bar.finish_and_clear();
+    if let Display::Bar(bar) = &display {
+        bar.finish_and_clear();
+    }
     let result = match result {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("nodeplan: {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: {}: {e}", args.file.display()));
             return exit::FAILED;
         }
     };
-    for r in result.failed_reports() {
-        if matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
-            continue;
-        }
-        eprintln!(
-            "instruction {} ({}) failed: {}",
-            r.index,
-            if r.name.is_empty() { "unnamed" } else { &r.name },
-            r.outcome
-        );
-        let text = String::from_utf8_lossy(&r.output.combined);
-        let lines: Vec<&str> = text.lines().collect();
-        for l in &lines[lines.len().saturating_sub(20)..] {
-            eprintln!("  | {l}");
-        }
-    }
     if result.termination_incomplete {
-        eprintln!(
+        super::say(&format!(
             "nodeplan: warning: some processes could not be stopped (their PID records are kept in {})",
             args.pid_dir.display()
-        );
+        ));
     }
-    let took = crate::process::human_duration(Duration::from_millis(started.elapsed().as_millis() as u64));
+    let elapsed = started.elapsed();
+    let took = crate::process::human_duration(elapsed);
     let short = &plan.checksum[..12];
+    let done = result.completed;
     match result.interruption {
         Some(Interruption::Paused) => {
-            eprintln!("plan {short} paused after {}/{total} instructions ({took}); resume with:", result.completed);
-            eprintln!("  {}", resume_command(&args, result.completed));
+            let text = format!("plan {short} paused after {done}/{total} instructions ({took})");
+            finished("paused", done, total, elapsed, &text, Some(&resume_command(&args, done)));
             exit::PAUSED
         }
         Some(Interruption::Canceled) | Some(Interruption::Shutdown) => {
-            eprintln!("plan {short} canceled after {}/{total} instructions ({took})", result.completed);
+            let text = format!("plan {short} canceled after {done}/{total} instructions ({took})");
+            finished("canceled", done, total, elapsed, &text, None);
             exit::CANCELED
         }
         None if result.one_time_succeeded && result.failed_reports().next().is_none() => {
-            eprintln!("plan {short} succeeded: {total}/{total} instructions ({took})");
+            let text = format!("plan {short} succeeded: {total}/{total} instructions ({took})");
+            finished("succeeded", total, total, elapsed, &text, None);
             exit::OK
         }
         None => {
-            eprintln!("plan {short} failed after {}/{total} instructions ({took})", result.completed);
+            let text = format!("plan {short} failed after {done}/{total} instructions ({took})");
+            finished("failed", done, total, elapsed, &text, None);
             exit::FAILED
         }
     }
@@ -248,8 +317,9 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
-/// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel.
-async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
+/// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel. What it says
+/// goes through the stderr queue, so a stderr nobody reads never holds a signal up.
+async fn interrupt_on_signals(tx: watch::Sender<Interrupt>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
         tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
@@ -260,17 +330,17 @@ async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
         tokio::select! {
             _ = int.recv() => {
                 if seen_int {
-                    bar.suspend(|| eprintln!("canceling: stopping the running instruction"));
                     tx.send_modify(|i| i.cancel = true);
+                    super::tell("canceling: stopping the running instruction");
                 } else {
                     seen_int = true;
-                    bar.suspend(|| eprintln!("pausing after the running instruction; press Ctrl-C again to cancel it"));
                     tx.send_modify(|i| i.pause = true);
+                    super::tell("pausing after the running instruction; press Ctrl-C again to cancel it");
                 }
             }
             _ = term.recv() => {
-                bar.suspend(|| eprintln!("SIGTERM: canceling"));
                 tx.send_modify(|i| i.cancel = true);
+                super::tell("SIGTERM: canceling");
             }
         }
     }

@@ -1,8 +1,13 @@
 //! Commands, progress display, logging set-up and exit codes. Business rules live in the library
 //! modules; this module only parses arguments, wires the pieces together and reports.
+//!
+//! Bad arguments are one line and exit 2 (clap's errors are folded to one line). Everything
+//! written to stderr after start-up goes through [`output`], which never blocks the runtime
+//! thread and never panics, whatever stderr is.
 
 mod agent;
 mod apply;
+mod output;
 mod plan_cmd;
 mod supervise;
 
@@ -39,6 +44,10 @@ struct Cli {
     /// Log format: `text` for people, `json` for log shippers (one JSON object per line).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Colour in log lines: `auto` (when stderr is a terminal and NO_COLOR is unset or empty),
+    /// `always` or `never`.
+    #[arg(long, global = true, value_name = "WHEN", value_enum, hide_possible_values = true, default_value_t = output::ColorChoice::Auto)]
+    color: output::ColorChoice,
     #[command(subcommand)]
     command: Command,
 }
@@ -143,6 +152,7 @@ pub fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) if e.use_stderr() => {
             say(&clap_error_line(&e));
+            output::flush(STDERR_DRAIN);
             return ExitCode::from(exit::BAD_INPUT);
         }
         Err(e) => {
@@ -151,8 +161,10 @@ pub fn main() -> ExitCode {
             return ExitCode::from(exit::OK);
         }
     };
-    if let Err(e) = init_logging(cli.log_level.as_deref(), cli.log_format) {
+    let color = output::use_color(cli.color, output::stderr_is_terminal(), std::env::var_os("NO_COLOR").as_deref());
+    if let Err(e) = init_logging(cli.log_level.as_deref(), cli.log_format, color) {
         say(&format!("nodeplan: {e}"));
+        output::flush(STDERR_DRAIN);
         return ExitCode::from(exit::BAD_INPUT);
     }
     // One thread runs every task: the agent's work is waiting (on the watch, pidfds, pipes,
@@ -163,6 +175,7 @@ pub fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             say(&format!("nodeplan: cannot start the runtime: {e}"));
+            output::flush(STDERR_DRAIN);
             return ExitCode::from(exit::FAILED);
         }
     };
@@ -178,27 +191,17 @@ pub fn main() -> ExitCode {
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.
     rt.shutdown_timeout(Duration::from_millis(100));
+    // The last lines (the plan's result) get a bounded time to reach stderr; a stderr nobody
+    // reads does not hold the exit code back for longer.
+    output::flush(STDERR_DRAIN);
     ExitCode::from(code)
 }
 
+/// How long the exit waits for queued stderr lines to be written.
+const STDERR_DRAIN: Duration = Duration::from_secs(2);
+
 /// The progress bar that log lines must not tear; set by `apply`.
 pub(crate) static PROGRESS: OnceLock<indicatif::ProgressBar> = OnceLock::new();
-
-/// Writes log lines to stderr, suspending the progress bar around each one.
-struct StderrAroundProgress;
-
-impl std::io::Write for StderrAroundProgress {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match PROGRESS.get() {
-            Some(pb) => pb.suspend(|| std::io::stderr().write_all(buf))?,
-            None => std::io::stderr().write_all(buf)?,
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        std::io::stderr().flush()
-    }
-}
 
 /// A clap error (bad arguments) as one line: `nodeplan: <what>; see '<command> --help'`.
 fn clap_error_line(e: &clap::Error) -> String {
@@ -272,17 +275,22 @@ fn log_filter(flag: Option<&str>, env: impl Fn(&str) -> Option<String>) -> (Stri
     ("info".into(), None)
 }
 
-fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
+fn init_logging(level: Option<&str>, format: LogFormat, color: bool) -> Result<(), String> {
     let (level, warning) = log_filter(level, |k| std::env::var(k).ok());
     let filter =
         tracing_subscriber::EnvFilter::try_new(&level).map_err(|e| format!("invalid log level {level:?}: {e}"))?;
     let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| StderrAroundProgress).with_target(false);
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| output::LogWriter).with_target(false);
     let r = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.with_ansi(color).try_init(),
+        LogFormat::Json => builder
+            .with_ansi(false)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(output::JsonLines)
+            .try_init(),
     };
     r.map_err(|e| format!("cannot set up logging: {e}"))?;
+    output::set_json(format == LogFormat::Json);
     if let Some(w) = warning {
         tracing::warn!("{w}");
     }
@@ -344,11 +352,15 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// One line to stderr, for messages before logging is set up. Errors are ignored: a closed
-/// stderr must not turn into a panic.
+/// One error or result line for a person on stderr (an error event with `--log-format json`).
+/// Never blocks or panics, whatever stderr is (see [`output`]).
 pub(crate) fn say(line: &str) {
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "{line}");
+    output::line(tracing::Level::ERROR, line);
+}
+
+/// One progress or result line for a person on stderr (an info event with `--log-format json`).
+pub(crate) fn tell(line: &str) {
+    output::line(tracing::Level::INFO, line);
 }
 
 #[cfg(test)]

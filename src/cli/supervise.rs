@@ -34,7 +34,7 @@ pub struct SuperviseArgs {
 
 pub async fn run(args: SuperviseArgs) -> u8 {
     let Some((program, rest)) = args.command.split_first() else {
-        eprintln!("nodeplan: supervise needs a command after --");
+        super::say("nodeplan: supervise needs a command after --");
         return exit::BAD_INPUT;
     };
     let name = args.name.clone().unwrap_or_else(|| {
@@ -68,7 +68,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
             exit::OK
         }
         Err(e) => {
-            eprintln!("nodeplan: {name}: {e}");
+            super::say(&format!("nodeplan: {name}: {e}"));
             exit::FAILED
         }
     }
