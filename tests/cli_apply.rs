@@ -181,6 +181,8 @@ fn second_ctrl_c_cancels_through_the_stop_ladder() {
     let still = alive(pid);
     kill_all(&[pid]);
     assert_eq!(status.code(), Some(4), "{seen:?}");
+    assert!(seen.iter().any(|l| l.starts_with("instruction 1/2 long: canceled (")), "{seen:?}");
+    assert!(!seen.iter().any(|l| l.contains("FAILED")), "a cancel is not a failure: {seen:?}");
     assert!(!still, "the running instruction was stopped");
     assert!(!Path::new(&e.p("after")).exists());
     assert_eq!(std::fs::read_dir(e.p("pids")).map(|d| d.count()).unwrap_or(0), 0, "PID records removed");

@@ -13,7 +13,7 @@ pub mod files;
 pub mod periodic;
 
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor};
+use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -141,30 +141,32 @@ impl Observer for LogObserver {
     fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
         let what = instruction_label(index, total, name, periodic);
         if periodic {
-            tracing::debug!(event = "instruction_started", "{what}: started");
+            tracing::debug!("{what}: started");
         } else {
-            tracing::info!(event = "instruction_started", "{what}: started");
+            tracing::info!("{what}: started");
         }
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
-        let took = crate::process::human_duration(r.elapsed);
-        let elapsed_ms = r.elapsed.as_millis() as u64;
-        let (ok, outcome) = (r.outcome.success(), r.outcome.to_string());
-        match (ok, r.periodic) {
-            (true, false) => {
-                tracing::info!(event = "instruction_finished", ok, %outcome, elapsed_ms, "{what}: ok ({outcome}, {took})")
-            }
-            (true, true) => {
-                tracing::debug!(event = "instruction_finished", ok, %outcome, elapsed_ms, "{what}: ok ({outcome}, {took})")
-            }
-            (false, false) => tracing::error!(
-                event = "instruction_finished", ok, %outcome, elapsed_ms, "{what}: FAILED ({outcome}, {took})"
-            ),
-            (false, true) => tracing::info!(
-                event = "instruction_finished", ok, %outcome, elapsed_ms, "{what}: FAILED ({outcome}, {took})"
-            ),
+        let line = format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, human_duration(r.elapsed));
+        match (result_word(&r.outcome), r.periodic) {
+            ("ok", false) => tracing::info!("{line}"),
+            ("ok", true) => tracing::debug!("{line}"),
+            ("FAILED", false) => tracing::error!("{line}"),
+            (_, true) => tracing::info!("{line}"),
+            (_, false) => tracing::warn!("{line}"),
         }
+    }
+}
+
+/// How an instruction ended, in one word: `ok`, `canceled` or `stopped` (the agent shutting down)
+/// when the stop came from outside, `FAILED` otherwise (a timeout included).
+pub fn result_word(o: &Outcome) -> &'static str {
+    match o.stop_reason() {
+        _ if o.success() => "ok",
+        Some(StopReason::Cancel) => "canceled",
+        Some(StopReason::Shutdown) => "stopped",
+        _ => "FAILED",
     }
 }
 

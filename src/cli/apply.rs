@@ -3,6 +3,7 @@
 use super::{PROGRESS, exit};
 use crate::apply::{
     ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer, instruction_label,
+    result_word,
 };
 use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
@@ -103,14 +104,10 @@ impl Observer for Progress {
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
         let ok = r.outcome.success();
-        let line = format!(
-            "{what}: {} ({}, {})",
-            if ok { "ok" } else { "FAILED" },
-            r.outcome,
-            crate::process::human_duration(r.elapsed)
-        );
+        let word = result_word(&r.outcome);
+        let line = format!("{what}: {word} ({}, {})", r.outcome, crate::process::human_duration(r.elapsed));
         // A failure is reported here, once, with its outcome and the end of its output.
-        let tail = if ok || matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
+        let tail = if word != "FAILED" || matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
             Vec::new()
         } else {
             let text = String::from_utf8_lossy(&r.output.combined);
@@ -124,16 +121,17 @@ impl Observer for Progress {
                     text.push_str("\n  | ");
                     text.push_str(l);
                 }
-                if ok { super::tell(&text) } else { super::say(&text) }
+                if word == "FAILED" { super::say(&text) } else { super::tell(&text) }
             }
             Display::Json => {
                 let (i, n, name, periodic) = (r.index + 1, r.total, r.name.as_str(), r.periodic);
                 let (outcome, elapsed_ms, output) =
                     (r.outcome.to_string(), r.elapsed.as_millis() as u64, tail.join("\n"));
-                if ok {
-                    tracing::info!(event = "instruction_finished", i, n, name, periodic, ok, %outcome, elapsed_ms, "{line}");
+                let result = word.to_ascii_lowercase();
+                if word == "FAILED" {
+                    tracing::error!(event = "instruction_finished", i, n, name, periodic, ok, %result, %outcome, elapsed_ms, %output, "{line}");
                 } else {
-                    tracing::error!(event = "instruction_finished", i, n, name, periodic, ok, %outcome, elapsed_ms, %output, "{line}");
+                    tracing::info!(event = "instruction_finished", i, n, name, periodic, ok, %result, %outcome, elapsed_ms, "{line}");
                 }
             }
         }
