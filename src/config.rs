@@ -200,7 +200,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "workDirectory",
             p(&d.work_directory),
-            "parent of the per-apply execution directories; wiped before each apply unless `preserveWorkDirectory`",
+            "parent of the per-apply execution directories; earlier applies' directories are removed before each apply unless `preserveWorkDirectory`; one holding anything else is refused (the apply is retried) and never touched",
         ),
         (
             "localEnabled",
@@ -278,7 +278,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "cgroupRoot",
             d.cgroup_root.clone(),
-            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup; on cgroup v1 hosts a v1 freezer leaf), `v1` (the v1 freezer hierarchy), `off`, or an absolute directory",
+            "`auto` (a cgroup v2 leaf per instruction under the agent's own cgroup; on cgroup v1 hosts a v1 freezer leaf), `v1` (the v1 freezer hierarchy), `off`, or an existing absolute directory in a cgroup2 mount or a v1 freezer hierarchy (checked at start)",
         ),
         ("pidDirectory", p(&d.pid_directory), "PID records of running instructions, verified before any signal"),
         ("probePeriodSeconds", d.probe_period_seconds.to_string(), "local mode: seconds between probe runs"),

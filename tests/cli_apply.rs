@@ -64,7 +64,7 @@ fn a_failing_instruction_exits_one_and_prints_its_outcome() {
     let out = e.cmd(&plan, &[]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("instruction 1 (b) failed: exit status 3"), "{err}");
+    assert!(err.contains("instruction 2/3 b: FAILED (exit status 3, "), "{err}");
     assert!(err.contains("  | boom"), "the failed instruction's output is shown: {err}");
     assert!(err.contains("failed after 1/3 instructions"), "{err}");
     assert!(!Path::new(&e.p("c")).exists());
@@ -320,20 +320,100 @@ fn second_ctrl_c_cancels_through_the_stop_ladder() {
     let still = alive(pid);
     kill_all(&[pid]);
     assert_eq!(status.code(), Some(4), "{seen:?}");
+    assert!(seen.iter().any(|l| l.starts_with("instruction 1/2 long: canceled (")), "{seen:?}");
+    assert!(!seen.iter().any(|l| l.contains("FAILED")), "a cancel is not a failure: {seen:?}");
     assert!(!still, "the running instruction was stopped");
     assert!(!Path::new(&e.p("after")).exists());
     assert_eq!(std::fs::read_dir(e.p("pids")).map(|d| d.count()).unwrap_or(0), 0, "PID records removed");
 }
 
 #[test]
-fn help_and_bad_arguments() {
+fn help_lists_exit_codes_defaults_and_the_duration_format() {
     let out = Command::new(NODEPLAN).args(["apply", "--help"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     let help = String::from_utf8_lossy(&out.stdout);
-    assert!(help.contains("--resume-from"));
+    assert!(help.contains("--resume-from"), "{help}");
     assert!(help.contains("\n  5  already running: another live `nodeplan apply` of this plan"), "{help}");
-    let out = Command::new(NODEPLAN).args(["apply", "x.plan", "--stop-timeout", "soon"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    for code in ["0  the plan succeeded", "1  the plan failed", "2  bad input", "3  paused", "4  canceled"] {
+        assert!(help.contains(code), "exit code {code:?} missing: {help}");
+    }
+    for (option, default) in [
+        ("--work-dir", "[default: /var/lib/nodeplan/work]"),
+        ("--stop-timeout", "[default: 10s]"),
+        ("--output-cap", "[default: 65536]"),
+        ("--log-level", "else info]"),
+        ("--preserve-work-dir", "[default: off]"),
+        ("--color", "[default: auto]"),
+    ] {
+        let line = help.lines().find(|l| l.trim_start().starts_with(option)).unwrap_or_else(|| panic!("{option}"));
+        assert!(line.contains(default), "{option} does not show its default {default:?}: {line}");
+    }
+    for option in ["--stop-timeout", "--kill-timeout"] {
+        let line = help.lines().find(|l| l.trim_start().starts_with(option)).unwrap();
+        assert!(line.contains("500ms, 10s, 5m, 1h or seconds"), "{line}");
+    }
+}
+
+/// Every bad argument is one line naming it and exit 2, before anything runs: an unknown log
+/// level (it used to silence every log line), relative directories, an output cap below the
+/// config's minimum, a cgroup directory that does not exist (it used to be a warning).
+#[test]
+fn bad_arguments_exit_two_with_one_line_and_run_nothing() {
+    let e = Env::new();
+    let ran = e.p("ran");
+    let plan = e.plan(serde_json::json!({"instructions": [sh("touch", &format!("touch {ran}"))]}));
+    let missing = e.p("no-such-cgroup");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--log-level", "bogus"], "trace, debug, info, warn, error"),
+        (vec!["--work-dir", "work"], "relative"),
+        (vec!["--pid-dir", "pids"], "relative"),
+        (vec!["--images-dir", "images"], "relative"),
+        (vec!["--registries", "r.yaml"], "relative"),
+        (vec!["--output-cap", "100"], "at least 1024"),
+        (vec!["--cgroup", &missing], "no such directory"),
+        (vec!["--stop-timeout", "soon"], "--stop-timeout"),
+        (vec!["--kill-timeout", "0"], "must be positive"),
+    ];
+    for (args, want) in cases {
+        let mut c = Command::new(NODEPLAN);
+        c.args(["apply", &plan]);
+        for (option, dir) in [("--work-dir", "work"), ("--pid-dir", "pids")] {
+            if !args.contains(&option) {
+                c.args([option, &e.p(dir)]);
+            }
+        }
+        c.args(&args);
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(err.contains(want), "{args:?}: {want:?} not in {err}");
+        assert!(!Path::new(&ran).exists(), "{args:?}: the plan ran");
+    }
+    for args in [&["plan", "pause"][..], &["plan", "push", "x.plan"], &["plan", "pause", "--secret", "nons"]] {
+        let out = Command::new(NODEPLAN).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line: {err}");
+    }
+}
+
+/// `NODEPLAN_LOG`/`CATTLE_LOGLEVEL` that are not a level: one warning and logging at info (a node
+/// system-agent ran with a bad `CATTLE_LOGLEVEL` keeps working); it used to silence every line.
+#[test]
+fn a_bad_log_level_in_the_environment_warns_and_logs_at_info() {
+    for var in ["NODEPLAN_LOG", "CATTLE_LOGLEVEL"] {
+        let e = Env::new();
+        let plan = e.plan(serde_json::json!({"instructions": [sh("say", "echo said-it")]}));
+        let mut c = e.cmd(&plan, &[]);
+        c.env_remove("NODEPLAN_LOG").env(var, "verbose");
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let warned = err.lines().filter(|l| l.contains(&format!("{var}: \"verbose\" is not a log level"))).count();
+        assert_eq!(warned, 1, "{var}: {err}");
+        assert!(err.contains("said-it"), "{var}: info lines are logged: {err}");
+    }
 }
 
 /// A PID directory others can write to may hold forged records (or hide a real leftover): apply
@@ -515,4 +595,241 @@ fn a_leftover_of_a_killed_apply_is_stopped_by_the_next_one() {
     assert!(was_alive, "the instruction outlives a SIGKILLed apply");
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!still, "the leftover was not stopped");
+}
+
+/// A human duration: `120ms`, `3.8s`, `10s`, `2m05s` (never `3.8209999999999997s`).
+fn is_human_duration(s: &str) -> bool {
+    let digits = |d: &str| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit());
+    if let Some(n) = s.strip_suffix("ms") {
+        return digits(n);
+    }
+    if let Some(n) = s.strip_suffix('s') {
+        return match n.split_once('m') {
+            Some((m, sec)) => digits(m) && sec.len() == 2 && digits(sec),
+            None => match n.split_once('.') {
+                Some((a, b)) => digits(a) && b.len() == 1 && digits(b),
+                None => digits(n),
+            },
+        };
+    }
+    false
+}
+
+/// Without a terminal: a line when each instruction starts and ends, numbered i/n from 1, with a
+/// human duration; a failure reported once with its outcome and output; the 12-digit plan id,
+/// never the checksum; no colour codes.
+#[test]
+fn without_a_terminal_each_instruction_starts_and_ends_on_one_numbered_line() {
+    let e = Env::new();
+    let plan = e.plan(
+        serde_json::json!({"instructions": [sh("a", "true"), sh("stuck", "echo boom >&2; exit 3"), sh("c", "true")]}),
+    );
+    let raw = std::fs::read(&plan).unwrap();
+    let checksum = nodeplan::plan::checksum(&raw);
+    let mut c = e.cmd(&plan, &[]);
+    c.env("NODEPLAN_LOG", "info").env_remove("NO_COLOR");
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    let pos = |l: &str| lines.iter().position(|x| *x == l).unwrap_or_else(|| panic!("no line {l:?}: {err}"));
+    let (a0, s0) = (pos("instruction 1/3 a: started"), pos("instruction 2/3 stuck: started"));
+    let ends: Vec<(usize, &str)> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.starts_with("instruction ") && l.contains(": ok (") || l.contains(": FAILED ("))
+        .map(|(i, l)| (i, *l))
+        .collect();
+    assert_eq!(ends.len(), 2, "{err}");
+    assert!(
+        ends[0].1.starts_with("instruction 1/3 a: ok (exit status 0, ") && a0 < ends[0].0 && ends[0].0 < s0,
+        "{err}"
+    );
+    assert!(ends[1].1.starts_with("instruction 2/3 stuck: FAILED (exit status 3, ") && s0 < ends[1].0, "{err}");
+    for (_, l) in &ends {
+        let took = l.rsplit(", ").next().unwrap().trim_end_matches(')');
+        assert!(is_human_duration(took), "{took:?} in {l}");
+    }
+    assert_eq!(lines.get(ends[1].0 + 1), Some(&"  | boom"), "the output follows the failure: {err}");
+    let mentions = lines.iter().filter(|l| l.contains("stuck") && l.to_lowercase().contains("fail")).count();
+    assert_eq!(mentions, 1, "the failure is reported once: {err}");
+    assert!(!err.contains("instruction 3/3 c: started"), "{err}");
+    assert!(err.contains(&format!("plan {} failed after 1/3 instructions (", &checksum[..12])), "{err}");
+    assert!(!err.contains(&checksum), "log lines carry the short id, not the checksum: {err}");
+    assert!(!err.contains("instruction 0"), "numbered from 1: {err}");
+    assert!(!err.contains('\x1b'), "no colour codes into a pipe: {err}");
+}
+
+/// Colour only on a terminal, unless forced with `--color always`; `NO_COLOR` is for `auto`.
+#[test]
+fn colour_is_off_in_a_pipe_and_can_be_forced() {
+    let e = Env::new();
+    let plan = e.plan(serde_json::json!({"instructions": [sh("say", "echo said")]}));
+    let run = |extra: &[&str], no_color: Option<&str>| {
+        let mut c = e.cmd(&plan, extra);
+        c.env("NODEPLAN_LOG", "info");
+        match no_color {
+            Some(v) => c.env("NO_COLOR", v),
+            None => c.env_remove("NO_COLOR"),
+        };
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(!run(&[], None).contains('\x1b'));
+    assert!(!run(&["--color", "auto"], Some("")).contains('\x1b'));
+    assert!(run(&["--color", "always"], None).contains('\x1b'));
+    assert!(run(&["--color", "always"], Some("1")).contains('\x1b'), "the flag wins over NO_COLOR");
+    assert!(!run(&["--color", "never"], None).contains('\x1b'));
+}
+
+/// Checks a JSON value has no object with a key twice (serde_json's Value keeps the last one).
+struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = NoDuplicateKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+                while a.next_element::<NoDuplicateKeys>()?.is_some() {}
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+                let mut keys = std::collections::HashSet::new();
+                while let Some(k) = a.next_key::<String>()? {
+                    if !keys.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!("duplicate key {k:?}")));
+                    }
+                    a.next_value::<NoDuplicateKeys>()?;
+                }
+                Ok(NoDuplicateKeys)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `--log-format json`: every stderr line is one JSON object with no key twice (the span's
+/// `name` used to collide with the instruction's), and apply's progress comes as JSON events.
+#[test]
+fn json_output_is_one_object_per_line_with_progress_events() {
+    let e = Env::new();
+    let plan = e.plan(serde_json::json!({
+        "instructions": [sh("first", "echo out"), sh("second", "echo bad >&2; exit 2")],
+        "periodicInstructions": [{"name": "tick", "command": "true"}]
+    }));
+    let mut c = e.cmd(&plan, &["--log-format", "json"]);
+    c.env("NODEPLAN_LOG", "info");
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let mut events = Vec::new();
+    for l in err.lines() {
+        serde_json::from_str::<NoDuplicateKeys>(l).unwrap_or_else(|x| panic!("{x}: {l}"));
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v.is_object(), "{l}");
+        events.push(v);
+    }
+    let of = |event: &str| -> Vec<&serde_json::Value> { events.iter().filter(|v| v["event"] == event).collect() };
+    let started = of("instruction_started");
+    assert_eq!(started.len(), 3, "{err}");
+    assert_eq!(
+        (started[0]["i"].as_u64(), started[0]["n"].as_u64(), started[0]["name"].as_str()),
+        (Some(1), Some(2), Some("first"))
+    );
+    let finished = of("instruction_finished");
+    assert_eq!(finished.len(), 3, "{err}");
+    assert_eq!(finished[1]["ok"], false);
+    assert_eq!(finished[1]["outcome"], "exit status 2");
+    assert_eq!(finished[1]["output"], "bad");
+    let output = events.iter().find(|v| v["message"] == "[first:stdout]: out").unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(output["span"]["instruction"]["name"], "first");
+    assert_eq!(output["span"]["instruction"]["i"], 1);
+    assert_eq!(output["span"]["plan"]["source"], "apply");
+    assert_eq!(output["span"]["plan"]["id"].as_str().map(str::len), Some(12));
+    let end = of("plan_finished");
+    assert_eq!(end.len(), 1, "{err}");
+    assert_eq!((end[0]["result"].as_str(), end[0]["completed"].as_u64()), (Some("failed"), Some(1)));
+}
+
+/// A stderr whose reader is gone: no panic (it used to end in exit 101 after the plan ran), the
+/// exit code is the plan's.
+#[test]
+fn a_closed_stderr_leaves_the_exit_code_to_the_plan() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let e = Env::new();
+    let marker = e.p("done");
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("talk", "for i in $(seq 1 300); do echo line $i; done"),
+        sh("mark", &format!("touch {marker}")),
+    ]}));
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let mut c = e.cmd(&plan, &[]);
+    c.env("NODEPLAN_LOG", "info").stdout(Stdio::null()).stderr(Stdio::from(write));
+    let status = c.status().unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(Path::new(&marker).exists());
+}
+
+/// A stderr nobody reads (a full pipe) while a long plan prints a lot: SIGTERM still cancels,
+/// with exit 4, within the guard (the signal handler used to wait behind a blocked write).
+#[test]
+fn sigterm_cancels_while_stderr_is_a_full_pipe_nobody_reads() {
+    let e = Env::new();
+    let ready = e.fifo("ready");
+    let plan = e.plan(serde_json::json!({"instructions": [
+        sh("chatty", &format!("seq 1 20000; echo $$ > {ready}; exec sleep 300")),
+        sh("after", &format!("touch {}", e.p("after"))),
+    ]}));
+    let mut c = e.cmd(&plan, &[]);
+    c.env("NODEPLAN_LOG", "info").stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let _unread = child.stderr.take();
+    let (tx, rx) = mpsc::channel();
+    let fifo = ready.clone();
+    std::thread::spawn(move || tx.send(std::fs::read_to_string(fifo).unwrap_or_default()));
+    let Ok(pid) = rx.recv_timeout(GUARD) else {
+        let _ = child.kill();
+        panic!("the instruction never got past its output: nodeplan stopped reading it");
+    };
+    let pid: i32 = pid.trim().parse().unwrap();
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let id = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait().map(|s| s.code())));
+    let code = rx.recv_timeout(GUARD).unwrap_or_else(|_| {
+        unsafe { libc::kill(id, libc::SIGKILL) };
+        kill_all(&[pid]);
+        panic!("SIGTERM did not end nodeplan while its stderr was full")
+    });
+    let still = alive(pid);
+    kill_all(&[pid]);
+    assert_eq!(code.unwrap(), Some(4));
+    assert!(!still, "the running instruction was stopped");
+    assert!(!Path::new(&e.p("after")).exists());
 }

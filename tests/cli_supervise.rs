@@ -193,3 +193,29 @@ fn a_second_instance_of_a_live_name_refuses_and_leaves_the_first_alone() {
     let out = Command::new(NODEPLAN).args(["supervise", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("\n  5  already running: another live `nodeplan supervise`"));
 }
+
+#[test]
+fn bad_arguments_exit_two_with_one_line() {
+    for args in [&["--pid-dir", "relative"][..], &["--stop-timeout", "5d"], &["--log-level", "loud"]] {
+        let child = Command::new(NODEPLAN)
+            .arg("supervise")
+            .args(args)
+            .args(["--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Accepted arguments would supervise `true` for ever: a guard turns that into a failure.
+        let pid = child.id() as i32;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || tx.send(child.wait_with_output()));
+        let out = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap_or_else(|_| {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("{args:?} was accepted: nodeplan supervise is running")
+        });
+        let out = out.unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line: {err}");
+    }
+}

@@ -594,7 +594,7 @@ fn a_pull_that_outlasts_the_timeout_fails_the_instruction_as_timed_out() {
             panic!("the instruction did not time out: {seen:?}");
         };
         seen.push(l.clone());
-        if l.contains("instruction 0 install: FAILED") {
+        if l.contains("instruction 1/1 install: FAILED") {
             break;
         }
     }

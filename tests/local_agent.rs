@@ -559,3 +559,31 @@ fn plan_commands_say_what_they_did_and_refuse_a_missing_plan() {
     assert!(out.lines().all(|l| l.len() < 300), "{out}");
     assert!(out.contains(&format!("canceled={:?}… (999 bytes)", "y\n".repeat(20))), "{out}");
 }
+
+/// A fleet's logs stay small: each one-time instruction's start and end at info, periodic
+/// instructions only at debug.
+#[test]
+fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
+    for level in ["info", "debug"] {
+        let s = Setup::new();
+        s.plan(
+            "fleet",
+            serde_json::json!({
+                "instructions": [sh("first", "true")],
+                "periodicInstructions": [{"name": "tick", "command": "true", "periodSeconds": 3600}]
+            }),
+        );
+        let mut agent = AgentProc::start_with(s.dir.path().join("config.yaml").as_path(), &[("NODEPLAN_LOG", level)]);
+        s.wait_pos("fleet", "the periodic instruction's output", |p| {
+            p.plan_state == "succeeded"
+                && nodeplan::plan::decode_periodic_output(&p.periodic_output).is_ok_and(|m| m.contains_key("tick"))
+        });
+        assert_eq!(agent.stop(), 0);
+        let log = agent.rest().join("\n");
+        assert!(log.contains("instruction 1/1 first: started"), "{level}: {log}");
+        assert!(log.contains("instruction 1/1 first: ok (exit status 0, "), "{level}: {log}");
+        let periodic = log.contains("periodic instruction 1/1 tick: started")
+            && log.contains("periodic instruction 1/1 tick: ok (exit status 0, ");
+        assert_eq!(periodic, level == "debug", "{level}: {log}");
+    }
+}

@@ -13,7 +13,7 @@ pub mod files;
 pub mod periodic;
 
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor};
+use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -132,6 +132,50 @@ pub trait Observer: Send + Sync {
 pub struct NoObserver;
 impl Observer for NoObserver {}
 
+/// The agent's observer: each one-time instruction's start and end at info (a failure at error),
+/// periodic instructions at debug (a failure at info), so a fleet's logs stay small. Instructions
+/// are numbered `i/n` from 1; durations are [`crate::process::human_duration`]s.
+pub struct LogObserver;
+
+impl Observer for LogObserver {
+    fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
+        let what = instruction_label(index, total, name, periodic);
+        if periodic {
+            tracing::debug!("{what}: started");
+        } else {
+            tracing::info!("{what}: started");
+        }
+    }
+    fn instruction_finished(&self, r: &InstructionReport) {
+        let what = instruction_label(r.index, r.total, &r.name, r.periodic);
+        let line = format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, human_duration(r.elapsed));
+        match (result_word(&r.outcome), r.periodic) {
+            ("ok", false) => tracing::info!("{line}"),
+            ("ok", true) => tracing::debug!("{line}"),
+            ("FAILED", false) => tracing::error!("{line}"),
+            (_, true) => tracing::info!("{line}"),
+            (_, false) => tracing::warn!("{line}"),
+        }
+    }
+}
+
+/// How an instruction ended, in one word: `ok`, `canceled` or `stopped` (the agent shutting down)
+/// when the stop came from outside, `FAILED` otherwise (a timeout included).
+pub fn result_word(o: &Outcome) -> &'static str {
+    match o.stop_reason() {
+        _ if o.success() => "ok",
+        Some(StopReason::Cancel) => "canceled",
+        Some(StopReason::Shutdown) => "stopped",
+        _ => "FAILED",
+    }
+}
+
+/// `instruction 2/3 install` or `periodic instruction 1/1 check`: numbered from 1.
+pub fn instruction_label(index: usize, total: usize, name: &str, periodic: bool) -> String {
+    let kind = if periodic { "periodic instruction" } else { "instruction" };
+    format!("{kind} {}/{total} {}", index + 1, display_name(name))
+}
+
 /// What to apply and from where.
 pub struct ApplyInput<'a> {
     pub plan: &'a ValidPlan,
@@ -154,7 +198,10 @@ pub struct ApplyInput<'a> {
 /// One instruction's outcome.
 #[derive(Debug, Clone)]
 pub struct InstructionReport {
+    /// From 0, as in the execution directory's name; people see `index + 1` of `total`.
     pub index: usize,
+    /// One-time or periodic instructions in the plan.
+    pub total: usize,
     pub name: String,
     pub periodic: bool,
     pub outcome: Outcome,
@@ -192,7 +239,7 @@ impl ApplyResult {
             self.reports
                 .iter()
                 .find(|r| r.outcome.termination_incomplete())
-                .map(|r| format!("instruction {} ({}): {}", r.index, r.name, r.outcome))
+                .map(|r| format!("{}: {}", instruction_label(r.index, r.total, &r.name, r.periodic), r.outcome))
                 .unwrap_or_else(|| "termination incomplete".into()),
         )
     }
@@ -265,7 +312,9 @@ impl Applyinator {
             Some((mode, _)) => mode,
             None => input.owner.as_str(),
         };
-        let span = tracing::info_span!("plan", checksum = %&input.plan.checksum[..12], source = %source);
+        // The span's fields are the plan's short id (12 hex digits, as everywhere a person reads
+        // it) and where it came from; `--log-format json` shows them as `span.plan`.
+        let span = tracing::info_span!("plan", id = %&input.plan.checksum[..12], source = %source);
         self.apply_inner(input).instrument(span).await
     }
 
@@ -352,12 +401,12 @@ impl Applyinator {
                 let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
                 if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(&input.owner, index, &ins.common.name);
+                        warn_partial(&instruction_label(index, total, &ins.common.name, false));
                     }
                     stopped_by = Some(i);
                     break;
                 }
-                tracing::error!("instruction {index} ({}) failed: {outcome}", display_name(&ins.common.name));
+                // The failure itself is reported once, by the observer, with its outcome.
                 break;
             }
             next_dir.discard().await;
@@ -398,7 +447,8 @@ impl Applyinator {
                 let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
                 if let Some(i) = stopped {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(&input.owner, index, &p.common.name);
+                        let n = plan.periodic_instructions.len();
+                        warn_partial(&instruction_label(index, n, &p.common.name, true));
                     }
                     result.reports.push(report);
                     if !one_time_failed {
@@ -453,9 +503,12 @@ impl Applyinator {
     ) -> InstructionReport {
         input.observer.instruction_started(index, total, &ins.name, periodic);
         let started = Instant::now();
-        let prefix = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        // Output lines are logged inside the instruction's span (plan id, i/n, name): the prefix
+        // only says which stream.
+        let prefix = display_name(&ins.name).to_string();
         let report = |outcome: Outcome, output: Output| InstructionReport {
             index,
+            total,
             name: ins.name.clone(),
             periodic,
             outcome,
@@ -514,7 +567,12 @@ impl Applyinator {
             timeout: remaining,
             sink: Arc::new(LogSink { prefix }),
         };
-        let span = tracing::info_span!("instruction", index, name = %display_name(&ins.name), periodic);
+        let (i, name) = (index + 1, display_name(&ins.name));
+        let span = if periodic {
+            tracing::info_span!("periodic", i, n = total, name = %name)
+        } else {
+            tracing::info_span!("instruction", i, n = total, name = %name)
+        };
         let run = tracing::Instrument::instrument(self.sup.run(spec, &mut stop), span).await;
         // A timeout is reported as the instruction's own, not what was left after staging.
         let outcome = match timeout {
@@ -659,7 +717,10 @@ fn save_output(map: &mut BTreeMap<String, Vec<u8>>, ins: &OneTimeInstruction, re
         return;
     }
     if ins.common.name.is_empty() {
-        tracing::error!("instruction {} has saveOutput but no name; output not saved", report.index);
+        tracing::error!(
+            "{} has saveOutput but no name; output not saved",
+            instruction_label(report.index, report.total, "", false)
+        );
         return;
     }
     map.insert(ins.common.name.clone(), report.output.combined.clone());
@@ -670,11 +731,8 @@ fn display_name(name: &str) -> &str {
 }
 
 /// R11: every cancel that interrupts a running instruction warns that the node may be partly changed.
-fn warn_partial(owner: &str, index: usize, name: &str) {
-    tracing::warn!(
-        "{owner}: plan canceled while instruction {index} ({}) was running; the node may be left partly changed",
-        display_name(name)
-    );
+fn warn_partial(instruction: &str) {
+    tracing::warn!("plan canceled while {instruction} was running; the node may be left partly changed");
 }
 
 /// The agent's environment, then the instruction's `env`, then `CATTLE_AGENT_EXECUTION_PWD`,

@@ -15,13 +15,15 @@ use tokio::sync::watch;
 
 #[derive(Args, Debug)]
 pub struct AgentArgs {
-    /// Config file (else NODEPLAN_CONFIG, CATTLE_AGENT_CONFIG, /etc/rancher/agent/config.yaml).
-    #[arg(long)]
+    /// Config file [default: NODEPLAN_CONFIG, else CATTLE_AGENT_CONFIG, else
+    /// /etc/rancher/agent/config.yaml].
+    #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
 pub struct ValidateArgs {
+    /// The file to check.
     pub file: PathBuf,
 }
 
@@ -43,6 +45,7 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
         CgroupRoot::Off => CgroupMode::Off,
         CgroupRoot::Dir(d) => CgroupMode::Root(d),
     };
+    super::check_cgroup_dir(&cgroup).map_err(|e| format!("cgroupRoot {e}"))?;
     let sup = Supervisor::new(SupervisorConfig {
         policy: StopPolicy { grace: cfg.stop_timeout, kill_timeout: cfg.kill_timeout, kill: !cfg.no_kill },
         capture_limit: cfg.output_cap,
@@ -67,21 +70,21 @@ pub async fn run(args: AgentArgs) -> u8 {
     let cfg = match config::load(&path) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     };
     match config::validate(&cfg) {
         Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     }
     let parts = match build(&cfg) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("nodeplan: {e}");
+            super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     };
@@ -121,7 +124,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         let agent = match remote_agent(&cfg, &parts).await {
             Ok(a) => a,
             Err(e) => {
-                eprintln!("nodeplan: {e}");
+                super::say(&format!("nodeplan: {e}"));
                 abort_all(&tasks);
                 return exit::BAD_INPUT;
             }
@@ -134,11 +137,11 @@ pub async fn run(args: AgentArgs) -> u8 {
         match t.await {
             Ok(AgentExit::Clean) => {}
             Ok(AgentExit::Incomplete(e)) => {
-                eprintln!("nodeplan: a process could not be stopped: {e}");
+                super::say(&format!("nodeplan: a process could not be stopped: {e}"));
                 code = exit::FAILED;
             }
             Err(e) => {
-                eprintln!("nodeplan: internal error: {e}");
+                super::say(&format!("nodeplan: internal error: {e}"));
                 code = exit::FAILED;
             }
         }
@@ -176,13 +179,13 @@ pub fn validate_config(args: ValidateArgs) -> u8 {
     match r {
         Ok(warnings) => {
             for w in warnings {
-                eprintln!("warning: {w}");
+                super::output::line(tracing::Level::WARN, &format!("warning: {w}"));
             }
             println!("{}: valid", args.file.display());
             exit::OK
         }
         Err(e) => {
-            eprintln!("Validation failed: {e}");
+            super::say(&format!("Validation failed: {e}"));
             exit::FAILED
         }
     }
@@ -205,7 +208,7 @@ pub async fn validate_connection(args: ValidateArgs) -> u8 {
             exit::OK
         }
         Err(e) => {
-            eprintln!("Validation failed: {e}");
+            super::say(&format!("Validation failed: {e}"));
             exit::FAILED
         }
     }

@@ -1,7 +1,10 @@
 //! `nodeplan apply FILE`: one plan in the foreground with live progress.
 
 use super::{PROGRESS, exit};
-use crate::apply::{ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer};
+use crate::apply::{
+    ApplyConfig, ApplyInput, Applyinator, InstructionReport, Interrupt, Interruption, Observer, instruction_label,
+    result_word,
+};
 use crate::process::{RecoveryResult, StopPolicy, Supervisor, SupervisorConfig};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -11,80 +14,149 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// The defaults of `nodeplan apply` (the README's table shows the same).
+pub const DEFAULT_WORK_DIR: &str = "/var/lib/nodeplan/work";
+pub const DEFAULT_PID_DIR: &str = "/run/nodeplan/pids";
+
 #[derive(Args, Debug)]
 pub struct ApplyArgs {
     /// The plan file (system-agent plan JSON).
     pub file: PathBuf,
     /// Skip the first N one-time instructions (they finished in an earlier, paused run).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0)]
     pub resume_from: usize,
-    /// Directory for execution directories. Before the instructions run, the execution
+    /// Directory for execution directories; absolute. Before the instructions run, the execution
     /// directories of earlier applies (`YYYYMMDD-HHMMSS[-N]`) are removed and nothing else; a
     /// directory that holds anything else is refused (exit 2) and left untouched.
-    #[arg(long, default_value = "/var/lib/nodeplan/work")]
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_WORK_DIR, value_parser = super::absolute_path)]
     pub work_dir: PathBuf,
-    /// Keep the execution directories of earlier applies.
+    /// Keep the execution directories of earlier applies [default: off].
     #[arg(long)]
     pub preserve_work_dir: bool,
-    /// Where PID records of running instructions are kept.
-    #[arg(long, default_value = "/run/nodeplan/pids")]
+    /// Where PID records of running instructions are kept; absolute.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PID_DIR, value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
-    /// Grace period after SIGTERM when an instruction is stopped.
-    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    /// Grace period after SIGTERM when an instruction is stopped (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
     pub stop_timeout: Duration,
-    /// How long to wait after SIGKILL.
-    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    /// How long to wait after SIGKILL for the tree to be gone (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
     pub kill_timeout: Duration,
-    /// Bytes of output kept per instruction (head and tail).
-    #[arg(long, default_value_t = 64 * 1024)]
+    /// Bytes of output kept per instruction (head and tail); at least 1024, as the config's outputCap.
+    #[arg(long, value_name = "BYTES", default_value = "65536", value_parser = super::parse_output_cap)]
     pub output_cap: usize,
     /// Where instructions get their cgroups: `auto` (cgroup v2 discovered from /proc/self/mountinfo,
     /// else the cgroup v1 freezer hierarchy), `v1` (the v1 freezer hierarchy), `off` (process
-    /// groups only), or a directory inside a cgroup2 mount or a v1 freezer hierarchy.
-    #[arg(long, default_value = "auto", value_parser = super::parse_cgroup_mode)]
+    /// groups only), or an existing directory inside a cgroup2 mount or a v1 freezer hierarchy.
+    #[arg(long, value_name = "MODE|DIR", default_value = "auto", value_parser = super::parse_cgroup_mode)]
     pub cgroup: crate::process::CgroupMode,
-    /// Skip the periodic instructions.
+    /// Skip the periodic instructions [default: off].
     #[arg(long)]
     pub no_periodic: bool,
-    /// Image tarballs searched before pulling (for `image` instructions).
-    #[arg(long, default_value = "/var/lib/rancher/agent/images")]
+    /// Image tarballs searched before pulling (for `image` instructions); absolute.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/rancher/agent/images", value_parser = super::absolute_path)]
     pub images_dir: PathBuf,
-    /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS).
-    #[arg(long, default_value = "/etc/rancher/agent/registries.yaml")]
+    /// Registries file (k3s/rke2 `registries.yaml` format: mirrors, credentials, TLS); absolute.
+    #[arg(long, value_name = "FILE", default_value = "/etc/rancher/agent/registries.yaml", value_parser = super::absolute_path)]
     pub registries: PathBuf,
     /// Bytes one image's layers may decompress to, all together (the config's imageMaxBytes).
-    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "BYTES", default_value_t = crate::image::DEFAULT_MAX_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
     pub image_max_bytes: u64,
     /// Tar entries one image's layers may hold, all together (the config's imageMaxEntries).
-    #[arg(long, default_value_t = crate::image::DEFAULT_MAX_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = crate::image::DEFAULT_MAX_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
     pub image_max_entries: u64,
 }
 
+/// How progress is shown: a live bar on a terminal, a line per start and end otherwise, JSON
+/// events with `--log-format json` (nothing else is mixed into JSON output).
+#[derive(Clone)]
+enum Display {
+    Bar(ProgressBar),
+    Lines,
+    Json,
+}
+
+/// Lines of a failed instruction's output shown under its result.
+const TAIL_LINES: usize = 20;
+
 struct Progress {
-    bar: ProgressBar,
-    started: Instant,
+    display: Display,
 }
 
 impl Observer for Progress {
     fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
-        let kind = if periodic { "periodic " } else { "" };
-        self.bar.set_length(total as u64);
-        self.bar.set_position(index as u64);
-        self.bar.set_message(format!("{kind}{}", if name.is_empty() { "(unnamed)" } else { name }));
-        self.bar.reset_elapsed();
+        let what = instruction_label(index, total, name, periodic);
+        match &self.display {
+            Display::Bar(bar) => {
+                if !periodic {
+                    bar.set_length(total as u64);
+                    bar.set_position(index as u64);
+                }
+                bar.set_message(what);
+                bar.reset_elapsed();
+            }
+            Display::Lines => super::tell(&format!("{what}: started")),
+            Display::Json => {
+                let (i, n) = (index + 1, total);
+                tracing::info!(event = "instruction_started", i, n, name, periodic, "{what}: started");
+            }
+        }
     }
+
     fn instruction_finished(&self, r: &InstructionReport) {
-        let mark = if r.outcome.success() { "ok" } else { "FAILED" };
-        let kind = if r.periodic { "periodic " } else { "" };
-        let name = if r.name.is_empty() { "(unnamed)" } else { &r.name };
-        let line = format!(
-            "{kind}instruction {} {name}: {mark} ({}, {})",
-            r.index,
-            r.outcome,
-            crate::process::human_duration(Duration::from_millis(r.elapsed.as_millis() as u64))
-        );
-        self.bar.suspend(|| eprintln!("{line}"));
-        let _ = self.started;
+        let what = instruction_label(r.index, r.total, &r.name, r.periodic);
+        let ok = r.outcome.success();
+        let word = result_word(&r.outcome);
+        let line = format!("{what}: {word} ({}, {})", r.outcome, crate::process::human_duration(r.elapsed));
+        // A failure is reported here, once, with its outcome and the end of its output.
+        let tail = if word != "FAILED" || matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
+            Vec::new()
+        } else {
+            let text = String::from_utf8_lossy(&r.output.combined);
+            let lines: Vec<String> = text.lines().map(str::to_string).collect();
+            lines[lines.len().saturating_sub(TAIL_LINES)..].to_vec()
+        };
+        match &self.display {
+            Display::Bar(_) | Display::Lines => {
+                let mut text = line;
+                for l in &tail {
+                    text.push_str("\n  | ");
+                    text.push_str(l);
+                }
+                if word == "FAILED" { super::say(&text) } else { super::tell(&text) }
+            }
+            Display::Json => {
+                let (i, n, name, periodic) = (r.index + 1, r.total, r.name.as_str(), r.periodic);
+                let (outcome, elapsed_ms, output) =
+                    (r.outcome.to_string(), r.elapsed.as_millis() as u64, tail.join("\n"));
+                let result = word.to_ascii_lowercase();
+                if word == "FAILED" {
+                    tracing::error!(event = "instruction_finished", i, n, name, periodic, ok, %result, %outcome, elapsed_ms, %output, "{line}");
+                } else {
+                    tracing::info!(event = "instruction_finished", i, n, name, periodic, ok, %result, %outcome, elapsed_ms, "{line}");
+                }
+            }
+        }
+    }
+}
+
+/// The plan's result: one line (the command that resumes on a second line), or one JSON event.
+fn finished(result: &str, completed: usize, total: usize, elapsed: Duration, text: &str, resume: Option<&str>) {
+    if super::output::is_json() {
+        let elapsed_ms = elapsed.as_millis() as u64;
+        let resume = resume.unwrap_or_default();
+        if result == "failed" {
+            tracing::error!(event = "plan_finished", result, completed, total, elapsed_ms, resume, "{text}");
+        } else {
+            tracing::info!(event = "plan_finished", result, completed, total, elapsed_ms, resume, "{text}");
+        }
+    } else {
+        let mut line = text.to_string();
+        if let Some(cmd) = resume {
+            line.push_str("; resume with:\n  ");
+            line.push_str(cmd);
+        }
+        if result == "failed" { super::say(&line) } else { super::tell(&line) }
     }
 }
 
@@ -93,20 +165,24 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let raw = match crate::safefs::read_named(&args.file, crate::local::PLAN_CAP) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("nodeplan: cannot read {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: cannot read {}: {e}", args.file.display()));
             return exit::BAD_INPUT;
         }
     };
     let plan = match crate::plan::parse(&raw) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("nodeplan: {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: {}: {e}", args.file.display()));
             return exit::BAD_INPUT;
         }
     };
     let total = plan.plan.instructions.len();
     if args.resume_from > total {
-        eprintln!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from);
+        super::say(&format!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from));
+        return exit::BAD_INPUT;
+    }
+    if let Err(e) = super::check_cgroup_dir(&args.cgroup) {
+        super::say(&format!("nodeplan: --cgroup {e}"));
         return exit::BAD_INPUT;
     }
     let sup = Supervisor::new(SupervisorConfig {
@@ -145,31 +221,39 @@ pub async fn run(args: ApplyArgs) -> u8 {
                 return exit::ALREADY_RUNNING;
             }
             RecoveryResult::NotStopped(o) => {
-                eprintln!(
+                super::say(&format!(
                     "nodeplan: a leftover instruction of this plan could not be stopped ({o}); not running a second copy"
-                );
+                ));
                 return exit::FAILED;
             }
             RecoveryResult::Refused(why) => {
-                eprintln!("nodeplan: {why}; not running the plan (a leftover of it may still run)");
+                super::say(&format!("nodeplan: {why}; not running the plan (a leftover of it may still run)"));
                 return exit::FAILED;
             }
             _ => {}
         }
     }
 
-    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{pos}/{len}] {msg} ({elapsed})")
-            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
-    );
-    bar.enable_steady_tick(Duration::from_millis(120));
-    let _ = PROGRESS.set(bar.clone());
+    let display = if super::output::is_json() {
+        Display::Json
+    } else if super::output::stderr_is_terminal() {
+        let target = ProgressDrawTarget::term_like(Box::new(super::output::QueuedTerm));
+        let bar = ProgressBar::with_draw_target(Some(total as u64), target);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.enable_steady_tick(Duration::from_millis(120));
+        let _ = PROGRESS.set(bar.clone());
+        Display::Bar(bar)
+    } else {
+        Display::Lines
+    };
     let started = Instant::now();
-    let observer = Arc::new(Progress { bar: bar.clone(), started });
+    let observer = Arc::new(Progress { display: display.clone() });
 
     let (tx, rx) = watch::channel(Interrupt::default());
-    let signals = tokio::spawn(interrupt_on_signals(tx, bar.clone()));
+    let signals = tokio::spawn(interrupt_on_signals(tx));
 
     let mut cfg = ApplyConfig::new(&args.work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
@@ -195,11 +279,13 @@ pub async fn run(args: ApplyArgs) -> u8 {
         })
         .await;
     signals.abort();
-    bar.finish_and_clear();
+    if let Display::Bar(bar) = &display {
+        bar.finish_and_clear();
+    }
     let result = match result {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("nodeplan: {}: {e}", args.file.display());
+            super::say(&format!("nodeplan: {}: {e}", args.file.display()));
             // A work directory nodeplan does not own is bad input: nothing was touched.
             return if matches!(e, crate::apply::ApplyError::ForeignWorkDir(_)) {
                 exit::BAD_INPUT
@@ -208,46 +294,35 @@ pub async fn run(args: ApplyArgs) -> u8 {
             };
         }
     };
-    for r in result.failed_reports() {
-        if matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
-            continue;
-        }
-        eprintln!(
-            "instruction {} ({}) failed: {}",
-            r.index,
-            if r.name.is_empty() { "unnamed" } else { &r.name },
-            r.outcome
-        );
-        let text = String::from_utf8_lossy(&r.output.combined);
-        let lines: Vec<&str> = text.lines().collect();
-        for l in &lines[lines.len().saturating_sub(20)..] {
-            eprintln!("  | {l}");
-        }
-    }
     if result.termination_incomplete {
-        eprintln!(
+        super::say(&format!(
             "nodeplan: warning: some processes could not be stopped (their PID records are kept in {})",
             args.pid_dir.display()
-        );
+        ));
     }
-    let took = crate::process::human_duration(Duration::from_millis(started.elapsed().as_millis() as u64));
+    let elapsed = started.elapsed();
+    let took = crate::process::human_duration(elapsed);
     let short = &plan.checksum[..12];
+    let done = result.completed;
     match result.interruption {
         Some(Interruption::Paused) => {
-            eprintln!("plan {short} paused after {}/{total} instructions ({took}); resume with:", result.completed);
-            eprintln!("  {}", resume_command(&args, result.completed));
+            let text = format!("plan {short} paused after {done}/{total} instructions ({took})");
+            finished("paused", done, total, elapsed, &text, Some(&resume_command(&args, done)));
             exit::PAUSED
         }
         Some(Interruption::Canceled) | Some(Interruption::Shutdown) => {
-            eprintln!("plan {short} canceled after {}/{total} instructions ({took})", result.completed);
+            let text = format!("plan {short} canceled after {done}/{total} instructions ({took})");
+            finished("canceled", done, total, elapsed, &text, None);
             exit::CANCELED
         }
         None if result.one_time_succeeded && result.failed_reports().next().is_none() => {
-            eprintln!("plan {short} succeeded: {total}/{total} instructions ({took})");
+            let text = format!("plan {short} succeeded: {total}/{total} instructions ({took})");
+            finished("succeeded", total, total, elapsed, &text, None);
             exit::OK
         }
         None => {
-            eprintln!("plan {short} failed after {}/{total} instructions ({took})", result.completed);
+            let text = format!("plan {short} failed after {done}/{total} instructions ({took})");
+            finished("failed", done, total, elapsed, &text, None);
             exit::FAILED
         }
     }
@@ -299,8 +374,9 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
-/// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel.
-async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
+/// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel. What it says
+/// goes through the stderr queue, so a stderr nobody reads never holds a signal up.
+async fn interrupt_on_signals(tx: watch::Sender<Interrupt>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
         tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
@@ -311,17 +387,17 @@ async fn interrupt_on_signals(tx: watch::Sender<Interrupt>, bar: ProgressBar) {
         tokio::select! {
             _ = int.recv() => {
                 if seen_int {
-                    bar.suspend(|| eprintln!("canceling: stopping the running instruction"));
                     tx.send_modify(|i| i.cancel = true);
+                    super::tell("canceling: stopping the running instruction");
                 } else {
                     seen_int = true;
-                    bar.suspend(|| eprintln!("pausing after the running instruction; press Ctrl-C again to cancel it"));
                     tx.send_modify(|i| i.pause = true);
+                    super::tell("pausing after the running instruction; press Ctrl-C again to cancel it");
                 }
             }
             _ = term.recv() => {
-                bar.suspend(|| eprintln!("SIGTERM: canceling"));
                 tx.send_modify(|i| i.cancel = true);
+                super::tell("SIGTERM: canceling");
             }
         }
     }

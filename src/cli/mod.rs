@@ -1,8 +1,13 @@
 //! Commands, progress display, logging set-up and exit codes. Business rules live in the library
 //! modules; this module only parses arguments, wires the pieces together and reports.
+//!
+//! Bad arguments are one line and exit 2 (clap's errors are folded to one line). Everything
+//! written to stderr after start-up goes through [`output`], which never blocks the runtime
+//! thread and never panics, whatever stderr is.
 
 mod agent;
 mod apply;
+mod output;
 mod plan_cmd;
 mod supervise;
 
@@ -11,7 +16,7 @@ use std::process::ExitCode;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// Exit codes shared by the commands.
+/// Exit codes shared by the commands (`apply --help` lists them; keep [`APPLY_EXIT_CODES`] in step).
 pub mod exit {
     pub const OK: u8 = 0;
     /// The plan failed, or the supervised process could not be stopped.
@@ -27,25 +32,6 @@ pub mod exit {
     pub const ALREADY_RUNNING: u8 = 5;
 }
 
-/// `nodeplan apply --help`'s list of exit codes (the README lists the same).
-const APPLY_EXIT_CODES: &str = "Exit codes:
-  0  succeeded
-  1  failed (or a process could not be stopped)
-  2  bad input: unreadable or invalid plan, bad arguments (nothing on the node was touched)
-  3  paused
-  4  canceled
-  5  already running: another live `nodeplan apply` of this plan with the same --pid-dir
-     (nothing was started or stopped)";
-
-/// `nodeplan supervise --help`'s list of exit codes (the README lists the same).
-const SUPERVISE_EXIT_CODES: &str = "Exit codes:
-  0  stopped on request
-  1  could not be stopped, or a previous instance's leftover could not be stopped or its
-     record was refused
-  2  bad arguments
-  5  already running: another live `nodeplan supervise` with this --name and the same
-     --pid-dir (nothing was started or stopped)";
-
 #[derive(Parser, Debug)]
 #[command(
     name = "nodeplan",
@@ -54,12 +40,17 @@ const SUPERVISE_EXIT_CODES: &str = "Exit codes:
     propagate_version = true
 )]
 struct Cli {
-    /// Log level (trace, debug, info, warn, error); also NODEPLAN_LOG or CATTLE_LOGLEVEL.
-    #[arg(long, global = true)]
+    /// Log level: trace, debug, info, warn or error (or TARGET=LEVEL directives, comma-separated)
+    /// [default: NODEPLAN_LOG, else CATTLE_LOGLEVEL, else info]
+    #[arg(long, global = true, value_name = "LEVEL", value_parser = parse_log_level)]
     log_level: Option<String>,
-    /// Log format.
+    /// Log format: `text` for people, `json` for log shippers (one JSON object per line).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Colour in log lines: `auto` (when stderr is a terminal and NO_COLOR is unset or empty),
+    /// `always` or `never`.
+    #[arg(long, global = true, value_name = "WHEN", value_enum, hide_possible_values = true, default_value_t = output::ColorChoice::Auto)]
+    color: output::ColorChoice,
     #[command(subcommand)]
     command: Command,
 }
@@ -73,11 +64,13 @@ enum LogFormat {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// The daemon: local and/or remote mode from the config file.
-    #[command(alias = "sentinel")]
+    #[command(alias = "sentinel", after_help = AGENT_EXIT_CODES)]
     Agent(agent::AgentArgs),
     /// Check a config file (format, mode 0600, owner, keys, values).
+    #[command(after_help = VALIDATE_EXIT_CODES)]
     ValidateConfig(agent::ValidateArgs),
     /// Check a connection-info file (kubeConfig, namespace, secretName).
+    #[command(after_help = VALIDATE_EXIT_CODES)]
     ValidateConnection(agent::ValidateArgs),
     /// Apply one plan file in the foreground with live progress; exit 0 only if it succeeded.
     /// The first Ctrl-C pauses at the next instruction boundary, a second one cancels.
@@ -88,8 +81,42 @@ enum Command {
     #[command(after_help = SUPERVISE_EXIT_CODES)]
     Supervise(supervise::SuperviseArgs),
     /// The orchestrator's side: push, pause, resume, cancel, reset or show a plan (local or in a Secret).
+    #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
 }
+
+/// `apply --help`'s list of [`exit`] codes (the README's list says the same).
+const APPLY_EXIT_CODES: &str = "Exit codes:
+  0  the plan succeeded
+  1  the plan failed, or a process could not be stopped
+  2  bad input: unreadable or invalid plan, bad arguments (nothing on the node was touched)
+  3  paused at an instruction boundary (the command that resumes is printed)
+  4  canceled (second Ctrl-C or SIGTERM)
+  5  already running: another live `nodeplan apply` of this plan with the same --pid-dir
+     (nothing was started or stopped)";
+
+const SUPERVISE_EXIT_CODES: &str = "Exit codes:
+  0  stopped by SIGTERM/SIGINT through the stop ladder
+  1  the command could not be supervised (a first start that fails), or could not be stopped,
+     or a previous instance's leftover could not be stopped or its record was refused
+  2  bad arguments
+  5  already running: another live `nodeplan supervise` with this --name and the same
+     --pid-dir (nothing was started or stopped)";
+
+const AGENT_EXIT_CODES: &str = "Exit codes:
+  0  stopped by SIGTERM/SIGINT
+  1  a process could not be stopped on the way out
+  2  bad arguments, an invalid config or connection-info file";
+
+const VALIDATE_EXIT_CODES: &str = "Exit codes:
+  0  valid
+  1  invalid (one line says why)
+  2  bad arguments";
+
+const PLAN_EXIT_CODES: &str = "Exit codes:
+  0  done
+  1  the plan, its control files or the Secret could not be read or written
+  2  bad arguments";
 
 /// Open /dev/null on any of fds 0, 1 and 2 that the agent was started without (a daemon started by
 /// a careless parent), so that no file the agent opens later lands there: a pipe end on fd 1
@@ -131,14 +158,21 @@ pub fn main() -> ExitCode {
     cloexec_inherited_fds();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
+        Err(e) if e.use_stderr() => {
+            say(&clap_error_line(&e));
+            output::flush(STDERR_DRAIN);
+            return ExitCode::from(exit::BAD_INPUT);
+        }
         Err(e) => {
-            let code = if e.use_stderr() { exit::BAD_INPUT } else { exit::OK };
+            // --help and --version, on stdout; a closed stdout is not worth a panic.
             let _ = e.print();
-            return ExitCode::from(code);
+            return ExitCode::from(exit::OK);
         }
     };
-    if let Err(e) = init_logging(cli.log_level.as_deref(), cli.log_format) {
-        eprintln!("nodeplan: {e}");
+    let color = output::use_color(cli.color, output::stderr_is_terminal(), std::env::var_os("NO_COLOR").as_deref());
+    if let Err(e) = init_logging(cli.log_level.as_deref(), cli.log_format, color) {
+        say(&format!("nodeplan: {e}"));
+        output::flush(STDERR_DRAIN);
         return ExitCode::from(exit::BAD_INPUT);
     }
     // One thread runs every task: the agent's work is waiting (on the watch, pidfds, pipes,
@@ -148,7 +182,8 @@ pub fn main() -> ExitCode {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("nodeplan: cannot start the runtime: {e}");
+            say(&format!("nodeplan: cannot start the runtime: {e}"));
+            output::flush(STDERR_DRAIN);
             return ExitCode::from(exit::FAILED);
         }
     };
@@ -164,43 +199,132 @@ pub fn main() -> ExitCode {
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.
     rt.shutdown_timeout(Duration::from_millis(100));
+    // The last lines (the plan's result) get a bounded time to reach stderr; a stderr nobody
+    // reads does not hold the exit code back for longer.
+    output::flush(STDERR_DRAIN);
     ExitCode::from(code)
 }
+
+/// How long the exit waits for queued stderr lines to be written.
+const STDERR_DRAIN: Duration = Duration::from_secs(2);
 
 /// The progress bar that log lines must not tear; set by `apply`.
 pub(crate) static PROGRESS: OnceLock<indicatif::ProgressBar> = OnceLock::new();
 
-/// Writes log lines to stderr, suspending the progress bar around each one.
-struct StderrAroundProgress;
-
-impl std::io::Write for StderrAroundProgress {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match PROGRESS.get() {
-            Some(pb) => pb.suspend(|| std::io::stderr().write_all(buf))?,
-            None => std::io::stderr().write_all(buf)?,
+/// A clap error (bad arguments) as one line: `nodeplan: <what>; see '<command> --help'`.
+fn clap_error_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut parts = Vec::new();
+    for l in text.lines().map(str::trim) {
+        if l.starts_with("Usage:") || l.starts_with("For more information") {
+            break;
         }
-        Ok(buf.len())
+        if !l.is_empty() {
+            parts.push(l.strip_prefix("error: ").unwrap_or(l));
+        }
     }
-    fn flush(&mut self) -> std::io::Result<()> {
-        std::io::stderr().flush()
-    }
+    format!("nodeplan: {} (see --help)", parts.join(" ").trim_end_matches('.'))
 }
 
-fn init_logging(level: Option<&str>, format: LogFormat) -> Result<(), String> {
-    let level = level
-        .map(str::to_string)
-        .or_else(|| std::env::var("NODEPLAN_LOG").ok())
-        .or_else(|| std::env::var("CATTLE_LOGLEVEL").ok())
-        .unwrap_or_else(|| "info".into());
+/// The log levels accepted everywhere (`--log-level`, `NODEPLAN_LOG`, `CATTLE_LOGLEVEL`).
+const LOG_LEVELS: &str = "trace, debug, info, warn, error";
+
+/// One level name as tracing spells it. Besides nodeplan's own, logrus's names (system-agent's
+/// `CATTLE_LOGLEVEL`) are taken: `warning`, and `fatal`/`panic` as `error`.
+fn level_name(s: &str) -> Option<&'static str> {
+    Some(match s.trim().to_ascii_lowercase().as_str() {
+        "trace" => "trace",
+        "debug" => "debug",
+        "info" => "info",
+        "warn" | "warning" => "warn",
+        "error" | "fatal" | "panic" => "error",
+        "off" => "off",
+        _ => return None,
+    })
+}
+
+/// A log level (`info`) or comma-separated `TARGET=LEVEL` directives (`info,nodeplan::process=debug`),
+/// as an `EnvFilter` string. Anything else is an error listing the valid levels: an unknown word
+/// must not become a filter that silently drops every line.
+pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
+    let bad = || format!("{s:?} is not a log level: use one of {LOG_LEVELS}");
+    let mut out = Vec::new();
+    for d in s.split(',').map(str::trim) {
+        match d.split_once('=') {
+            None => out.push(level_name(d).ok_or_else(bad)?.to_string()),
+            Some((target, level)) => {
+                let ok_target = !target.is_empty()
+                    && target.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':' || c == '-');
+                if !ok_target {
+                    return Err(format!("{s:?}: {target:?} is not a module name (TARGET=LEVEL)"));
+                }
+                out.push(format!("{target}={}", level_name(level).ok_or_else(bad)?));
+            }
+        }
+    }
+    Ok(out.join(","))
+}
+
+/// The filter to use and, when an environment variable had a value that is not a level, the
+/// warning to log. The flag was checked by clap already. A bad `NODEPLAN_LOG`/`CATTLE_LOGLEVEL`
+/// is a warning, not an error: system-agent ignores a `CATTLE_LOGLEVEL` it cannot parse, and a
+/// node that ran it must not stop starting because of it.
+fn log_filter(flag: Option<&str>, env: impl Fn(&str) -> Option<String>) -> (String, Option<String>) {
+    if let Some(f) = flag {
+        return (f.to_string(), None);
+    }
+    for var in ["NODEPLAN_LOG", "CATTLE_LOGLEVEL"] {
+        let Some(v) = env(var).filter(|v| !v.trim().is_empty()) else { continue };
+        return match parse_log_level(&v) {
+            Ok(f) => (f, None),
+            Err(e) => ("info".into(), Some(format!("{var}: {e}; logging at info"))),
+        };
+    }
+    ("info".into(), None)
+}
+
+fn init_logging(level: Option<&str>, format: LogFormat, color: bool) -> Result<(), String> {
+    let (level, warning) = log_filter(level, |k| std::env::var(k).ok());
     let filter =
         tracing_subscriber::EnvFilter::try_new(&level).map_err(|e| format!("invalid log level {level:?}: {e}"))?;
     let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| StderrAroundProgress).with_target(false);
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| output::LogWriter).with_target(false);
     let r = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.with_ansi(color).try_init(),
+        LogFormat::Json => builder
+            .with_ansi(false)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(output::JsonLines)
+            .try_init(),
     };
-    r.map_err(|e| format!("cannot set up logging: {e}"))
+    r.map_err(|e| format!("cannot set up logging: {e}"))?;
+    output::set_json(format == LogFormat::Json);
+    if let Some(w) = warning {
+        tracing::warn!("{w}");
+    }
+    Ok(())
+}
+
+/// An absolute path (for directories and files the commands use): a relative one would depend on
+/// the directory nodeplan happens to be started in.
+pub(crate) fn absolute_path(s: &str) -> Result<std::path::PathBuf, String> {
+    if s.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if !s.starts_with('/') {
+        return Err(format!("{s:?} is relative: give an absolute path"));
+    }
+    Ok(s.into())
+}
+
+/// `--output-cap`: at least [`crate::config::MIN_OUTPUT_CAP`] bytes, as the config's `outputCap`.
+pub(crate) fn parse_output_cap(s: &str) -> Result<usize, String> {
+    let min = crate::config::MIN_OUTPUT_CAP;
+    let n: usize = s.trim().parse().map_err(|_| format!("{s:?} is not a number of bytes"))?;
+    if n < min {
+        return Err(format!("must be at least {min} bytes (as the config's outputCap), found {n}"));
+    }
+    Ok(n)
 }
 
 /// `auto`, `v1`, `off` or a directory.
@@ -215,20 +339,36 @@ pub(crate) fn parse_cgroup_mode(s: &str) -> Result<crate::process::CgroupMode, S
     })
 }
 
-/// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
+/// A cgroup directory asked for by name must exist and be usable (in a cgroup2 mount or a v1
+/// freezer hierarchy): otherwise the supervisor would fall back to process groups with only a
+/// warning, and create the directory wherever it was. `auto`, `v1` and `off` pass.
+pub(crate) fn check_cgroup_dir(mode: &crate::process::CgroupMode) -> Result<(), String> {
+    let crate::process::CgroupMode::Root(dir) = mode else { return Ok(()) };
+    if !dir.is_dir() {
+        return Err(format!("{}: no such directory", dir.display()));
+    }
+    crate::process::cgroup::CgroupRoot::discover(mode).map(|_| ())
+}
+
+/// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds (the config file's format, read by
+/// [`crate::config::parse_duration`]); zero is refused, as in the config.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration such as 10s, 500ms or 5m"))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => n / 1000.0,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    };
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+    let d = crate::config::parse_duration(s)?;
+    if d.is_zero() {
+        return Err(format!("{s:?}: must be positive"));
+    }
+    Ok(d)
+}
+
+/// One error or result line for a person on stderr (an error event with `--log-format json`).
+/// Never blocks or panics, whatever stderr is (see [`output`]).
+pub(crate) fn say(line: &str) {
+    output::line(tracing::Level::ERROR, line);
+}
+
+/// One progress or result line for a person on stderr (an info event with `--log-format json`).
+pub(crate) fn tell(line: &str) {
+    output::line(tracing::Level::INFO, line);
 }
 
 #[cfg(test)]
@@ -244,5 +384,34 @@ mod tests {
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5d").is_err());
         assert!(parse_duration("").is_err());
+        assert!(parse_duration("0s").is_err());
+    }
+
+    #[test]
+    fn log_levels() {
+        assert_eq!(parse_log_level("INFO"), Ok("info".into()));
+        assert_eq!(parse_log_level("warning"), Ok("warn".into()));
+        assert_eq!(parse_log_level("info,nodeplan::process=debug"), Ok("info,nodeplan::process=debug".into()));
+        let e = parse_log_level("bogus").unwrap_err();
+        assert!(e.contains("trace, debug, info, warn, error"), "{e}");
+        assert!(parse_log_level("nodeplan=loud").is_err());
+        assert!(parse_log_level("").is_err());
+        let env = |k: &str| (k == "CATTLE_LOGLEVEL").then(|| "verbose".to_string());
+        let (f, w) = log_filter(None, env);
+        assert_eq!(f, "info");
+        assert!(w.is_some_and(|w| w.starts_with("CATTLE_LOGLEVEL: \"verbose\" is not a log level")));
+        let env = |k: &str| Some(if k == "NODEPLAN_LOG" { "debug" } else { "junk" }.to_string());
+        assert_eq!(log_filter(None, env), ("debug".into(), None), "NODEPLAN_LOG wins");
+        assert_eq!(log_filter(Some("error"), env), ("error".into(), None), "the flag wins");
+    }
+
+    #[test]
+    fn output_caps_and_paths() {
+        assert_eq!(parse_output_cap("1024"), Ok(1024));
+        assert!(parse_output_cap("1023").unwrap_err().contains("at least 1024"));
+        assert!(parse_output_cap("-1").is_err());
+        assert!(absolute_path("work").unwrap_err().contains("relative"));
+        assert!(absolute_path("").is_err());
+        assert_eq!(absolute_path("/w"), Ok("/w".into()));
     }
 }

@@ -28,10 +28,10 @@ pub struct Target {
 #[derive(Args, Debug, Default)]
 pub struct RemoteTarget {
     /// The node's plan Secret, as NAMESPACE/NAME.
-    #[arg(long)]
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_secret)]
     pub secret: Option<String>,
-    /// Kubeconfig for --secret (default: KUBECONFIG, then ~/.kube/config).
-    #[arg(long)]
+    /// Kubeconfig for --secret [default: KUBECONFIG, else ~/.kube/config].
+    #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
 }
 
@@ -56,26 +56,27 @@ pub enum PlanAction {
     Status(Target),
 }
 
-/// A command's failure: one line, and whether it was the user's input (exit 2) or the work.
-struct Failure {
-    code: u8,
-    line: String,
-}
-
-impl From<String> for Failure {
-    fn from(line: String) -> Failure {
-        Failure { code: exit::FAILED, line }
+fn parse_secret(s: &str) -> Result<String, String> {
+    match s.split_once('/') {
+        Some((n, name)) if !n.is_empty() && !name.is_empty() && !name.contains('/') => Ok(s.to_string()),
+        _ => Err(format!("{s:?}: expected NAMESPACE/NAME")),
     }
 }
 
-impl From<&str> for Failure {
-    fn from(line: &str) -> Failure {
-        Failure::from(line.to_string())
+/// Bad arguments (exit 2), as opposed to a plan or Secret that could not be read or written (1).
+enum Failure {
+    Usage(String),
+    Failed(String),
+}
+
+impl From<String> for Failure {
+    fn from(s: String) -> Failure {
+        Failure::Failed(s)
     }
 }
 
 fn bad_input(line: String) -> Failure {
-    Failure { code: exit::BAD_INPUT, line }
+    Failure::Usage(line)
 }
 
 /// The files of an existing local plan: `file` must end in `.plan` and be a regular file (a
@@ -159,22 +160,26 @@ pub async fn run(args: PlanArgs) -> u8 {
              it into the agent's plan directory"
                 .into(),
         )),
-        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::from),
+        PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::Failed),
         PlanAction::Pause(t)
         | PlanAction::Resume(t)
         | PlanAction::Cancel(t)
         | PlanAction::Reset(t)
         | PlanAction::Status(t) => match (&t.file, &t.remote.secret) {
             (Some(file), None) => local(&args.action, file),
-            (None, Some(_)) => remote::run(&args.action, &t.remote).await.map_err(Failure::from),
-            _ => Err(bad_input("give either a PLANFILE or --secret NAMESPACE/NAME".into())),
+            (None, Some(_)) => remote::run(&args.action, &t.remote).await.map_err(Failure::Failed),
+            _ => Err(Failure::Usage("give either a PLANFILE or --secret NAMESPACE/NAME".into())),
         },
     };
     match r {
         Ok(()) => exit::OK,
-        Err(Failure { code, line }) => {
-            eprintln!("nodeplan: {line}");
-            code
+        Err(Failure::Usage(e)) => {
+            super::say(&format!("nodeplan: {e}"));
+            exit::BAD_INPUT
+        }
+        Err(Failure::Failed(e)) => {
+            super::say(&format!("nodeplan: {e}"));
+            exit::FAILED
         }
     }
 }

@@ -11,19 +11,20 @@ use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct SuperviseArgs {
-    /// Name of the service (PID record owner, log prefix); defaults to the command's file name.
+    /// Name of the service (PID record owner, log prefix) [default: the command's file name].
     #[arg(long)]
     pub name: Option<String>,
-    /// Where the PID record is kept.
-    #[arg(long, default_value = "/run/nodeplan/supervise")]
+    /// Where the PID record is kept; absolute.
+    #[arg(long, value_name = "DIR", default_value = "/run/nodeplan/supervise", value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
-    /// Grace period after SIGTERM.
-    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    /// Grace period after SIGTERM (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
     pub stop_timeout: Duration,
-    /// How long to wait after SIGKILL.
-    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    /// How long to wait after SIGKILL (500ms, 10s, 5m, 1h or seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
     pub kill_timeout: Duration,
-    /// Never SIGKILL: give up after the stop timeout, leave the process and its PID record, exit non-zero.
+    /// Never SIGKILL: give up after the stop timeout, leave the process and its PID record, exit 1
+    /// [default: off].
     #[arg(long)]
     pub no_kill: bool,
     /// The command and its arguments.
@@ -33,7 +34,7 @@ pub struct SuperviseArgs {
 
 pub async fn run(args: SuperviseArgs) -> u8 {
     let Some((program, rest)) = args.command.split_first() else {
-        eprintln!("nodeplan: supervise needs a command after --");
+        super::say("nodeplan: supervise needs a command after --");
         return exit::BAD_INPUT;
     };
     let name = args.name.clone().unwrap_or_else(|| {
@@ -71,7 +72,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
             exit::ALREADY_RUNNING
         }
         Err(e) => {
-            eprintln!("nodeplan: {name}: {e}");
+            super::say(&format!("nodeplan: {name}: {e}"));
             exit::FAILED
         }
     }

@@ -164,6 +164,7 @@ fn cancel_carries_progress_and_warns_on_partial() {
 fn report(outcome: Outcome) -> InstructionReport {
     InstructionReport {
         index: 0,
+        total: 1,
         name: "a".into(),
         periodic: false,
         outcome,

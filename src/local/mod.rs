@@ -13,7 +13,7 @@ pub mod scan;
 pub mod trust;
 
 use crate::apply::{
-    AgentExit, ApplyError, ApplyInput, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
+    AgentExit, ApplyError, ApplyInput, Applyinator, Interrupt, Interruption, LogObserver, update_interrupt,
 };
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
@@ -585,7 +585,16 @@ impl LocalAgent {
             });
         }
         if run.one_time {
-            tracing::info!("{}: applying (from instruction {} of {})", path.display(), run.resume_from, snap.total);
+            if run.resume_from == 0 {
+                tracing::info!("{}: applying ({} instructions)", path.display(), snap.total);
+            } else {
+                tracing::info!(
+                    "{}: resuming at instruction {}/{}",
+                    path.display(),
+                    (run.resume_from + 1).min(snap.total),
+                    snap.total
+                );
+            }
         }
         let result = self
             .app
@@ -600,7 +609,7 @@ impl LocalAgent {
                 run_periodic: true,
                 interrupts: rx,
                 owner: format!("{OWNER_PREFIX}{}", path.display()),
-                observer: Arc::new(NoObserver),
+                observer: Arc::new(LogObserver),
             })
             .await;
         if let Ok(mut cur) = self.current.lock() {

@@ -219,6 +219,36 @@ struct Inner {
 
 static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
 
+/// `owner` for a log line: every plan checksum in it (64 hex digits, as in `apply:<checksum>:0`)
+/// cut to the 12-digit id people see everywhere else.
+pub fn short_ids(owner: &str) -> String {
+    let mut out = String::with_capacity(owner.len());
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut String| {
+        out.push_str(if run.len() == 64 { &run[..12] } else { run });
+        run.clear();
+    };
+    for c in owner.chars() {
+        if c.is_ascii_hexdigit() && !c.is_ascii_uppercase() {
+            run.push(c);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
+#[cfg(test)]
+#[test]
+fn plan_checksums_are_cut_to_their_short_id() {
+    let cs = "440b2eb0b6bdd3b7eea28188e7b15ae147842a7d65359938a4d1961952971213";
+    assert_eq!(short_ids(&format!("apply:{cs}:p3")), "apply:440b2eb0b6bd:p3");
+    assert_eq!(short_ids("local:/plans/a.plan:0"), "local:/plans/a.plan:0");
+    assert_eq!(short_ids("supervise:abc"), "supervise:abc");
+}
+
 impl Supervisor {
     pub fn new(config: SupervisorConfig) -> Supervisor {
         let cgroups = match cgroup::CgroupRoot::discover(&config.cgroup) {
@@ -347,7 +377,10 @@ impl Supervisor {
         if self.inner.clone3.load(Ordering::Relaxed) {
             let mut spawned = self.spawn_raw(&spec, &marker, cgroup_dir.as_deref(), stop, deadline).await;
             if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
-                tracing::warn!("the cgroup of {} vanished before its spawn ({e}); starting it without one", spec.owner);
+                tracing::warn!(
+                    "the cgroup of {} vanished before its spawn ({e}); starting it without one",
+                    short_ids(&spec.owner)
+                );
                 cgroup_dir = None;
                 forget_cgroup(&mut record, &mut record_file);
                 spawned = self.spawn_raw(&spec, &marker, None, stop, deadline).await;
@@ -615,16 +648,20 @@ impl Supervisor {
                 RecoveryResult::Refused(why) => RecoveryResult::Refused(format!(
                     "PID record {} of {} {why}; refused (nothing was signalled, the record is kept)",
                     path.display(),
-                    rec.owner
+                    short_ids(&rec.owner)
                 )),
                 r => r,
             };
             match &result {
                 RecoveryResult::Stopped(o) => {
-                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner)
+                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), short_ids(&rec.owner))
                 }
                 RecoveryResult::NotStopped(o) => {
-                    tracing::error!("leftover {} of {} could not be stopped: {o}", rec.describe(), rec.owner)
+                    tracing::error!(
+                        "leftover {} of {} could not be stopped: {o}",
+                        rec.describe(),
+                        short_ids(&rec.owner)
+                    )
                 }
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
@@ -696,7 +733,7 @@ impl Supervisor {
         if let Identity::Mismatch(why) = &identity {
             tracing::warn!(
                 "PID record of {}: {why}; stopping only {}",
-                rec.owner,
+                short_ids(&rec.owner),
                 if leaf.is_some() { "its verified cgroup leaf" } else { "the processes that carry its marker" }
             );
         }

@@ -8,7 +8,7 @@
 use super::client::{SecretClient, SecretSnapshot, WriteError};
 use super::wire::{self, Keys};
 use crate::apply::{
-    AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, NoObserver, update_interrupt,
+    AgentExit, ApplyInput, ApplyResult, Applyinator, Interrupt, Interruption, LogObserver, update_interrupt,
 };
 use crate::flow::{self, Decision, RunPlan};
 use crate::plan::{self, Hold, ValidPlan};
@@ -524,7 +524,7 @@ impl RemoteAgent {
                 run_periodic: true,
                 interrupts: rx,
                 owner: format!("{OWNER_PREFIX}{checksum}"),
-                observer: Arc::new(NoObserver),
+                observer: Arc::new(LogObserver),
             })
             .await;
         mapper.abort();

@@ -181,8 +181,8 @@ impl AgentProc {
         let mut child = std::process::Command::new(NODEPLAN)
             .args(["agent", "--config"])
             .arg(config)
-            .envs(env.iter().copied())
             .env("NODEPLAN_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -232,6 +232,16 @@ impl AgentProc {
         self.seen.extend(new.iter().cloned());
         self.backlog.extend(new.iter().cloned());
         new
+    }
+
+    /// Every line not read yet, up to the end of the agent's stderr (after it exited).
+    pub fn rest(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(l) = self.lines.recv_timeout(GUARD) {
+            out.push(l);
+        }
+        self.seen.extend(out.iter().cloned());
+        out
     }
 
     /// SIGTERM and wait; the exit code.
