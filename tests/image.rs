@@ -47,6 +47,20 @@ fn tar_owned(files: &[(&str, &[u8], u32)], uid: u64, gzip: bool) -> Vec<u8> {
     gz.finish().unwrap()
 }
 
+/// The request line and headers of an HTTP request on `c` (up to the blank line).
+fn request_head(c: &std::net::TcpStream) -> String {
+    let mut head = String::new();
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+        head.push_str(&line);
+    }
+    head
+}
+
 /// The test image: run.sh proves what the stacked layers left.
 fn layers() -> Vec<Vec<u8>> {
     let run = b"#!/bin/sh\nset -e\ntest ! -e old.txt\ntest ! -e dir/a\ncat dir/b > \"$OUT\"\necho \" from $CATTLE_AGENT_EXECUTION_PWD\" >> \"$OUT\"\n";
@@ -139,15 +153,7 @@ fn registry_with(repo: &str, layers: Vec<Vec<u8>>, opts: Opts) -> Registry {
     let held = Arc::new(Mutex::new(Vec::new()));
     std::thread::spawn(move || {
         for mut c in l.incoming().flatten() {
-            let mut head = String::new();
-            let mut r = BufReader::new(c.try_clone().unwrap());
-            loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
-                }
-                head.push_str(&line);
-            }
+            let head = request_head(&c);
             let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
             let auth = head
                 .lines()
@@ -472,17 +478,13 @@ fn foreign_realm() -> (u16, Arc<Mutex<Vec<String>>>) {
     let record = seen.clone();
     std::thread::spawn(move || {
         for mut c in l.incoming().flatten() {
-            let mut auth = String::new();
-            let mut r = BufReader::new(c.try_clone().unwrap());
-            loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
-                }
-                if line.to_ascii_lowercase().starts_with("authorization:") {
-                    auth = line.trim().to_string();
-                }
-            }
+            let head = request_head(&c);
+            let auth = head
+                .lines()
+                .find(|l| l.to_ascii_lowercase().starts_with("authorization:"))
+                .unwrap_or_default()
+                .trim()
+                .to_string();
             record.lock().unwrap().push(auth);
             let body = format!("{{\"token\":\"{TOKEN}\"}}");
             let _ = write!(

@@ -197,6 +197,14 @@ impl std::io::Write for LogWriter {
 #[derive(Debug)]
 pub(crate) struct QueuedTerm;
 
+/// Move the cursor `n` cells (`A` up, `B` down, `C` right, `D` left).
+fn cursor(n: usize, direction: char) -> std::io::Result<()> {
+    if n > 0 {
+        write(format!("\x1b[{n}{direction}").as_bytes());
+    }
+    Ok(())
+}
+
 impl indicatif::TermLike for QueuedTerm {
     fn width(&self) -> u16 {
         let mut ws = libc::winsize { ws_row: 0, ws_col: 0, ws_xpixel: 0, ws_ypixel: 0 };
@@ -205,28 +213,16 @@ impl indicatif::TermLike for QueuedTerm {
         if ok && ws.ws_col > 0 { ws.ws_col } else { 80 }
     }
     fn move_cursor_up(&self, n: usize) -> std::io::Result<()> {
-        if n > 0 {
-            write(format!("\x1b[{n}A").as_bytes());
-        }
-        Ok(())
+        cursor(n, 'A')
     }
     fn move_cursor_down(&self, n: usize) -> std::io::Result<()> {
-        if n > 0 {
-            write(format!("\x1b[{n}B").as_bytes());
-        }
-        Ok(())
+        cursor(n, 'B')
     }
     fn move_cursor_right(&self, n: usize) -> std::io::Result<()> {
-        if n > 0 {
-            write(format!("\x1b[{n}C").as_bytes());
-        }
-        Ok(())
+        cursor(n, 'C')
     }
     fn move_cursor_left(&self, n: usize) -> std::io::Result<()> {
-        if n > 0 {
-            write(format!("\x1b[{n}D").as_bytes());
-        }
-        Ok(())
+        cursor(n, 'D')
     }
     fn write_line(&self, s: &str) -> std::io::Result<()> {
         write(format!("{s}\n").as_bytes());
