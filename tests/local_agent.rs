@@ -587,3 +587,27 @@ fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
         assert_eq!(periodic, level == "debug", "{level}: {log}");
     }
 }
+
+/// The applied-plan archive keeps every plan: two plans applied within the same second get two
+/// entries (they used to share a name, and the second replaced the first), numbered in order.
+#[test]
+fn plans_applied_within_one_second_are_all_archived() {
+    let s = Setup::new();
+    for name in ["a", "b", "c"] {
+        s.plan(name, serde_json::json!({"instructions": [sh(name, "true")]}));
+    }
+    let mut agent = s.start();
+    for name in ["a", "b", "c"] {
+        s.wait_pos(name, "succeeded", |p| p.plan_state == "succeeded");
+    }
+    assert_eq!(agent.stop(), 0);
+    let mut names: Vec<String> = std::fs::read_dir(s.p("applied"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "{names:?}");
+    for (i, n) in names.iter().enumerate() {
+        assert!(n.starts_with(&format!("{:06}-", i + 1)) && n.ends_with("Z-applied.plan"), "{names:?}");
+    }
+}
