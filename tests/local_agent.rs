@@ -558,6 +558,7 @@ fn plan_commands_say_what_they_did_and_refuse_a_missing_plan() {
     assert_eq!(code, Some(0));
     assert!(out.lines().all(|l| l.len() < 300), "{out}");
     assert!(out.contains(&format!("canceled={:?}… (999 bytes)", "y\n".repeat(20))), "{out}");
+    assert!(out.contains("for a.canceled (expected"), "the control file is named: {out}");
 }
 
 /// A fleet's logs stay small: each one-time instruction's start and end at info, periodic
@@ -610,4 +611,25 @@ fn plans_applied_within_one_second_are_all_archived() {
     for (i, n) in names.iter().enumerate() {
         assert!(n.starts_with(&format!("{:06}-", i + 1)) && n.ends_with("Z-applied.plan"), "{names:?}");
     }
+}
+
+/// `plan status` into a reader that went away (`| head -1`) ends normally: no panic, exit 0.
+#[test]
+fn plan_status_into_a_closed_stdout_does_not_panic() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let d = tempfile::tempdir().unwrap();
+    let plan = d.path().join("a.plan");
+    std::fs::write(&plan, b"{}").unwrap();
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(NODEPLAN)
+        .args(["plan", "status", plan.to_str().unwrap()])
+        .stdout(std::process::Stdio::from(write))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

@@ -181,7 +181,7 @@ pub fn validate_config(args: ValidateArgs) -> u8 {
             for w in warnings {
                 super::output::line(tracing::Level::WARN, &format!("warning: {w}"));
             }
-            println!("{}: valid", args.file.display());
+            crate::cli::out!("{}: valid", args.file.display());
             exit::OK
         }
         Err(e) => {
@@ -204,7 +204,7 @@ pub async fn validate_connection(args: ValidateArgs) -> u8 {
     };
     match checked {
         Ok(c) => {
-            println!("{}: valid (namespace {}, secret {})", args.file.display(), c.namespace, c.secret_name);
+            crate::cli::out!("{}: valid (namespace {}, secret {})", args.file.display(), c.namespace, c.secret_name);
             exit::OK
         }
         Err(e) => {

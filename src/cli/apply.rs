@@ -199,14 +199,14 @@ pub async fn run(args: ApplyArgs) -> u8 {
         Ok(l) => l,
         Err(crate::process::LockError::Held { pid, .. }) => {
             let pid = pid.map_or("(pid unknown)".to_string(), |p| format!("pid {p}"));
-            eprintln!(
+            super::say(&format!(
                 "nodeplan: {}: this plan is already being applied by nodeplan {pid}; not starting a second run",
                 args.file.display()
-            );
+            ));
             return exit::ALREADY_RUNNING;
         }
         Err(e) => {
-            eprintln!("nodeplan: {e}; not running the plan");
+            super::say(&format!("nodeplan: {e}; not running the plan"));
             return exit::FAILED;
         }
     };
@@ -214,10 +214,10 @@ pub async fn run(args: ApplyArgs) -> u8 {
     for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
         match r.result {
             RecoveryResult::OwnerAlive(pid) => {
-                eprintln!(
+                super::say(&format!(
                     "nodeplan: {}: this plan is already being applied by nodeplan pid {pid}; not starting a second run",
                     args.file.display()
-                );
+                ));
                 return exit::ALREADY_RUNNING;
             }
             RecoveryResult::NotStopped(o) => {

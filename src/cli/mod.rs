@@ -360,6 +360,16 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A line of a command's result on stdout. A closed or broken stdout (`nodeplan plan status … |
+/// head -1`) is the reader's choice, not an error worth a panic: the line is dropped.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+pub(crate) use out;
+
 /// One error or result line for a person on stderr (an error event with `--log-format json`).
 /// Never blocks or panics, whatever stderr is (see [`output`]).
 pub(crate) fn say(line: &str) {

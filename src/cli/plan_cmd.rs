@@ -120,21 +120,21 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
     match action {
         PlanAction::Pause(_) => {
             write(&f.paused(), b"true\n")?;
-            println!(
+            crate::cli::out!(
                 "paused {plan}: wrote {} (the agent pauses it at the next instruction boundary)",
                 f.paused().display()
             );
         }
         PlanAction::Resume(_) => {
             if remove(&f.paused())? {
-                println!("resumed {plan}: removed {}", f.paused().display());
+                crate::cli::out!("resumed {plan}: removed {}", f.paused().display());
             } else {
-                println!("{plan} was not paused (no {}); nothing to do", f.paused().display());
+                crate::cli::out!("{plan} was not paused (no {}); nothing to do", f.paused().display());
             }
         }
         PlanAction::Cancel(_) => {
             write(&f.canceled(), b"true\n")?;
-            println!(
+            crate::cli::out!(
                 "canceled {plan}: wrote {} (the running instruction is stopped; `nodeplan plan reset` runs it again)",
                 f.canceled().display()
             );
@@ -142,7 +142,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
         PlanAction::Reset(_) => {
             remove(&f.canceled())?;
             write(&f.reset(), b"")?;
-            println!(
+            crate::cli::out!(
                 "reset {plan}: wrote {} (the agent runs it again from its first instruction)",
                 f.reset().display()
             );
@@ -190,13 +190,13 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     let parsed = plan::parse(&raw);
     let p = pos::read_pos(&f.pos()).map_err(|e| format!("{}: {e}", f.pos().display()))?;
     let current = p.plan_checksum == checksum;
-    println!("plan:       {} (checksum {})", f.plan.display(), &checksum[..12]);
+    crate::cli::out!("plan:       {} (checksum {})", f.plan.display(), &checksum[..12]);
     if let Err(e) = &parsed {
-        println!("            {e}");
+        crate::cli::out!("            {e}");
     }
     let total = parsed.as_ref().map(|v| v.plan.instructions.len()).unwrap_or(0);
     let state = if current && !p.plan_state.is_empty() { p.plan_state.as_str() } else { "pending (not started)" };
-    println!("state:      {state}");
+    crate::cli::out!("state:      {state}");
     if let Some(Checkpoint {
         completed_instructions,
         total_instructions,
@@ -208,12 +208,12 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     {
         let resume =
             if *paused && !resume_state.is_empty() { format!(", resumes into {resume_state}") } else { String::new() };
-        println!("progress:   {completed_instructions}/{total_instructions} instructions done{resume}");
+        crate::cli::out!("progress:   {completed_instructions}/{total_instructions} instructions done{resume}");
         if *termination_incomplete {
-            println!("warning:    a stopped process may have survived (terminationIncomplete)");
+            crate::cli::out!("warning:    a stopped process may have survived (terminationIncomplete)");
         }
     } else if current && p.plan_state == "succeeded" {
-        println!("progress:   {total}/{total} instructions done");
+        crate::cli::out!("progress:   {total}/{total} instructions done");
     }
     let show = |v: Result<Option<String>, String>| match v {
         Ok(None) => "absent".to_string(),
@@ -222,15 +222,20 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     };
     let (pv, cv) = (pos::read_control(&f.paused()), pos::read_control(&f.canceled()));
     let (pv2, cv2) = (pv.clone().ok().flatten(), cv.clone().ok().flatten());
-    println!("control:    paused={} canceled={}", show(pv), show(cv));
-    if let Err(e) = plan::resolve_annotations(&Annotations { paused: pv2.as_deref(), canceled: cv2.as_deref() }) {
-        println!("            invalid: {e} (the plan is held; nothing is written)");
+    crate::cli::out!("control:    paused={} canceled={}", show(pv), show(cv));
+    if let Err(mut e) = plan::resolve_annotations(&Annotations { paused: pv2.as_deref(), canceled: cv2.as_deref() }) {
+        // Local plans: name the control file, not the annotation it stands for.
+        for (key, _) in &mut e.0 {
+            let file = if key == plan::ANNOTATION_PAUSED { f.paused() } else { f.canceled() };
+            *key = file.display().to_string();
+        }
+        crate::cli::out!("            invalid: {e} (the plan is held; nothing is written)");
     }
     if f.reset().exists() {
-        println!("            reset requested (the agent has not picked it up yet)");
+        crate::cli::out!("            reset requested (the agent has not picked it up yet)");
     }
     if current {
-        println!(
+        crate::cli::out!(
             "attempts:   {} failed in a row, {} succeeded; last {}",
             p.failure_count,
             p.success_count,
@@ -238,11 +243,11 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         );
     }
     if !p.blocked.is_empty() {
-        println!("blocked:    {}", p.blocked);
+        crate::cli::out!("blocked:    {}", p.blocked);
     }
     for (name, s) in &p.probe_status {
         let h = if s.healthy { "healthy" } else { "unhealthy" };
-        println!("probe:      {name}: {h} (successes {}, failures {})", s.success_count, s.failure_count);
+        crate::cli::out!("probe:      {name}: {h} (successes {}, failures {})", s.success_count, s.failure_count);
     }
     Ok(())
 }
@@ -294,19 +299,19 @@ mod remote {
                     }))
                     .await?;
                 }
-                println!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
+                crate::cli::out!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
             }
             PlanAction::Pause(_) => {
                 c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, Some("true"))).await?;
-                println!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
+                crate::cli::out!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Resume(_) => {
                 c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, None)).await?;
-                println!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
+                crate::cli::out!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Cancel(_) => {
                 c.orchestrator_patch(annotate(plan::ANNOTATION_CANCELED, Some("true"))).await?;
-                println!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
+                crate::cli::out!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
             }
             PlanAction::Reset(_) => {
                 c.orchestrator_patch(json!({
@@ -314,7 +319,7 @@ mod remote {
                     "data": {"plan-state": b64(b"pending")}
                 }))
                 .await?;
-                println!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
+                crate::cli::out!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
             }
             PlanAction::Status(_) => {
                 let s = c.get().await?.ok_or("the secret does not exist")?;
@@ -322,26 +327,30 @@ mod remote {
                 let checksum = plan::checksum(raw);
                 let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
                 let total = plan::parse(raw).map(|p| p.plan.instructions.len()).unwrap_or(0);
-                println!("plan:       {} ({} instructions)", &checksum[..12], total);
+                crate::cli::out!("plan:       {} ({} instructions)", &checksum[..12], total);
                 let state = text(wire::PLAN_STATE);
-                println!("state:      {}", if state.is_empty() { "(checksum flow)".into() } else { state.clone() });
-                println!("revision:   {}", text(wire::PLAN_REVISION));
+                crate::cli::out!(
+                    "state:      {}",
+                    if state.is_empty() { "(checksum flow)".into() } else { state.clone() }
+                );
+                crate::cli::out!("revision:   {}", text(wire::PLAN_REVISION));
                 if let Some(cp) = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum) {
                     let resume = if cp.paused { format!(", resumes into {}", cp.resume_state) } else { String::new() };
-                    println!(
+                    crate::cli::out!(
                         "progress:   {}/{} instructions done{resume}",
-                        cp.completed_instructions, cp.total_instructions
+                        cp.completed_instructions,
+                        cp.total_instructions
                     );
                 } else if state == "succeeded" {
-                    println!("progress:   {total}/{total} instructions done");
+                    crate::cli::out!("progress:   {total}/{total} instructions done");
                 }
                 let ann = |k: &str| s.annotations.get(k).map(|v| format!("{v:?}")).unwrap_or_else(|| "absent".into());
-                println!(
+                crate::cli::out!(
                     "control:    paused={} canceled={}",
                     ann(plan::ANNOTATION_PAUSED),
                     ann(plan::ANNOTATION_CANCELED)
                 );
-                println!(
+                crate::cli::out!(
                     "attempts:   {} failed, {} succeeded; applied {}",
                     text(wire::FAILURE_COUNT),
                     text(wire::SUCCESS_COUNT),
@@ -349,7 +358,11 @@ mod remote {
                 );
                 for (name, st) in wire::probe_statuses(&s) {
                     let h = if st.healthy { "healthy" } else { "unhealthy" };
-                    println!("probe:      {name}: {h} (successes {}, failures {})", st.success_count, st.failure_count);
+                    crate::cli::out!(
+                        "probe:      {name}: {h} (successes {}, failures {})",
+                        st.success_count,
+                        st.failure_count
+                    );
                 }
             }
         }

@@ -68,7 +68,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
             exit::OK
         }
         Err(e @ crate::process::supervise::SuperviseError::AlreadyRunning { .. }) => {
-            eprintln!("nodeplan: {name}: {e}");
+            super::say(&format!("nodeplan: {name}: {e}"));
             exit::ALREADY_RUNNING
         }
         Err(e) => {
