@@ -3,7 +3,6 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -153,13 +152,7 @@ fn bad_plans_give_one_clear_line_and_change_nothing() {
 /// Spawn nodeplan with stderr forwarded line by line to a channel.
 fn spawn_with_stderr(mut c: Command) -> (std::process::Child, mpsc::Receiver<String>) {
     let mut child = c.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
+    let rx = lines_of(child.stderr.take().unwrap());
     (child, rx)
 }
 

@@ -3,7 +3,6 @@
 mod common;
 
 use common::*;
-use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 
@@ -25,13 +24,7 @@ fn supervise(pid_dir: &str, extra: &[&str], helper_args: &[&str]) -> Sup {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let err = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
+    let rx = lines_of(child.stderr.take().unwrap());
     Sup { child, lines: rx, seen: Vec::new() }
 }
 

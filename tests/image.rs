@@ -365,13 +365,7 @@ fn a_cancel_during_the_pull_abandons_it_and_runs_nothing() {
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
     let mut child =
         e.apply(&e.plan(&image), &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
+    let rx = lines_of(child.stderr.take().unwrap());
     let mut seen = Vec::new();
     let mut wait_for = |needle: &str| loop {
         let l = rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("no line containing {needle:?}: {seen:?}"));
@@ -581,13 +575,7 @@ fn a_pull_that_outlasts_the_timeout_fails_the_instruction_as_timed_out() {
         "env": [format!("OUT={}", e.p("out"))]}));
     let mut child =
         e.apply(&plan, &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
+    let rx = lines_of(child.stderr.take().unwrap());
     let mut seen = Vec::new();
     loop {
         let Ok(l) = rx.recv_timeout(GUARD) else {

@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -104,13 +103,7 @@ impl Fuse {
             .stderr(Stdio::piped())
             .spawn()
             .ok()?;
-        let (tx, lines) = std::sync::mpsc::channel();
-        let stdout = server.stdout.take()?;
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let lines = lines_of(server.stdout.take()?);
         let f = Fuse { server, mnt: mnt.to_path_buf(), lines };
         match f.lines.recv_timeout(GUARD) {
             Ok(l) if l.starts_with("ready") => Some(f),

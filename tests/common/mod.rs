@@ -9,6 +9,19 @@ use tokio::sync::mpsc;
 pub const HELPER: &str = env!("CARGO_BIN_EXE_nodeplan-test-helper");
 pub const NODEPLAN: &str = env!("CARGO_BIN_EXE_nodeplan");
 
+/// The lines `out` (a child's stdout or stderr) produces, read on a thread of their own: a test
+/// waits on them with a timeout and never blocks on the pipe itself.
+pub fn lines_of(out: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    rx
+}
+
 /// Hang guard for awaits that must finish: a failure message instead of a stuck test.
 pub const GUARD: Duration = Duration::from_secs(30);
 
@@ -177,7 +190,6 @@ impl AgentProc {
     }
 
     pub fn start_with(config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
-        use std::io::BufRead;
         let mut child = std::process::Command::new(NODEPLAN)
             .args(["agent", "--config"])
             .arg(config)
@@ -187,13 +199,7 @@ impl AgentProc {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let rx = lines_of(child.stderr.take().unwrap());
         AgentProc { child, lines: rx, seen: Vec::new(), backlog: Vec::new(), crashed: false }
     }
 
