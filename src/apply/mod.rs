@@ -781,7 +781,7 @@ struct Prepare {
 impl Prepare {
     fn run(self) -> Result<Option<archive::Interlock>, ApplyError> {
         // Before anything is touched: a work directory nodeplan does not own stops the apply.
-        check_work_dir(&self.work_dir).map_err(ApplyError::ForeignWorkDir)?;
+        let earlier = check_work_dir(&self.work_dir).map_err(ApplyError::ForeignWorkDir)?;
         let interlock = match &self.interlock_dir {
             Some(d) => Some(archive::Interlock::enter(d, self.now).map_err(ApplyError::Interlock)?),
             None => None,
@@ -791,7 +791,10 @@ impl Prepare {
         }
         self.files.iter().try_for_each(files::apply_file).map_err(ApplyError::Files)?;
         if self.wipe {
-            wipe_work_dir(&self.work_dir).map_err(ApplyError::WorkDir)?;
+            for dir in earlier {
+                crate::safefs::remove(&dir, true)
+                    .map_err(|e| ApplyError::WorkDir(format!("wiping {}: {e}", dir.display())))?;
+            }
         }
         // Execution directories hold what instructions run (image files included): nobody but
         // the agent may reach them.
@@ -814,24 +817,27 @@ fn is_apply_dir_name(name: &str) -> bool {
 
 /// The work directory must hold only per-apply directories: anything else means it was pointed
 /// at a directory nodeplan does not own (a home, `/tmp`), which it must neither wipe nor make
-/// private to root. Entries are looked at without following links.
-fn check_work_dir(dir: &Path) -> Result<(), String> {
+/// private to root. Entries are looked at without following links. Returns the per-apply
+/// directories of earlier applies: what a wipe removes, and nothing else.
+fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
     let entries = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("reading {}: {e}", dir.display())),
     };
-    let mut foreign = Vec::new();
+    let (mut foreign, mut earlier) = (Vec::new(), Vec::new());
     for e in entries {
         let e = e.map_err(|e| format!("reading {}: {e}", dir.display()))?;
         let name = e.file_name().to_string_lossy().into_owned();
         let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
-        if !(is_dir && is_apply_dir_name(&name)) {
+        if is_dir && is_apply_dir_name(&name) {
+            earlier.push(e.path());
+        } else {
             foreign.push(name);
         }
     }
     if foreign.is_empty() {
-        return Ok(());
+        return Ok(earlier);
     }
     foreign.sort();
     let more = if foreign.len() > 3 { format!(" and {} more", foreign.len() - 3) } else { String::new() };
@@ -841,22 +847,6 @@ fn check_work_dir(dir: &Path) -> Result<(), String> {
         dir.display(),
         foreign.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
     ))
-}
-
-/// Remove the per-apply directories of earlier applies (and nothing else: [`check_work_dir`] ran
-/// first).
-fn wipe_work_dir(dir: &Path) -> Result<(), String> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(format!("reading {}: {e}", dir.display())),
-    };
-    for e in entries.flatten() {
-        if e.file_name().to_str().is_some_and(is_apply_dir_name) {
-            crate::safefs::remove(&e.path(), true).map_err(|err| format!("wiping {}: {err}", e.path().display()))?;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
