@@ -51,6 +51,12 @@ fn dir_flags() -> OFlags {
     OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
 }
 
+/// How a file someone else may have planted is opened: read-only, never through a link in its
+/// last component, never blocking (a FIFO), never becoming a controlling terminal.
+fn planted_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY
+}
+
 /// The walker's state: the path shown in errors and the links left to follow.
 struct Walk<'a> {
     shown: &'a Path,
@@ -174,8 +180,7 @@ pub(crate) fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
 /// Open an existing regular file `name` in `dir` for reading, without following a link and
 /// without blocking; `Ok(None)` when absent or not a regular file.
 fn open_regular(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<(OwnedFd, rustix::fs::Stat)>> {
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    let fd = match rustix::fs::openat(dir, name, flags, Mode::empty()) {
+    let fd = match rustix::fs::openat(dir, name, planted_flags(), Mode::empty()) {
         Ok(fd) => fd,
         Err(Errno::NOENT | Errno::LOOP | Errno::NXIO) => return Ok(None),
         Err(e) => return Err(e.into()),
@@ -474,8 +479,7 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    let fd = match rustix::fs::openat(&dir, name, flags, Mode::empty()) {
+    let fd = match rustix::fs::openat(&dir, name, planted_flags(), Mode::empty()) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(None),
         Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),
@@ -489,8 +493,8 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
 /// regular file of at most `cap` bytes, so a FIFO, a device or a directory gives one clear error at
 /// once instead of a hang or a huge read.
 pub fn read_named(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
-    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    read_regular(rustix::fs::open(path, flags, Mode::empty())?, cap)
+    // A typed path may end in a link: everything but NOFOLLOW.
+    read_regular(rustix::fs::open(path, planted_flags() - OFlags::NOFOLLOW, Mode::empty())?, cap)
 }
 
 /// The content of the open file `fd`, which must be a regular file of at most `cap` bytes.
