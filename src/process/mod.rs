@@ -448,7 +448,7 @@ impl Supervisor {
             }
         };
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
-        let backend = self.inner.cgroups.as_ref().map_or(cgroup::Backend::V2, |r| r.backend);
+        let backend = self.backend();
         let tree = Tree::new(cgroup_dir.clone().map(|dir| cgroup::Leaf { dir, backend }), Some(pid), marker.clone());
 
         // Now with the pid and its start time (one append to the open record), and before the
@@ -531,6 +531,23 @@ impl Supervisor {
         finish(outcome, captures.take(), Some(pid))
     }
 
+    /// What kills a child stuck before its exec through its cgroup leaf `dir`, if it has one: the
+    /// tree's own kill for the leaf's backend (`cgroup.kill` on v2, freeze-kill-thaw on v1).
+    fn leaf_killer(&self, dir: Option<PathBuf>, marker: &str) -> impl FnOnce() + use<> {
+        let backend = self.backend();
+        let tree = dir.map(|dir| Tree::new(Some(cgroup::Leaf { dir, backend }), None, marker.to_string()));
+        move || {
+            if let Some(t) = tree {
+                let _ = t.kill();
+            }
+        }
+    }
+
+    /// The kind of cgroup hierarchy the leaves are made in.
+    fn backend(&self) -> cgroup::Backend {
+        self.inner.cgroups.as_ref().map_or(cgroup::Backend::V2, |r| r.backend)
+    }
+
     /// `clone3` on the blocking pool (see [`spawn::spawn`] and [`await_spawn`]).
     async fn spawn_raw(
         &self,
@@ -546,11 +563,9 @@ impl Supervisor {
                 (spec.clone(), marker.to_string(), dir.map(Path::to_path_buf), early.clone());
             tokio::task::spawn_blocking(move || spawn::spawn(&spec, &marker, dir.as_deref(), &early))
         };
-        let leaf = dir.map(Path::to_path_buf);
+        let leaf = self.leaf_killer(dir.map(Path::to_path_buf), marker);
         let kill = move || {
-            if let Some(l) = &leaf {
-                let _ = cgroup::kill(l);
-            }
+            leaf();
             early.kill();
         };
         let failed = |e| Err(spawn::SpawnError::Failed(std::io::Error::other(e)));
@@ -567,18 +582,13 @@ impl Supervisor {
         stop: &mut StopSignal,
         deadline: Option<tokio::time::Instant>,
     ) -> Spawned<std::io::Result<tokio::process::Child>> {
-        let leaf = dir.clone();
+        let kill = self.leaf_killer(dir.clone(), marker);
         let job = {
             let (spec, marker) = (spec.clone(), marker.to_string());
             tokio::task::spawn_blocking(move || {
                 let procs = dir.as_deref().map(cgroup::open_procs).transpose()?;
                 command(&spec, &marker, procs.as_ref().map(|fd| fd.as_raw_fd())).spawn()
             })
-        };
-        let kill = move || {
-            if let Some(l) = &leaf {
-                let _ = cgroup::kill(l);
-            }
         };
         let failed = |e| Err(std::io::Error::other(e));
         await_spawn(job, failed, kill, stop, deadline, spec.timeout, self.inner.config.policy.kill_timeout).await
