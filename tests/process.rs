@@ -564,6 +564,26 @@ impl Drop for TestCgroup {
     }
 }
 
+/// A forged record: a real cgroup made by the test in `hierarchy` but outside the agent's root,
+/// named after the record's marker (tagged `tag`), with a victim process in it, and a PID record
+/// naming that cgroup. pid 0: the run "never started" as far as the record knows, so only its
+/// cgroup could matter. Returns the cgroup, the victim, the PID directory and the record's file.
+fn forged_record(
+    hierarchy: &std::path::Path,
+    tag: &str,
+) -> (TestCgroup, Victim, tempfile::TempDir, std::path::PathBuf) {
+    let marker = format!("np1.1-0-{tag}{}", std::process::id());
+    let outside = hierarchy.join(format!("nodeplan-test-forged-{}", std::process::id()));
+    std::fs::create_dir_all(outside.join(&marker)).unwrap();
+    let cg = TestCgroup(outside.join(&marker));
+    let victim = Victim::start(None);
+    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
+    let pids = tempfile::tempdir().unwrap();
+    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
+    let file = rec.create(pids.path()).unwrap().path().to_path_buf();
+    (cg, victim, pids, file)
+}
+
 fn refused(r: &Recovered) -> &str {
     match &r.result {
         RecoveryResult::Refused(why) => why,
@@ -582,16 +602,7 @@ async fn a_record_naming_another_cgroup_is_refused_and_nothing_in_it_is_touched(
     }
     let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let mount = nodeplan::process::cgroup::find_cgroup2_mount(&mi).unwrap();
-    let marker = format!("np1.1-0-forged{}", std::process::id());
-    let outside = mount.join(format!("nodeplan-test-forged-{}", std::process::id()));
-    std::fs::create_dir_all(outside.join(&marker)).unwrap();
-    let cg = TestCgroup(outside.join(&marker));
-    let mut victim = Victim::start(None);
-    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
-    let pids = tempfile::tempdir().unwrap();
-    // pid 0: the run "never started" as far as the record knows, so only its cgroup could matter.
-    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
-    let file = rec.create(pids.path()).unwrap().path().to_path_buf();
+    let (cg, mut victim, pids, file) = forged_record(&mount, "forged");
     let sup = sup_with(short(true), CgroupMode::Auto, Some(pids.path()));
     let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
     let (alive, kept) = (victim.alive(), cg.0.is_dir());
@@ -779,15 +790,7 @@ async fn v1_freezer_recovery_stops_a_leftover_escapee_through_its_leaf() {
 async fn a_record_naming_another_v1_cgroup_is_refused() {
     let Some(sup) = v1_supervisor(short(true), None) else { return };
     let hierarchy = sup.cgroup_root().unwrap().parent().unwrap().to_path_buf();
-    let marker = format!("np1.1-0-forgedv1{}", std::process::id());
-    let outside = hierarchy.join(format!("nodeplan-test-forged-{}", std::process::id()));
-    std::fs::create_dir_all(outside.join(&marker)).unwrap();
-    let cg = TestCgroup(outside.join(&marker));
-    let mut victim = Victim::start(None);
-    std::fs::write(cg.0.join("cgroup.procs"), victim.pid.to_string()).unwrap();
-    let pids = tempfile::tempdir().unwrap();
-    let rec = PidRecord { pid: 0, start_time: 0, ..victim.record(&marker, Some(cg.0.clone())) };
-    rec.create(pids.path()).unwrap();
+    let (cg, mut victim, pids, _file) = forged_record(&hierarchy, "forgedv1");
     let sup = v1_supervisor(short(true), Some(pids.path())).unwrap();
     let out = tokio::time::timeout(GUARD, sup.recover(|_| true)).await.unwrap();
     assert!(victim.alive() && cg.0.is_dir(), "a v1 cgroup the record merely named was acted on");
