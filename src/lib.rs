@@ -23,6 +23,7 @@ pub mod local;
 pub mod plan;
 pub mod probe;
 pub mod process;
+pub mod reconcile;
 pub mod remote;
 pub mod safefs;
 

@@ -92,21 +92,13 @@ pub enum AgentExit {
     Incomplete(String),
 }
 
-/// Why a run stopped early.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Interruption {
-    Paused,
-    Canceled,
-    Shutdown,
-}
+pub use crate::plan::Interruption;
 
-impl Interruption {
-    fn from_stop(r: StopReason) -> Option<Interruption> {
-        match r {
-            StopReason::Cancel => Some(Interruption::Canceled),
-            StopReason::Shutdown => Some(Interruption::Shutdown),
-            StopReason::Timeout(_) => None,
-        }
+fn interruption_of_stop(r: StopReason) -> Option<Interruption> {
+    match r {
+        StopReason::Cancel => Some(Interruption::Canceled),
+        StopReason::Shutdown => Some(Interruption::Shutdown),
+        StopReason::Timeout(_) => None,
     }
 }
 
@@ -226,6 +218,18 @@ pub struct ApplyResult {
 }
 
 impl ApplyResult {
+    /// What the plan-state rules need to know of this run.
+    pub fn ran(&self) -> crate::flow::Ran {
+        crate::flow::Ran {
+            one_time_succeeded: self.one_time_succeeded,
+            completed: self.completed,
+            interruption: self.interruption,
+            termination_incomplete: self.termination_incomplete,
+            one_time_output: self.one_time_output.clone(),
+            periodic_output: self.periodic_output.clone(),
+        }
+    }
+
     pub fn failed_reports(&self) -> impl Iterator<Item = &InstructionReport> {
         self.reports.iter().filter(|r| !r.outcome.success())
     }
@@ -398,8 +402,8 @@ impl Applyinator {
                 }
                 // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
                 // pause never masks a failure (R5).
-                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
-                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
+                let stopped = outcome.stop_reason().and_then(interruption_of_stop);
+                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(interruption_of_stop)) {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                         warn_partial(&instruction_label(index, total, &ins.common.name, false));
                     }
@@ -444,7 +448,7 @@ impl Applyinator {
                 input.observer.instruction_finished(&report);
                 result.termination_incomplete |= report.outcome.termination_incomplete();
                 let outcome = report.outcome.clone();
-                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
+                let stopped = outcome.stop_reason().and_then(interruption_of_stop);
                 if let Some(i) = stopped {
                     if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                         let n = plan.periodic_instructions.len();

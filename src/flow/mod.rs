@@ -3,10 +3,11 @@
 //!
 //! [`decide`] maps what a source sees (state, annotation values, checkpoint) to a [`Decision`];
 //! [`record`] maps a finished run to the [`Record`] of what to write. This module owns those rules
-//! and nothing else: no I/O, no clock, no processes; the sources own storage and encodings.
+//! and nothing else: no I/O, no clock, no processes; the sources own storage and encodings, and
+//! [`crate::reconcile`] owns the loop that calls these functions. It depends on [`crate::plan`]
+//! only. The rules it implements are stated in `docs/rules.md`.
 
-use crate::apply::{ApplyResult, Interruption};
-use crate::plan::{Checkpoint, Hold, InvalidAnnotation, PeriodicInstructionOutput, PlanState};
+use crate::plan::{Checkpoint, Hold, Interruption, InvalidAnnotation, PeriodicInstructionOutput, PlanState};
 use std::collections::BTreeMap;
 
 /// What a source knows about one plan at reconcile time.
@@ -29,21 +30,82 @@ pub struct Transition {
     pub checkpoint: Checkpoint,
 }
 
-/// How to run a plan.
+/// How to run a plan, and what to commit before anything runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunPlan {
-    /// The state the run happens in: pending, in-progress (one-time instructions) or succeeded
-    /// (periodic instructions only).
-    pub effective: PlanState,
+pub enum RunPlan {
+    /// `pending`: write `in-progress` (and bump the revision) before anything runs, with a
+    /// paused plan's checkpoint (marked not paused) folded into the same write; then the files and
+    /// the one-time instructions from `resume_from`.
+    Begin { resume_from: usize, resume: Option<Checkpoint> },
+    /// `in-progress`: the files and the one-time instructions from `resume_from` (a resume writes
+    /// its transition first).
+    Continue { resume_from: usize, resume: Option<Transition> },
+    /// `succeeded`: periodic instructions only (a resume writes its transition first).
+    Periodic { resume: Option<Transition> },
+    /// No plan state at all (remote mode's legacy checksum flow): the source decided; nothing is
+    /// committed before the run.
+    Legacy { one_time: bool },
+}
+
+impl RunPlan {
+    /// The state the run happens in.
+    pub fn effective(&self) -> PlanState {
+        match self {
+            RunPlan::Begin { .. } | RunPlan::Continue { .. } | RunPlan::Legacy { .. } => PlanState::InProgress,
+            RunPlan::Periodic { .. } => PlanState::Succeeded,
+        }
+    }
     /// Run the files and one-time instructions.
-    pub one_time: bool,
+    pub fn one_time(&self) -> bool {
+        match self {
+            RunPlan::Begin { .. } | RunPlan::Continue { .. } => true,
+            RunPlan::Periodic { .. } => false,
+            RunPlan::Legacy { one_time } => *one_time,
+        }
+    }
     /// Absolute index of the first one-time instruction to run.
-    pub resume_from: usize,
-    /// pending → in-progress: write it (and bump the revision) before anything runs.
-    pub begin: bool,
-    /// Resuming a paused plan: write this before anything runs (when `begin`, fold it into that
-    /// write: the checkpoint, marked not paused, goes with `in-progress`).
-    pub resume: Option<Transition>,
+    pub fn resume_from(&self) -> usize {
+        match self {
+            RunPlan::Begin { resume_from, .. } | RunPlan::Continue { resume_from, .. } => *resume_from,
+            RunPlan::Periodic { .. } | RunPlan::Legacy { .. } => 0,
+        }
+    }
+    /// What to write before anything runs, if anything.
+    pub fn commit(&self) -> Option<Commit> {
+        match self {
+            RunPlan::Begin { resume, .. } => Some(Commit::Begin { resume: resume.clone() }),
+            RunPlan::Continue { resume, .. } | RunPlan::Periodic { resume } => resume.clone().map(Commit::Resume),
+            RunPlan::Legacy { .. } => None,
+        }
+    }
+}
+
+/// A write a source makes before (or instead of) a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Commit {
+    /// pending → in-progress (bumping the revision), with a resume's checkpoint folded in.
+    Begin { resume: Option<Checkpoint> },
+    /// A paused plan resumes: its state and unpaused checkpoint.
+    Resume(Transition),
+    /// A pause or cancel recorded at reconcile time (R4, R7).
+    Record(Transition),
+}
+
+impl Commit {
+    /// The state this write leaves the plan in.
+    pub fn state(&self) -> PlanState {
+        match self {
+            Commit::Begin { .. } => PlanState::InProgress,
+            Commit::Resume(t) | Commit::Record(t) => t.state.clone(),
+        }
+    }
+    /// The checkpoint this write stores (`None`: the stored one is left as it is).
+    pub fn checkpoint(&self) -> Option<&Checkpoint> {
+        match self {
+            Commit::Begin { resume } => resume.as_ref(),
+            Commit::Resume(t) | Commit::Record(t) => Some(&t.checkpoint),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,14 +210,10 @@ pub fn decide(s: &Snapshot) -> Decision {
             });
             match effective {
                 PlanState::Pending => {
-                    Decision::Run(RunPlan { effective, one_time: true, resume_from, begin: true, resume })
+                    Decision::Run(RunPlan::Begin { resume_from, resume: resume.map(|t| t.checkpoint) })
                 }
-                PlanState::InProgress => {
-                    Decision::Run(RunPlan { effective, one_time: true, resume_from, begin: false, resume })
-                }
-                PlanState::Succeeded => {
-                    Decision::Run(RunPlan { effective, one_time: false, resume_from: 0, begin: false, resume })
-                }
+                PlanState::InProgress => Decision::Run(RunPlan::Continue { resume_from, resume }),
+                PlanState::Succeeded => Decision::Run(RunPlan::Periodic { resume }),
                 // failed, canceled, unknown: monitoring only; a resume commit is still recorded.
                 _ => match resume {
                     Some(transition) => Decision::Record { transition, partial_cancel: false },
@@ -166,12 +224,36 @@ pub fn decide(s: &Snapshot) -> Decision {
     }
 }
 
+/// What a run did, as far as the plan state is concerned (the applyinator's result, reduced).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ran {
+    /// All one-time instructions ran and succeeded (false when they were not run).
+    pub one_time_succeeded: bool,
+    /// Absolute index: one past the last completed one-time instruction.
+    pub completed: usize,
+    pub interruption: Option<Interruption>,
+    /// A stopped tree may have survivors.
+    pub termination_incomplete: bool,
+    pub one_time_output: BTreeMap<String, Vec<u8>>,
+    pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
+}
+
+/// What to do with the stored checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum CheckpointWrite {
+    /// Leave it as it is.
+    #[default]
+    Keep,
+    /// Remove it (a finished plan has none).
+    Clear,
+    Set(Checkpoint),
+}
+
 /// What to write after a run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Record {
     pub state: Option<PlanState>,
-    /// `Some(None)` clears the checkpoint.
-    pub checkpoint: Option<Option<Checkpoint>>,
+    pub checkpoint: CheckpointWrite,
     /// `Some(true)`: success bookkeeping (applied checksum, counters reset, success count +1);
     /// `Some(false)`: failure bookkeeping (failed checksum, failure count +1). `None`: neither.
     pub succeeded: Option<bool>,
@@ -181,7 +263,7 @@ pub struct Record {
 
 /// Map a finished run to what must be written. A shutdown writes nothing: the plan stays
 /// `in-progress` and a restarted agent re-runs it from its first instruction (R17).
-pub fn record(snap: &Snapshot, run: &RunPlan, result: &ApplyResult) -> Record {
+pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
     let nonempty_outputs = |r: &mut Record| {
         if !result.one_time_output.is_empty() {
             r.one_time_output = Some(result.one_time_output.clone());
@@ -191,34 +273,35 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &ApplyResult) -> Record {
         }
     };
     let incomplete = result.termination_incomplete || carried_incomplete(&snap.checkpoint);
-    let (completed, total) = if run.one_time { (result.completed, snap.total) } else { (0, 0) };
+    let one_time = run.one_time();
+    let (completed, total) = if one_time { (result.completed, snap.total) } else { (0, 0) };
     match result.interruption {
         Some(Interruption::Shutdown) => Record::default(),
         Some(i @ (Interruption::Paused | Interruption::Canceled)) => {
             let paused = i == Interruption::Paused;
-            let resume_state = match (paused, run.one_time) {
+            let resume_state = match (paused, one_time) {
                 (false, _) => String::new(),
                 (true, true) => PlanState::InProgress.as_str().to_string(),
-                (true, false) => run.effective.as_str().to_string(),
+                (true, false) => run.effective().as_str().to_string(),
             };
             let mut r = Record {
                 state: Some(if paused { PlanState::Paused } else { PlanState::Canceled }),
-                checkpoint: Some(Some(Checkpoint {
+                checkpoint: CheckpointWrite::Set(Checkpoint {
                     checksum: snap.checksum.clone(),
                     completed_instructions: completed,
                     total_instructions: total,
                     resume_state,
                     paused,
                     termination_incomplete: incomplete,
-                })),
+                }),
                 ..Default::default()
             };
             nonempty_outputs(&mut r);
             r
         }
-        None if run.one_time => Record {
+        None if one_time => Record {
             state: Some(if result.one_time_succeeded { PlanState::Succeeded } else { PlanState::Failed }),
-            checkpoint: Some(None),
+            checkpoint: CheckpointWrite::Clear,
             succeeded: Some(result.one_time_succeeded),
             one_time_output: Some(result.one_time_output.clone()),
             periodic_output: Some(result.periodic_output.clone()),

@@ -1,8 +1,5 @@
 use super::*;
-use crate::apply::InstructionReport;
 use crate::plan::{Annotations, resolve_annotations};
-use crate::process::{Outcome, Output, StopReason};
-use std::time::Duration;
 
 const STATES: [&str; 7] = ["pending", "in-progress", "succeeded", "failed", "canceled", "paused", "weird"];
 const VALUES: [Option<&str>; 5] = [None, Some("true"), Some("false"), Some("True"), Some("")];
@@ -75,8 +72,8 @@ fn suppression_matrix() {
                         // Neither annotation holds the plan: the baseline.
                         let (effective, _) = resolve_resume(&s.state, s.checkpoint.as_ref(), 3);
                         match (&d, effective.as_str()) {
-                            (Decision::Run(r), "pending" | "in-progress") => assert!(r.one_time, "{what}"),
-                            (Decision::Run(r), "succeeded") => assert!(!r.one_time, "{what}"),
+                            (Decision::Run(r), "pending" | "in-progress") => assert!(r.one_time(), "{what}"),
+                            (Decision::Run(r), "succeeded") => assert!(!r.one_time(), "{what}"),
                             (Decision::Run(_), _) => panic!("only pending, in-progress and succeeded run: {what}"),
                             (Decision::Observe | Decision::Record { .. }, "failed" | "canceled" | "weird") => {}
                             _ => panic!("{what}"),
@@ -92,7 +89,7 @@ fn suppression_matrix() {
 #[test]
 fn baseline_runs_without_an_annotation() {
     let run = |state: &str| match decide(&snap(state, None, None, None)) {
-        Decision::Run(r) => Some((r.one_time, r.begin, r.resume_from)),
+        Decision::Run(r) => Some((r.one_time(), matches!(r, RunPlan::Begin { .. }), r.resume_from())),
         _ => None,
     };
     assert_eq!(run("pending"), Some((true, true, 0)));
@@ -129,22 +126,23 @@ fn resume_continues_from_the_checkpoint_and_unpauses_in_the_same_write() {
     for v in [None, Some("false")] {
         let d = decide(&snap("paused", v, None, Some(cp(2, true, "in-progress"))));
         let Decision::Run(r) = d else { panic!("{d:?}") };
-        assert_eq!((r.one_time, r.begin, r.resume_from), (true, false, 2));
-        let t = r.resume.expect("resume commit");
+        let RunPlan::Continue { resume_from: 2, resume: Some(t) } = r else { panic!("{r:?}") };
         assert_eq!(t.state, PlanState::InProgress);
         assert!(!t.checkpoint.paused && t.checkpoint.resume_state.is_empty());
         assert_eq!(t.checkpoint.completed_instructions, 2);
     }
     // A paused pending plan resumes through the pending → in-progress write.
     let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(0, true, "pending")))) else { panic!() };
-    assert!(r.begin && r.resume.is_some());
+    assert!(matches!(r, RunPlan::Begin { resume: Some(_), .. }), "{r:?}");
+    assert_eq!(r.commit().map(|c| c.state()), Some(PlanState::InProgress));
     // A paused succeeded plan resumes into succeeded (periodic only).
     let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(2, true, "succeeded")))) else { panic!() };
-    assert!(!r.one_time);
-    assert_eq!(r.effective, PlanState::Succeeded);
+    assert!(!r.one_time());
+    assert_eq!(r.effective(), PlanState::Succeeded);
+    assert!(matches!(r.commit(), Some(Commit::Resume(_))));
     // resumeState "paused" is sanitised to in-progress; completed is clamped to the total.
     let Decision::Run(r) = decide(&snap("paused", None, None, Some(cp(9, true, "paused")))) else { panic!() };
-    assert_eq!((r.effective.as_str(), r.resume_from), ("in-progress", 3));
+    assert_eq!((r.effective(), r.resume_from()), (PlanState::InProgress, 3));
 }
 
 #[test]
@@ -161,26 +159,8 @@ fn cancel_carries_progress_and_warns_on_partial() {
     assert!(!partial_cancel);
 }
 
-fn report(outcome: Outcome) -> InstructionReport {
-    InstructionReport {
-        index: 0,
-        total: 1,
-        name: "a".into(),
-        periodic: false,
-        outcome,
-        elapsed: Duration::ZERO,
-        output: Output::default(),
-    }
-}
-
 fn run_plan(one_time: bool) -> RunPlan {
-    RunPlan {
-        effective: if one_time { PlanState::InProgress } else { PlanState::Succeeded },
-        one_time,
-        resume_from: 0,
-        begin: false,
-        resume: None,
-    }
+    if one_time { RunPlan::Continue { resume_from: 0, resume: None } } else { RunPlan::Periodic { resume: None } }
 }
 
 #[test]
@@ -188,69 +168,63 @@ fn record_table() {
     let s = snap("in-progress", None, None, None);
     let mut outputs = BTreeMap::new();
     outputs.insert("a".to_string(), b"out".to_vec());
-    let base = ApplyResult { total: 3, one_time_output: outputs.clone(), ..Default::default() };
+    let base = Ran { one_time_output: outputs.clone(), ..Default::default() };
 
-    let ok = ApplyResult { one_time_succeeded: true, completed: 3, ..base.clone() };
+    let ok = Ran { one_time_succeeded: true, completed: 3, ..base.clone() };
     let r = record(&s, &run_plan(true), &ok);
-    assert_eq!((r.state, r.succeeded, r.checkpoint.clone()), (Some(PlanState::Succeeded), Some(true), Some(None)));
+    assert_eq!(
+        (r.state, r.succeeded, r.checkpoint.clone()),
+        (Some(PlanState::Succeeded), Some(true), CheckpointWrite::Clear)
+    );
 
-    let failed = ApplyResult { completed: 1, ..base.clone() };
+    let failed = Ran { completed: 1, ..base.clone() };
     let r = record(&s, &run_plan(true), &failed);
     assert_eq!((r.state, r.succeeded), (Some(PlanState::Failed), Some(false)));
     assert_eq!(r.one_time_output, Some(outputs.clone()));
 
-    let paused = ApplyResult { completed: 1, interruption: Some(Interruption::Paused), ..base.clone() };
+    let paused = Ran { completed: 1, interruption: Some(Interruption::Paused), ..base.clone() };
     let r = record(&s, &run_plan(true), &paused);
     assert_eq!(r.state, Some(PlanState::Paused));
     assert_eq!(r.succeeded, None, "never the counters (R12)");
     assert_eq!(
         r.checkpoint,
-        Some(Some(Checkpoint {
+        CheckpointWrite::Set(Checkpoint {
             checksum: "c".into(),
             completed_instructions: 1,
             total_instructions: 3,
             resume_state: "in-progress".into(),
             paused: true,
             termination_incomplete: false
-        }))
+        })
     );
     assert_eq!(r.one_time_output, Some(outputs.clone()), "saved outputs kept with the pause (R12)");
 
-    let canceled = ApplyResult {
-        completed: 0,
-        interruption: Some(Interruption::Canceled),
-        termination_incomplete: true,
-        reports: vec![report(Outcome::Killed { reason: StopReason::Cancel, grace: Duration::from_secs(10) })],
-        ..base.clone()
-    };
+    let canceled =
+        Ran { completed: 0, interruption: Some(Interruption::Canceled), termination_incomplete: true, ..base.clone() };
     let r = record(&s, &run_plan(true), &canceled);
     assert_eq!(r.state, Some(PlanState::Canceled));
-    let c = r.checkpoint.clone().unwrap().unwrap();
+    let CheckpointWrite::Set(c) = r.checkpoint.clone() else { panic!() };
     assert!(!c.paused && c.resume_state.is_empty() && c.termination_incomplete);
 
-    let before_spawn = ApplyResult {
-        interruption: Some(Interruption::Canceled),
-        reports: vec![report(Outcome::NotStarted(StopReason::Cancel))],
-        ..Default::default()
-    };
+    let before_spawn = Ran { interruption: Some(Interruption::Canceled), ..Default::default() };
     let r = record(&s, &run_plan(true), &before_spawn);
     assert_eq!(r.state, Some(PlanState::Canceled));
-    let c = r.checkpoint.unwrap().unwrap();
+    let CheckpointWrite::Set(c) = r.checkpoint else { panic!() };
     assert_eq!((c.completed_instructions, c.total_instructions, c.paused), (0, 3, false));
 
-    let periodic_paused = ApplyResult { interruption: Some(Interruption::Paused), ..Default::default() };
+    let periodic_paused = Ran { interruption: Some(Interruption::Paused), ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_paused);
-    let c = r.checkpoint.unwrap().unwrap();
+    let CheckpointWrite::Set(c) = r.checkpoint else { panic!() };
     assert_eq!((c.resume_state.as_str(), c.completed_instructions, c.total_instructions), ("succeeded", 0, 0));
 
-    let shutdown = ApplyResult { interruption: Some(Interruption::Shutdown), ..base.clone() };
+    let shutdown = Ran { interruption: Some(Interruption::Shutdown), ..base.clone() };
     assert_eq!(
         record(&s, &run_plan(true), &shutdown),
         Record::default(),
         "a shutdown leaves in-progress for the restart"
     );
 
-    let periodic = ApplyResult { one_time_succeeded: false, ..Default::default() };
+    let periodic = Ran { one_time_succeeded: false, ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic);
     assert_eq!((r.state, r.succeeded), (None, None), "a periodic-only pass never changes the plan state");
 }

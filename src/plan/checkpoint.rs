@@ -53,6 +53,14 @@ impl fmt::Display for PlanState {
     }
 }
 
+/// Why a run stopped early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interruption {
+    Paused,
+    Canceled,
+    Shutdown,
+}
+
 /// `plan-checkpoint`: where a paused or canceled plan stopped. Field order and omitted empty
 /// fields match system-agent exactly.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -9,7 +9,7 @@ mod checkpoint;
 mod codec;
 
 pub use checkpoint::{
-    ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, InvalidAnnotation, PlanState,
+    ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,
     parse_annotation_value, resolve_annotations, shown_value,
 };
 pub use codec::{

@@ -69,6 +69,10 @@ pub enum WriteError {
     /// 404: the Secret (or its namespace) does not exist.
     #[error("not found: the secret does not exist")]
     NotFound,
+    /// 429: the API server asks clients to slow down (API priority and fairness), with its own
+    /// hint (`details.retryAfterSeconds`, which it also sends as `Retry-After`) when it gave one.
+    #[error("too many requests: the API server asked to slow down")]
+    TooManyRequests { retry_after: Option<std::time::Duration> },
     /// Anything else (transport, auth, validation, a malformed answer).
     #[error("secret write failed: {0}")]
     Other(String),
@@ -101,6 +105,14 @@ fn write_error(err: kube::Error) -> WriteError {
     match &err {
         kube::Error::Api(status) if status.code == 409 => WriteError::Conflict,
         kube::Error::Api(status) if status.code == 404 => WriteError::NotFound,
+        kube::Error::Api(status) if status.code == 429 => WriteError::TooManyRequests {
+            retry_after: status
+                .details
+                .as_ref()
+                .map(|d| d.retry_after_seconds)
+                .filter(|s| *s > 0)
+                .map(|s| std::time::Duration::from_secs(u64::from(s))),
+        },
         _ => WriteError::Other(kube_error_line(&err)),
     }
 }

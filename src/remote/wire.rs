@@ -3,7 +3,7 @@
 //! write. No I/O.
 
 use super::client::SecretSnapshot;
-use crate::flow::{self, Record, Transition};
+use crate::flow::{self, CheckpointWrite, Record, Transition};
 use crate::plan::{
     self, Annotations, Checkpoint, PeriodicInstructionOutput, PlanState, ProbeStatus, format_unix_date, parse_unix_date,
 };
@@ -130,12 +130,12 @@ pub fn transition_keys(t: &Transition) -> Keys {
 }
 
 /// pending → in-progress, bumping the revision, with a resume's checkpoint folded in.
-pub fn begin_keys(s: &SecretSnapshot, resume: Option<&Transition>) -> Keys {
+pub fn begin_keys(s: &SecretSnapshot, resume: Option<&Checkpoint>) -> Keys {
     let mut k = Keys::new();
     set(&mut k, PLAN_STATE, PlanState::InProgress.as_str());
     set(&mut k, PLAN_REVISION, incremented(s, PLAN_REVISION));
-    if let Some(t) = resume {
-        set(&mut k, PLAN_CHECKPOINT, t.checkpoint.to_json());
+    if let Some(c) = resume {
+        set(&mut k, PLAN_CHECKPOINT, c.to_json());
     }
     k
 }
@@ -197,10 +197,10 @@ pub fn record_keys(s: &SecretSnapshot, checksum: &str, r: &Record, now: DateTime
         set(&mut k, PLAN_STATE, state.as_str());
     }
     match &r.checkpoint {
-        Some(Some(cp)) => set(&mut k, PLAN_CHECKPOINT, cp.to_json()),
+        CheckpointWrite::Set(cp) => set(&mut k, PLAN_CHECKPOINT, cp.to_json()),
         // Cleared by an empty value, never by deleting the key.
-        Some(None) => set(&mut k, PLAN_CHECKPOINT, ""),
-        None => {}
+        CheckpointWrite::Clear => set(&mut k, PLAN_CHECKPOINT, ""),
+        CheckpointWrite::Keep => {}
     }
     let empty = BTreeMap::new();
     match r.succeeded {
@@ -438,7 +438,7 @@ mod tests {
     fn record_keys_clear_the_checkpoint_with_an_empty_value() {
         let r = Record {
             state: Some(PlanState::Succeeded),
-            checkpoint: Some(None),
+            checkpoint: CheckpointWrite::Clear,
             succeeded: Some(true),
             one_time_output: Some(BTreeMap::new()),
             ..Default::default()
@@ -448,14 +448,14 @@ mod tests {
         assert_eq!(s(&k, PLAN_STATE).as_deref(), Some("succeeded"));
         let paused = Record {
             state: Some(PlanState::Paused),
-            checkpoint: Some(Some(Checkpoint {
+            checkpoint: CheckpointWrite::Set(Checkpoint {
                 checksum: "c".into(),
                 completed_instructions: 1,
                 total_instructions: 3,
                 resume_state: "in-progress".into(),
                 paused: true,
                 termination_incomplete: false,
-            })),
+            }),
             ..Default::default()
         };
         let k = record_keys(&secret(&[]), "c", &paused, now());

@@ -1,0 +1,719 @@
+//! The one reconcile loop, shared by every plan source (local mode's plan directory, remote
+//! mode's Secret, and any source added later).
+//!
+//! A source ([`PlanSource`]) reads and writes its own storage and nothing else: it lists its
+//! plans, shows what it sees of one ([`Look`]: the plan, a [`flow::Snapshot`], saved outputs and
+//! probe statuses), commits the transitions and outcomes the loop hands it, and reports the
+//! pause/cancel values of a running plan. Everything between is here, once:
+//!
+//! - recovery of a previous agent's leftovers before any plan runs, and the "blocked" state of a
+//!   plan whose leftovers cannot be stopped (R17), looked at again with back-off;
+//! - the pure rules ([`flow::decide`], [`flow::record`]) turned into writes and runs;
+//! - the commit of a start or resume before anything runs, and a pause or cancel that landed
+//!   meanwhile taking effect before anything runs;
+//! - interrupt delivery to the running plan: every change the source reports, a poll every second
+//!   (so a source without change notifications still reaches a running plan), and shutdown (R15);
+//! - back-off (one [`Backoff`] per reason) and warn-once for a held plan (R3), for an apply that
+//!   could not start, and for a write that did not land, with jitter so a fleet does not write in
+//!   the same millisecond when its API server comes back; a kept write is retried at once when the
+//!   source reports a change (its watch is back);
+//! - probe scheduling: every plan's probes once per period (not while an invalid value holds it,
+//!   R3; also while paused or canceled, R10), and right after a one-time pass.
+//!
+//! Each reconcile of one plan ends in an [`Action`], as kube-runtime's reconcilers do.
+//!
+//! # Adding a source
+//! Implement [`PlanSource`] for a type that owns the storage (its keys name plans within it), and
+//! run `Reconciler::new(source, app, prober, shutdown).run()`. The source decides nothing about
+//! states: it encodes [`Commit`] and [`Outcome`] into its storage and decodes its storage into a
+//! [`Look`]. `tests.rs` drives this loop with an in-memory source holding several plans through
+//! pause, cancel, a crash and recovery: it is the smallest complete example.
+
+use crate::apply::{AgentExit, ApplyError, ApplyInput, ApplyResult, Applyinator, Interrupt, LogObserver};
+use crate::flow::{self, Commit, Decision, RunPlan};
+use crate::plan::{Interruption, PeriodicInstructionOutput, ProbeStatus, ValidPlan};
+use crate::probe::Prober;
+use crate::process::human_duration;
+use crate::process::supervise::Backoff;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+#[cfg(test)]
+mod tests;
+
+/// What the loop does after reconciling one plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing due: look again at the next change or period.
+    Wait,
+    /// Look again after this long (or at the next change, whichever comes first).
+    After(Duration),
+    /// The agent is stopping.
+    Stop,
+}
+
+/// How a source sees one plan's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum View {
+    /// The plan-state flow (R1–R12).
+    Flow(flow::Snapshot),
+    /// No plan state (remote mode's legacy checksum flow): the source decided whether the one-time
+    /// instructions run; nothing is committed before the run.
+    Legacy { one_time: bool },
+}
+
+/// What a source sees of one plan when the loop looks at it.
+#[derive(Debug, Clone)]
+pub struct Look {
+    /// How log lines name the plan (`plan 0123456789ab`, a plan file's path).
+    pub label: String,
+    pub plan: ValidPlan,
+    pub checksum: String,
+    pub view: View,
+    /// `CATTLE_AGENT_ATTEMPT_NUMBER` when the run continues the plan, and when it begins it.
+    pub attempt: i64,
+    pub begin_attempt: i64,
+    /// Outputs saved by earlier runs of this plan: one-time outputs are kept for the instructions
+    /// a resume does not run again (and the legacy flow keeps them across runs).
+    pub one_time_output: BTreeMap<String, Vec<u8>>,
+    pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
+    pub probe_statuses: BTreeMap<String, ProbeStatus>,
+    /// A failed plan the source retries on its own schedule (local mode): when it is due.
+    pub retry_in: Option<Duration>,
+}
+
+/// The result of looking at one plan.
+#[derive(Debug, Clone)]
+pub enum Seen {
+    Plan(Box<Look>),
+    /// No plan there (gone, or no plan key yet): nothing to do.
+    Nothing,
+    /// Nothing is run or written for the plan and its probes do not run (R3): the text is logged
+    /// once per distinct value and the plan is looked at again with back-off.
+    Held(String),
+    /// A plan that does not parse: logged once per checksum, looked at again at the next change.
+    Bad {
+        checksum: String,
+        error: String,
+    },
+}
+
+/// How a write went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Written {
+    Done,
+    /// The plan changed before the write could land (another plan, a concurrent update): the
+    /// write no longer applies; look again now.
+    Abandoned,
+    /// Not written (yet): `retry_after` is the server's own hint, if it gave one (HTTP 429).
+    Failed {
+        error: String,
+        retry_after: Option<Duration>,
+    },
+}
+
+impl Written {
+    pub fn failed(error: impl Into<String>) -> Written {
+        Written::Failed { error: error.into(), retry_after: None }
+    }
+}
+
+/// A finished run, for the source to store.
+#[derive(Debug)]
+pub struct Outcome<'a> {
+    pub run: &'a RunPlan,
+    /// What the plan-state rules say to write ([`View::Flow`] only).
+    pub record: Option<flow::Record>,
+    pub result: &'a ApplyResult,
+    /// Probe statuses taken right after the run, to store with it.
+    pub probes: Option<BTreeMap<String, ProbeStatus>>,
+}
+
+/// The pause/cancel values a running plan sees now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Only valid values count (an invalid value in flight is ignored: never kill on a guess).
+    pub interrupt: Interrupt,
+    /// Something to log once for this run (an invalid value ignored, a plan file removed).
+    pub note: Option<String>,
+}
+
+/// Whose a PID record is, by its owner label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim<K> {
+    /// Another source's (or another tool's).
+    NotMine,
+    Plan(K),
+    /// This source's, but for a plan it cannot name: such a record blocks every plan.
+    Unknown,
+}
+
+/// A place plans come from. See the module doc for the contract.
+pub trait PlanSource: Send {
+    /// Names one plan within the source.
+    type Key: Clone + Eq + Hash + fmt::Debug + Send + Sync + 'static;
+
+    /// Wait until something may have changed (cancel-safe: the loop drops it to look at other
+    /// things). `false`: the source ended and the loop stops.
+    fn changed(&mut self) -> impl Future<Output = bool> + Send;
+    /// The plans to look at in one pass, in order.
+    fn keys(&mut self) -> impl Future<Output = Vec<Self::Key>> + Send;
+    /// What the source sees of one plan now.
+    fn look(&mut self, key: &Self::Key) -> impl Future<Output = Seen> + Send;
+    /// Write a transition (a start, a resume, a pause or cancel recorded at reconcile time).
+    fn commit(&mut self, key: &Self::Key, look: &Look, commit: &Commit) -> impl Future<Output = Written> + Send;
+    /// Write a finished run's outcome. A failed write is kept by the source and retried through
+    /// [`PlanSource::flush`] until it lands or the plan changes.
+    fn record(&mut self, key: &Self::Key, look: &Look, outcome: Outcome<'_>) -> impl Future<Output = Written> + Send;
+    /// An apply that could not start (`err`): store it if the source counts it as a failed apply
+    /// (`Some`), or leave the plan as it is (`None`: the loop retries with back-off).
+    fn not_started(
+        &mut self,
+        key: &Self::Key,
+        look: &Look,
+        err: &ApplyError,
+    ) -> impl Future<Output = Option<Written>> + Send;
+    /// Write probe statuses taken while the plan does not run.
+    fn write_probes(
+        &mut self,
+        key: &Self::Key,
+        look: &Look,
+        statuses: BTreeMap<String, ProbeStatus>,
+    ) -> impl Future<Output = Written> + Send;
+    /// Retry the kept write of this plan, if there is one.
+    fn flush(&mut self, key: &Self::Key) -> impl Future<Output = Written> + Send;
+    /// Show (or clear) why a plan is blocked, where the source can (local mode's `.pos`).
+    fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) -> impl Future<Output = ()> + Send;
+    /// The pause/cancel values the running plan sees now.
+    fn interrupt(&mut self, key: &Self::Key, look: &Look) -> Observed;
+    /// The owner label of the PID records of this plan's processes.
+    fn owner(&self, key: &Self::Key, look: &Look) -> String;
+    /// Whose a PID record with this owner label is.
+    fn claim(&self, owner: &str) -> Claim<Self::Key>;
+    /// How long the loop waits for a change before it looks at every plan again (the rescan or
+    /// probe period).
+    fn period(&self) -> Duration;
+}
+
+/// A back-off of `initial` doubling to five minutes.
+fn backoff(initial: Duration) -> Backoff {
+    Backoff::new(initial, Duration::from_secs(300), Duration::MAX)
+}
+
+/// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
+/// same millisecond.
+pub fn jittered(d: Duration) -> Duration {
+    let mut b = [0u8; 2];
+    let r = match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+        Ok(2) => u16::from_le_bytes(b),
+        _ => 0,
+    };
+    let spread = (d / 10).min(Duration::from_secs(1));
+    d + spread.mul_f64(f64::from(r) / f64::from(u16::MAX))
+}
+
+/// A back-off step that is taken only once its previous delay has passed: being looked at again
+/// early (a change woke the loop) does not double it.
+struct Step {
+    backoff: Backoff,
+    until: Option<Instant>,
+}
+
+impl Step {
+    fn new(initial: Duration) -> Step {
+        Step { backoff: backoff(initial), until: None }
+    }
+    /// The next delay (the same deadline again when the last one has not passed yet).
+    fn next(&mut self, now: Instant) -> Duration {
+        if let Some(t) = self.until
+            && t > now
+        {
+            return t - now;
+        }
+        let d = jittered(self.backoff.after_run(Duration::ZERO));
+        self.until = Some(now + d);
+        d
+    }
+    fn reset(&mut self, initial: Duration) {
+        *self = Step::new(initial);
+    }
+}
+
+/// What the loop remembers about one plan (never persisted).
+struct Memory {
+    /// Log lines already written (warn-once), cleared when the plan is no longer held.
+    warned: HashSet<String>,
+    /// R3 and other holds: look again after this (or at the next change).
+    hold: Step,
+    /// An apply that could not start, and a blocked plan: not looked at before `gate`.
+    apply: Step,
+    blocked_step: Step,
+    gate: Option<Instant>,
+    /// A write that did not land.
+    write: Step,
+    /// The checksum of an unparsable plan already reported.
+    bad: Option<String>,
+    /// Look again then (a failed plan's retry, a back-off).
+    due: Option<Instant>,
+    blocked: Option<String>,
+    next_probe: Option<Instant>,
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        Memory {
+            warned: HashSet::new(),
+            hold: Step::new(Duration::from_secs(1)),
+            apply: Step::new(Duration::from_secs(1)),
+            blocked_step: Step::new(Duration::from_secs(5)),
+            gate: None,
+            write: Step::new(Duration::from_secs(1)),
+            bad: None,
+            due: None,
+            blocked: None,
+            next_probe: None,
+        }
+    }
+}
+
+impl Memory {
+    fn warn_once(&mut self, msg: String) {
+        if self.warned.insert(msg.clone()) {
+            tracing::warn!("{msg}");
+        }
+    }
+}
+
+/// The reconcile loop over one source.
+pub struct Reconciler<S: PlanSource> {
+    source: S,
+    app: Arc<Applyinator>,
+    prober: Arc<Prober>,
+    memory: HashMap<S::Key, Memory>,
+    /// A refused record whose plan cannot be known (or a refused PID directory): every plan of
+    /// the source is held, as any of them may still be running.
+    blocked_all: Option<String>,
+    incomplete: Option<String>,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// What recovery found: the plans whose leftovers could not be stopped (or whose records are
+/// refused), and a reason that holds every plan.
+pub struct Recovery<K> {
+    pub held: HashMap<K, String>,
+    pub all: Option<String>,
+}
+
+/// Stop the verified leftovers claimed by `claim` (those of `only`, or all of them) before anything
+/// runs (R17); report what is kept.
+pub async fn recover<K: Clone + Eq + Hash>(
+    app: &Applyinator,
+    claim: impl Fn(&str) -> Claim<K>,
+    only: Option<&K>,
+) -> Recovery<K> {
+    let mut out = Recovery { held: HashMap::new(), all: None };
+    let results = app
+        .supervisor()
+        .recover(|rec| match claim(&rec.owner) {
+            Claim::NotMine => false,
+            Claim::Plan(k) => only.is_none_or(|o| *o == k),
+            Claim::Unknown => true,
+        })
+        .await;
+    for r in results {
+        let Some(why) = r.hold_reason() else { continue };
+        match r.record.as_ref().map(|rec| claim(&rec.owner)) {
+            Some(Claim::Plan(k)) => {
+                out.held.insert(k, why);
+            }
+            _ => out.all = Some(why),
+        }
+    }
+    out
+}
+
+impl<S: PlanSource> Reconciler<S> {
+    pub fn new(source: S, app: Arc<Applyinator>, prober: Arc<Prober>, shutdown: watch::Receiver<bool>) -> Self {
+        Reconciler { source, app, prober, memory: HashMap::new(), blocked_all: None, incomplete: None, shutdown }
+    }
+
+    /// The source, for tests that look at it after the loop stopped.
+    pub fn into_source(self) -> S {
+        self.source
+    }
+
+    /// Run until shutdown (or until the source ends).
+    pub async fn run(mut self) -> (AgentExit, S) {
+        // R17: whatever a previous agent left running is found and stopped before any plan runs.
+        self.recover_all().await;
+        let mut shutdown = self.shutdown.clone();
+        'outer: loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            let keys = self.source.keys().await;
+            self.memory.retain(|k, _| keys.contains(k));
+            for key in keys {
+                if *shutdown.borrow() {
+                    break 'outer;
+                }
+                let action = self.reconcile(&key).await;
+                let mem = self.memory.entry(key).or_default();
+                match action {
+                    Action::Stop => break 'outer,
+                    Action::After(d) => mem.due = Some(Instant::now() + d),
+                    Action::Wait => {}
+                }
+            }
+            let now = Instant::now();
+            let next = self
+                .memory
+                .values()
+                .flat_map(|m| [m.due, m.gate, m.next_probe])
+                .flatten()
+                .map(|t| t.saturating_duration_since(now))
+                .fold(self.source.period(), Duration::min);
+            tokio::select! {
+                alive = self.source.changed() => if !alive { break },
+                _ = tokio::time::sleep(next) => {}
+                r = shutdown.changed() => if r.is_err() { break },
+            }
+        }
+        let exit = match self.incomplete.take() {
+            Some(e) => AgentExit::Incomplete(e),
+            None => AgentExit::Clean,
+        };
+        (exit, self.source)
+    }
+
+    async fn recover_all(&mut self) {
+        let source = &self.source;
+        let r = recover(&self.app, |o| source.claim(o), None).await;
+        for (key, why) in r.held {
+            tracing::error!("{why}; the plan is blocked until this is resolved");
+            self.memory.entry(key).or_default().blocked = Some(why);
+        }
+        if let Some(why) = &r.all {
+            tracing::error!("{why}; every plan is blocked until this is resolved");
+        }
+        self.blocked_all = r.all;
+    }
+
+    /// Look at one blocked plan again: recovery runs for it (the stop ladder again), with back-off
+    /// so other plans are not held up. Returns whether it is still blocked.
+    async fn recheck_blocked(&mut self, key: &S::Key) -> bool {
+        let source = &self.source;
+        let r = recover(&self.app, |o| source.claim(o), Some(key)).await;
+        let mut held = r.held;
+        let why = held.remove(key).or_else(|| r.all.clone());
+        self.blocked_all = r.all;
+        let now = Instant::now();
+        let mem = self.memory.entry(key.clone()).or_default();
+        mem.blocked = why.clone();
+        match why {
+            Some(why) => {
+                let d = mem.blocked_step.next(now);
+                mem.gate = Some(now + d);
+                self.source.set_blocked(key, Some(&why)).await;
+                true
+            }
+            None => {
+                mem.blocked_step.reset(Duration::from_secs(5));
+                self.source.set_blocked(key, None).await;
+                false
+            }
+        }
+    }
+
+    fn mem(&mut self, key: &S::Key) -> &mut Memory {
+        self.memory.entry(key.clone()).or_default()
+    }
+
+    /// A write failed: keep trying with back-off (the server's hint when it gave one).
+    fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
+        let mem = self.mem(key);
+        let d = match retry_after {
+            Some(d) => jittered(d),
+            None => mem.write.next(Instant::now()),
+        };
+        tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
+        Action::After(d)
+    }
+
+    fn wrote(&mut self, key: &S::Key) {
+        self.mem(key).write.reset(Duration::from_secs(1));
+    }
+
+    /// Reconcile one plan.
+    async fn reconcile(&mut self, key: &S::Key) -> Action {
+        let now = Instant::now();
+        if self.mem(key).gate.is_some_and(|t| now < t) {
+            return Action::Wait;
+        }
+        // A kept write lands first (as soon as the source is reachable again).
+        match self.source.flush(key).await {
+            Written::Done => {}
+            Written::Abandoned => {
+                tracing::info!("the plan changed before its outcome could be written; reconciling the new plan")
+            }
+            Written::Failed { error, retry_after } => {
+                return self.write_failed(key, "the outcome", &error, retry_after);
+            }
+        }
+        self.wrote(key);
+        if self.mem(key).blocked.is_some() || self.blocked_all.is_some() {
+            self.recheck_blocked(key).await;
+        }
+        let look = match self.source.look(key).await {
+            Seen::Nothing => return Action::Wait,
+            Seen::Held(why) => {
+                let mem = self.mem(key);
+                mem.warn_once(why);
+                return Action::After(mem.hold.next(now));
+            }
+            Seen::Bad { checksum, error } => {
+                let mem = self.mem(key);
+                if mem.bad.as_deref() != Some(checksum.as_str()) {
+                    tracing::error!("{error}");
+                    mem.bad = Some(checksum);
+                }
+                return Action::Wait;
+            }
+            Seen::Plan(look) => look,
+        };
+        let decision = match &look.view {
+            View::Flow(snap) => flow::decide(snap),
+            View::Legacy { one_time } => Decision::Run(RunPlan::Legacy { one_time: *one_time }),
+        };
+        if let Decision::Invalid(e) = &decision {
+            // R3: nothing written, nothing run, no probes; looked at again with back-off.
+            let msg = format!("{}: {e}; the plan is held and nothing is written", look.label);
+            let mem = self.mem(key);
+            mem.warn_once(msg);
+            return Action::After(mem.hold.next(now));
+        }
+        {
+            let mem = self.mem(key);
+            mem.hold.reset(Duration::from_secs(1));
+            mem.warned.clear();
+            mem.bad = None;
+            mem.due = look.retry_in.map(|d| now + d);
+        }
+        if let Some(why) = self.mem(key).blocked.clone().or_else(|| self.blocked_all.clone()) {
+            self.mem(key).warn_once(format!("{}: not running: {why}", look.label));
+            return self.probe(key, &look).await;
+        }
+        match decision {
+            Decision::Invalid(_) => Action::Wait,
+            Decision::Observe => self.probe(key, &look).await,
+            Decision::Record { transition, partial_cancel } => {
+                if partial_cancel {
+                    tracing::warn!(
+                        "{}: canceled after {}/{} instructions; the node may be left partly changed",
+                        look.label,
+                        transition.checkpoint.completed_instructions,
+                        transition.checkpoint.total_instructions
+                    );
+                }
+                tracing::info!("{}: {}", look.label, transition.state);
+                let state = transition.state.clone();
+                match self.source.commit(key, &look, &Commit::Record(transition)).await {
+                    Written::Done => {
+                        self.wrote(key);
+                        self.probe(key, &look).await
+                    }
+                    Written::Abandoned => Action::After(Duration::ZERO),
+                    Written::Failed { error, retry_after } => {
+                        self.write_failed(key, &format!("{}: {state}", look.label), &error, retry_after)
+                    }
+                }
+            }
+            Decision::Run(run) => self.run_plan(key, &look, run).await,
+        }
+    }
+
+    /// Run the plan's probes when they are due and store their statuses.
+    async fn probe(&mut self, key: &S::Key, look: &Look) -> Action {
+        let now = Instant::now();
+        let period = self.source.period();
+        let mem = self.mem(key);
+        if look.plan.plan.probes.is_empty() || mem.next_probe.is_some_and(|t| now < t) {
+            return Action::Wait;
+        }
+        mem.next_probe = Some(now + period);
+        let statuses = self.prober.probe_all(&look.plan.plan.probes, &look.probe_statuses, false).await;
+        if statuses == look.probe_statuses {
+            return Action::Wait;
+        }
+        match self.source.write_probes(key, look, statuses).await {
+            Written::Done => {
+                self.wrote(key);
+                Action::Wait
+            }
+            Written::Abandoned => Action::After(Duration::ZERO),
+            Written::Failed { error, retry_after } => {
+                self.mem(key).next_probe = None;
+                self.write_failed(key, &format!("{}: probe statuses", look.label), &error, retry_after)
+            }
+        }
+    }
+
+    async fn run_plan(&mut self, key: &S::Key, look: &Look, run: RunPlan) -> Action {
+        // Commit the start (pending → in-progress) or the resume before anything runs.
+        if let Some(commit) = run.commit() {
+            match self.source.commit(key, look, &commit).await {
+                Written::Done => self.wrote(key),
+                Written::Abandoned => return Action::After(Duration::ZERO),
+                Written::Failed { error, retry_after } => {
+                    return self.write_failed(key, &format!("the start of {}", look.label), &error, retry_after);
+                }
+            }
+            // A pause or cancel that landed meanwhile takes effect before anything runs.
+            let now = self.source.interrupt(key, look);
+            if now.interrupt.pause || now.interrupt.cancel {
+                return Action::After(Duration::ZERO);
+            }
+        }
+        let total = look.plan.plan.instructions.len();
+        if run.one_time() {
+            match run.resume_from() {
+                0 => tracing::info!("{}: applying ({total} instructions)", look.label),
+                n => tracing::info!("{}: resuming at instruction {}/{total}", look.label, (n + 1).min(total)),
+            }
+        }
+        let result = match self.apply(key, look, &run).await {
+            Ok(r) => {
+                self.mem(key).apply.reset(Duration::from_secs(1));
+                r
+            }
+            Err(e) => {
+                if let Some(w) = self.source.not_started(key, look, &e).await {
+                    return match w {
+                        Written::Done => Action::Wait,
+                        Written::Abandoned => Action::After(Duration::ZERO),
+                        Written::Failed { error, retry_after } => {
+                            self.write_failed(key, &format!("{}: the failure", look.label), &error, retry_after)
+                        }
+                    };
+                }
+                // An apply that could not start (interlock, work directory) records nothing and is
+                // retried with back-off; the plan keeps its state.
+                let now = Instant::now();
+                let mem = self.mem(key);
+                let d = mem.apply.next(now);
+                mem.gate = Some(now + d);
+                tracing::error!("{}: {e}; retrying in {}", look.label, human_duration(d));
+                return Action::After(d);
+            }
+        };
+        if let Some(why) = result.incomplete_reason() {
+            tracing::error!("{}: {why}", look.label);
+            self.mem(key).blocked = Some(why.clone());
+            self.source.set_blocked(key, Some(&why)).await;
+            self.incomplete = Some(why);
+        }
+        if result.interruption == Some(Interruption::Shutdown) {
+            tracing::info!(
+                "{}: stopped for shutdown; it runs again from its first instruction at the next start",
+                look.label
+            );
+            return Action::Stop;
+        }
+        // R11: the applyinator logs the warning for an interrupted instruction.
+        let record = match &look.view {
+            View::Flow(snap) => Some(flow::record(snap, &run, &result.ran())),
+            View::Legacy { .. } => None,
+        };
+        if let Some(s) = record.as_ref().and_then(|r| r.state.as_ref()) {
+            tracing::info!("{}: {s} ({}/{total} instructions)", look.label, result.completed);
+        }
+        let initial = run.one_time() && result.interruption.is_none();
+        let due = self.mem(key).next_probe.is_none_or(|t| Instant::now() >= t);
+        let probes = if !look.plan.plan.probes.is_empty() && (initial || due) {
+            self.mem(key).next_probe = Some(Instant::now() + self.source.period());
+            Some(self.prober.probe_all(&look.plan.plan.probes, &look.probe_statuses, initial).await)
+        } else {
+            None
+        };
+        match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
+            Written::Done => {
+                self.wrote(key);
+                Action::Wait
+            }
+            Written::Abandoned => {
+                tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
+                Action::After(Duration::ZERO)
+            }
+            Written::Failed { error, retry_after } => {
+                self.write_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
+            }
+        }
+    }
+
+    /// Run the applyinator, feeding it the pause/cancel values as the source reports them (R15)
+    /// and shutdown.
+    async fn apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
+        let first = self.source.interrupt(key, look);
+        let mut notes = HashSet::new();
+        let note = |notes: &mut HashSet<String>, o: &Observed| {
+            if let Some(n) = &o.note
+                && notes.insert(n.clone())
+            {
+                tracing::warn!("{n}");
+            }
+        };
+        note(&mut notes, &first);
+        let (tx, rx) = watch::channel(Interrupt { shutdown: *self.shutdown.borrow(), ..first.interrupt });
+        let saved = match (&look.view, run.resume_from()) {
+            (View::Legacy { .. }, _) => look.one_time_output.clone(),
+            (View::Flow(_), 0) => BTreeMap::new(),
+            (View::Flow(_), _) => look.one_time_output.clone(),
+        };
+        let input = ApplyInput {
+            plan: &look.plan,
+            reconcile_files: run.one_time(),
+            run_one_time: run.one_time(),
+            attempt: if matches!(run, RunPlan::Begin { .. }) { look.begin_attempt } else { look.attempt },
+            resume_from: run.resume_from(),
+            one_time_output: saved,
+            periodic_output: look.periodic_output.clone(),
+            run_periodic: true,
+            interrupts: rx,
+            owner: self.source.owner(key, look),
+            observer: Arc::new(LogObserver),
+        };
+        let app = self.app.clone();
+        let mut apply = std::pin::pin!(app.apply(input));
+        let mut shutdown = self.shutdown.clone();
+        let mut poll = tokio::time::interval(Duration::from_secs(1));
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut source_alive = true;
+        loop {
+            let deliver = tokio::select! {
+                r = &mut apply => return r,
+                alive = self.source.changed(), if source_alive => {
+                    source_alive = alive;
+                    true
+                }
+                _ = poll.tick() => true,
+                r = shutdown.changed() => {
+                    if r.is_ok() && *shutdown.borrow() {
+                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
+                    false
+                }
+            };
+            if deliver {
+                let o = self.source.interrupt(key, look);
+                note(&mut notes, &o);
+                crate::apply::update_interrupt(&tx, o.interrupt, &look.label);
+            }
+        }
+    }
+}
