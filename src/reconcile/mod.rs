@@ -467,9 +467,6 @@ impl<S: PlanSource> Reconciler<S> {
             }
         }
         self.wrote(key);
-        if self.mem(key).blocked.is_some() || self.blocked_all.is_some() {
-            self.recheck_blocked(key).await;
-        }
         let look = match self.source.look(key).await {
             Seen::Nothing => return Action::Wait,
             Seen::Held(why) => {
@@ -504,6 +501,11 @@ impl<S: PlanSource> Reconciler<S> {
             mem.warned.clear();
             mem.bad = None;
             mem.due = look.retry_in.map(|d| now + d);
+        }
+        // A blocked plan (its leftovers could not be stopped) is looked at again: recovery runs
+        // for it once more. Not while a value is invalid: then nothing is written (R3).
+        if (self.mem(key).blocked.is_some() || self.blocked_all.is_some()) && !self.recheck_blocked(key).await {
+            tracing::info!("{}: its leftovers are gone; the plan is no longer blocked", look.label);
         }
         if let Some(why) = self.mem(key).blocked.clone().or_else(|| self.blocked_all.clone()) {
             self.mem(key).warn_once(format!("{}: not running: {why}", look.label));
