@@ -11,6 +11,7 @@
 //!   both modes (the rules of `docs/rules.md` that decide what runs and what is written).
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
+//! - [`image`]: images for `image` instructions: tarballs, registries, pulls, layer extraction.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files.
 //! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.
