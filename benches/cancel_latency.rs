@@ -1,8 +1,9 @@
-//! Cancel latency (SPEC §7, R15): from the response to the orchestrator's PATCH that sets
-//! `plan.cattle.io/canceled=true` to (a) SIGTERM arriving in the running instruction (the helper
-//! records CLOCK_REALTIME in its signal handler) and (b) the instruction's process being gone
-//! (pidfd readable), over at least 50 cancels against a real kube-apiserver. Prints p50/p99 and
-//! the ratio against system-agent's 2 s polling interval (mean wait 1 s). Not a test.
+//! Cancel latency (`docs/rules.md#proof-cancel-latency`, R15): from the response to the
+//! orchestrator's PATCH that sets `plan.cattle.io/canceled=true` to (a) SIGTERM arriving in the
+//! running instruction (the helper records CLOCK_REALTIME in its signal handler) and (b) the
+//! instruction's process being gone (pidfd readable), over at least 50 cancels against a real
+//! kube-apiserver. Prints p50/p99 and the ratio against system-agent's 2 s polling interval (mean
+//! wait 1 s). Not a test.
 //!
 //! Run: `cargo bench --bench cancel_latency` (needs the cache built by tools/build-kube-apiserver.sh;
 //! NODEPLAN_BENCH_N overrides the number of cancels).

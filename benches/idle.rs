@@ -1,7 +1,7 @@
-//! Idle agent (SPEC §7): resident memory and wake-ups per minute of `nodeplan agent` in local
-//! mode holding a paused plan with one probe (so only the rescan and the probe timer run), next to
-//! a `sleep` process as the floor. Wake-ups are context switches of all the agent's threads
-//! (voluntary + involuntary) over the window. Not a test: it asserts nothing.
+//! Idle agent (`docs/rules.md#proof-idle`): resident memory and wake-ups per minute of
+//! `nodeplan agent` in local mode holding a paused plan with one probe (so only the rescan and the
+//! probe timer run), next to a `sleep` process as the floor. Wake-ups are context switches of all
+//! the agent's threads (voluntary + involuntary) over the window. Not a test: it asserts nothing.
 //! Run: `cargo bench --bench idle` (NODEPLAN_BENCH_SECS sets the window, default 30).
 
 use std::io::{Read, Write};

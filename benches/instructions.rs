@@ -1,6 +1,7 @@
-//! Instruction overhead (SPEC §7): a plan of 500 trivial instructions (`/bin/true`) applied by
-//! `nodeplan apply` against one shell running the same 500 commands in sequence, side by side in
-//! one run. Prints the times and the ratios (target: at most 1.5×). Not a test: it asserts nothing.
+//! Instruction overhead (`docs/rules.md#proof-instruction-overhead`): a plan of 500 trivial
+//! instructions (`/bin/true`) applied by `nodeplan apply` against one shell running the same 500
+//! commands in sequence, side by side in one run. Prints the times and the ratios (target: at most
+//! 1.5×). Not a test: it asserts nothing.
 //!
 //! Every instruction gets its own execution directory (system-agent's layout), so the work
 //! directory's filesystem is part of the cost. The first line puts it on tmpfs (`/dev/shm`) to

@@ -1,4 +1,5 @@
-//! Process-layer benchmarks (SPEC §7), printed as ratios against a baseline run side by side:
+//! Process-layer benchmarks (`docs/rules.md#proof-output`), printed as ratios against a baseline
+//! run side by side:
 //! 1. spawn-and-wait of `/bin/true` through the supervisor vs `std::process::Command`;
 //! 2. capturing 1 GiB of stdout (line-structured) vs `cat > /dev/null` reading the same stream,
 //!    with the peak RSS of the process doing the capture.

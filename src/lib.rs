@@ -2,11 +2,16 @@
 //! health probes) with safe pause and cancel, and a process supervisor that never hangs and never
 //! loses track of what it started. Wire-compatible with Rancher's system-agent.
 //!
+//! The pause and cancel rules that the code and tests cite as R1–R17 are stated in the
+//! repository's `docs/rules.md`.
+//!
 //! Module boundaries (each module's own doc says what it owns and must not touch):
 //! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
-//! - [`flow`]: the plan-state flow with pause and cancel (R1–R12) as pure decide/record functions.
+//! - [`flow`]: the plan-state flow with pause and cancel as pure decide/record functions shared by
+//!   both modes (the rules of `docs/rules.md` that decide what runs and what is written).
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
+//! - [`image`]: images for `image` instructions: tarballs, registries, pulls, layer extraction.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files.
 //! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.

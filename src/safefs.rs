@@ -1,8 +1,10 @@
 //! Race-free file access for an agent that runs as root in directories other users may write.
 //!
-//! Every file nodeplan writes (plan files, `.pos` and control files, the applied-plan archive, the
-//! interlock files, PID-record directories) goes through here. The rules, which SECURITY.md
-//! states for users:
+//! Every file nodeplan writes in a place another user may reach goes through here: a plan's files,
+//! directories and deletes, `.pos` and control files, the applied-plan archive, the interlock files
+//! and the removal of earlier execution directories. (PID records are the process layer's: each is
+//! created exclusively, in a PID directory that recovery trusts only when it is the agent's and not
+//! writable by others.) The rules, which SECURITY.md states for users:
 //!
 //! - **Paths are walked one component at a time with directory fds** (`openat` with
 //!   `O_NOFOLLOW`), never resolved by the kernel in one go, so a component swapped for a link while
@@ -19,9 +21,11 @@
 //! - **A delete never follows a link and never crosses into another mount**: the tree is removed
 //!   through directory fds (`openat` with `O_NOFOLLOW`, `unlinkat`), and a tree that holds a mount
 //!   point (a mounted filesystem or a bind mount) is not deleted at all.
-//! - **Reads of files others may plant** (control and `.pos` files) open the last component
-//!   without following links and without blocking, accept regular files only and stop at a size
-//!   cap, so a FIFO, a device or a 2 GB file cannot hang or exhaust the agent.
+//! - **Reads of files others may plant** (plan, control and `.pos` files in the plan directory,
+//!   [`read_small`]) open the last component without following links and without blocking, accept
+//!   regular files only and stop at a size cap, so a FIFO, a device or a 2 GB file cannot hang or
+//!   exhaust the agent. A file named on the command line ([`read_named`]) is read the same way,
+//!   except that a link is followed.
 //!
 //! This module must not know what the files mean; callers give paths, bytes and modes.
 

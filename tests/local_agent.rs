@@ -436,9 +436,9 @@ fn a_recreated_plan_directory_is_watched_again() {
     assert_eq!(agent.stop(), 0);
 }
 
-/// SPEC §7 faults: the agent SIGKILLed at pseudo-random points of a plan and restarted, again and
-/// again. The plan ends succeeded, no instruction ever ran while its previous copy was alive, and
-/// nothing any of the agents started is left running.
+/// Faults (`docs/rules.md#proof-faults`): the agent SIGKILLed at pseudo-random points of a plan and
+/// restarted, again and again. The plan ends succeeded, no instruction ever ran while its previous
+/// copy was alive, and nothing any of the agents started is left running.
 #[test]
 fn sigkill_at_random_points_then_restart() {
     let s = Setup::new();

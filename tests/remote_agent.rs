@@ -659,9 +659,9 @@ async fn checksum_flow_stops_at_max_failures() {
     assert_eq!(agent.stop(), 0);
 }
 
-/// SPEC §7 faults, remote mode: the agent SIGKILLed at pseudo-random points of a plan and
-/// restarted. The plan ends succeeded, no instruction ran while its previous copy was alive, and
-/// nothing any of the agents started is left running.
+/// Faults (`docs/rules.md#proof-faults`), remote mode: the agent SIGKILLed at pseudo-random points
+/// of a plan and restarted. The plan ends succeeded, no instruction ran while its previous copy was
+/// alive, and nothing any of the agents started is left running.
 #[tokio::test]
 async fn sigkill_at_random_points_then_restart() {
     let cp = control_plane!();

@@ -1,5 +1,6 @@
 //! The applyinator: carries out one plan. It writes the plan's files, runs the one-time
-//! instructions in order (stopping at the first failure), runs due periodic instructions, and obeys
+//! instructions in order (stopping at the first failure; an `image` instruction first gets its
+//! image staged through [`crate::image`]), runs due periodic instructions, and obeys
 //! interrupts: a pause stops at the next instruction boundary, a cancel (or agent shutdown) runs the
 //! stop ladder on the running instruction's whole tree and starts nothing more.
 //!

@@ -2,7 +2,8 @@
 //! without Rancher. For a local plan (`PLANFILE`) the commands only write control files beside it;
 //! the agent (the only writer of `.pos`) acts on them. For a node's plan Secret
 //! (`--secret NAMESPACE/NAME`) they write what Rancher would: the `plan` and `plan-state` keys and
-//! the `plan.cattle.io/paused|canceled` annotations, never the agent's keys.
+//! the `plan.cattle.io/paused|canceled` annotations. Of the agent's keys, only `probe-statuses` is
+//! touched: `push` of a new plan deletes it, as Rancher does.
 
 use super::exit;
 use crate::local::pos::{self, PlanFiles};

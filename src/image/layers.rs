@@ -1,7 +1,9 @@
 //! Layer extraction: one layer (a tar, gzip-compressed or not) unpacked over what the lower layers
 //! left, with OCI whiteouts (`.wh.NAME` deletes NAME, `.wh..wh..opq` empties its directory)
-//! applied to the lower layers first. Paths stay inside the destination (`..` and absolute paths
-//! are refused by `tar`'s `unpack_in`).
+//! applied to the lower layers first. A first pass counts the layer's bytes and entries against
+//! the image's caps before anything is written. Paths stay inside the destination: an entry with a
+//! `..` component is skipped, a leading `/` is dropped, nothing is written or removed below a
+//! symlink or file a lower layer left, and device and FIFO entries are skipped.
 
 use std::fs::File;
 use std::io::{self, BufReader, Read, Seek};

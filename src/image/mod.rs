@@ -1,12 +1,14 @@
 //! Image staging for `image` instructions, as system-agent's `pkg/image` does it: the image is
-//! found in a tarball under `imagesDirectory` (air-gapped nodes) or pulled from its registry
-//! (mirrors, credentials and TLS from the registries file), every layer is verified against its
-//! digest, and the layers are extracted in order into the instruction's execution directory,
-//! whose `run.sh` is then the default command.
+//! found in a tarball under `imagesDirectory` (air-gapped nodes; matched by tag, so never for a
+//! reference pinned to a digest) or pulled from its registry (mirrors, credentials and TLS from the
+//! registries file; every pulled layer is verified against its sha256 digest, and against its size
+//! when the manifest gives one), and the layers are extracted in order into the instruction's
+//! execution directory, whose `run.sh` is then the default command. A tarball's layers are not
+//! checked against digests; the caps and the extraction rules apply to them all the same.
 //!
-//! Owns image references, the registries file, the registry protocol and layer extraction. It
-//! must not spawn processes or know what a plan is; the applyinator decides when to stage and
-//! what a failure means.
+//! Owns image references, the registries file, image tarballs, the registry protocol and layer
+//! extraction. It must not spawn processes or know what a plan is; the applyinator decides when to
+//! stage and what a failure means.
 
 mod archive;
 mod layers;

@@ -1,5 +1,5 @@
-//! A thin cgroup layer: find the hierarchy, create one leaf per run, join it before exec, ask
-//! whether it is populated, kill it, remove it.
+//! A thin cgroup layer: find the hierarchy, create one leaf per run, have the child enter it (born
+//! in it on v2, joining it before exec on v1), ask whether it is populated, kill it, remove it.
 //!
 //! cgroup v2 first: the leaf is killed atomically with `cgroup.kill`, so nothing in it escapes. No
 //! controllers are enabled. Where no cgroup v2 hierarchy is usable (cgroup v1 hosts such as RHEL

@@ -1,13 +1,14 @@
 //! The process layer: the only place in nodeplan that spawns, waits for or signals a process.
 //!
 //! It owns spawning (argv, env, cwd, stdin from /dev/null, its own process group, its own cgroup
-//! leaf when a hierarchy is usable: cgroup v2, born in it with clone3 or joining it before exec, else
-//! a cgroup v1 freezer leaf joined before exec; see [`cgroup`]), concurrent
-//! capture of stdout and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace,
-//! SIGKILL/`cgroup.kill`, kill timeout), typed outcomes, PID records and crash recovery, and the
-//! respawn loop of `nodeplan supervise`. It knows nothing about plans: callers hand it a
-//! [`SpawnSpec`] and a [`StopSignal`] and get a [`RunResult`] back. Nothing here ever waits on pipe
-//! EOF alone, so an escaped grandchild that holds a pipe cannot hang a run.
+//! leaf when a hierarchy is usable: cgroup v2, born in it with clone3 or joining it before exec,
+//! else a cgroup v1 freezer leaf joined before exec; see [`cgroup`]), concurrent capture of stdout
+//! and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace, SIGKILL: `cgroup.kill` on v2,
+//! freeze, kill and thaw on v1; kill timeout), typed outcomes, PID records, the owner locks of
+//! `apply` and `supervise`, crash recovery, and the respawn loop of `nodeplan supervise`. It knows
+//! nothing about plans: callers hand it a [`SpawnSpec`] and a [`StopSignal`] and get a
+//! [`RunResult`] back. Nothing here ever waits on pipe EOF alone, so an escaped grandchild that
+//! holds a pipe cannot hang a run.
 
 mod capture;
 pub mod cgroup;

@@ -5,10 +5,11 @@
 //! The file is JSON lines: the record (pid 0 until the process exists), then, appended through the
 //! descriptor kept open since its creation, `{"pid":…,"startTime":…}` once the spawn returned.
 //! Neither write renames over an existing file (on ext4 that forces a writeback of the data on
-//! every spawn) and neither is synced (see [`PidRecord::create`]). A record torn by a crash in the
-//! middle of a write is harmless: a torn first line means the spawn never happened (the record is
-//! written before it), and a torn update leaves pid 0, which recovery handles by the run's cgroup
-//! and marker, never by number.
+//! every spawn) and neither is synced (see [`PidRecord::create`]); only [`PidRecord::rewrite`],
+//! for a run that loses its cgroup before the spawn, replaces the file (temp file, rename). A
+//! record torn by a crash in the middle of a write is harmless: a torn first line means the spawn
+//! never happened (the record is written before it), and a torn update leaves pid 0, which
+//! recovery handles by the run's cgroup and marker, never by number.
 
 use super::procfs::{self, ProcHandle};
 use super::tree::MARKER_ENV;

@@ -5,9 +5,10 @@
 //! copy-on-write faults follow in the agent, which is most of what a fork of a multi-threaded
 //! process costs. Elsewhere it has fork semantics. Either way, between the clone and `execve` the
 //! child only makes async-signal-safe system calls on memory prepared before the clone (dup2,
-//! setpgid, chdir, sigaction, sigprocmask, execve, write, _exit), with every signal blocked until
-//! its handlers are back to the defaults, as glibc's posix_spawn does. [`RawChild`] owns the child:
-//! it waits through the pidfd (readable when the process ends) and reaps with `waitid(P_PIDFD)`.
+//! fcntl, setpgid, write, chdir, sigaction, sigprocmask, execve, _exit), with every signal blocked
+//! until its handlers are back to the defaults, as glibc's posix_spawn does. [`RawChild`] owns the
+//! child: it waits through the pidfd (readable when the process ends) and reaps with
+//! `waitid(P_PIDFD)`.
 
 use super::SpawnSpec;
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

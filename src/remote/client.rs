@@ -10,9 +10,10 @@
 //! touches no other object than the one Secret named by [`SecretRef`], and it never writes a key
 //! the caller did not name. What the data means is the reconcile loop's business.
 //!
-//! Test support for the orchestrator's side (Rancher writing `plan`, annotations, creating and
-//! deleting the Secret) lives here too ([`SecretClient::orchestrator_patch`],
-//! [`SecretClient::create`], [`SecretClient::delete`]) so tests drive the same wire path.
+//! The orchestrator's side (what Rancher does: writing `plan`, `plan-state` and the annotations,
+//! creating the Secret) lives here too, so `nodeplan plan` and the tests take the same wire path:
+//! [`SecretClient::orchestrator_patch`] and [`SecretClient::create`] serve `nodeplan plan`, the
+//! tests and the cancel-latency benchmark; [`SecretClient::delete`] serves only the tests.
 
 use std::collections::BTreeMap;
 
@@ -172,7 +173,8 @@ impl SecretClient {
         kube::Client::try_from(config).map_err(|e| format!("kube client: {}", kube_error_line(&e)))
     }
 
-    /// GET the Secret; `None` when it does not exist.
+    /// GET the Secret; `None` when it does not exist. Used by the agent after a conflict and by
+    /// `nodeplan plan push|status`.
     pub async fn get(&self) -> Result<Option<SecretSnapshot>, String> {
         match self.api.get_opt(&self.secret.name).await {
             Ok(Some(secret)) => SecretSnapshot::from_secret(secret).map(Some),
@@ -251,7 +253,8 @@ impl SecretClient {
             })
     }
 
-    /// Orchestrator side (tests): a JSON merge patch without any precondition.
+    /// Orchestrator side (`nodeplan plan push|pause|resume|cancel|reset`, tests): a JSON merge patch
+    /// without any precondition.
     pub async fn orchestrator_patch(&self, patch: serde_json::Value) -> Result<SecretSnapshot, String> {
         let secret = self
             .api
@@ -261,7 +264,8 @@ impl SecretClient {
         SecretSnapshot::from_secret(secret)
     }
 
-    /// Orchestrator side (tests): create the Secret with type `rke.cattle.io/machine-plan`.
+    /// Orchestrator side (`nodeplan plan push` of a Secret that does not exist yet, tests): create
+    /// the Secret with type `rke.cattle.io/machine-plan`.
     pub async fn create(
         &self,
         data: BTreeMap<String, Vec<u8>>,
@@ -281,7 +285,8 @@ impl SecretClient {
         SecretSnapshot::from_secret(created)
     }
 
-    /// Orchestrator side (tests): delete the Secret. Deleting a Secret that does not exist is Ok.
+    /// Orchestrator side (tests only): delete the Secret. Deleting a Secret that does not exist is
+    /// Ok.
     pub async fn delete(&self) -> Result<(), String> {
         match self.api.delete(&self.secret.name, &DeleteParams::default()).await {
             Ok(_) => Ok(()),

@@ -1,6 +1,7 @@
 //! Remote mode: the plan Secret. This module owns the Kubernetes edge (`client`: one Secret read,
-//! watched and patched) and, on top of it, the reconcile of the plan-state and checksum flows with
-//! conflict-safe writes. It must not spawn processes (the applyinator does, through `process`).
+//! watched and patched), the Secret's keys and the pure functions over them (`wire`), and, on top
+//! of both, the reconcile loop of the plan-state and checksum flows with conflict-safe writes
+//! (`agent`). It must not spawn processes (the applyinator does, through `process`).
 
 pub mod agent;
 pub mod client;
