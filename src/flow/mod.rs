@@ -1,4 +1,4 @@
-//! The plan-state flow with pause and cancel (SPEC R1–R12), written once as pure functions and
+//! The plan-state flow with pause and cancel (rules R1–R12 of `docs/rules.md`), written once as pure functions and
 //! shared by remote mode (the Secret) and local mode (the `.pos` file).
 //!
 //! [`decide`] maps what a source sees (state, annotation values, checkpoint) to a [`Decision`];

@@ -25,7 +25,7 @@ fn snap(state: &str, paused: Option<&str>, canceled: Option<&str>, checkpoint: O
     }
 }
 
-/// The seed's suppression matrix: every plan-state × paused × canceled × checkpoint, each decided
+/// The suppression matrix: every plan-state × paused × canceled × checkpoint, each decided
 /// from scratch (as a fresh agent after a restart would).
 #[test]
 fn suppression_matrix() {
