@@ -301,6 +301,9 @@ pub struct Reconciler<S: PlanSource> {
     blocked_all: Option<String>,
     incomplete: Option<String>,
     shutdown: watch::Receiver<bool>,
+    /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
+    /// after the run looks at every plan again instead of waiting for the next change.
+    dirty: bool,
 }
 
 /// What recovery found: the plans whose leftovers could not be stopped (or whose records are
@@ -340,7 +343,16 @@ pub async fn recover<K: Clone + Eq + Hash>(
 
 impl<S: PlanSource> Reconciler<S> {
     pub fn new(source: S, app: Arc<Applyinator>, prober: Arc<Prober>, shutdown: watch::Receiver<bool>) -> Self {
-        Reconciler { source, app, prober, memory: HashMap::new(), blocked_all: None, incomplete: None, shutdown }
+        Reconciler {
+            source,
+            app,
+            prober,
+            memory: HashMap::new(),
+            blocked_all: None,
+            incomplete: None,
+            shutdown,
+            dirty: false,
+        }
     }
 
     /// The source, for tests that look at it after the loop stopped.
@@ -370,6 +382,9 @@ impl<S: PlanSource> Reconciler<S> {
                     Action::After(d) => mem.due = Some(Instant::now() + d),
                     Action::Wait => {}
                 }
+            }
+            if std::mem::take(&mut self.dirty) {
+                continue;
             }
             let now = Instant::now();
             let next = self
@@ -701,6 +716,7 @@ impl<S: PlanSource> Reconciler<S> {
                 r = &mut apply => return r,
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
+                    self.dirty = true;
                     true
                 }
                 _ = poll.tick() => true,
