@@ -4,6 +4,7 @@ mod common;
 
 use common::*;
 use nodeplan::local::pos::{Pos, read_pos};
+use nodeplan::plan::PlanState;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -89,7 +90,7 @@ fn applies_a_plan_and_records_the_pos_file() {
         }),
     );
     let mut agent = s.start();
-    let pos = s.wait_pos("web", "succeeded", |p| p.plan_state == "succeeded");
+    let pos = s.wait_pos("web", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     let checksum = nodeplan::plan::checksum(&raw);
     assert_eq!(pos.applied_checksum, checksum);
     assert_eq!(pos.plan_checksum, checksum);
@@ -108,13 +109,13 @@ fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
     let ok = s.p("ok");
     s.plan("retry", serde_json::json!({"instructions": [sh("check", &format!("test -e {ok}"))]}));
     let mut agent = s.start();
-    let failed = s.wait_pos("retry", "failed", |p| p.plan_state == "failed");
+    let failed = s.wait_pos("retry", "failed", |p| p.plan_state == Some(PlanState::Failed));
     assert!(failed.applied_checksum.is_empty(), "a failed plan is not recorded as applied");
     assert_eq!(failed.failed_checksum, failed.plan_checksum);
     assert!(failed.failure_count >= 1);
     agent.wait_log("retrying after failure");
     std::fs::write(&ok, b"").unwrap();
-    let done = s.wait_pos("retry", "succeeded", |p| p.plan_state == "succeeded");
+    let done = s.wait_pos("retry", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(done.failure_count, 0);
     assert_eq!(done.applied_checksum, done.plan_checksum);
     assert_eq!(agent.stop(), 0);
@@ -138,7 +139,7 @@ fn a_plan_whose_files_cannot_be_written_is_a_failed_apply_retried_on_schedule() 
     );
     let mut agent = s.start();
     agent.wait_log("the apply failed (failure 1); retrying in 1s");
-    let failed = s.wait_pos("f", "failed", |p| p.plan_state == "failed");
+    let failed = s.wait_pos("f", "failed", |p| p.plan_state == Some(PlanState::Failed));
     assert_eq!(failed.failure_count, 1);
     let status = Command::new(NODEPLAN).args(["plan", "status", s.plan_path("f").to_str().unwrap()]).output().unwrap();
     let status = String::from_utf8_lossy(&status.stdout);
@@ -147,7 +148,7 @@ fn a_plan_whose_files_cannot_be_written_is_a_failed_apply_retried_on_schedule() 
     agent.wait_log("the apply failed (failure 2); retrying in 2s");
     assert!(!Path::new(&ran).exists(), "nothing ran");
     std::fs::remove_file(&blocker).unwrap();
-    let done = s.wait_pos("f", "succeeded", |p| p.plan_state == "succeeded");
+    let done = s.wait_pos("f", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(done.failure_count, 0);
     assert!(Path::new(&ran).exists());
     assert_eq!(std::fs::read(format!("{blocker}/conf")).unwrap(), b"x");
@@ -172,12 +173,12 @@ fn a_plan_removed_while_it_runs_stops_at_the_boundary_and_continues_when_it_come
     std::fs::remove_file(s.plan_path("r")).unwrap();
     agent.wait_log("the plan file was removed while the plan runs");
     release_fifo(&go);
-    let paused = s.wait_pos("r", "paused", |p| p.plan_state == "paused");
+    let paused = s.wait_pos("r", "paused", |p| p.plan_state == Some(PlanState::Paused));
     let cp = paused.checkpoint.unwrap();
     assert_eq!((cp.completed_instructions, cp.total_instructions), (1, 2));
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n", "nothing new started");
     std::fs::write(s.plan_path("r"), &raw).unwrap();
-    s.wait_pos("r", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("r", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n", "continued, nothing ran twice");
     assert_eq!(agent.stop(), 0);
 }
@@ -200,16 +201,16 @@ fn pause_while_instruction_two_runs_then_resume_runs_only_instruction_three() {
     s.cli(&["plan", "pause", plan.to_str().unwrap()]);
     agent.wait_log("pause requested");
     release_fifo(&go);
-    let paused = s.wait_pos("p", "paused", |p| p.plan_state == "paused");
+    let paused = s.wait_pos("p", "paused", |p| p.plan_state == Some(PlanState::Paused));
     let cp = paused.checkpoint.clone().unwrap();
     assert_eq!((cp.completed_instructions, cp.total_instructions, cp.paused), (2, 3, true));
-    assert_eq!(cp.resume_state, "in-progress");
+    assert_eq!(cp.resume_state, Some(PlanState::InProgress));
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n");
     let status = Command::new(NODEPLAN).args(["plan", "status", plan.to_str().unwrap()]).output().unwrap();
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains("state:      paused") && status.contains("2/3 instructions done"), "{status}");
     s.cli(&["plan", "resume", plan.to_str().unwrap()]);
-    let done = s.wait_pos("p", "succeeded", |p| p.plan_state == "succeeded");
+    let done = s.wait_pos("p", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\nthree\n", "finished instructions are not re-run");
     let out = nodeplan::plan::decode_one_time_output(&done.output).unwrap();
     assert!(out.contains_key("one") && out.contains_key("two") && out.contains_key("three"), "{out:?}");
@@ -233,13 +234,13 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
     let leader = last_pid(&agent.wait_log("ready "));
     assert!(alive(gc) && alive(leader));
     s.cli(&["plan", "cancel", plan.to_str().unwrap()]);
-    let pos = s.wait_pos("c", "canceled", |p| p.plan_state == "canceled");
+    let pos = s.wait_pos("c", "canceled", |p| p.plan_state == Some(PlanState::Canceled));
     let (gc_alive, leader_alive) = (alive(gc), alive(leader));
     kill_all(&[gc, leader]);
     assert!(!leader_alive, "the instruction survived the cancel");
     assert!(!gc_alive, "the setsid grandchild survived the cancel");
     let cp = pos.checkpoint.unwrap();
-    assert!(!cp.paused && cp.resume_state.is_empty());
+    assert!(!cp.paused && cp.resume_state.is_none());
     assert_eq!((cp.completed_instructions, cp.total_instructions), (0, 2));
     assert!(!Path::new(&after).exists());
     agent.wait_log("the node may be left partly changed");
@@ -247,8 +248,8 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
     std::fs::remove_file(s.dir.path().join("plans/c.canceled")).unwrap();
     // A plan created after the removal is applied in a cycle that also looked at `c` again.
     s.plan("d", serde_json::json!({"instructions": [sh("d", "true")]}));
-    s.wait_pos("d", "succeeded", |p| p.plan_state == "succeeded");
-    assert_eq!(s.pos("c").plan_state, "canceled");
+    s.wait_pos("d", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(s.pos("c").plan_state, Some(PlanState::Canceled));
     assert!(!agent.drain().iter().any(|l| l.contains("grandchild ")), "nothing ran again");
     assert_eq!(agent.stop(), 0);
 }
@@ -268,7 +269,7 @@ fn a_killed_agent_leaves_nothing_running_twice() {
     first.signal(libc::SIGKILL);
     let _ = first.child.wait();
     assert!(alive(leftover), "the instruction outlives the SIGKILLed agent");
-    assert_eq!(s.pos("k").plan_state, "in-progress");
+    assert_eq!(s.pos("k").plan_state, Some(PlanState::InProgress));
     let mut second = s.start();
     read_fifo(&ready);
     let was_alive = alive(leftover);
@@ -284,7 +285,7 @@ fn a_killed_agent_leaves_nothing_running_twice() {
     second.wait_log("stopped leftover pid");
     // Shutdown: the instruction is stopped through the ladder, the plan stays in-progress, exit 0.
     assert_eq!(second.stop(), 0);
-    assert_eq!(s.pos("k").plan_state, "in-progress");
+    assert_eq!(s.pos("k").plan_state, Some(PlanState::InProgress));
     assert!(std::fs::read_dir(s.p("pids")).unwrap().next().is_none(), "no PID records left");
 }
 
@@ -297,14 +298,14 @@ fn an_invalid_control_value_writes_nothing() {
     s.plan("good", serde_json::json!({"instructions": [sh("a", "true")]}));
     let mut agent = s.start();
     agent.wait_log("invalid value \"yes\"");
-    s.wait_pos("good", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("good", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     // Several more cycles (the good plan's probes and rescans) pass; still nothing for `bad`.
     agent.wait_log("");
     assert!(!s.dir.path().join("plans/bad.pos").exists(), "R3: nothing is written");
     assert!(!Path::new(&ran).exists(), "R3: nothing runs");
     // A valid value releases it.
     std::fs::write(s.dir.path().join("plans/bad.paused"), b"false").unwrap();
-    s.wait_pos("bad", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("bad", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert!(Path::new(&ran).exists());
     assert_eq!(agent.stop(), 0);
 }
@@ -329,14 +330,14 @@ fn hostile_local_files_hold_their_plan_and_never_hang_the_agent() {
     agent.wait_log("fifo.paused: is not a regular file (a FIFO)");
     agent.wait_log("link.pos: cannot use: is a symlink (not followed)");
     agent.wait_log("open.plan is writable by group or others (mode 0666)");
-    s.wait_pos("good", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("good", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     for name in ["fifo", "link", "open"] {
         assert!(!Path::new(&ran(name)).exists(), "{name}: held, never run");
     }
     assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     // Once the file is as it should be, the plan runs.
     std::fs::set_permissions(s.plan_path("open"), std::fs::Permissions::from_mode(0o644)).unwrap();
-    s.wait_pos("open", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("open", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     // The FIFO never had a writer: the agent still stops on SIGTERM at once.
     assert_eq!(agent.stop(), 0);
     assert!(!Path::new(&ran("fifo")).exists());
@@ -355,14 +356,14 @@ fn probe_statuses_keep_changing_while_paused() {
     std::fs::write(s.dir.path().join("plans/h.paused"), b"").unwrap();
     let mut agent = s.start();
     s.wait_pos("h", "paused and healthy", |p| {
-        p.plan_state == "paused" && p.probe_status.get("web").is_some_and(|w| w.healthy)
+        p.plan_state == Some(PlanState::Paused) && p.probe_status.get("web").is_some_and(|w| w.healthy)
     });
     status.store(503, Ordering::SeqCst);
     s.wait_pos("h", "unhealthy", |p| p.probe_status.get("web").is_some_and(|w| !w.healthy && w.failure_count == 1));
     status.store(200, Ordering::SeqCst);
     s.wait_pos("h", "healthy again", |p| p.probe_status.get("web").is_some_and(|w| w.healthy));
     assert!(!Path::new(&ran).exists(), "nothing ran while paused");
-    assert_eq!(s.pos("h").plan_state, "paused");
+    assert_eq!(s.pos("h").plan_state, Some(PlanState::Paused));
     assert_eq!(agent.stop(), 0);
 }
 
@@ -389,7 +390,7 @@ fn a_plan_system_agent_already_applied_is_not_run_again() {
     // Plans are applied in path order: `zz` comes after `old` in the same cycle.
     s.plan("zz", serde_json::json!({"instructions": [sh("a", "true")]}));
     let mut agent = s.start();
-    s.wait_pos("zz", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("zz", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert!(!Path::new(&ran).exists(), "an already-applied plan was run again after the migration");
     assert_eq!(agent.stop(), 0);
 }
@@ -412,7 +413,7 @@ fn without_inotify_pause_and_shutdown_still_reach_a_running_plan() {
     // No inotify: the running plan's control files are polled.
     agent.wait_log("pause requested");
     release_fifo(&go);
-    let p = s.wait_pos("n", "paused", |p| p.plan_state == "paused");
+    let p = s.wait_pos("n", "paused", |p| p.plan_state == Some(PlanState::Paused));
     assert_eq!(p.checkpoint.unwrap().completed_instructions, 1);
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n");
     assert_eq!(agent.stop(), 0);
@@ -431,7 +432,7 @@ fn a_recreated_plan_directory_is_watched_again() {
     agent.wait_log(&format!("watching {plans} for changes"));
     let marker = s.p("marker");
     s.plan("again", serde_json::json!({"instructions": [sh("one", &format!("touch {marker}"))]}));
-    s.wait_pos("again", "applied", |p| p.plan_state == "succeeded");
+    s.wait_pos("again", "applied", |p| p.plan_state == Some(PlanState::Succeeded));
     assert!(Path::new(&marker).exists());
     assert_eq!(agent.stop(), 0);
 }
@@ -469,7 +470,7 @@ fn sigkill_at_random_points_then_restart() {
     }
     let mut last = s.start();
     agents.push(last.child.id());
-    s.wait_pos("f", "succeeded after the faults", |p| p.plan_state == "succeeded");
+    s.wait_pos("f", "succeeded after the faults", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(last.stop(), 0);
     assert!(
         !Path::new(&overlap).exists(),
@@ -509,7 +510,7 @@ fn a_refused_pid_record_blocks_its_plan_and_only_that_plan() {
     let file = record.create(Path::new(&s.p("pids"))).unwrap().path().to_path_buf();
     let mut agent = s.start();
     let pos = s.wait_pos("a", "blocked", |p| !p.blocked.is_empty());
-    s.wait_pos("b", "succeeded", |p| p.plan_state == "succeeded");
+    s.wait_pos("b", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert!(pos.blocked.contains("refused") && pos.blocked.contains(&fake.display().to_string()), "{}", pos.blocked);
     assert!(!Path::new(&ran_a).exists(), "the blocked plan ran");
     assert!(file.exists() && fake.is_dir(), "nothing is removed");
@@ -576,7 +577,7 @@ fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
         );
         let mut agent = AgentProc::start_with(s.dir.path().join("config.yaml").as_path(), &[("NODEPLAN_LOG", level)]);
         s.wait_pos("fleet", "the periodic instruction's output", |p| {
-            p.plan_state == "succeeded"
+            p.plan_state == Some(PlanState::Succeeded)
                 && nodeplan::plan::decode_periodic_output(&p.periodic_output).is_ok_and(|m| m.contains_key("tick"))
         });
         assert_eq!(agent.stop(), 0);
@@ -599,7 +600,7 @@ fn plans_applied_within_one_second_are_all_archived() {
     }
     let mut agent = s.start();
     for name in ["a", "b", "c"] {
-        s.wait_pos(name, "succeeded", |p| p.plan_state == "succeeded");
+        s.wait_pos(name, "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     }
     assert_eq!(agent.stop(), 0);
     let mut names: Vec<String> = std::fs::read_dir(s.p("applied"))

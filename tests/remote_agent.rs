@@ -8,7 +8,7 @@ mod k8s_support;
 
 use common::*;
 use k8s_support::ControlPlane;
-use nodeplan::plan::{self, Checkpoint};
+use nodeplan::plan::{self, Checkpoint, PlanState};
 use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -249,7 +249,7 @@ async fn pause_and_resume(release_by_false: bool) {
     let s = r.wait("paused", |s| state(s) == "paused").await;
     let cp1 = checkpoint(&s, &checksum).unwrap();
     assert_eq!((cp1.completed_instructions, cp1.total_instructions, cp1.paused), (2, 3, true));
-    assert_eq!(cp1.resume_state, "in-progress");
+    assert_eq!(cp1.resume_state, Some(PlanState::InProgress));
     assert!(val(&s, "applied-checksum").is_empty(), "no applied-checksum until done");
     assert!(plan::decode_one_time_output(&s.data["applied-output"]).unwrap().contains_key("two"), "outputs kept (R12)");
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n");
@@ -287,7 +287,7 @@ async fn a_pause_survives_an_agent_restart() {
         checksum: checksum.clone(),
         completed_instructions: 1,
         total_instructions: 2,
-        resume_state: "in-progress".into(),
+        resume_state: Some(PlanState::InProgress),
         paused: true,
         termination_incomplete: false,
     };
@@ -358,7 +358,7 @@ async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
     kill_all(&[gc, leader]);
     assert!(!leader_alive && !gc_alive, "the tree survived: leader {leader_alive}, grandchild {gc_alive}");
     let c = checkpoint(&s, &checksum).unwrap();
-    assert!(!c.paused && c.resume_state.is_empty());
+    assert!(!c.paused && c.resume_state.is_none());
     assert_eq!((c.completed_instructions, c.total_instructions), (0, 2));
     assert!(val(&s, "applied-checksum").is_empty());
     assert!(!Path::new(&after).exists(), "later instructions never run");
@@ -455,7 +455,7 @@ async fn a_pause_pending_while_the_instruction_fails_records_a_failure() {
     let checksum = plan::checksum(&s.data["plan"]);
     let s = r.wait("failed, or paused on top of failed", |s| state(s) == "failed" || state(s) == "paused").await;
     if state(&s) == "paused" {
-        assert_eq!(checkpoint(&s, &checksum).unwrap().resume_state, "failed");
+        assert_eq!(checkpoint(&s, &checksum).unwrap().resume_state, Some(PlanState::Failed));
     }
     assert_eq!(agent.stop(), 0);
 }

@@ -196,7 +196,10 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         crate::cli::out!("            {e}");
     }
     let total = parsed.as_ref().map(|v| v.plan.instructions.len()).unwrap_or(0);
-    let state = if current && !p.plan_state.is_empty() { p.plan_state.as_str() } else { "pending (not started)" };
+    let state = match &p.plan_state {
+        Some(s) if current => s.as_str(),
+        _ => "pending (not started)",
+    };
     crate::cli::out!("state:      {state}");
     if let Some(Checkpoint {
         completed_instructions,
@@ -207,13 +210,15 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         ..
     }) = p.checkpoint.as_ref().filter(|c| current && c.checksum == checksum)
     {
-        let resume =
-            if *paused && !resume_state.is_empty() { format!(", resumes into {resume_state}") } else { String::new() };
+        let resume = match resume_state.as_ref().filter(|_| *paused) {
+            Some(s) => format!(", resumes into {s}"),
+            None => String::new(),
+        };
         crate::cli::out!("progress:   {completed_instructions}/{total_instructions} instructions done{resume}");
         if *termination_incomplete {
             crate::cli::out!("warning:    a stopped process may have survived (terminationIncomplete)");
         }
-    } else if current && p.plan_state == "succeeded" {
+    } else if current && p.plan_state == Some(plan::PlanState::Succeeded) {
         crate::cli::out!("progress:   {total}/{total} instructions done");
     }
     let show = |v: Result<Option<String>, String>| match v {
@@ -336,7 +341,11 @@ mod remote {
                 );
                 crate::cli::out!("revision:   {}", text(wire::PLAN_REVISION));
                 if let Some(cp) = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum) {
-                    let resume = if cp.paused { format!(", resumes into {}", cp.resume_state) } else { String::new() };
+                    let resume = if cp.paused {
+                        format!(", resumes into {}", cp.resume_state.as_ref().map_or("", |s| s.as_str()))
+                    } else {
+                        String::new()
+                    };
                     crate::cli::out!(
                         "progress:   {}/{} instructions done{resume}",
                         cp.completed_instructions,

@@ -127,11 +127,8 @@ fn carried_incomplete(cp: &Option<Checkpoint>) -> bool {
 }
 
 /// `paused` is never a state to resume into.
-fn sanitize(state: &str) -> Option<PlanState> {
-    match state {
-        "" | "paused" => None,
-        s => Some(PlanState::parse(s)),
-    }
+fn sanitize(state: &Option<PlanState>) -> Option<PlanState> {
+    state.clone().filter(|s| *s != PlanState::Paused)
 }
 
 /// Where a plan resumes when neither annotation holds it: (effective state, resume index).
@@ -166,7 +163,7 @@ pub fn decide(s: &Snapshot) -> Decision {
                         checksum: s.checksum.clone(),
                         completed_instructions: completed,
                         total_instructions: s.total,
-                        resume_state: String::new(),
+                        resume_state: None,
                         paused: false,
                         termination_incomplete: carried_incomplete(&s.checkpoint),
                     },
@@ -178,7 +175,7 @@ pub fn decide(s: &Snapshot) -> Decision {
             if s.checkpoint.as_ref().is_some_and(|c| c.paused) {
                 return Decision::Observe;
             }
-            let resume_state = if s.state == PlanState::Paused { String::new() } else { s.state.as_str().to_string() };
+            let resume_state = (s.state != PlanState::Paused).then(|| s.state.clone());
             Decision::Record {
                 transition: Transition {
                     state: PlanState::Paused,
@@ -203,7 +200,7 @@ pub fn decide(s: &Snapshot) -> Decision {
                     checksum: s.checksum.clone(),
                     completed_instructions: s.checkpoint.as_ref().map_or(0, |c| c.completed_instructions),
                     total_instructions: s.checkpoint.as_ref().map_or(s.total, |c| c.total_instructions),
-                    resume_state: String::new(),
+                    resume_state: None,
                     paused: false,
                     termination_incomplete: carried_incomplete(&s.checkpoint),
                 },
@@ -280,9 +277,9 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
         Some(i @ (Interruption::Paused | Interruption::Canceled)) => {
             let paused = i == Interruption::Paused;
             let resume_state = match (paused, one_time) {
-                (false, _) => String::new(),
-                (true, true) => PlanState::InProgress.as_str().to_string(),
-                (true, false) => run.effective().as_str().to_string(),
+                (false, _) => None,
+                (true, true) => Some(PlanState::InProgress),
+                (true, false) => Some(run.effective()),
             };
             let mut r = Record {
                 state: Some(if paused { PlanState::Paused } else { PlanState::Canceled }),

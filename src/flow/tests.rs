@@ -9,7 +9,7 @@ fn cp(completed: usize, paused: bool, resume: &str) -> Checkpoint {
         checksum: "c".into(),
         completed_instructions: completed,
         total_instructions: 3,
-        resume_state: resume.into(),
+        resume_state: (!resume.is_empty()).then(|| PlanState::parse(resume)),
         paused,
         termination_incomplete: false,
     }
@@ -52,7 +52,7 @@ fn suppression_matrix() {
                             let Decision::Record { transition, .. } = &d else { panic!("{what}") };
                             assert_eq!(transition.state, PlanState::Canceled);
                             assert!(
-                                !transition.checkpoint.paused && transition.checkpoint.resume_state.is_empty(),
+                                !transition.checkpoint.paused && transition.checkpoint.resume_state.is_none(),
                                 "{what}"
                             );
                         }
@@ -66,7 +66,7 @@ fn suppression_matrix() {
                             let Decision::Record { transition, .. } = &d else { panic!("{what}") };
                             assert_eq!(transition.state, PlanState::Paused);
                             assert!(transition.checkpoint.paused);
-                            assert_ne!(transition.checkpoint.resume_state, "paused", "{what}");
+                            assert_ne!(transition.checkpoint.resume_state, Some(PlanState::Paused), "{what}");
                         }
                     } else {
                         // Neither annotation holds the plan: the baseline.
@@ -110,7 +110,7 @@ fn pause_records_a_checkpoint_once() {
             checksum: "c".into(),
             completed_instructions: 1,
             total_instructions: 3,
-            resume_state: "in-progress".into(),
+            resume_state: Some(PlanState::InProgress),
             paused: true,
             termination_incomplete: false
         }
@@ -118,7 +118,7 @@ fn pause_records_a_checkpoint_once() {
     assert_eq!(decide(&snap("paused", Some("true"), None, Some(cp(1, true, "in-progress")))), Decision::Observe);
     // Pausing a succeeded plan resumes into succeeded.
     let Decision::Record { transition, .. } = decide(&snap("succeeded", Some("true"), None, None)) else { panic!() };
-    assert_eq!(transition.checkpoint.resume_state, "succeeded");
+    assert_eq!(transition.checkpoint.resume_state, Some(PlanState::Succeeded));
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn resume_continues_from_the_checkpoint_and_unpauses_in_the_same_write() {
         let Decision::Run(r) = d else { panic!("{d:?}") };
         let RunPlan::Continue { resume_from: 2, resume: Some(t) } = r else { panic!("{r:?}") };
         assert_eq!(t.state, PlanState::InProgress);
-        assert!(!t.checkpoint.paused && t.checkpoint.resume_state.is_empty());
+        assert!(!t.checkpoint.paused && t.checkpoint.resume_state.is_none());
         assert_eq!(t.checkpoint.completed_instructions, 2);
     }
     // A paused pending plan resumes through the pending → in-progress write.
@@ -192,7 +192,7 @@ fn record_table() {
             checksum: "c".into(),
             completed_instructions: 1,
             total_instructions: 3,
-            resume_state: "in-progress".into(),
+            resume_state: Some(PlanState::InProgress),
             paused: true,
             termination_incomplete: false
         })
@@ -204,7 +204,7 @@ fn record_table() {
     let r = record(&s, &run_plan(true), &canceled);
     assert_eq!(r.state, Some(PlanState::Canceled));
     let CheckpointWrite::Set(c) = r.checkpoint.clone() else { panic!() };
-    assert!(!c.paused && c.resume_state.is_empty() && c.termination_incomplete);
+    assert!(!c.paused && c.resume_state.is_none() && c.termination_incomplete);
 
     let before_spawn = Ran { interruption: Some(Interruption::Canceled), ..Default::default() };
     let r = record(&s, &run_plan(true), &before_spawn);
@@ -215,7 +215,7 @@ fn record_table() {
     let periodic_paused = Ran { interruption: Some(Interruption::Paused), ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_paused);
     let CheckpointWrite::Set(c) = r.checkpoint else { panic!() };
-    assert_eq!((c.resume_state.as_str(), c.completed_instructions, c.total_instructions), ("succeeded", 0, 0));
+    assert_eq!((c.resume_state, c.completed_instructions, c.total_instructions), (Some(PlanState::Succeeded), 0, 0));
 
     let shutdown = Ran { interruption: Some(Interruption::Shutdown), ..base.clone() };
     assert_eq!(

@@ -262,7 +262,7 @@ impl PlanSource for DirSource {
         let total = vp.plan.instructions.len();
         let (snap, retry_in) = wire::snapshot(&stored, &checksum, hold, total, chrono::Utc::now(), self.cfg.retry());
         if snap.state == plan::PlanState::Pending
-            && stored.plan_state == "failed"
+            && stored.plan_state == Some(plan::PlanState::Failed)
             && wire::same_plan(&stored, &checksum)
         {
             tracing::info!("{}: retrying after failure {}", path.display(), stored.failure_count);

@@ -6,7 +6,7 @@
 //! checksum it belongs to, the checkpoint, and the counters, with the same meaning as the Secret
 //! keys of remote mode.
 
-use crate::plan::{Checkpoint, ProbeStatus};
+use crate::plan::{Checkpoint, PlanState, ProbeStatus};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,8 +28,8 @@ pub struct Pos {
     #[serde(with = "crate::plan::b64_bytes", skip_serializing_if = "Vec::is_empty")]
     pub periodic_output: Vec<u8>,
     /// nodeplan: the plan-state of the plan whose checksum is `planChecksum`.
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub plan_state: String,
+    #[serde(skip_serializing_if = "Option::is_none", with = "crate::plan::optional_state")]
+    pub plan_state: Option<PlanState>,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub plan_checksum: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -151,7 +151,7 @@ mod tests {
         let p = Pos {
             applied_checksum: "abc".into(),
             output: vec![1, 2],
-            plan_state: "succeeded".into(),
+            plan_state: Some(PlanState::Succeeded),
             ..Default::default()
         };
         assert_eq!(

@@ -42,10 +42,9 @@ pub fn stored_state(p: &Pos, checksum: &str) -> PlanState {
     if p.plan_checksum.is_empty() && !p.applied_checksum.is_empty() && p.applied_checksum == checksum {
         return PlanState::Succeeded;
     }
-    if p.plan_checksum == checksum && !p.plan_state.is_empty() {
-        PlanState::parse(&p.plan_state)
-    } else {
-        PlanState::Pending
+    match &p.plan_state {
+        Some(s) if p.plan_checksum == checksum => s.clone(),
+        _ => PlanState::Pending,
     }
 }
 
@@ -81,7 +80,7 @@ pub fn attempt(p: &Pos, checksum: &str) -> i64 {
 
 /// A reset: the plan runs again from its first instruction, its failures forgotten.
 pub fn reset(p: &mut Pos) {
-    p.plan_state = PlanState::Pending.as_str().into();
+    p.plan_state = Some(PlanState::Pending);
     p.checkpoint = None;
     p.failure_count = 0;
 }
@@ -91,7 +90,7 @@ pub fn commit(p: &mut Pos, checksum: &str, c: &Commit) {
     if !same_plan(p, checksum) {
         p.failure_count = 0;
     }
-    p.plan_state = c.state().as_str().into();
+    p.plan_state = Some(c.state());
     p.plan_checksum = checksum.to_string();
     match c {
         // A start without a resume leaves no checkpoint behind (a new plan's starts clean).
@@ -104,7 +103,7 @@ pub fn commit(p: &mut Pos, checksum: &str, c: &Commit) {
 pub fn record(p: &mut Pos, checksum: &str, r: &Record, now: DateTime<Utc>) {
     let empty = BTreeMap::new();
     if let Some(s) = &r.state {
-        p.plan_state = s.as_str().into();
+        p.plan_state = Some(s.clone());
         p.plan_checksum = checksum.to_string();
     }
     match &r.checkpoint {
@@ -138,7 +137,7 @@ pub fn record(p: &mut Pos, checksum: &str, r: &Record, now: DateTime<Utc>) {
 /// Failure bookkeeping: the plan failed (an instruction, or files that could not be written).
 pub fn failed(p: &mut Pos, checksum: &str, failed_output: Vec<u8>, now: DateTime<Utc>) {
     p.failure_count = if same_plan(p, checksum) { p.failure_count + 1 } else { 1 };
-    p.plan_state = PlanState::Failed.as_str().into();
+    p.plan_state = Some(PlanState::Failed);
     p.plan_checksum = checksum.to_string();
     p.failed_checksum = checksum.to_string();
     p.failed_output = failed_output;
@@ -163,14 +162,14 @@ mod tests {
             checksum: C.into(),
             completed_instructions: 1,
             total_instructions: 3,
-            resume_state: if paused { "in-progress".into() } else { String::new() },
+            resume_state: paused.then_some(PlanState::InProgress),
             paused,
             termination_incomplete: false,
         }
     }
 
     fn pos(state: &str, checksum: &str) -> Pos {
-        Pos { plan_state: state.into(), plan_checksum: checksum.into(), ..Pos::default() }
+        Pos { plan_state: Some(PlanState::parse(state)), plan_checksum: checksum.into(), ..Pos::default() }
     }
 
     fn state_of(p: &Pos) -> (PlanState, Option<Duration>) {
@@ -241,7 +240,7 @@ mod tests {
     fn commits_write_state_checksum_and_checkpoint() {
         let mut p = Pos { failure_count: 2, checkpoint: Some(cp(false)), ..pos("canceled", "old") };
         commit(&mut p, C, &Commit::Begin { resume: None });
-        assert_eq!((p.plan_state.as_str(), p.plan_checksum.as_str()), ("in-progress", C));
+        assert_eq!((p.plan_state.clone(), p.plan_checksum.as_str()), (Some(PlanState::InProgress), C));
         assert_eq!((p.checkpoint.clone(), p.failure_count), (None, 0), "a new plan starts clean");
 
         let mut p = Pos { failure_count: 2, ..pos("failed", C) };
@@ -251,9 +250,9 @@ mod tests {
 
         let t = flow::Transition { state: PlanState::Paused, checkpoint: cp(true) };
         commit(&mut p, C, &Commit::Record(t));
-        assert_eq!((p.plan_state.as_str(), p.checkpoint.clone()), ("paused", Some(cp(true))));
+        assert_eq!((p.plan_state.clone(), p.checkpoint.clone()), (Some(PlanState::Paused), Some(cp(true))));
         commit(&mut p, C, &Commit::Begin { resume: Some(cp(false)) });
-        assert_eq!((p.plan_state.as_str(), p.checkpoint.clone()), ("in-progress", Some(cp(false))));
+        assert_eq!((p.plan_state.clone(), p.checkpoint.clone()), (Some(PlanState::InProgress), Some(cp(false))));
     }
 
     #[test]
@@ -269,7 +268,10 @@ mod tests {
         let mut p =
             Pos { failure_count: 2, failed_checksum: C.into(), checkpoint: Some(cp(false)), ..pos("in-progress", C) };
         record(&mut p, C, &ok, now());
-        assert_eq!((p.plan_state.as_str(), p.applied_checksum.as_str(), p.success_count), ("succeeded", C, 1));
+        assert_eq!(
+            (p.plan_state.clone(), p.applied_checksum.as_str(), p.success_count),
+            (Some(PlanState::Succeeded), C, 1)
+        );
         assert_eq!((p.failure_count, p.failed_checksum.as_str(), p.checkpoint.clone()), (0, "", None));
         assert_eq!(plan::decode_one_time_output(&p.output).unwrap(), outputs);
         assert_eq!(p.last_apply_time, "Mon Nov 30 12:00:00 UTC 2026");
@@ -277,7 +279,7 @@ mod tests {
         let fail = Record { state: Some(PlanState::Failed), succeeded: Some(false), ..ok.clone() };
         record(&mut p, C, &fail, now());
         record(&mut p, C, &fail, now());
-        assert_eq!((p.plan_state.as_str(), p.failure_count, p.success_count), ("failed", 2, 0));
+        assert_eq!((p.plan_state.clone(), p.failure_count, p.success_count), (Some(PlanState::Failed), 2, 0));
         assert_eq!(plan::decode_one_time_output(&p.failed_output).unwrap(), outputs);
         assert_eq!(p.applied_checksum, C, "the last success stays recorded");
 
@@ -289,7 +291,10 @@ mod tests {
             ..Record::default()
         };
         record(&mut p, C, &paused, now());
-        assert_eq!((p.plan_state.as_str(), p.failure_count, p.checkpoint.clone()), ("paused", 2, Some(cp(true))));
+        assert_eq!(
+            (p.plan_state.clone(), p.failure_count, p.checkpoint.clone()),
+            (Some(PlanState::Paused), 2, Some(cp(true)))
+        );
         let before = p.clone();
         record(&mut p, C, &Record::default(), now());
         assert_eq!(p, before, "a shutdown writes nothing");
@@ -297,7 +302,10 @@ mod tests {
         // Files that could not be written are a failure of this plan; another plan's count restarts.
         let mut q = Pos { failure_count: 4, ..pos("failed", "other") };
         failed(&mut q, C, Vec::new(), now());
-        assert_eq!((q.plan_state.as_str(), q.failure_count, q.failed_checksum.as_str()), ("failed", 1, C));
+        assert_eq!(
+            (q.plan_state.clone(), q.failure_count, q.failed_checksum.as_str()),
+            (Some(PlanState::Failed), 1, C)
+        );
     }
 
     #[test]

@@ -47,6 +47,34 @@ impl PlanState {
     }
 }
 
+impl Serialize for PlanState {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for PlanState {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|s| PlanState::parse(&s))
+    }
+}
+
+/// An optional state stored as a string that is empty (or absent) when there is none: the
+/// encoding of `resumeState` in a checkpoint and `planState` in a `.pos` file.
+pub mod optional_state {
+    use super::PlanState;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<PlanState>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_ref().map_or("", PlanState::as_str))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PlanState>, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok((!s.is_empty()).then(|| PlanState::parse(&s)))
+    }
+}
+
 impl fmt::Display for PlanState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -69,8 +97,9 @@ pub struct Checkpoint {
     pub checksum: String,
     pub completed_instructions: usize,
     pub total_instructions: usize,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub resume_state: String,
+    /// The state a paused plan resumes into (none for a cancel).
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "optional_state")]
+    pub resume_state: Option<PlanState>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

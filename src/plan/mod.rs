@@ -10,7 +10,7 @@ mod codec;
 
 pub use checkpoint::{
     ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,
-    parse_annotation_value, resolve_annotations, shown_value,
+    optional_state, parse_annotation_value, resolve_annotations, shown_value,
 };
 pub use codec::{
     CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output, encode_periodic_output,

@@ -175,7 +175,7 @@ fn checkpoint_pins_field_order_and_omits_empty_fields() {
         checksum: "abc".into(),
         completed_instructions: 1,
         total_instructions: 3,
-        resume_state: "in-progress".into(),
+        resume_state: Some(PlanState::InProgress),
         paused: true,
         termination_incomplete: true,
     };

@@ -452,7 +452,7 @@ mod tests {
                 checksum: "c".into(),
                 completed_instructions: 1,
                 total_instructions: 3,
-                resume_state: "in-progress".into(),
+                resume_state: Some(PlanState::InProgress),
                 paused: true,
                 termination_incomplete: false,
             }),
