@@ -8,13 +8,15 @@
 //! Module boundaries (each module's own doc says what it owns and must not touch):
 //! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
 //! - [`flow`]: the plan-state flow with pause and cancel as pure decide/record functions shared by
-//!   both modes (the rules of `docs/rules.md` that decide what runs and what is written).
+//!   every plan source (the rules of `docs/rules.md` that decide what runs and what is written).
+//! - [`reconcile`]: the one reconcile loop, generic over a plan source: recovery, back-off,
+//!   commits, runs, interrupt delivery, probes.
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
 //! - [`image`]: images for `image` instructions: tarballs, registries, pulls, layer extraction.
 //! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
-//! - [`local`]: local mode: the plan directory, `.pos` and control files.
-//! - [`remote`]: the plan Secret (Kubernetes) and its reconcile.
+//! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
+//! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
