@@ -336,7 +336,7 @@ impl PlanSource for DirSource {
         Some(w)
     }
 
-    async fn write_probes(&mut self, path: &PathBuf, _: &Look, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+    async fn write_probes(&mut self, path: &PathBuf, _: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
         let Some(files) = PlanFiles::new(path) else { return Written::Abandoned };
         self.update(&files, |p| p.probe_status = statuses).await
     }

@@ -179,11 +179,12 @@ pub trait PlanSource: Send {
         look: &Look,
         err: &ApplyError,
     ) -> impl Future<Output = Option<Written>> + Send;
-    /// Write probe statuses taken while the plan does not run.
+    /// Write probe statuses taken while the plan does not run (of the plan with `checksum`: a
+    /// source whose plan changed meanwhile abandons the write).
     fn write_probes(
         &mut self,
         key: &Self::Key,
-        look: &Look,
+        checksum: &str,
         statuses: BTreeMap<String, ProbeStatus>,
     ) -> impl Future<Output = Written> + Send;
     /// Retry the kept write of this plan, if there is one.
@@ -245,6 +246,9 @@ impl Step {
     }
 }
 
+/// Another plan's probes, taken while a plan applies.
+type SideProbe<K> = std::pin::Pin<Box<dyn Future<Output = (K, Probes, BTreeMap<String, ProbeStatus>)> + Send>>;
+
 /// What the loop remembers about one plan (never persisted).
 struct Memory {
     /// Log lines already written (warn-once), cleared when the plan is no longer held.
@@ -263,6 +267,18 @@ struct Memory {
     due: Option<Instant>,
     blocked: Option<String>,
     next_probe: Option<Instant>,
+    /// The plan's probes as last seen (not while an invalid value holds it): they keep running
+    /// while another plan applies.
+    probes: Option<Probes>,
+}
+
+/// What probing a plan needs, kept between looks (small: not the plan).
+#[derive(Clone)]
+struct Probes {
+    checksum: String,
+    label: String,
+    probes: BTreeMap<String, crate::plan::Probe>,
+    statuses: BTreeMap<String, ProbeStatus>,
 }
 
 impl Default for Memory {
@@ -278,6 +294,7 @@ impl Default for Memory {
             due: None,
             blocked: None,
             next_probe: None,
+            probes: None,
         }
     }
 }
@@ -487,6 +504,7 @@ impl<S: PlanSource> Reconciler<S> {
             Seen::Held(why) => {
                 let mem = self.mem(key);
                 mem.warn_once(why);
+                mem.probes = None;
                 return Action::After(mem.hold.next(now));
             }
             Seen::Bad { checksum, error } => {
@@ -508,6 +526,7 @@ impl<S: PlanSource> Reconciler<S> {
             let msg = format!("{}: {e}; the plan is held and nothing is written", look.label);
             let mem = self.mem(key);
             mem.warn_once(msg);
+            mem.probes = None;
             return Action::After(mem.hold.next(now));
         }
         {
@@ -516,6 +535,12 @@ impl<S: PlanSource> Reconciler<S> {
             mem.warned.clear();
             mem.bad = None;
             mem.due = look.retry_in.map(|d| now + d);
+            mem.probes = (!look.plan.plan.probes.is_empty()).then(|| Probes {
+                checksum: look.checksum.clone(),
+                label: look.label.clone(),
+                probes: look.plan.plan.probes.clone(),
+                statuses: look.probe_statuses.clone(),
+            });
         }
         // A blocked plan (its leftovers could not be stopped) is looked at again: recovery runs
         // for it once more. Not while a value is invalid: then nothing is written (R3).
@@ -524,11 +549,11 @@ impl<S: PlanSource> Reconciler<S> {
         }
         if let Some(why) = self.mem(key).blocked.clone().or_else(|| self.blocked_all.clone()) {
             self.mem(key).warn_once(format!("{}: not running: {why}", look.label));
-            return self.probe(key, &look).await;
+            return self.probe(key).await;
         }
         match decision {
             Decision::Invalid(_) => Action::Wait,
-            Decision::Observe => self.probe(key, &look).await,
+            Decision::Observe => self.probe(key).await,
             Decision::Record { transition, partial_cancel } => {
                 if partial_cancel {
                     tracing::warn!(
@@ -543,7 +568,7 @@ impl<S: PlanSource> Reconciler<S> {
                 match self.source.commit(key, &look, &Commit::Record(transition)).await {
                     Written::Done => {
                         self.wrote(key);
-                        self.probe(key, &look).await
+                        self.probe(key).await
                     }
                     Written::Abandoned => Action::After(Duration::ZERO),
                     Written::Failed { error, retry_after } => {
@@ -556,29 +581,53 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     /// Run the plan's probes when they are due and store their statuses.
-    async fn probe(&mut self, key: &S::Key, look: &Look) -> Action {
+    async fn probe(&mut self, key: &S::Key) -> Action {
+        let Some(p) = self.probe_due(key) else { return Action::Wait };
+        let statuses = self.prober.probe_all(&p.probes, &p.statuses, false).await;
+        self.store_probes(key, p, statuses).await
+    }
+
+    /// The probes of `key` when they are due (and marks them taken for this period).
+    fn probe_due(&mut self, key: &S::Key) -> Option<Probes> {
         let now = Instant::now();
         let period = self.source.period();
         let mem = self.mem(key);
-        if look.plan.plan.probes.is_empty() || mem.next_probe.is_some_and(|t| now < t) {
-            return Action::Wait;
+        if mem.next_probe.is_some_and(|t| now < t) {
+            return None;
         }
+        let p = mem.probes.clone()?;
         mem.next_probe = Some(now + period);
-        let statuses = self.prober.probe_all(&look.plan.plan.probes, &look.probe_statuses, false).await;
-        if statuses == look.probe_statuses {
+        Some(p)
+    }
+
+    /// Write probe statuses when they changed.
+    async fn store_probes(&mut self, key: &S::Key, p: Probes, statuses: BTreeMap<String, ProbeStatus>) -> Action {
+        if statuses == p.statuses {
             return Action::Wait;
         }
-        match self.source.write_probes(key, look, statuses).await {
+        match self.source.write_probes(key, &p.checksum, statuses.clone()).await {
             Written::Done => {
                 self.wrote(key);
+                if let Some(cached) = self.mem(key).probes.as_mut().filter(|c| c.checksum == p.checksum) {
+                    cached.statuses = statuses;
+                }
                 Action::Wait
             }
             Written::Abandoned => Action::After(Duration::ZERO),
             Written::Failed { error, retry_after } => {
                 self.mem(key).next_probe = None;
-                self.write_failed(key, &format!("{}: probe statuses", look.label), &error, retry_after)
+                self.write_failed(key, &format!("{}: probe statuses", p.label), &error, retry_after)
             }
         }
+    }
+
+    /// While `running` applies, the next other plan whose probes are due: when, and which.
+    fn next_side_probe(&self, running: &S::Key) -> Option<(Instant, S::Key)> {
+        self.memory
+            .iter()
+            .filter(|(k, m)| *k != running && m.probes.is_some() && m.gate.is_none_or(|g| g <= Instant::now()))
+            .map(|(k, m)| (m.next_probe.unwrap_or_else(Instant::now), k.clone()))
+            .min_by_key(|(t, _)| *t)
     }
 
     async fn run_plan(&mut self, key: &S::Key, look: &Look, run: RunPlan) -> Action {
@@ -711,9 +760,36 @@ impl<S: PlanSource> Reconciler<S> {
         let mut poll = tokio::time::interval(Duration::from_secs(1));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut source_alive = true;
+        // Other plans' probes keep running while this one applies (one at a time).
+        let mut side: Option<SideProbe<S::Key>> = None;
         loop {
+            let next_side = if side.is_none() { self.next_side_probe(key) } else { None };
             let deliver = tokio::select! {
                 r = &mut apply => return r,
+                _ = tokio::time::sleep_until(next_side.as_ref().map_or_else(Instant::now, |(t, _)| *t)),
+                    if next_side.is_some() =>
+                {
+                    if let Some((_, k)) = next_side
+                        && let Some(p) = self.probe_due(&k)
+                    {
+                        let prober = self.prober.clone();
+                        side = Some(Box::pin(async move {
+                            let statuses = prober.probe_all(&p.probes, &p.statuses, false).await;
+                            (k, p, statuses)
+                        }));
+                    }
+                    false
+                }
+                (k, p, statuses) = async {
+                    match side.as_mut() {
+                        Some(f) => f.await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    side = None;
+                    self.store_probes(&k, p, statuses).await;
+                    false
+                }
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
                     self.dirty = true;

@@ -28,6 +28,7 @@ struct Stored {
     outputs: BTreeMap<String, Vec<u8>>,
     failures: i64,
     blocked: Option<String>,
+    probes: BTreeMap<String, ProbeStatus>,
     /// Writes of this plan.
     writes: u64,
     /// Every state written, in order.
@@ -46,7 +47,7 @@ struct Store {
 }
 
 /// The in-memory source: keys are plan names.
-struct MemSource(Arc<Store>);
+struct MemSource(Arc<Store>, Duration);
 
 const OWNER: &str = "mem:";
 
@@ -99,7 +100,7 @@ impl PlanSource for MemSource {
             begin_attempt: p.failures + 1,
             one_time_output: p.outputs,
             periodic_output: BTreeMap::new(),
-            probe_statuses: BTreeMap::new(),
+            probe_statuses: p.probes,
             retry_in: None,
         }))
     }
@@ -114,6 +115,9 @@ impl PlanSource for MemSource {
     async fn record(&mut self, name: &String, _: &Look, outcome: Outcome<'_>) -> Written {
         let Some(r) = outcome.record else { return Written::Done };
         self.write(name, |p| {
+            if let Some(s) = outcome.probes {
+                p.probes = s;
+            }
             if let Some(s) = r.state {
                 p.state = s;
             }
@@ -135,8 +139,8 @@ impl PlanSource for MemSource {
         None
     }
 
-    async fn write_probes(&mut self, _: &String, _: &Look, _: BTreeMap<String, ProbeStatus>) -> Written {
-        Written::Done
+    async fn write_probes(&mut self, name: &String, _: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+        self.write(name, |p| p.probes = statuses)
     }
 
     async fn flush(&mut self, _: &String) -> Written {
@@ -170,7 +174,7 @@ impl PlanSource for MemSource {
     }
 
     fn period(&self) -> Duration {
-        Duration::from_secs(3600)
+        self.1
     }
 }
 
@@ -206,12 +210,17 @@ impl Fixture {
 
     /// Add a plan of `sh -c` instructions, as `pending`.
     fn add(&self, name: &str, scripts: &[&str]) {
+        self.add_with(name, scripts, serde_json::json!({}));
+    }
+
+    /// Add a plan of `sh -c` instructions and these probes, as `pending`.
+    fn add_with(&self, name: &str, scripts: &[&str], probes: serde_json::Value) {
         let ins: Vec<serde_json::Value> = scripts
             .iter()
             .enumerate()
             .map(|(i, s)| serde_json::json!({"name": format!("{name}{}", i + 1), "command": "sh", "args": ["-c", s]}))
             .collect();
-        let raw = serde_json::to_vec(&serde_json::json!({ "instructions": ins })).unwrap();
+        let raw = serde_json::to_vec(&serde_json::json!({ "instructions": ins, "probes": probes })).unwrap();
         let stored = Stored {
             plan: crate::plan::parse(&raw).unwrap(),
             checksum: crate::plan::checksum(&raw),
@@ -222,6 +231,7 @@ impl Fixture {
             outputs: BTreeMap::new(),
             failures: 0,
             blocked: None,
+            probes: BTreeMap::new(),
             writes: 0,
             history: Vec::new(),
         };
@@ -263,8 +273,14 @@ impl Fixture {
     }
 
     fn start(&self) -> (watch::Sender<bool>, tokio::task::JoinHandle<(AgentExit, MemSource)>) {
+        self.start_every(Duration::from_secs(3600))
+    }
+
+    /// Start the loop with this probe (and look) period.
+    fn start_every(&self, period: Duration) -> (watch::Sender<bool>, tokio::task::JoinHandle<(AgentExit, MemSource)>) {
         let (tx, rx) = watch::channel(false);
-        let r = Reconciler::new(MemSource(self.store.clone()), self.app.clone(), Arc::new(Prober::new()), rx);
+        let source = MemSource(self.store.clone(), period);
+        let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (tx, tokio::spawn(r.run()))
     }
 }
@@ -434,7 +450,7 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
         async fn not_started(&mut self, k: &String, l: &Look, e: &ApplyError) -> Option<Written> {
             self.0.not_started(k, l, e).await
         }
-        async fn write_probes(&mut self, k: &String, l: &Look, s: BTreeMap<String, ProbeStatus>) -> Written {
+        async fn write_probes(&mut self, k: &String, l: &str, s: BTreeMap<String, ProbeStatus>) -> Written {
             self.0.write_probes(k, l, s).await
         }
         async fn flush(&mut self, k: &String) -> Written {
@@ -457,11 +473,58 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
         }
     }
     let (stop, rx) = watch::channel(false);
-    let source = PauseOnBegin(MemSource(fx.store.clone()));
+    let source = PauseOnBegin(MemSource(fx.store.clone(), Duration::from_secs(3600)));
     let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
     let a = fx.until("a", "paused", |p| p.state == PlanState::Paused).await;
     assert_eq!(a.checkpoint.map(|c| (c.completed_instructions, c.paused)), Some((0, true)));
     assert_eq!(lines(&log), 0, "nothing ran");
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+}
+
+/// An HTTP server answering every request with the status in `code`.
+async fn http_server(code: Arc<std::sync::atomic::AtomicU16>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let code = code.load(std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf).await;
+                let reply = format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ = conn.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    port
+}
+
+/// R10 with several plans: one plan's probes keep running, and their statuses keep being written,
+/// while another plan applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_of_other_plans_keep_running_while_one_applies() {
+    let fx = fixture();
+    let code = Arc::new(std::sync::atomic::AtomicU16::new(200));
+    let port = http_server(code.clone()).await;
+    let probe = serde_json::json!({"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")},
+        "successThreshold": 1, "failureThreshold": 1}});
+    fx.add_with("a", &[], probe);
+    let (ready, gate) = (fx.fifo("ready"), fx.fifo("gate"));
+    fx.add("b", &[&format!("echo > {ready}; read x < {gate}")]);
+    let (stop, agent) = fx.start_every(Duration::from_millis(200));
+    let healthy = |p: &Stored| p.probes.get("web").is_some_and(|w| w.healthy);
+    fx.until("a", "healthy", healthy).await;
+    running(&ready).await;
+    code.store(500, std::sync::atomic::Ordering::SeqCst);
+    fx.until("a", "unhealthy while b runs", |p| p.probes.get("web").is_some_and(|w| !w.healthy)).await;
+    assert_eq!(fx.get("b").state, PlanState::InProgress, "b is still running");
+    code.store(200, std::sync::atomic::Ordering::SeqCst);
+    fx.until("a", "healthy again while b runs", healthy).await;
+    assert_eq!(fx.get("b").state, PlanState::InProgress, "b is still running");
+    open(&gate).await;
+    fx.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
     stop.send(true).unwrap();
     tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
 }

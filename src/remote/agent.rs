@@ -324,8 +324,8 @@ impl PlanSource for SecretSource {
         None
     }
 
-    async fn write_probes(&mut self, _: &(), look: &Look, statuses: BTreeMap<String, ProbeStatus>) -> Written {
-        self.write_outcome(&look.checksum, wire::probe_keys(&statuses)).await
+    async fn write_probes(&mut self, _: &(), checksum: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+        self.write_outcome(checksum, wire::probe_keys(&statuses)).await
     }
 
     async fn flush(&mut self, _: &()) -> Written {
