@@ -13,7 +13,9 @@ pub mod files;
 pub mod periodic;
 
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration};
+use crate::process::{
+    LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration,
+};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -190,8 +192,9 @@ pub struct ApplyInput<'a> {
     pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
     pub run_periodic: bool,
     pub interrupts: watch::Receiver<Interrupt>,
-    /// Prefix of the PID records' owner label.
-    pub owner: String,
+    /// Whose plan this is (its source and id, without a slot): each instruction's process gets it
+    /// with the instruction's [`Slot`] as the owner in its PID record.
+    pub owner: Owner,
     pub observer: Arc<dyn Observer>,
 }
 
@@ -307,10 +310,10 @@ impl Applyinator {
     pub async fn apply(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
         use tracing::Instrument as _;
         // `remote:<checksum>` and `apply:<checksum>` show as the mode; a local plan by its path.
-        let source = match input.owner.split_once(':') {
-            Some(("local", path)) => path,
-            Some((mode, _)) => mode,
-            None => input.owner.as_str(),
+        let source = match (input.owner.source(), input.owner.id()) {
+            (Some(Source::Local), Some(path)) => path.to_string(),
+            (Some(mode), _) => mode.to_string(),
+            (None, _) => input.owner.to_string(),
         };
         // The span's fields are the plan's short id (12 hex digits, as everywhere a person reads
         // it) and where it came from; `--log-format json` shows them as `span.plan`.
@@ -563,7 +566,7 @@ impl Applyinator {
             args: ins.args.iter().map(OsString::from).collect(),
             env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
             cwd: Some(dir.to_path_buf()),
-            owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
+            owner: input.owner.with_slot(Slot::new(index, periodic)),
             timeout: remaining,
             sink: Arc::new(LogSink { prefix }),
         };

@@ -81,7 +81,7 @@ fn input<'a>(plan: &'a ValidPlan, rx: watch::Receiver<Interrupt>) -> ApplyInput<
         periodic_output: BTreeMap::new(),
         run_periodic: true,
         interrupts: rx,
-        owner: "test".into(),
+        owner: crate::process::Owner::apply(&plan.checksum),
         observer: Arc::new(NoObserver),
     }
 }

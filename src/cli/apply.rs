@@ -192,7 +192,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         cgroup: args.cgroup.clone(),
         ..Default::default()
     });
-    let owner = format!("apply:{}", plan.checksum);
+    let owner = crate::process::Owner::apply(&plan.checksum);
     // One run of a plan at a time: a live `nodeplan apply` of it holds this lock until it exits
     // (the kernel drops it if it dies), so whatever records the owner left are leftovers.
     let _lock = match sup.lock_owner(&owner) {
@@ -211,7 +211,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         }
     };
     // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
-    for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
+    for r in sup.recover(|rec| rec.owner.belongs_to_plan(&owner)).await {
         match r.result {
             RecoveryResult::OwnerAlive(pid) => {
                 super::say(&format!(

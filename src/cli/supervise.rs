@@ -2,7 +2,7 @@
 
 use super::exit;
 use crate::process::supervise::{Backoff, supervise};
-use crate::process::{LogSink, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig};
+use crate::process::{LogSink, Owner, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig};
 use clap::Args;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -46,7 +46,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
         ..Default::default()
     });
     let mut spec = SpawnSpec::new(program.clone(), rest.iter().cloned());
-    spec.owner = format!("supervise:{name}");
+    spec.owner = Owner::supervise(&name);
     spec.sink = Arc::new(LogSink { prefix: name.clone() });
     let (tx, stop) = StopSignal::channel();
     tokio::spawn(async move {

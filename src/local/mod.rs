@@ -18,15 +18,13 @@ use crate::apply::{
 use crate::flow::{self, Decision, RunPlan, Snapshot};
 use crate::plan::{self, Annotations, Hold, PlanState, ValidPlan, format_unix_date, parse_unix_date};
 use crate::probe::Prober;
+use crate::process::{Owner, Source};
 use pos::{PlanFiles, Pos};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
-
-/// Owner prefix of the PID records of local plans: `local:<plan path>:<instruction>`.
-const OWNER_PREFIX: &str = "local:";
 
 #[derive(Debug, Clone)]
 pub struct LocalConfig {
@@ -284,17 +282,16 @@ impl LocalAgent {
     /// leftovers cannot be stopped, or whose records are refused, are blocked; a refused record
     /// whose plan cannot be known (or a refused PID directory) blocks every plan.
     async fn recover_leftovers(&mut self, only: Option<&Path>) {
-        let prefix = match only {
-            Some(p) => format!("{OWNER_PREFIX}{}:", p.display()),
-            None => OWNER_PREFIX.to_string(),
-        };
+        let plan = only.map(Owner::local);
         let mut held: HashMap<PathBuf, String> = HashMap::new();
         let mut held_all = None;
-        for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(&prefix)).await {
+        let recovered = match &plan {
+            Some(p) => self.app.supervisor().recover(|rec| rec.owner.belongs_to_plan(p)).await,
+            None => self.app.supervisor().recover(|rec| rec.owner.belongs_to(Source::Local)).await,
+        };
+        for r in recovered {
             let Some(why) = r.hold_reason() else { continue };
-            let plan = r.record.as_ref().and_then(|rec| {
-                rec.owner.strip_prefix(OWNER_PREFIX).and_then(|o| o.rsplit_once(':')).map(|(p, _)| PathBuf::from(p))
-            });
+            let plan = r.record.as_ref().and_then(|rec| rec.owner.local_plan());
             match plan {
                 Some(plan) => {
                     tracing::error!("{}: {why}; the plan is blocked until this is resolved", plan.display());
@@ -608,7 +605,7 @@ impl LocalAgent {
                 periodic_output,
                 run_periodic: true,
                 interrupts: rx,
-                owner: format!("{OWNER_PREFIX}{}", path.display()),
+                owner: Owner::local(path),
                 observer: Arc::new(LogObserver),
             })
             .await;

@@ -12,6 +12,7 @@
 mod capture;
 pub mod cgroup;
 mod outcome;
+mod owner;
 pub mod owner_lock;
 mod procfs;
 mod record;
@@ -22,6 +23,7 @@ mod tree;
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
 pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
+pub use owner::{Owner, Slot, Source};
 pub use owner_lock::{LockError, OwnerLock};
 pub use record::{PidRecord, RecordFile, write_atomic};
 pub use tree::MARKER_ENV;
@@ -93,7 +95,7 @@ pub struct SpawnSpec {
     pub env: Vec<(OsString, OsString)>,
     pub cwd: Option<PathBuf>,
     /// What the process belongs to; stored in its PID record.
-    pub owner: String,
+    pub owner: Owner,
     /// Run the stop ladder after this long.
     pub timeout: Option<Duration>,
     pub sink: Arc<dyn LineSink>,
@@ -107,7 +109,7 @@ impl SpawnSpec {
             args: args.into_iter().map(Into::into).collect(),
             env: std::env::vars_os().collect(),
             cwd: None,
-            owner: String::new(),
+            owner: Owner::default(),
             timeout: None,
             sink: Arc::new(NullSink),
         }
@@ -219,36 +221,6 @@ struct Inner {
 
 static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
 
-/// `owner` for a log line: every plan checksum in it (64 hex digits, as in `apply:<checksum>:0`)
-/// cut to the 12-digit id people see everywhere else.
-pub fn short_ids(owner: &str) -> String {
-    let mut out = String::with_capacity(owner.len());
-    let mut run = String::new();
-    let flush = |run: &mut String, out: &mut String| {
-        out.push_str(if run.len() == 64 { &run[..12] } else { run });
-        run.clear();
-    };
-    for c in owner.chars() {
-        if c.is_ascii_hexdigit() && !c.is_ascii_uppercase() {
-            run.push(c);
-        } else {
-            flush(&mut run, &mut out);
-            out.push(c);
-        }
-    }
-    flush(&mut run, &mut out);
-    out
-}
-
-#[cfg(test)]
-#[test]
-fn plan_checksums_are_cut_to_their_short_id() {
-    let cs = "440b2eb0b6bdd3b7eea28188e7b15ae147842a7d65359938a4d1961952971213";
-    assert_eq!(short_ids(&format!("apply:{cs}:p3")), "apply:440b2eb0b6bd:p3");
-    assert_eq!(short_ids("local:/plans/a.plan:0"), "local:/plans/a.plan:0");
-    assert_eq!(short_ids("supervise:abc"), "supervise:abc");
-}
-
 impl Supervisor {
     pub fn new(config: SupervisorConfig) -> Supervisor {
         let cgroups = match cgroup::CgroupRoot::discover(&config.cgroup) {
@@ -284,7 +256,7 @@ impl Supervisor {
     /// Take `owner`'s lock in the PID directory (see [`owner_lock`]) before recovering and running
     /// anything of it: [`LockError::Held`] names the live instance that holds it. `None` without a
     /// PID directory.
-    pub fn lock_owner(&self, owner: &str) -> Result<Option<OwnerLock>, LockError> {
+    pub fn lock_owner(&self, owner: &Owner) -> Result<Option<OwnerLock>, LockError> {
         match &self.inner.config.pid_dir {
             Some(dir) => owner_lock::lock(dir, owner).map(Some),
             None => Ok(None),
@@ -379,7 +351,7 @@ impl Supervisor {
             if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
                 tracing::warn!(
                     "the cgroup of {} vanished before its spawn ({e}); starting it without one",
-                    short_ids(&spec.owner)
+                    spec.owner.short()
                 );
                 cgroup_dir = None;
                 forget_cgroup(&mut record, &mut record_file);
@@ -658,20 +630,16 @@ impl Supervisor {
                 RecoveryResult::Refused(why) => RecoveryResult::Refused(format!(
                     "PID record {} of {} {why}; refused (nothing was signalled, the record is kept)",
                     path.display(),
-                    short_ids(&rec.owner)
+                    rec.owner.short()
                 )),
                 r => r,
             };
             match &result {
                 RecoveryResult::Stopped(o) => {
-                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), short_ids(&rec.owner))
+                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner.short())
                 }
                 RecoveryResult::NotStopped(o) => {
-                    tracing::error!(
-                        "leftover {} of {} could not be stopped: {o}",
-                        rec.describe(),
-                        short_ids(&rec.owner)
-                    )
+                    tracing::error!("leftover {} of {} could not be stopped: {o}", rec.describe(), rec.owner.short())
                 }
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
@@ -743,7 +711,7 @@ impl Supervisor {
         if let Identity::Mismatch(why) = &identity {
             tracing::warn!(
                 "PID record of {}: {why}; stopping only {}",
-                short_ids(&rec.owner),
+                rec.owner.short(),
                 if leaf.is_some() { "its verified cgroup leaf" } else { "the processes that carry its marker" }
             );
         }

@@ -1,4 +1,4 @@
-//! One owner, one run: a lock file per owner (`apply:<checksum>`, `supervise:<name>`) in the PID
+//! One owner, one run: a lock file per [`Owner`] (`apply:<checksum>`, `supervise:<name>`) in the PID
 //! directory, held with a POSIX record lock (`fcntl(F_SETLK)`) for as long as the owner runs.
 //!
 //! The kernel drops the lock when its process dies, however it dies, so there is never a stale
@@ -11,6 +11,7 @@
 //! the file just before it was removed sees that its name now leads elsewhere (or nowhere) and
 //! tries again, so two instances never hold two different files of one name.
 
+use super::Owner;
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use sha2::{Digest, Sha256};
@@ -50,8 +51,10 @@ impl Drop for OwnerLock {
     }
 }
 
-/// The lock file's name for `owner`: readable, and unique through a hash of the whole owner.
-pub fn file_name(owner: &str) -> String {
+/// The lock file's name for `owner`: readable, and unique through a hash of the whole owner (its
+/// text form, so the names of earlier builds' locks are kept).
+pub fn file_name(owner: &Owner) -> String {
+    let owner = owner.to_string();
     let readable: String =
         owner.chars().take(48).map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
     let hash = Sha256::digest(owner.as_bytes());
@@ -60,7 +63,7 @@ pub fn file_name(owner: &str) -> String {
 }
 
 /// Take `owner`'s lock in `dir` (made if missing) without waiting.
-pub fn lock(dir: &Path, owner: &str) -> Result<OwnerLock, LockError> {
+pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
     let name = file_name(owner);
     let path = dir.join(&name);
     let io_err = |what: &str, e: io::Error| LockError::Io(format!("owner lock {}: {what}: {e}", path.display()));
@@ -136,24 +139,25 @@ mod tests {
 
     #[test]
     fn names_are_plain_unique_and_hidden_from_the_record_scan() {
-        let a = file_name("supervise:web/../x");
+        let a = file_name(&Owner::supervise("web/../x"));
         assert!(a.starts_with(".supervise_web____x.") && a.ends_with(".lock"), "{a}");
-        assert_ne!(file_name("supervise:a/b"), file_name("supervise:a_b"));
+        assert_ne!(file_name(&Owner::supervise("a/b")), file_name(&Owner::supervise("a_b")));
         assert!(!a.ends_with(".json"));
     }
 
     #[test]
     fn the_lock_file_is_removed_on_release_and_can_be_taken_again() {
         let d = tempfile::tempdir().unwrap();
-        let l = lock(d.path(), "apply:x").unwrap();
-        let path = d.path().join(file_name("apply:x"));
+        let owner = Owner::apply("x");
+        let l = lock(d.path(), &owner).unwrap();
+        let path = d.path().join(file_name(&owner));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{}\n", std::process::id()));
         drop(l);
         assert!(!path.exists());
-        let again = lock(d.path(), "apply:x").unwrap();
+        let again = lock(d.path(), &owner).unwrap();
         drop(again);
         // A planted link is never followed.
         std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
-        assert!(matches!(lock(d.path(), "apply:x"), Err(LockError::Io(_))));
+        assert!(matches!(lock(d.path(), &owner), Err(LockError::Io(_))));
     }
 }

@@ -13,14 +13,13 @@ use crate::apply::{
 use crate::flow::{self, Decision, RunPlan};
 use crate::plan::{self, Hold, ValidPlan};
 use crate::probe::Prober;
+use crate::process::{Owner, Source};
 use futures::StreamExt as _;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// Owner prefix of the PID records of remote plans: `remote:<checksum>:<instruction>`.
-const OWNER_PREFIX: &str = "remote:";
 /// Every API call is bounded: kube has no read timeout of its own.
 const API_TIMEOUT: Duration = Duration::from_secs(15);
 const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -151,7 +150,7 @@ impl RemoteAgent {
     }
 
     async fn recover(&mut self) {
-        for r in self.app.supervisor().recover(|rec| rec.owner.starts_with(OWNER_PREFIX)).await {
+        for r in self.app.supervisor().recover(|rec| rec.owner.belongs_to(Source::Remote)).await {
             if let Some(why) = r.hold_reason() {
                 tracing::error!("{why}; no remote plan runs until this is resolved");
                 self.blocked = Some(why);
@@ -523,7 +522,7 @@ impl RemoteAgent {
                 periodic_output: wire::periodic_output(snap),
                 run_periodic: true,
                 interrupts: rx,
-                owner: format!("{OWNER_PREFIX}{checksum}"),
+                owner: Owner::remote(checksum),
                 observer: Arc::new(LogObserver),
             })
             .await;
