@@ -13,9 +13,7 @@ pub mod files;
 pub mod periodic;
 
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{
-    LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration,
-};
+use crate::process::{LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -136,7 +134,7 @@ impl Observer for NoObserver {}
 
 /// The agent's observer: each one-time instruction's start and end at info (a failure at error),
 /// periodic instructions at debug (a failure at info), so a fleet's logs stay small. Instructions
-/// are numbered `i/n` from 1; durations are [`crate::process::human_duration`]s.
+/// are numbered `i/n` from 1; durations are [`crate::duration::human`]s.
 pub struct LogObserver;
 
 impl Observer for LogObserver {
@@ -150,7 +148,8 @@ impl Observer for LogObserver {
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
-        let line = format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, human_duration(r.elapsed));
+        let line =
+            format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, crate::duration::human(r.elapsed));
         match (result_word(&r.outcome), r.periodic) {
             ("ok", false) => tracing::info!("{line}"),
             ("ok", true) => tracing::debug!("{line}"),

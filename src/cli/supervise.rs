@@ -18,10 +18,10 @@ pub struct SuperviseArgs {
     #[arg(long, value_name = "DIR", default_value = "/run/nodeplan/supervise", value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
     /// Grace period after SIGTERM (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_positive)]
     pub stop_timeout: Duration,
     /// How long to wait after SIGKILL (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::duration::parse_positive)]
     pub kill_timeout: Duration,
     /// Never SIGKILL: give up after the stop timeout, leave the process and its PID record, exit 1
     /// [default: off].

@@ -20,9 +20,11 @@ mod spawn;
 pub mod supervise;
 mod tree;
 
+/// [`crate::duration::human`], under the name its callers in the agents know it by.
+pub use crate::duration::human as human_duration;
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
-pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
+pub use outcome::{ExitKind, Outcome, Rung, StopReason, signal_name};
 pub use owner::{Owner, Slot, Source};
 pub use owner_lock::{LockError, OwnerLock};
 pub use record::{PidRecord, RecordFile, write_atomic};

@@ -111,9 +111,9 @@ pub async fn supervise(
             "{} ({}) exited after {}: {}; restarting in {}",
             spec.owner,
             spec.program.to_string_lossy(),
-            super::human_duration(result.elapsed),
+            crate::duration::human(result.elapsed),
             result.outcome,
-            super::human_duration(delay)
+            crate::duration::human(delay)
         );
         observer.exited(&result, delay);
         tokio::select! {
