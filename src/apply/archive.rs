@@ -34,7 +34,7 @@ fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> s
     }
     let seq = existing.last().map_or(1, |(seq, _)| seq + 1);
     let name = format!("{seq:06}-{}Z-applied.plan", now.format("%Y%m%d-%H%M%S"));
-    crate::process::write_atomic(&dir.join(&name), &body, 0o600)?;
+    crate::safefs::write_atomic(&dir.join(&name), &body, 0o600)?;
     existing.push((seq, name));
     for (_, old) in &existing[..existing.len().saturating_sub(ARCHIVE_KEEP)] {
         let _ = std::fs::remove_file(dir.join(old));
@@ -88,7 +88,7 @@ impl Interlock {
         if let Ok(Some(raw)) = crate::safefs::read_small(&pending, 4096) {
             match parse_unix_date(String::from_utf8_lossy(&raw).trim()) {
                 None => {
-                    let _ = crate::process::write_atomic(&pending, format_unix_date(now).as_bytes(), 0o600);
+                    let _ = crate::safefs::write_atomic(&pending, format_unix_date(now).as_bytes(), 0o600);
                     return Err("restart is pending; waiting 5m0s".into());
                 }
                 Some(t) if now < t + chrono::Duration::seconds(RESTART_PENDING_WAIT) => {
@@ -100,7 +100,7 @@ impl Interlock {
                 }
             }
         }
-        crate::process::write_atomic(&active, format_unix_date(now).as_bytes(), 0o600)
+        crate::safefs::write_atomic(&active, format_unix_date(now).as_bytes(), 0o600)
             .map_err(|e| format!("{}: {e}", active.display()))?;
         Ok(Interlock { active })
     }

@@ -161,7 +161,7 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
         Err(_) => {}
     }
     for _ in 0..16 {
-        let path = dir.join(format!(".nodeplan-layer-{:016x}", random_u64()));
+        let path = dir.join(format!(".nodeplan-layer-{:016x}", crate::safefs::random_u64()?));
         let f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -179,18 +179,6 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
         }
     }
     Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
-}
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer it is given.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == b.len() as isize {
-        u64::from_ne_bytes(b)
-    } else {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
-    }
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ pub use cgroup::CgroupMode;
 pub use outcome::{ExitKind, Outcome, Rung, StopReason, signal_name};
 pub use owner::{Owner, Slot, Source};
 pub use owner_lock::{LockError, OwnerLock};
-pub use record::{PidRecord, RecordFile, write_atomic};
+pub use record::{PidRecord, RecordFile};
 pub use tree::MARKER_ENV;
 
 use capture::Captures;

@@ -359,12 +359,6 @@ pub(crate) fn scan(dir: &Path) -> Result<Vec<(PathBuf, Entry)>, String> {
     Ok(out)
 }
 
-/// Write `data` to `path` atomically with `mode`, never following a planted link (see
-/// [`crate::safefs`]).
-pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    crate::safefs::write_file(path, data, mode, None).map(drop)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,15 +439,5 @@ mod tests {
         let r = PidRecord::parse(&std::fs::read(f.path()).unwrap()).unwrap();
         assert_eq!((r.owner.to_string().as_str(), r.pid, r.start_time), ("supervise:changed", 7, 70));
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file left");
-    }
-
-    #[test]
-    fn atomic_write_replaces_and_leaves_no_temp() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("r.json");
-        write_atomic(&p, b"one", 0o600).unwrap();
-        write_atomic(&p, b"two", 0o600).unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
     }
 }
