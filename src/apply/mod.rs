@@ -17,6 +17,7 @@ use crate::process::{LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, S
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -197,6 +198,13 @@ pub struct ApplyInput<'a> {
     pub observer: Arc<dyn Observer>,
 }
 
+impl ApplyInput<'_> {
+    /// The latest interrupt requests.
+    fn interrupt(&self) -> Interrupt {
+        *self.interrupts.borrow()
+    }
+}
+
 /// One instruction's outcome.
 #[derive(Debug, Clone)]
 pub struct InstructionReport {
@@ -321,8 +329,7 @@ impl Applyinator {
     }
 
     async fn apply_inner(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
-        let plan = &input.plan.plan;
-        let total = plan.instructions.len();
+        let total = input.plan.plan.instructions.len();
         let resume_from = input.resume_from.min(total);
         let mut result = ApplyResult {
             completed: resume_from,
@@ -331,15 +338,54 @@ impl Applyinator {
             periodic_output: input.periodic_output.clone(),
             ..Default::default()
         };
-        let current = || *input.interrupts.borrow();
-        if let Some(i) = current().boundary() {
+        if let Some(i) = input.interrupt().boundary() {
             result.interruption = Some(i);
             return Ok(result);
         }
-        // A pass with no one-time instructions and no due periodic instruction touches nothing
-        // (no interlock, archive or work-directory wipe).
+        if !self.has_work(&input) {
+            return Ok(result);
+        }
+        let _guard = self.lock.lock().await;
+        if let Some(i) = input.interrupt().boundary() {
+            result.interruption = Some(i);
+            return Ok(result);
+        }
+        let exec_dir = self.execution_dir();
+        let _interlock = self.prepare(&input).await?;
+
+        if input.run_one_time {
+            if let Some(i) = self.one_time_pass(&input, &exec_dir, resume_from, &mut result).await {
+                result.interruption = Some(i);
+                return Ok(result);
+            }
+            result.one_time_succeeded = result.completed == total;
+        }
+
+        // After a genuine one-time failure nothing may turn the result into an interruption: the
+        // failure is what gets recorded (R5). A pause or cancel then only ends the periodic pass.
+        let one_time_failed = input.run_one_time && !result.one_time_succeeded;
+        if input.run_periodic
+            && let ControlFlow::Break(interruption) = self.periodic_pass(&input, &exec_dir, &mut result).await
+        {
+            if !one_time_failed {
+                result.interruption = interruption;
+            }
+            return Ok(result);
+        }
+        // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
+        // pass genuinely failed (the failure is what gets recorded).
+        if !one_time_failed {
+            result.interruption = input.interrupt().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
+        }
+        Ok(result)
+    }
+
+    /// Whether the pass has anything to do: one-time instructions or files to apply, or a due
+    /// periodic instruction. One with nothing touches nothing (no interlock, archive or
+    /// work-directory wipe).
+    fn has_work(&self, input: &ApplyInput<'_>) -> bool {
         let any_due = input.run_periodic
-            && plan.periodic_instructions.iter().any(|p| {
+            && input.plan.plan.periodic_instructions.iter().any(|p| {
                 !p.common.name.is_empty()
                     && periodic::is_due(
                         input.periodic_output.get(&p.common.name),
@@ -348,18 +394,14 @@ impl Applyinator {
                         input.run_one_time,
                     )
             });
-        if !input.run_one_time && !input.reconcile_files && !any_due {
-            return Ok(result);
-        }
-        let _guard = self.lock.lock().await;
-        if let Some(i) = current().boundary() {
-            result.interruption = Some(i);
-            return Ok(result);
-        }
-        let exec_dir = self.execution_dir();
-        // The interlock, the archive (both synced to disk), the files and the wipe of the work
-        // directory (possibly large, e.g. extracted images) all go to the blocking pool: the
-        // runtime keeps delivering interrupts and probes meanwhile.
+        input.run_one_time || input.reconcile_files || any_due
+    }
+
+    /// Everything before the first instruction ([`Prepare`]). The interlock, the archive (both
+    /// synced to disk), the files and the wipe of the work directory (possibly large, e.g.
+    /// extracted images) all go to the blocking pool: the runtime keeps delivering interrupts and
+    /// probes meanwhile. The interlock is held until the returned value is dropped.
+    async fn prepare(&self, input: &ApplyInput<'_>) -> Result<Option<archive::Interlock>, ApplyError> {
         let prep = Prepare {
             interlock_dir: self.config.interlock_dir.clone(),
             applied_plan_dir: self.config.applied_plan_dir.clone(),
@@ -370,115 +412,115 @@ impl Applyinator {
             work_dir: self.config.work_dir.clone(),
             wipe: !self.config.preserve_work_dir,
         };
-        let _interlock = tokio::task::spawn_blocking(move || prep.run())
+        tokio::task::spawn_blocking(move || prep.run())
             .await
-            .map_err(|e| ApplyError::WorkDir(format!("preparing the apply: {e}")))??;
+            .map_err(|e| ApplyError::WorkDir(format!("preparing the apply: {e}")))?
+    }
 
-        if input.run_one_time {
-            let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
-            let mut next_dir = NextDir::default();
-            let mut stopped_by = None;
-            for (index, ins) in plan.instructions.iter().enumerate().skip(resume_from) {
-                if let Some(i) = current().boundary() {
-                    stopped_by = Some(i);
-                    break;
-                }
-                let dir = dir_of(index);
-                next_dir.ready(&dir).await;
-                if index + 1 < total {
-                    next_dir.prepare(dir_of(index + 1));
-                }
-                let report = self.run_one(&input, &dir, index, total, &ins.common, input.attempt, false).await;
-                result.termination_incomplete |= report.outcome.termination_incomplete();
-                save_output(&mut result.one_time_output, ins, &report);
-                let outcome = report.outcome.clone();
-                input.observer.instruction_finished(&report);
-                result.reports.push(report);
-                if outcome.success() {
-                    result.completed = index + 1;
-                    continue;
-                }
-                // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
-                // pause never masks a failure (R5).
-                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
-                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(Interruption::from_stop)) {
-                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(&instruction_label(index, total, &ins.common.name, false));
-                    }
-                    stopped_by = Some(i);
-                    break;
-                }
-                // The failure itself is reported once, by the observer, with its outcome.
+    /// The one-time instructions from `resume_from`, in order, until the first failure. Each
+    /// report goes into `result` (and its saved output, and `completed` past each success).
+    /// Returns the interruption that stopped the pass, if one did.
+    async fn one_time_pass(
+        &self,
+        input: &ApplyInput<'_>,
+        exec_dir: &Path,
+        resume_from: usize,
+        result: &mut ApplyResult,
+    ) -> Option<Interruption> {
+        let instructions = &input.plan.plan.instructions;
+        let total = instructions.len();
+        let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
+        let mut next_dir = NextDir::default();
+        let mut stopped_by = None;
+        for (index, ins) in instructions.iter().enumerate().skip(resume_from) {
+            if let Some(i) = input.interrupt().boundary() {
+                stopped_by = Some(i);
                 break;
             }
-            next_dir.discard().await;
-            if let Some(i) = stopped_by {
-                result.interruption = Some(i);
-                return Ok(result);
+            let dir = dir_of(index);
+            next_dir.ready(&dir).await;
+            if index + 1 < total {
+                next_dir.prepare(dir_of(index + 1));
             }
-            result.one_time_succeeded = result.completed == total;
+            let report = self.run_one(input, &dir, index, total, &ins.common, input.attempt, false).await;
+            result.termination_incomplete |= report.outcome.termination_incomplete();
+            save_output(&mut result.one_time_output, ins, &report);
+            let outcome = report.outcome.clone();
+            input.observer.instruction_finished(&report);
+            result.reports.push(report);
+            if outcome.success() {
+                result.completed = index + 1;
+                continue;
+            }
+            // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
+            // pause never masks a failure (R5).
+            let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
+            if let Some(i) = stopped.or_else(|| input.interrupt().stop_reason().and_then(Interruption::from_stop)) {
+                if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                    warn_partial(&instruction_label(index, total, &ins.common.name, false));
+                }
+                stopped_by = Some(i);
+                break;
+            }
+            // The failure itself is reported once, by the observer, with its outcome.
+            break;
         }
+        next_dir.discard().await;
+        stopped_by
+    }
 
-        // After a genuine one-time failure nothing may turn the result into an interruption: the
-        // failure is what gets recorded (R5). A pause or cancel then only ends the periodic pass.
-        let one_time_failed = input.run_one_time && !result.one_time_succeeded;
-        if input.run_periodic {
-            let forced = input.run_one_time;
-            for (index, p) in plan.periodic_instructions.iter().enumerate() {
-                if p.common.name.is_empty() {
-                    tracing::warn!("periodicInstructions[{index}] has no name; skipped");
-                    continue;
+    /// The due periodic instructions, in order, until the first failure; each run is recorded in
+    /// `result` (its report and its periodic output). `Break` when a pause, cancel or stop ended
+    /// the pass, with the interruption to report (see [`completed_pass_kept`]).
+    async fn periodic_pass(
+        &self,
+        input: &ApplyInput<'_>,
+        exec_dir: &Path,
+        result: &mut ApplyResult,
+    ) -> ControlFlow<Option<Interruption>> {
+        let periodic = &input.plan.plan.periodic_instructions;
+        let forced = input.run_one_time;
+        for (index, p) in periodic.iter().enumerate() {
+            if p.common.name.is_empty() {
+                tracing::warn!("periodicInstructions[{index}] has no name; skipped");
+                continue;
+            }
+            let prev = result.periodic_output.get(&p.common.name).cloned();
+            if !periodic::is_due(prev.as_ref(), p.period(), self.clock.now(), forced) {
+                continue;
+            }
+            if let Some(i) = input.interrupt().boundary() {
+                return ControlFlow::Break(completed_pass_kept(i, input, result));
+            }
+            let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
+            let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
+            let report = self.run_one(input, &dir, index, periodic.len(), &p.common, attempt, true).await;
+            input.observer.instruction_finished(&report);
+            result.termination_incomplete |= report.outcome.termination_incomplete();
+            let outcome = report.outcome.clone();
+            let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
+            if let Some(i) = stopped {
+                if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                    warn_partial(&instruction_label(index, periodic.len(), &p.common.name, true));
                 }
-                let prev = result.periodic_output.get(&p.common.name).cloned();
-                if !periodic::is_due(prev.as_ref(), p.period(), self.clock.now(), forced) {
-                    continue;
-                }
-                if let Some(i) = current().boundary() {
-                    if !one_time_failed {
-                        result.interruption = completed_pass_kept(i, &input, &result);
-                    }
-                    return Ok(result);
-                }
-                let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
-                let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
-                let report =
-                    self.run_one(&input, &dir, index, plan.periodic_instructions.len(), &p.common, attempt, true).await;
-                input.observer.instruction_finished(&report);
-                result.termination_incomplete |= report.outcome.termination_incomplete();
-                let outcome = report.outcome.clone();
-                let stopped = outcome.stop_reason().and_then(Interruption::from_stop);
-                if let Some(i) = stopped {
-                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        let n = plan.periodic_instructions.len();
-                        warn_partial(&instruction_label(index, n, &p.common.name, true));
-                    }
-                    result.reports.push(report);
-                    if !one_time_failed {
-                        result.interruption = Some(i);
-                    }
-                    return Ok(result);
-                }
-                let out = periodic::record_run(
-                    prev.as_ref(),
-                    &p.common.name,
-                    report.output.stdout.clone(),
-                    p.save_stderr_output.then(|| report.output.stderr.clone()),
-                    outcome.exit_code() as i64,
-                    self.clock.now(),
-                );
-                result.periodic_output.insert(p.common.name.clone(), out);
                 result.reports.push(report);
-                if !outcome.success() {
-                    break;
-                }
+                return ControlFlow::Break(Some(i));
+            }
+            let out = periodic::record_run(
+                prev.as_ref(),
+                &p.common.name,
+                report.output.stdout.clone(),
+                p.save_stderr_output.then(|| report.output.stderr.clone()),
+                outcome.exit_code() as i64,
+                self.clock.now(),
+            );
+            result.periodic_output.insert(p.common.name.clone(), out);
+            result.reports.push(report);
+            if !outcome.success() {
+                break;
             }
         }
-        // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
-        // pass genuinely failed (the failure is what gets recorded).
-        if !one_time_failed {
-            result.interruption = current().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
-        }
-        Ok(result)
+        ControlFlow::Continue(())
     }
 
     fn execution_dir(&self) -> PathBuf {
