@@ -33,8 +33,20 @@ pub enum LockError {
     /// Another live process holds the owner's lock (its pid when the kernel can tell it).
     #[error("already running as pid {}", .pid.map_or("(unknown)".to_string(), |p| p.to_string()))]
     Held { pid: Option<i32>, path: PathBuf },
-    #[error("{0}")]
-    Io(String),
+    /// The lock file or its directory could not be made, opened, examined or locked.
+    #[error("owner lock {}: {what}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    /// Something other than the agent's own lock file is at its name.
+    #[error("owner lock {} is not a regular file owned by uid {euid}; refused (remove it by hand)", .path.display())]
+    Foreign { path: PathBuf, euid: u32 },
+    /// The file kept being replaced while it was being locked.
+    #[error("owner lock {}: it keeps being replaced; refused", .path.display())]
+    Replaced { path: PathBuf },
 }
 
 impl Drop for OwnerLock {
@@ -66,7 +78,7 @@ pub fn file_name(owner: &Owner) -> String {
 pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
     let name = file_name(owner);
     let path = dir.join(&name);
-    let io_err = |what: &str, e: io::Error| LockError::Io(format!("owner lock {}: {what}: {e}", path.display()));
+    let io_err = |what: &'static str, source: io::Error| LockError::Io { path: path.clone(), what, source };
     std::fs::create_dir_all(dir).map_err(|e| io_err("cannot make its directory", e))?;
     let dfd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
         .map_err(|e| io_err("cannot open its directory", e.into()))?;
@@ -77,10 +89,7 @@ pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
         let st = rustix::fs::fstat(&fd).map_err(|e| io_err("cannot examine it", e.into()))?;
         let euid = rustix::process::geteuid().as_raw();
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile || st.st_uid != euid {
-            return Err(LockError::Io(format!(
-                "owner lock {} is not a regular file owned by uid {euid}; refused (remove it by hand)",
-                path.display()
-            )));
+            return Err(LockError::Foreign { path, euid });
         }
         if !set_lock(fd.as_fd()).map_err(|e| io_err("cannot lock it", e))? {
             return Err(LockError::Held { pid: holder(fd.as_fd()), path });
@@ -98,7 +107,7 @@ pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
             Err(e) => return Err(io_err("cannot examine it", e.into())),
         }
     }
-    Err(LockError::Io(format!("owner lock {}: it keeps being replaced; refused", path.display())))
+    Err(LockError::Replaced { path })
 }
 
 fn whole_file(kind: libc::c_int) -> libc::flock {
@@ -158,6 +167,15 @@ mod tests {
         drop(again);
         // A planted link is never followed.
         std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
-        assert!(matches!(lock(d.path(), &owner), Err(LockError::Io(_))));
+        let e = lock(d.path(), &owner).unwrap_err();
+        assert!(matches!(e, LockError::Io { what: "cannot open it", .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "owner lock {}: cannot open it: {}",
+                path.display(),
+                std::io::Error::from_raw_os_error(libc::ELOOP)
+            )
+        );
     }
 }
