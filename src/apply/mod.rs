@@ -12,6 +12,9 @@ mod archive;
 pub mod files;
 pub mod periodic;
 
+pub use archive::InterlockError;
+pub use files::FileError;
+
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
 use crate::process::{LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor};
 use chrono::{DateTime, Utc};
@@ -282,14 +285,62 @@ pub fn update_interrupt(tx: &watch::Sender<Interrupt>, next: Interrupt, plan: &s
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     #[error("files: {0}")]
-    Files(String),
+    Files(#[source] FileError),
     #[error("interlock: {0}")]
-    Interlock(String),
+    Interlock(#[source] InterlockError),
     #[error("work directory: {0}")]
-    WorkDir(String),
-    /// The work directory holds what nodeplan did not put there: nothing was touched.
+    WorkDir(#[source] WorkDirError),
+    /// The work directory holds what nodeplan did not put there (or cannot be listed to tell):
+    /// nothing was touched.
     #[error("work directory: {0}")]
-    ForeignWorkDir(String),
+    ForeignWorkDir(#[source] WorkDirError),
+}
+
+/// What went wrong with the work directory or an execution directory in it.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkDirError {
+    /// The task preparing the apply on the blocking pool failed.
+    #[error("preparing the apply: {0}")]
+    Prepare(#[source] tokio::task::JoinError),
+    #[error("reading {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Entries nodeplan did not create (sorted names).
+    #[error("{}", foreign_entries(.dir, .entries))]
+    Foreign { dir: PathBuf, entries: Vec<String> },
+    #[error("wiping {}: {source}", .path.display())]
+    Wipe {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A parent of the work directory could not be made.
+    #[error("creating {}: {source}", .path.display())]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The work directory could not be made or made private to the agent.
+    #[error("{}: {source}", .path.display())]
+    Private {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn foreign_entries(dir: &Path, entries: &[String]) -> String {
+    let more = if entries.len() > 3 { format!(" and {} more", entries.len() - 3) } else { String::new() };
+    format!(
+        "{} holds entries nodeplan did not create ({}{more}); refusing to use it as the work directory \
+         (give an empty directory or one only nodeplan uses)",
+        dir.display(),
+        entries.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// Executes plans, one at a time.
@@ -414,7 +465,7 @@ impl Applyinator {
         };
         tokio::task::spawn_blocking(move || prep.run())
             .await
-            .map_err(|e| ApplyError::WorkDir(format!("preparing the apply: {e}")))?
+            .map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))?
     }
 
     /// The one-time instructions from `resume_from`, in order, until the first failure. Each
@@ -583,7 +634,7 @@ impl Applyinator {
                 biased;
                 r = stop.wait() => Err(Outcome::NotStarted(r)),
                 () = expired => Err(Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()))),
-                r = stager.stage(&ins.image, dir) => r.map_err(Outcome::StartFailed),
+                r = stager.stage(&ins.image, dir) => r.map_err(|e| Outcome::StartFailed(e.to_string())),
             };
             match staged {
                 Ok(from) => tracing::info!("[{prefix}] staged image {} {from}", ins.image),
@@ -675,11 +726,12 @@ fn make_dir(dir: &Path) -> std::io::Result<()> {
 
 /// The work directory: its parents as usual, the directory itself as [`make_dir`] makes
 /// execution directories.
-fn private_dir(dir: &Path) -> Result<(), String> {
+fn private_dir(dir: &Path) -> Result<(), WorkDirError> {
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|source| WorkDirError::Create { path: parent.to_path_buf(), source })?;
     }
-    make_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))
+    make_dir(dir).map_err(|source| WorkDirError::Private { path: dir.to_path_buf(), source })
 }
 
 /// Make an existing directory private to the agent (owner: its effective uid and gid, mode 0700).
@@ -837,7 +889,7 @@ impl Prepare {
         if self.wipe {
             for dir in earlier {
                 crate::safefs::remove(&dir, true)
-                    .map_err(|e| ApplyError::WorkDir(format!("wiping {}: {e}", dir.display())))?;
+                    .map_err(|source| ApplyError::WorkDir(WorkDirError::Wipe { path: dir.clone(), source }))?;
             }
         }
         // Execution directories hold what instructions run (image files included): nobody but
@@ -863,15 +915,16 @@ fn is_apply_dir_name(name: &str) -> bool {
 /// at a directory nodeplan does not own (a home, `/tmp`), which it must neither wipe nor make
 /// private to root. Entries are looked at without following links. Returns the per-apply
 /// directories of earlier applies: what a wipe removes, and nothing else.
-fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
+fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, WorkDirError> {
+    let read = |source| WorkDirError::Read { path: dir.to_path_buf(), source };
     let entries = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("reading {}: {e}", dir.display())),
+        Err(e) => return Err(read(e)),
     };
     let (mut foreign, mut earlier) = (Vec::new(), Vec::new());
     for e in entries {
-        let e = e.map_err(|e| format!("reading {}: {e}", dir.display()))?;
+        let e = e.map_err(read)?;
         let name = e.file_name().to_string_lossy().into_owned();
         let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
         if is_dir && is_apply_dir_name(&name) {
@@ -884,13 +937,7 @@ fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
         return Ok(earlier);
     }
     foreign.sort();
-    let more = if foreign.len() > 3 { format!(" and {} more", foreign.len() - 3) } else { String::new() };
-    Err(format!(
-        "{} holds entries nodeplan did not create ({}{more}); refusing to use it as the work directory \
-         (give an empty directory or one only nodeplan uses)",
-        dir.display(),
-        foreign.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
-    ))
+    Err(WorkDirError::Foreign { dir: dir.to_path_buf(), entries: foreign })
 }
 
 #[cfg(test)]

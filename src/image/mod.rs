@@ -82,6 +82,27 @@ impl Budget {
     }
 }
 
+/// Why an image could not be staged: one line that names the image (and, for a pull, every
+/// source tried).
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// The reference does not parse.
+    #[error("{0}")]
+    Reference(String),
+    /// The task searching and extracting tarballs on the blocking pool failed.
+    #[error("{0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The image is in a tarball under the images directory, and extracting it failed.
+    #[error("image {image}: {message}")]
+    Tarball { image: String, message: String },
+    /// The registries file cannot be used.
+    #[error("image {image}: {message}")]
+    Registries { image: String, message: String },
+    /// No endpoint gave the image: what each one said.
+    #[error("cannot stage image {image}: {}", .tried.join("; "))]
+    Pull { image: String, tried: Vec<String> },
+}
+
 /// Stages images into execution directories.
 #[derive(Debug, Clone, Default)]
 pub struct Stager {
@@ -94,10 +115,10 @@ impl Stager {
     }
 
     /// Put the filesystem of `image` into `dest` (an existing, empty directory). Returns where it
-    /// came from, for the log. The error is one line naming the image and every source tried.
-    /// Scratch files (one layer at a time) go to `dest`'s parent, the per-apply directory.
-    pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, String> {
-        let r = ImageRef::parse(image)?;
+    /// came from, for the log. Scratch files (one layer at a time) go to `dest`'s parent, the
+    /// per-apply directory.
+    pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, StageError> {
+        let r = ImageRef::parse(image).map_err(StageError::Reference)?;
         let scratch = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
         // Dropping this future (a cancel) stops any extraction still running on the blocking
         // pool at its next entry; scratch files have no name, so nothing is left behind.
@@ -114,14 +135,16 @@ impl Stager {
                 })
             })
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(StageError::Task)?;
             if let Some((tarball, done)) = found {
-                done.map_err(|e| format!("image {r}: {e}"))?;
+                done.map_err(|message| StageError::Tarball { image: r.to_string(), message })?;
                 return Ok(format!("from {}", tarball.display()));
             }
         }
         let regs = match &self.cfg.registries_file {
-            Some(p) => Registries::load(p).map_err(|e| format!("image {r}: {e}"))?,
+            Some(p) => {
+                Registries::load(p).map_err(|message| StageError::Registries { image: r.to_string(), message })?
+            }
             None => Registries::default(),
         };
         let mut tried = Vec::new();
@@ -134,7 +157,7 @@ impl Stager {
             }
         }
         let _ = layers::empty_dir(dest);
-        Err(format!("cannot stage image {r}: {}", tried.join("; ")))
+        Err(StageError::Pull { image: r.to_string(), tried })
     }
 }
 
