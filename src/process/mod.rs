@@ -5,8 +5,10 @@
 //! a cgroup v1 freezer leaf joined before exec; see [`cgroup`]), concurrent
 //! capture of stdout and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace,
 //! SIGKILL/`cgroup.kill`, kill timeout), typed outcomes, PID records and crash recovery, and the
-//! respawn loop of `nodeplan supervise`. It knows nothing about plans: callers hand it a
-//! [`SpawnSpec`] and a [`StopSignal`] and get a [`RunResult`] back. Nothing here ever waits on pipe
+//! respawn loop of `nodeplan supervise`. It knows nothing about plans beyond whose a process is (an
+//! [`Owner`]: source, plan id, instruction slot, kept in its PID record so that recovery can tell
+//! callers whose leftover it found): callers hand it a [`SpawnSpec`] and a [`StopSignal`] and get
+//! a [`RunResult`] back. Nothing here ever waits on pipe
 //! EOF alone, so an escaped grandchild that holds a pipe cannot hang a run.
 
 mod capture;

@@ -1,21 +1,5 @@
-//! What a process belongs to: the owner kept in its PID record, which recovery reads back to tell
-//! whose leftover a record is, and the name of an owner's lock ([`super::owner_lock`]).
-//!
-//! On disk an owner is one string, `<source>:<id>`, then `:<slot>` for an instruction of a plan:
-//!
-//! | owner                                   | written by                                        |
-//! |-----------------------------------------|---------------------------------------------------|
-//! | `local:/var/lib/…/plans/a.plan:0`       | the local agent: plan path, one-time instruction 0 |
-//! | `remote:<checksum>:p1`                  | the remote agent: plan checksum, periodic instruction 1 |
-//! | `apply:<checksum>:3` (lock `apply:<checksum>`) | `nodeplan apply`                           |
-//! | `supervise:<name>` (record and lock)    | `nodeplan supervise`                              |
-//!
-//! [`Owner`]'s `Display` writes exactly these strings and its `FromStr` reads them back, so the
-//! records of earlier builds are recovered. A plan's id never ends in something that reads as a
-//! slot (checksums hold no `:`, local plan paths end in `.plan`), and a service's name is never
-//! split. Text that is no such owner (a foreign or hand-edited record) is kept verbatim as an
-//! *unknown* owner: it belongs to the source its prefix names, if any, but to no plan of it, so a
-//! caller holds that whole source, as for any record it cannot place. Reading never fails.
+//! What a process belongs to ([`Owner`]): kept in its PID record, which recovery reads back to
+//! tell whose leftover a record is, and naming an owner's lock ([`super::owner_lock`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -112,7 +96,23 @@ impl FromStr for Slot {
 }
 
 /// What a process belongs to: a source, the plan (or service) it runs for, and for an
-/// instruction of a plan its [`Slot`]. See the [module docs](self) for the text form.
+/// instruction of a plan its [`Slot`].
+///
+/// On disk an owner is one string, `<source>:<id>`, then `:<slot>` for an instruction of a plan:
+///
+/// | owner                                     | written by                                          |
+/// |-------------------------------------------|-----------------------------------------------------|
+/// | `local:/var/lib/…/plans/a.plan:0`         | the local agent: plan path, one-time instruction 0  |
+/// | `remote:<checksum>:p1`                    | the remote agent: plan checksum, periodic instruction 1 |
+/// | `apply:<checksum>:3`, lock `apply:<checksum>` | `nodeplan apply`                                |
+/// | `supervise:<name>` (record and lock)      | `nodeplan supervise`                                |
+///
+/// `Display` writes exactly these strings and `FromStr` reads them back, so the records of earlier
+/// builds are recovered. A plan's id never ends in something that reads as a slot (checksums hold
+/// no `:`, local plan paths end in `.plan`), and a service's name is never split. Text that is no
+/// such owner (a foreign or hand-edited record) is kept verbatim as an *unknown* owner: it belongs
+/// to the source its prefix names, if any, but to no plan of it, so a caller holds that whole
+/// source, as for any record it cannot place. Reading never fails.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Owner(Repr);
 
@@ -197,7 +197,7 @@ impl Owner {
         }
     }
 
-    /// Whether it was read as an owner this build writes (see the [module docs](self)).
+    /// Whether it was read as an owner this build writes (not an unknown one).
     pub fn is_known(&self) -> bool {
         matches!(self.0, Repr::Known { .. })
     }
