@@ -8,6 +8,7 @@
 //! touch the work, plan or PID directories, or talk to Kubernetes; [`validate`] merely looks at
 //! whether the local plan directory and the connection-info file exist.
 
+use crate::quoted;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::ffi::OsString;
@@ -257,12 +258,12 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "stopTimeout",
-            show_duration(d.stop_timeout),
+            crate::duration::show(d.stop_timeout),
             "stop ladder: grace after SIGTERM for the process tree to exit (`500ms`, `10s`, `5m`, `1h` or a number of seconds)",
         ),
         (
             "killTimeout",
-            show_duration(d.kill_timeout),
+            crate::duration::show(d.kill_timeout),
             "stop ladder: wait after SIGKILL for the process tree to be gone",
         ),
         (
@@ -529,62 +530,10 @@ pub fn load_connection(path: &Path) -> Result<ConnectionInfo, ConfigError> {
     Ok(ConnectionInfo { kube_config, namespace: field("namespace")?, secret_name: field("secretName")? })
 }
 
-/// `10s`, `500ms`, `5m`, `1h`, `1.5s`, or a bare number of seconds. Exact (no floating point).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    let bad = || format!("{} is not a duration such as \"10s\", \"500ms\" or \"5m\"", quoted(s));
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit_nanos: u128 = match unit {
-        "" | "s" => 1_000_000_000,
-        "ms" => 1_000_000,
-        "m" => 60_000_000_000,
-        "h" => 3_600_000_000_000,
-        _ if num.is_empty() => return Err(bad()),
-        _ => return Err(format!("{}: unknown unit {} (use ms, s, m or h)", quoted(s), quoted(unit))),
-    };
-    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
-    let digits = |d: &str| d.bytes().all(|b| b.is_ascii_digit());
-    if (int.is_empty() && frac.is_empty()) || !digits(int) || !digits(frac) {
-        return Err(bad());
-    }
-    let too_long = || format!("{} is too long", quoted(s));
-    let int: u128 = if int.is_empty() { 0 } else { int.parse().map_err(|_| too_long())? };
-    let mut nanos = int.checked_mul(unit_nanos).ok_or_else(too_long)?;
-    // Fractional digits beyond nanosecond precision are dropped.
-    let mut scale = unit_nanos;
-    for b in frac.bytes() {
-        scale /= 10;
-        nanos += u128::from(b - b'0') * scale;
-    }
-    let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| too_long())?;
-    Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
-}
-
-/// `10s`, `250ms`, `1500ms`: the form [`parse_duration`] reads back.
-fn show_duration(d: Duration) -> String {
-    if d.subsec_nanos() == 0 {
-        format!("{}s", d.as_secs())
-    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
-        format!("{}ms", d.as_millis())
-    } else {
-        format!("{}s", d.as_secs_f64())
-    }
-}
-
 /// A path for a one-line message: control characters escaped.
 fn shown(p: &Path) -> String {
     let s = p.display().to_string();
     if s.chars().any(char::is_control) { s.escape_debug().to_string() } else { s }
-}
-
-/// A value quoted for a one-line message, cut to 60 characters.
-fn quoted(s: &str) -> String {
-    let mut cut: String = s.chars().take(60).collect();
-    if cut.len() < s.len() {
-        cut.push('…');
-    }
-    format!("\"{}\"", cut.escape_debug())
 }
 
 /// Where a JSON parser error is, never what the text there was (it can be a credential).
@@ -756,7 +705,7 @@ impl<'a> Doc<'a> {
     fn duration_into(&self, key: &'static str, out: &mut Duration) -> Result<(), ConfigError> {
         let d = match self.get(key) {
             None => return Ok(()),
-            Some(Value::String(s)) => parse_duration(s).map_err(|e| self.value_err(key, e))?,
+            Some(Value::String(s)) => crate::duration::parse(s).map_err(|e| self.value_err(key, e))?,
             Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
                 (Some(secs), _) => Duration::from_secs(secs),
                 (None, Some(f)) => Duration::try_from_secs_f64(f).map_err(|_| {
@@ -874,41 +823,6 @@ fn open_nonblocking(path: &Path) -> io::Result<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations() {
-        let ok = [
-            ("10s", Duration::from_secs(10)),
-            ("250ms", Duration::from_millis(250)),
-            ("500ms", Duration::from_millis(500)),
-            ("5m", Duration::from_secs(300)),
-            ("1h", Duration::from_secs(3600)),
-            ("1.5s", Duration::from_millis(1500)),
-            ("0.1s", Duration::from_millis(100)),
-            (".5m", Duration::from_secs(30)),
-            ("7", Duration::from_secs(7)),
-            (" 10s ", Duration::from_secs(10)),
-            ("0s", Duration::ZERO),
-        ];
-        for (s, want) in ok {
-            assert_eq!(parse_duration(s), Ok(want), "{s}");
-        }
-        for s in ["ten", "", "s", ".", "5d", "-5s", "1.2.3s", "10 s", "1e3s", "99999999999999999999999h"] {
-            let e = parse_duration(s).expect_err(s);
-            assert!(!e.contains('\n'), "{e}");
-        }
-        assert!(parse_duration("5d").unwrap_err().contains("unknown unit \"d\""));
-    }
-
-    #[test]
-    fn show_duration_reads_back() {
-        for d in [Duration::from_secs(10), Duration::from_millis(250), Duration::from_millis(1500), Duration::new(1, 5)]
-        {
-            assert_eq!(parse_duration(&show_duration(d)), Ok(d), "{d:?}");
-        }
-        assert_eq!(show_duration(Duration::from_secs(10)), "10s");
-        assert_eq!(show_duration(Duration::from_millis(250)), "250ms");
-    }
 
     #[test]
     fn defaults_table_covers_every_key_in_order() {

@@ -18,12 +18,14 @@
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
+//! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
 
 pub mod apply;
 pub mod cli;
 pub mod config;
+pub mod duration;
 pub mod flow;
 pub mod image;
 pub mod local;
@@ -48,4 +50,13 @@ pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out.replace(['\n', '\r'], " ")
+}
+
+/// A value quoted for a one-line message, cut to 60 characters.
+pub(crate) fn quoted(s: &str) -> String {
+    let mut cut: String = s.chars().take(60).collect();
+    if cut.len() < s.len() {
+        cut.push('…');
+    }
+    format!("\"{}\"", cut.escape_debug())
 }

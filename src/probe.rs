@@ -197,7 +197,7 @@ impl Prober {
         let timeout = effective_timeout(probe);
         match tokio::time::timeout(timeout, request(&client, url)).await {
             Ok(result) => result,
-            Err(_) => ProbeResult::Failure(format!("timed out after {}", secs(timeout))),
+            Err(_) => ProbeResult::Failure(format!("timed out after {}", crate::duration::show(timeout))),
         }
     }
 
@@ -262,10 +262,6 @@ fn threshold(value: i64, default: i64) -> i64 {
 
 fn effective_timeout(probe: &Probe) -> Duration {
     if probe.timeout_seconds <= 0 { DEFAULT_TIMEOUT } else { Duration::from_secs(probe.timeout_seconds.unsigned_abs()) }
-}
-
-fn secs(d: Duration) -> String {
-    format!("{}s", d.as_secs())
 }
 
 fn stamp(path: &str) -> std::io::Result<FileStamp> {

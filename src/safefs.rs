@@ -167,17 +167,22 @@ fn set_owner_mode(fd: BorrowedFd<'_>, mode: u32, owner: Option<Owner>) -> io::Re
     Ok(())
 }
 
-/// An unguessable name for a temporary file beside `name` (kept well under NAME_MAX).
-pub(crate) fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
+/// 64 unguessable bits (`getrandom`), for names nobody may predict.
+pub(crate) fn random_u64() -> io::Result<u64> {
     let mut rnd = [0u8; 8];
     let mut filled = 0;
     while filled < rnd.len() {
         filled += rustix::rand::getrandom(&mut rnd[filled..], rustix::rand::GetRandomFlags::empty())?;
     }
+    Ok(u64::from_ne_bytes(rnd))
+}
+
+/// An unguessable name for a temporary file beside `name` (kept well under NAME_MAX).
+pub(crate) fn temp_name(name: &OsStr) -> io::Result<Vec<u8>> {
     let base = name.as_bytes();
     let mut out = b".".to_vec();
     out.extend_from_slice(&base[..base.len().min(200)]);
-    out.extend_from_slice(format!(".{:016x}.tmp", u64::from_ne_bytes(rnd)).as_bytes());
+    out.extend_from_slice(format!(".{:016x}.tmp", random_u64()?).as_bytes());
     Ok(out)
 }
 
@@ -238,6 +243,12 @@ pub fn write_file(path: &Path, data: &[u8], mode: u32, owner: Option<Owner>) -> 
         let _ = rustix::fs::unlinkat(&dir, tmp.as_slice(), AtFlags::empty());
     }
     result.map(|()| true)
+}
+
+/// [`write_file`] without an owner, for the files nodeplan keeps for itself (the applied-plan
+/// archive, the interlock files, control files).
+pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_file(path, data, mode, None).map(drop)
 }
 
 /// Make the directory `path` (and missing parents, with the same mode) and set its owner and
@@ -539,6 +550,16 @@ mod tests {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     const NOBODY: u32 = 65534;
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temp() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.json");
+        write_atomic(&p, b"one", 0o600).unwrap();
+        write_atomic(&p, b"two", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
 
     fn lchown(p: &Path, uid: u32) {
         std::os::unix::fs::lchown(p, Some(uid), Some(uid)).unwrap();

@@ -504,7 +504,7 @@ fn a_refused_pid_record_blocks_its_plan_and_only_that_plan() {
         boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string(),
         cgroup: Some(fake.clone()),
         marker: marker.into(),
-        owner: format!("local:{}:0", s.plan_path("a").display()),
+        owner: nodeplan::process::Owner::local(&s.plan_path("a")).with_slot(nodeplan::process::Slot::OneTime(0)),
         command: "sh".into(),
     };
     let file = record.create(Path::new(&s.p("pids"))).unwrap().path().to_path_buf();

@@ -350,14 +350,15 @@ async fn pid_record_lifecycle() {
     let (tx, mut stop) = StopSignal::channel();
     let sup2 = sup.clone();
     let mut spec = helper(&["term-exit"], sink);
-    spec.owner = "plan:abc:0".into();
+    spec.owner = Owner::apply("abc").with_slot(Slot::OneTime(0));
     let run = tokio::spawn(async move { sup2.run(spec, &mut stop).await });
     let pid: i32 = wait_line(&mut lines, "ready").await.parse().unwrap();
     let recs = PidRecord::load_all(pids.path());
     assert_eq!(recs.len(), 1);
     let rec = recs[0].1.clone().unwrap();
     assert_eq!(rec.pid, pid);
-    assert_eq!(rec.owner, "plan:abc:0");
+    assert_eq!(rec.owner, Owner::apply("abc").with_slot(Slot::OneTime(0)));
+    assert_eq!(rec.owner.to_string(), "apply:abc:0");
     assert!(rec.start_time > 0);
     assert_eq!(rec.boot_id, std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim());
     assert_eq!(rec.cgroup.is_some(), sup.cgroup_root().is_some());
@@ -382,7 +383,7 @@ async fn recovery_stops_a_verified_leftover() {
     let _ = run.await;
     assert!(alive(pid) && alive(c1) && alive(c2));
     let second = sup_with(long(), CgroupMode::Auto, Some(pids.path()));
-    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test")).await.unwrap();
+    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == Owner::supervise("test"))).await.unwrap();
     let gone = !alive(pid) && !alive(c1) && !alive(c2);
     kill_all(&[pid, c1, c2]);
     assert_eq!(rec.len(), 1);
@@ -406,7 +407,7 @@ async fn a_record_that_does_not_match_never_gets_its_pid_signalled() {
         boot_id: boot.clone(),
         cgroup: None,
         marker: "np-test-a".into(),
-        owner: "x".into(),
+        owner: Owner::supervise("x"),
         command: "sleep".into(),
     };
     let no_marker = PidRecord { start_time: start, marker: "np-test-b".into(), ..bad_start.clone() };
@@ -456,7 +457,7 @@ async fn supervise_respawns_with_exponential_backoff() {
     let sup = sup_with(long(), CgroupMode::Auto, None);
     let (sink, _l) = chan_sink();
     let mut spec = helper(&["exit", "1"], sink);
-    spec.owner = "supervise:crasher".into();
+    spec.owner = Owner::supervise("crasher");
     let (tx, stop) = StopSignal::channel();
     let mut rec = Recorder { delays: vec![], starts: 0, stop_after: 5, tx: Some(tx) };
     let out = supervise(&sup, spec, stop, Backoff::default(), &mut rec).await.unwrap();
@@ -472,7 +473,7 @@ async fn supervise_stops_a_verified_previous_instance_or_refuses_to_start() {
     let old = sup_with(long(), CgroupMode::Auto, Some(pids.path()));
     let (sink, mut lines) = chan_sink();
     let mut spec = helper(&["term-ignore"], sink.clone());
-    spec.owner = "supervise:svc".into();
+    spec.owner = Owner::supervise("svc");
     let spec2 = spec.clone();
     let run = tokio::spawn(async move { old.run(spec2, &mut StopSignal::never()).await });
     let pid: i32 = wait_line(&mut lines, "ready").await.parse().unwrap();
@@ -533,7 +534,7 @@ impl Victim {
             boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string(),
             cgroup,
             marker: marker.into(),
-            owner: "test".into(),
+            owner: Owner::supervise("test"),
             command: "sleep".into(),
         }
     }
@@ -713,7 +714,7 @@ const ESCAPE: &str = r#"setsid env -i /bin/sh -c 'trap "" TERM; echo escapee $$;
 fn sh_spec(script: &str, sink: std::sync::Arc<dyn LineSink>) -> SpawnSpec {
     let mut spec = SpawnSpec::new("sh", ["-c", script]);
     spec.sink = sink;
-    spec.owner = "test".into();
+    spec.owner = Owner::supervise("test");
     spec
 }
 
@@ -775,7 +776,7 @@ async fn v1_freezer_recovery_stops_a_leftover_escapee_through_its_leaf() {
     assert!(alive(escapee) && leaf.is_dir());
     let second = v1_supervisor(short(true), Some(pids.path())).unwrap();
     assert!(leaf.starts_with(second.cgroup_root().unwrap()), "{}", leaf.display());
-    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == "test")).await.unwrap();
+    let rec = tokio::time::timeout(GUARD, second.recover(|r| r.owner == Owner::supervise("test"))).await.unwrap();
     let survived = alive(escapee);
     assert_eq!(rec.len(), 1);
     assert!(matches!(rec[0].result, RecoveryResult::Stopped(Outcome::Killed { .. })), "{:?}", rec[0].result);

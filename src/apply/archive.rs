@@ -34,7 +34,7 @@ fn try_archive(dir: &Path, plan: &Plan, checksum: &str, now: DateTime<Utc>) -> s
     }
     let seq = existing.last().map_or(1, |(seq, _)| seq + 1);
     let name = format!("{seq:06}-{}Z-applied.plan", now.format("%Y%m%d-%H%M%S"));
-    crate::process::write_atomic(&dir.join(&name), &body, 0o600)?;
+    crate::safefs::write_atomic(&dir.join(&name), &body, 0o600)?;
     existing.push((seq, name));
     for (_, old) in &existing[..existing.len().saturating_sub(ARCHIVE_KEEP)] {
         let _ = std::fs::remove_file(dir.join(old));
@@ -79,31 +79,46 @@ pub struct Interlock {
 impl Interlock {
     /// system-agent's protocol: a stale `applyinator-active` is removed; a `restart-pending`
     /// younger than 5 minutes (or unparsable, which starts the 5 minutes now) blocks the apply.
-    pub fn enter(dir: &Path, now: DateTime<Utc>) -> Result<Interlock, String> {
+    pub fn enter(dir: &Path, now: DateTime<Utc>) -> Result<Interlock, InterlockError> {
         // Walked and written through crate::safefs, read without following links or blocking.
-        crate::safefs::open_dir(dir, Some(0o700)).map_err(|e| format!("{}: {e}", dir.display()))?;
+        crate::safefs::open_dir(dir, Some(0o700)).map_err(|source| InterlockError::Io { path: dir.into(), source })?;
         let active = dir.join("applyinator-active");
         let _ = crate::safefs::remove(&active, false);
         let pending = dir.join("restart-pending");
         if let Ok(Some(raw)) = crate::safefs::read_small(&pending, 4096) {
             match parse_unix_date(String::from_utf8_lossy(&raw).trim()) {
                 None => {
-                    let _ = crate::process::write_atomic(&pending, format_unix_date(now).as_bytes(), 0o600);
-                    return Err("restart is pending; waiting 5m0s".into());
+                    let _ = crate::safefs::write_atomic(&pending, format_unix_date(now).as_bytes(), 0o600);
+                    return Err(InterlockError::RestartPending { left: None });
                 }
                 Some(t) if now < t + chrono::Duration::seconds(RESTART_PENDING_WAIT) => {
                     let left = (t + chrono::Duration::seconds(RESTART_PENDING_WAIT) - now).num_seconds();
-                    return Err(format!("restart is pending; waiting {left}s more"));
+                    return Err(InterlockError::RestartPending { left: Some(left) });
                 }
                 Some(_) => {
                     let _ = crate::safefs::remove(&pending, false);
                 }
             }
         }
-        crate::process::write_atomic(&active, format_unix_date(now).as_bytes(), 0o600)
-            .map_err(|e| format!("{}: {e}", active.display()))?;
+        crate::safefs::write_atomic(&active, format_unix_date(now).as_bytes(), 0o600)
+            .map_err(|source| InterlockError::Io { path: active.clone(), source })?;
         Ok(Interlock { active })
     }
+}
+
+/// Why the interlock does not let an apply start.
+#[derive(Debug, thiserror::Error)]
+pub enum InterlockError {
+    /// A restart is pending (the seconds it still has, or `None` when its date could not be read
+    /// and the wait starts now).
+    #[error("restart is pending; waiting {}", .left.map_or("5m0s".to_string(), |s| format!("{s}s more")))]
+    RestartPending { left: Option<i64> },
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Drop for Interlock {
@@ -170,6 +185,15 @@ mod interlock_tests {
     use super::*;
 
     /// A `restart-pending` planted as a link (or a FIFO) is neither followed nor waited on.
+    #[test]
+    fn a_pending_restart_says_how_long_it_waits() {
+        assert_eq!(InterlockError::RestartPending { left: None }.to_string(), "restart is pending; waiting 5m0s");
+        assert_eq!(
+            InterlockError::RestartPending { left: Some(42) }.to_string(),
+            "restart is pending; waiting 42s more"
+        );
+    }
+
     #[test]
     fn planted_interlock_files_are_never_followed() {
         let d = tempfile::tempdir().unwrap();

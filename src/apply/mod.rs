@@ -1,6 +1,5 @@
 //! The applyinator: carries out one plan. It writes the plan's files, runs the one-time
-//! instructions in order (stopping at the first failure; an `image` instruction first gets its
-//! image staged through [`crate::image`]), runs due periodic instructions, and obeys
+//! instructions in order (stopping at the first failure), runs due periodic instructions, and obeys
 //! interrupts: a pause stops at the next instruction boundary, a cancel (or agent shutdown) runs the
 //! stop ladder on the running instruction's whole tree and starts nothing more.
 //!
@@ -13,11 +12,15 @@ mod archive;
 pub mod files;
 pub mod periodic;
 
+pub use archive::InterlockError;
+pub use files::FileError;
+
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{LogSink, Outcome, Output, SpawnSpec, StopReason, StopSignal, Supervisor, human_duration};
+use crate::process::{LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -127,7 +130,7 @@ impl Observer for NoObserver {}
 
 /// The agent's observer: each one-time instruction's start and end at info (a failure at error),
 /// periodic instructions at debug (a failure at info), so a fleet's logs stay small. Instructions
-/// are numbered `i/n` from 1; durations are [`crate::process::human_duration`]s.
+/// are numbered `i/n` from 1; durations are [`crate::duration::human`]s.
 pub struct LogObserver;
 
 impl Observer for LogObserver {
@@ -141,7 +144,8 @@ impl Observer for LogObserver {
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
-        let line = format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, human_duration(r.elapsed));
+        let line =
+            format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, crate::duration::human(r.elapsed));
         match (result_word(&r.outcome), r.periodic) {
             ("ok", false) => tracing::info!("{line}"),
             ("ok", true) => tracing::debug!("{line}"),
@@ -183,9 +187,17 @@ pub struct ApplyInput<'a> {
     pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
     pub run_periodic: bool,
     pub interrupts: watch::Receiver<Interrupt>,
-    /// Prefix of the PID records' owner label.
-    pub owner: String,
+    /// Whose plan this is (its source and id, without a slot): each instruction's process gets it
+    /// with the instruction's [`Slot`] as the owner in its PID record.
+    pub owner: Owner,
     pub observer: Arc<dyn Observer>,
+}
+
+impl ApplyInput<'_> {
+    /// The latest interrupt requests.
+    fn interrupt(&self) -> Interrupt {
+        *self.interrupts.borrow()
+    }
 }
 
 /// One instruction's outcome.
@@ -277,14 +289,62 @@ pub fn update_interrupt(tx: &watch::Sender<Interrupt>, next: Interrupt, plan: &s
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     #[error("files: {0}")]
-    Files(String),
+    Files(#[source] FileError),
     #[error("interlock: {0}")]
-    Interlock(String),
+    Interlock(#[source] InterlockError),
     #[error("work directory: {0}")]
-    WorkDir(String),
-    /// The work directory holds what nodeplan did not put there: nothing was touched.
+    WorkDir(#[source] WorkDirError),
+    /// The work directory holds what nodeplan did not put there (or cannot be listed to tell):
+    /// nothing was touched.
     #[error("work directory: {0}")]
-    ForeignWorkDir(String),
+    ForeignWorkDir(#[source] WorkDirError),
+}
+
+/// What went wrong with the work directory or an execution directory in it.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkDirError {
+    /// The task preparing the apply on the blocking pool failed.
+    #[error("preparing the apply: {0}")]
+    Prepare(#[source] tokio::task::JoinError),
+    #[error("reading {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Entries nodeplan did not create (sorted names).
+    #[error("{}", foreign_entries(.dir, .entries))]
+    Foreign { dir: PathBuf, entries: Vec<String> },
+    #[error("wiping {}: {source}", .path.display())]
+    Wipe {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A parent of the work directory could not be made.
+    #[error("creating {}: {source}", .path.display())]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The work directory could not be made or made private to the agent.
+    #[error("{}: {source}", .path.display())]
+    Private {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn foreign_entries(dir: &Path, entries: &[String]) -> String {
+    let more = if entries.len() > 3 { format!(" and {} more", entries.len() - 3) } else { String::new() };
+    format!(
+        "{} holds entries nodeplan did not create ({}{more}); refusing to use it as the work directory \
+         (give an empty directory or one only nodeplan uses)",
+        dir.display(),
+        entries.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// Executes plans, one at a time.
@@ -312,10 +372,10 @@ impl Applyinator {
     pub async fn apply(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
         use tracing::Instrument as _;
         // `remote:<checksum>` and `apply:<checksum>` show as the mode; a local plan by its path.
-        let source = match input.owner.split_once(':') {
-            Some(("local", path)) => path,
-            Some((mode, _)) => mode,
-            None => input.owner.as_str(),
+        let source = match (input.owner.source(), input.owner.id()) {
+            (Some(Source::Local), Some(path)) => path.to_string(),
+            (Some(mode), _) => mode.to_string(),
+            (None, _) => input.owner.to_string(),
         };
         // The span's fields are the plan's short id (12 hex digits, as everywhere a person reads
         // it) and where it came from; `--log-format json` shows them as `span.plan`.
@@ -324,8 +384,7 @@ impl Applyinator {
     }
 
     async fn apply_inner(&self, input: ApplyInput<'_>) -> Result<ApplyResult, ApplyError> {
-        let plan = &input.plan.plan;
-        let total = plan.instructions.len();
+        let total = input.plan.plan.instructions.len();
         let resume_from = input.resume_from.min(total);
         let mut result = ApplyResult {
             completed: resume_from,
@@ -334,15 +393,54 @@ impl Applyinator {
             periodic_output: input.periodic_output.clone(),
             ..Default::default()
         };
-        let current = || *input.interrupts.borrow();
-        if let Some(i) = current().boundary() {
+        if let Some(i) = input.interrupt().boundary() {
             result.interruption = Some(i);
             return Ok(result);
         }
-        // A pass with no one-time instructions and no due periodic instruction touches nothing
-        // (no interlock, archive or work-directory wipe).
+        if !self.has_work(&input) {
+            return Ok(result);
+        }
+        let _guard = self.lock.lock().await;
+        if let Some(i) = input.interrupt().boundary() {
+            result.interruption = Some(i);
+            return Ok(result);
+        }
+        let exec_dir = self.execution_dir();
+        let _interlock = self.prepare(&input).await?;
+
+        if input.run_one_time {
+            if let Some(i) = self.one_time_pass(&input, &exec_dir, resume_from, &mut result).await {
+                result.interruption = Some(i);
+                return Ok(result);
+            }
+            result.one_time_succeeded = result.completed == total;
+        }
+
+        // After a genuine one-time failure nothing may turn the result into an interruption: the
+        // failure is what gets recorded (R5). A pause or cancel then only ends the periodic pass.
+        let one_time_failed = input.run_one_time && !result.one_time_succeeded;
+        if input.run_periodic
+            && let ControlFlow::Break(interruption) = self.periodic_pass(&input, &exec_dir, &mut result).await
+        {
+            if !one_time_failed {
+                result.interruption = interruption;
+            }
+            return Ok(result);
+        }
+        // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
+        // pass genuinely failed (the failure is what gets recorded).
+        if !one_time_failed {
+            result.interruption = input.interrupt().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
+        }
+        Ok(result)
+    }
+
+    /// Whether the pass has anything to do: one-time instructions or files to apply, or a due
+    /// periodic instruction. One with nothing touches nothing (no interlock, archive or
+    /// work-directory wipe).
+    fn has_work(&self, input: &ApplyInput<'_>) -> bool {
         let any_due = input.run_periodic
-            && plan.periodic_instructions.iter().any(|p| {
+            && input.plan.plan.periodic_instructions.iter().any(|p| {
                 !p.common.name.is_empty()
                     && periodic::is_due(
                         input.periodic_output.get(&p.common.name),
@@ -351,18 +449,14 @@ impl Applyinator {
                         input.run_one_time,
                     )
             });
-        if !input.run_one_time && !input.reconcile_files && !any_due {
-            return Ok(result);
-        }
-        let _guard = self.lock.lock().await;
-        if let Some(i) = current().boundary() {
-            result.interruption = Some(i);
-            return Ok(result);
-        }
-        let exec_dir = self.execution_dir();
-        // The interlock, the archive (both synced to disk), the files and the wipe of the work
-        // directory (possibly large, e.g. extracted images) all go to the blocking pool: the
-        // runtime keeps delivering interrupts and probes meanwhile.
+        input.run_one_time || input.reconcile_files || any_due
+    }
+
+    /// Everything before the first instruction ([`Prepare`]). The interlock, the archive (both
+    /// synced to disk), the files and the wipe of the work directory (possibly large, e.g.
+    /// extracted images) all go to the blocking pool: the runtime keeps delivering interrupts and
+    /// probes meanwhile. The interlock is held until the returned value is dropped.
+    async fn prepare(&self, input: &ApplyInput<'_>) -> Result<Option<archive::Interlock>, ApplyError> {
         let prep = Prepare {
             interlock_dir: self.config.interlock_dir.clone(),
             applied_plan_dir: self.config.applied_plan_dir.clone(),
@@ -373,115 +467,115 @@ impl Applyinator {
             work_dir: self.config.work_dir.clone(),
             wipe: !self.config.preserve_work_dir,
         };
-        let _interlock = tokio::task::spawn_blocking(move || prep.run())
+        tokio::task::spawn_blocking(move || prep.run())
             .await
-            .map_err(|e| ApplyError::WorkDir(format!("preparing the apply: {e}")))??;
+            .map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))?
+    }
 
-        if input.run_one_time {
-            let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
-            let mut next_dir = NextDir::default();
-            let mut stopped_by = None;
-            for (index, ins) in plan.instructions.iter().enumerate().skip(resume_from) {
-                if let Some(i) = current().boundary() {
-                    stopped_by = Some(i);
-                    break;
-                }
-                let dir = dir_of(index);
-                next_dir.ready(&dir).await;
-                if index + 1 < total {
-                    next_dir.prepare(dir_of(index + 1));
-                }
-                let report = self.run_one(&input, &dir, index, total, &ins.common, input.attempt, false).await;
-                result.termination_incomplete |= report.outcome.termination_incomplete();
-                save_output(&mut result.one_time_output, ins, &report);
-                let outcome = report.outcome.clone();
-                input.observer.instruction_finished(&report);
-                result.reports.push(report);
-                if outcome.success() {
-                    result.completed = index + 1;
-                    continue;
-                }
-                // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
-                // pause never masks a failure (R5).
-                let stopped = outcome.stop_reason().and_then(interruption_of_stop);
-                if let Some(i) = stopped.or_else(|| current().stop_reason().and_then(interruption_of_stop)) {
-                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        warn_partial(&instruction_label(index, total, &ins.common.name, false));
-                    }
-                    stopped_by = Some(i);
-                    break;
-                }
-                // The failure itself is reported once, by the observer, with its outcome.
+    /// The one-time instructions from `resume_from`, in order, until the first failure. Each
+    /// report goes into `result` (and its saved output, and `completed` past each success).
+    /// Returns the interruption that stopped the pass, if one did.
+    async fn one_time_pass(
+        &self,
+        input: &ApplyInput<'_>,
+        exec_dir: &Path,
+        resume_from: usize,
+        result: &mut ApplyResult,
+    ) -> Option<Interruption> {
+        let instructions = &input.plan.plan.instructions;
+        let total = instructions.len();
+        let dir_of = |index: usize| exec_dir.join(format!("{}_{index}", input.plan.checksum));
+        let mut next_dir = NextDir::default();
+        let mut stopped_by = None;
+        for (index, ins) in instructions.iter().enumerate().skip(resume_from) {
+            if let Some(i) = input.interrupt().boundary() {
+                stopped_by = Some(i);
                 break;
             }
-            next_dir.discard().await;
-            if let Some(i) = stopped_by {
-                result.interruption = Some(i);
-                return Ok(result);
+            let dir = dir_of(index);
+            next_dir.ready(&dir).await;
+            if index + 1 < total {
+                next_dir.prepare(dir_of(index + 1));
             }
-            result.one_time_succeeded = result.completed == total;
+            let report = self.run_one(input, &dir, index, total, &ins.common, input.attempt, false).await;
+            result.termination_incomplete |= report.outcome.termination_incomplete();
+            save_output(&mut result.one_time_output, ins, &report);
+            let outcome = report.outcome.clone();
+            input.observer.instruction_finished(&report);
+            result.reports.push(report);
+            if outcome.success() {
+                result.completed = index + 1;
+                continue;
+            }
+            // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
+            // pause never masks a failure (R5).
+            let stopped = outcome.stop_reason().and_then(interruption_of_stop);
+            if let Some(i) = stopped.or_else(|| input.interrupt().stop_reason().and_then(interruption_of_stop)) {
+                if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                    warn_partial(&instruction_label(index, total, &ins.common.name, false));
+                }
+                stopped_by = Some(i);
+                break;
+            }
+            // The failure itself is reported once, by the observer, with its outcome.
+            break;
         }
+        next_dir.discard().await;
+        stopped_by
+    }
 
-        // After a genuine one-time failure nothing may turn the result into an interruption: the
-        // failure is what gets recorded (R5). A pause or cancel then only ends the periodic pass.
-        let one_time_failed = input.run_one_time && !result.one_time_succeeded;
-        if input.run_periodic {
-            let forced = input.run_one_time;
-            for (index, p) in plan.periodic_instructions.iter().enumerate() {
-                if p.common.name.is_empty() {
-                    tracing::warn!("periodicInstructions[{index}] has no name; skipped");
-                    continue;
+    /// The due periodic instructions, in order, until the first failure; each run is recorded in
+    /// `result` (its report and its periodic output). `Break` when a pause, cancel or stop ended
+    /// the pass, with the interruption to report (see [`completed_pass_kept`]).
+    async fn periodic_pass(
+        &self,
+        input: &ApplyInput<'_>,
+        exec_dir: &Path,
+        result: &mut ApplyResult,
+    ) -> ControlFlow<Option<Interruption>> {
+        let periodic = &input.plan.plan.periodic_instructions;
+        let forced = input.run_one_time;
+        for (index, p) in periodic.iter().enumerate() {
+            if p.common.name.is_empty() {
+                tracing::warn!("periodicInstructions[{index}] has no name; skipped");
+                continue;
+            }
+            let prev = result.periodic_output.get(&p.common.name).cloned();
+            if !periodic::is_due(prev.as_ref(), p.period(), self.clock.now(), forced) {
+                continue;
+            }
+            if let Some(i) = input.interrupt().boundary() {
+                return ControlFlow::Break(completed_pass_kept(i, input, result));
+            }
+            let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
+            let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
+            let report = self.run_one(input, &dir, index, periodic.len(), &p.common, attempt, true).await;
+            input.observer.instruction_finished(&report);
+            result.termination_incomplete |= report.outcome.termination_incomplete();
+            let outcome = report.outcome.clone();
+            let stopped = outcome.stop_reason().and_then(interruption_of_stop);
+            if let Some(i) = stopped {
+                if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
+                    warn_partial(&instruction_label(index, periodic.len(), &p.common.name, true));
                 }
-                let prev = result.periodic_output.get(&p.common.name).cloned();
-                if !periodic::is_due(prev.as_ref(), p.period(), self.clock.now(), forced) {
-                    continue;
-                }
-                if let Some(i) = current().boundary() {
-                    if !one_time_failed {
-                        result.interruption = completed_pass_kept(i, &input, &result);
-                    }
-                    return Ok(result);
-                }
-                let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
-                let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
-                let report =
-                    self.run_one(&input, &dir, index, plan.periodic_instructions.len(), &p.common, attempt, true).await;
-                input.observer.instruction_finished(&report);
-                result.termination_incomplete |= report.outcome.termination_incomplete();
-                let outcome = report.outcome.clone();
-                let stopped = outcome.stop_reason().and_then(interruption_of_stop);
-                if let Some(i) = stopped {
-                    if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
-                        let n = plan.periodic_instructions.len();
-                        warn_partial(&instruction_label(index, n, &p.common.name, true));
-                    }
-                    result.reports.push(report);
-                    if !one_time_failed {
-                        result.interruption = Some(i);
-                    }
-                    return Ok(result);
-                }
-                let out = periodic::record_run(
-                    prev.as_ref(),
-                    &p.common.name,
-                    report.output.stdout.clone(),
-                    p.save_stderr_output.then(|| report.output.stderr.clone()),
-                    outcome.exit_code() as i64,
-                    self.clock.now(),
-                );
-                result.periodic_output.insert(p.common.name.clone(), out);
                 result.reports.push(report);
-                if !outcome.success() {
-                    break;
-                }
+                return ControlFlow::Break(Some(i));
+            }
+            let out = periodic::record_run(
+                prev.as_ref(),
+                &p.common.name,
+                report.output.stdout.clone(),
+                p.save_stderr_output.then(|| report.output.stderr.clone()),
+                outcome.exit_code() as i64,
+                self.clock.now(),
+            );
+            result.periodic_output.insert(p.common.name.clone(), out);
+            result.reports.push(report);
+            if !outcome.success() {
+                break;
             }
         }
-        // A pause or cancel that arrived during the periodic pass is reported, unless the one-time
-        // pass genuinely failed (the failure is what gets recorded).
-        if !one_time_failed {
-            result.interruption = current().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
-        }
-        Ok(result)
+        ControlFlow::Continue(())
     }
 
     fn execution_dir(&self) -> PathBuf {
@@ -544,7 +638,7 @@ impl Applyinator {
                 biased;
                 r = stop.wait() => Err(Outcome::NotStarted(r)),
                 () = expired => Err(Outcome::NotStarted(StopReason::Timeout(timeout.unwrap_or_default()))),
-                r = stager.stage(&ins.image, dir) => r.map_err(Outcome::StartFailed),
+                r = stager.stage(&ins.image, dir) => r.map_err(|e| Outcome::StartFailed(e.to_string())),
             };
             match staged {
                 Ok(from) => tracing::info!("[{prefix}] staged image {} {from}", ins.image),
@@ -568,7 +662,7 @@ impl Applyinator {
             args: ins.args.iter().map(OsString::from).collect(),
             env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
             cwd: Some(dir.to_path_buf()),
-            owner: format!("{}:{}{index}", input.owner, if periodic { "p" } else { "" }),
+            owner: input.owner.with_slot(Slot::new(index, periodic)),
             timeout: remaining,
             sink: Arc::new(LogSink { prefix }),
         };
@@ -636,11 +730,12 @@ fn make_dir(dir: &Path) -> std::io::Result<()> {
 
 /// The work directory: its parents as usual, the directory itself as [`make_dir`] makes
 /// execution directories.
-fn private_dir(dir: &Path) -> Result<(), String> {
+fn private_dir(dir: &Path) -> Result<(), WorkDirError> {
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|source| WorkDirError::Create { path: parent.to_path_buf(), source })?;
     }
-    make_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))
+    make_dir(dir).map_err(|source| WorkDirError::Private { path: dir.to_path_buf(), source })
 }
 
 /// Make an existing directory private to the agent (owner: its effective uid and gid, mode 0700).
@@ -798,7 +893,7 @@ impl Prepare {
         if self.wipe {
             for dir in earlier {
                 crate::safefs::remove(&dir, true)
-                    .map_err(|e| ApplyError::WorkDir(format!("wiping {}: {e}", dir.display())))?;
+                    .map_err(|source| ApplyError::WorkDir(WorkDirError::Wipe { path: dir.clone(), source }))?;
             }
         }
         // Execution directories hold what instructions run (image files included): nobody but
@@ -824,15 +919,16 @@ fn is_apply_dir_name(name: &str) -> bool {
 /// at a directory nodeplan does not own (a home, `/tmp`), which it must neither wipe nor make
 /// private to root. Entries are looked at without following links. Returns the per-apply
 /// directories of earlier applies: what a wipe removes, and nothing else.
-fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
+fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, WorkDirError> {
+    let read = |source| WorkDirError::Read { path: dir.to_path_buf(), source };
     let entries = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("reading {}: {e}", dir.display())),
+        Err(e) => return Err(read(e)),
     };
     let (mut foreign, mut earlier) = (Vec::new(), Vec::new());
     for e in entries {
-        let e = e.map_err(|e| format!("reading {}: {e}", dir.display()))?;
+        let e = e.map_err(read)?;
         let name = e.file_name().to_string_lossy().into_owned();
         let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
         if is_dir && is_apply_dir_name(&name) {
@@ -845,13 +941,7 @@ fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
         return Ok(earlier);
     }
     foreign.sort();
-    let more = if foreign.len() > 3 { format!(" and {} more", foreign.len() - 3) } else { String::new() };
-    Err(format!(
-        "{} holds entries nodeplan did not create ({}{more}); refusing to use it as the work directory \
-         (give an empty directory or one only nodeplan uses)",
-        dir.display(),
-        foreign.iter().take(3).map(|n| crate::plan::shown_value(n)).collect::<Vec<_>>().join(", ")
-    ))
+    Err(WorkDirError::Foreign { dir: dir.to_path_buf(), entries: foreign })
 }
 
 #[cfg(test)]

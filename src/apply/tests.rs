@@ -81,7 +81,7 @@ fn input<'a>(plan: &'a ValidPlan, rx: watch::Receiver<Interrupt>) -> ApplyInput<
         periodic_output: BTreeMap::new(),
         run_periodic: true,
         interrupts: rx,
-        owner: "test".into(),
+        owner: crate::process::Owner::apply(&plan.checksum),
         observer: Arc::new(NoObserver),
     }
 }
@@ -481,4 +481,37 @@ async fn periodic_schedule_and_backoff_follow_the_clock() {
     assert_eq!(out.last_failed_run_time, "");
     assert_eq!(out.stderr, b"err\n", "saveStderrOutput");
     assert_eq!(out.stdout, b"", "stdout of the periodic instruction");
+}
+
+/// Typed errors keep the one-line messages: each source's text is already in the line, so
+/// [`crate::error_line`] adds nothing.
+#[test]
+fn apply_errors_read_as_one_line_with_their_sources() {
+    let denied = || std::io::Error::from_raw_os_error(libc::EACCES);
+    let cases = [
+        (
+            ApplyError::Files(FileError { action: "writing", path: "/etc/x".into(), source: denied() }),
+            "files: writing /etc/x: Permission denied (os error 13)",
+        ),
+        (
+            ApplyError::Interlock(InterlockError::Io { path: "/i".into(), source: denied() }),
+            "interlock: /i: Permission denied (os error 13)",
+        ),
+        (
+            ApplyError::WorkDir(WorkDirError::Wipe { path: "/w/20260101-000000".into(), source: denied() }),
+            "work directory: wiping /w/20260101-000000: Permission denied (os error 13)",
+        ),
+        (
+            ApplyError::ForeignWorkDir(WorkDirError::Foreign {
+                dir: "/home".into(),
+                entries: ["a", "b", "c", "d"].map(String::from).to_vec(),
+            }),
+            "work directory: /home holds entries nodeplan did not create (\"a\", \"b\", \"c\" and 1 more); refusing to \
+             use it as the work directory (give an empty directory or one only nodeplan uses)",
+        ),
+    ];
+    for (e, line) in cases {
+        assert_eq!(e.to_string(), line);
+        assert_eq!(crate::error_line(&e), line);
+    }
 }

@@ -37,10 +37,10 @@ pub struct ApplyArgs {
     #[arg(long, value_name = "DIR", default_value = DEFAULT_PID_DIR, value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
     /// Grace period after SIGTERM when an instruction is stopped (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_positive)]
     pub stop_timeout: Duration,
     /// How long to wait after SIGKILL for the tree to be gone (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::duration::parse_positive)]
     pub kill_timeout: Duration,
     /// Bytes of output kept per instruction (head and tail); at least 1024, as the config's outputCap.
     #[arg(long, value_name = "BYTES", default_value = "65536", value_parser = super::parse_output_cap)]
@@ -107,7 +107,7 @@ impl Observer for Progress {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
         let ok = r.outcome.success();
         let word = result_word(&r.outcome);
-        let line = format!("{what}: {word} ({}, {})", r.outcome, crate::process::human_duration(r.elapsed));
+        let line = format!("{what}: {word} ({}, {})", r.outcome, crate::duration::human(r.elapsed));
         // A failure is reported here, once, with its outcome and the end of its output.
         let tail = if word != "FAILED" || matches!(r.outcome, crate::process::Outcome::NotStarted(_)) {
             Vec::new()
@@ -192,7 +192,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         cgroup: args.cgroup.clone(),
         ..Default::default()
     });
-    let owner = format!("apply:{}", plan.checksum);
+    let owner = crate::process::Owner::apply(&plan.checksum);
     // One run of a plan at a time: a live `nodeplan apply` of it holds this lock until it exits
     // (the kernel drops it if it dies), so whatever records the owner left are leftovers.
     let _lock = match sup.lock_owner(&owner) {
@@ -211,7 +211,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         }
     };
     // A previous `nodeplan apply` of this plan that was killed may have left instructions running.
-    for r in sup.recover(|rec| rec.owner.starts_with(&owner)).await {
+    for r in sup.recover(|rec| rec.owner.belongs_to_plan(&owner)).await {
         match r.result {
             RecoveryResult::OwnerAlive(pid) => {
                 super::say(&format!(
@@ -301,7 +301,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
         ));
     }
     let elapsed = started.elapsed();
-    let took = crate::process::human_duration(elapsed);
+    let took = crate::duration::human(elapsed);
     let short = &plan.checksum[..12];
     let done = result.completed;
     match result.interruption {

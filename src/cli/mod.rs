@@ -350,16 +350,6 @@ pub(crate) fn check_cgroup_dir(mode: &crate::process::CgroupMode) -> Result<(), 
     crate::process::cgroup::CgroupRoot::discover(mode).map(|_| ())
 }
 
-/// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds (the config file's format, read by
-/// [`crate::config::parse_duration`]); zero is refused, as in the config.
-pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    let d = crate::config::parse_duration(s)?;
-    if d.is_zero() {
-        return Err(format!("{s:?}: must be positive"));
-    }
-    Ok(d)
-}
-
 /// A line of a command's result on stdout. A closed or broken stdout (`nodeplan plan status … |
 /// head -1`) is the reader's choice, not an error worth a panic: the line is dropped.
 macro_rules! out {
@@ -384,18 +374,6 @@ pub(crate) fn tell(line: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("1.5m"), Ok(Duration::from_secs(90)));
-        assert!(parse_duration("ten").is_err());
-        assert!(parse_duration("5d").is_err());
-        assert!(parse_duration("").is_err());
-        assert!(parse_duration("0s").is_err());
-    }
 
     #[test]
     fn log_levels() {

@@ -103,7 +103,7 @@ fn read_plan(path: &Path) -> Result<Vec<u8>, String> {
 }
 
 fn write(path: &Path, content: &[u8]) -> Result<(), String> {
-    crate::process::write_atomic(path, content, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    crate::safefs::write_atomic(path, content, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Remove `path`; whether it was there.

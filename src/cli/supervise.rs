@@ -2,7 +2,7 @@
 
 use super::exit;
 use crate::process::supervise::{Backoff, supervise};
-use crate::process::{LogSink, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig};
+use crate::process::{LogSink, Owner, SpawnSpec, StopPolicy, StopReason, StopSignal, Supervisor, SupervisorConfig};
 use clap::Args;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -18,10 +18,10 @@ pub struct SuperviseArgs {
     #[arg(long, value_name = "DIR", default_value = "/run/nodeplan/supervise", value_parser = super::absolute_path)]
     pub pid_dir: PathBuf,
     /// Grace period after SIGTERM (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_positive)]
     pub stop_timeout: Duration,
     /// How long to wait after SIGKILL (500ms, 10s, 5m, 1h or seconds).
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = super::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::duration::parse_positive)]
     pub kill_timeout: Duration,
     /// Never SIGKILL: give up after the stop timeout, leave the process and its PID record, exit 1
     /// [default: off].
@@ -46,7 +46,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
         ..Default::default()
     });
     let mut spec = SpawnSpec::new(program.clone(), rest.iter().cloned());
-    spec.owner = format!("supervise:{name}");
+    spec.owner = Owner::supervise(&name);
     spec.sink = Arc::new(LogSink { prefix: name.clone() });
     let (tx, stop) = StopSignal::channel();
     tokio::spawn(async move {

@@ -84,6 +84,27 @@ impl Budget {
     }
 }
 
+/// Why an image could not be staged: one line that names the image (and, for a pull, every
+/// source tried).
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// The reference does not parse.
+    #[error("{0}")]
+    Reference(String),
+    /// The task searching and extracting tarballs on the blocking pool failed.
+    #[error("{0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The image is in a tarball under the images directory, and extracting it failed.
+    #[error("image {image}: {message}")]
+    Tarball { image: String, message: String },
+    /// The registries file cannot be used.
+    #[error("image {image}: {message}")]
+    Registries { image: String, message: String },
+    /// No endpoint gave the image: what each one said.
+    #[error("cannot stage image {image}: {}", .tried.join("; "))]
+    Pull { image: String, tried: Vec<String> },
+}
+
 /// Stages images into execution directories.
 #[derive(Debug, Clone, Default)]
 pub struct Stager {
@@ -96,10 +117,10 @@ impl Stager {
     }
 
     /// Put the filesystem of `image` into `dest` (an existing, empty directory). Returns where it
-    /// came from, for the log. The error is one line naming the image and every source tried.
-    /// Scratch files (one layer at a time) go to `dest`'s parent, the per-apply directory.
-    pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, String> {
-        let r = ImageRef::parse(image)?;
+    /// came from, for the log. Scratch files (one layer at a time) go to `dest`'s parent, the
+    /// per-apply directory.
+    pub async fn stage(&self, image: &str, dest: &Path) -> Result<String, StageError> {
+        let r = ImageRef::parse(image).map_err(StageError::Reference)?;
         let scratch = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
         // Dropping this future (a cancel) stops any extraction still running on the blocking
         // pool at its next entry; scratch files have no name, so nothing is left behind.
@@ -116,14 +137,16 @@ impl Stager {
                 })
             })
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(StageError::Task)?;
             if let Some((tarball, done)) = found {
-                done.map_err(|e| format!("image {r}: {e}"))?;
+                done.map_err(|message| StageError::Tarball { image: r.to_string(), message })?;
                 return Ok(format!("from {}", tarball.display()));
             }
         }
         let regs = match &self.cfg.registries_file {
-            Some(p) => Registries::load(p).map_err(|e| format!("image {r}: {e}"))?,
+            Some(p) => {
+                Registries::load(p).map_err(|message| StageError::Registries { image: r.to_string(), message })?
+            }
             None => Registries::default(),
         };
         let mut tried = Vec::new();
@@ -136,7 +159,7 @@ impl Stager {
             }
         }
         let _ = layers::empty_dir(dest);
-        Err(format!("cannot stage image {r}: {}", tried.join("; ")))
+        Err(StageError::Pull { image: r.to_string(), tried })
     }
 }
 
@@ -163,7 +186,7 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
         Err(_) => {}
     }
     for _ in 0..16 {
-        let path = dir.join(format!(".nodeplan-layer-{:016x}", random_u64()));
+        let path = dir.join(format!(".nodeplan-layer-{:016x}", crate::safefs::random_u64()?));
         let f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -181,18 +204,6 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
         }
     }
     Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
-}
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer it is given.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == b.len() as isize {
-        u64::from_ne_bytes(b)
-    } else {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
-    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::flow::Commit;
 use crate::plan::{self, Annotations, Hold, ProbeStatus};
 use crate::probe::Prober;
+use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use pos::{PlanFiles, Pos};
 use std::collections::BTreeMap;
@@ -26,9 +27,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use wire::RetryPolicy;
-
-/// Owner prefix of the PID records of local plans: `local:<plan path>:<instruction>`.
-const OWNER_PREFIX: &str = "local:";
 
 #[derive(Debug, Clone)]
 pub struct LocalConfig {
@@ -331,7 +329,7 @@ impl PlanSource for DirSource {
         tracing::error!(
             "{}: files: {e}; the apply failed (failure {failures}); retrying in {}",
             path.display(),
-            crate::process::human_duration(self.cfg.retry().delay(failures))
+            crate::duration::human(self.cfg.retry().delay(failures))
         );
         Some(w)
     }
@@ -367,16 +365,15 @@ impl PlanSource for DirSource {
         Observed { interrupt, note }
     }
 
-    fn owner(&self, path: &PathBuf, _: &Look) -> String {
-        format!("{OWNER_PREFIX}{}", path.display())
+    fn owner(&self, path: &PathBuf, _: &Look) -> Owner {
+        Owner::local(path)
     }
 
-    fn claim(&self, owner: &str) -> Claim<PathBuf> {
-        let Some(rest) = owner.strip_prefix(OWNER_PREFIX) else { return Claim::NotMine };
-        match rest.rsplit_once(':') {
-            Some((plan, _)) => Claim::Plan(PathBuf::from(plan)),
-            None => Claim::Unknown,
+    fn claim(&self, owner: &Owner) -> Claim<PathBuf> {
+        if !owner.belongs_to(Source::Local) {
+            return Claim::NotMine;
         }
+        owner.local_plan().map_or(Claim::Unknown, Claim::Plan)
     }
 
     fn period(&self) -> Duration {

@@ -6,13 +6,15 @@
 //! and stderr, the stop ladder (SIGTERM+SIGCONT to the tree, grace, SIGKILL: `cgroup.kill` on v2,
 //! freeze, kill and thaw on v1; kill timeout), typed outcomes, PID records, the owner locks of
 //! `apply` and `supervise`, crash recovery, and the respawn loop of `nodeplan supervise`. It knows
-//! nothing about plans: callers hand it a [`SpawnSpec`] and a [`StopSignal`] and get a
-//! [`RunResult`] back. Nothing here ever waits on pipe EOF alone, so an escaped grandchild that
-//! holds a pipe cannot hang a run.
+//! nothing about plans beyond whose a process is (an [`Owner`]: source, plan id, instruction slot,
+//! kept in its PID record so that recovery can tell callers whose leftover it found): callers hand
+//! it a [`SpawnSpec`] and a [`StopSignal`] and get a [`RunResult`] back. Nothing here ever waits on
+//! pipe EOF alone, so an escaped grandchild that holds a pipe cannot hang a run.
 
 mod capture;
 pub mod cgroup;
 mod outcome;
+mod owner;
 pub mod owner_lock;
 mod procfs;
 mod record;
@@ -22,9 +24,10 @@ mod tree;
 
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
-pub use outcome::{ExitKind, Outcome, Rung, StopReason, human_duration, signal_name};
+pub use outcome::{ExitKind, Outcome, Rung, StopReason, signal_name};
+pub use owner::{Owner, Slot, Source};
 pub use owner_lock::{LockError, OwnerLock};
-pub use record::{PidRecord, RecordFile, write_atomic};
+pub use record::{PidRecord, RecordFile};
 pub use tree::MARKER_ENV;
 
 use capture::Captures;
@@ -94,7 +97,7 @@ pub struct SpawnSpec {
     pub env: Vec<(OsString, OsString)>,
     pub cwd: Option<PathBuf>,
     /// What the process belongs to; stored in its PID record.
-    pub owner: String,
+    pub owner: Owner,
     /// Run the stop ladder after this long.
     pub timeout: Option<Duration>,
     pub sink: Arc<dyn LineSink>,
@@ -108,7 +111,7 @@ impl SpawnSpec {
             args: args.into_iter().map(Into::into).collect(),
             env: std::env::vars_os().collect(),
             cwd: None,
-            owner: String::new(),
+            owner: Owner::default(),
             timeout: None,
             sink: Arc::new(NullSink),
         }
@@ -220,36 +223,6 @@ struct Inner {
 
 static CGROUP_WARNING: OnceLock<()> = OnceLock::new();
 
-/// `owner` for a log line: every plan checksum in it (64 hex digits, as in `apply:<checksum>:0`)
-/// cut to the 12-digit id people see everywhere else.
-pub fn short_ids(owner: &str) -> String {
-    let mut out = String::with_capacity(owner.len());
-    let mut run = String::new();
-    let flush = |run: &mut String, out: &mut String| {
-        out.push_str(if run.len() == 64 { &run[..12] } else { run });
-        run.clear();
-    };
-    for c in owner.chars() {
-        if c.is_ascii_hexdigit() && !c.is_ascii_uppercase() {
-            run.push(c);
-        } else {
-            flush(&mut run, &mut out);
-            out.push(c);
-        }
-    }
-    flush(&mut run, &mut out);
-    out
-}
-
-#[cfg(test)]
-#[test]
-fn plan_checksums_are_cut_to_their_short_id() {
-    let cs = "440b2eb0b6bdd3b7eea28188e7b15ae147842a7d65359938a4d1961952971213";
-    assert_eq!(short_ids(&format!("apply:{cs}:p3")), "apply:440b2eb0b6bd:p3");
-    assert_eq!(short_ids("local:/plans/a.plan:0"), "local:/plans/a.plan:0");
-    assert_eq!(short_ids("supervise:abc"), "supervise:abc");
-}
-
 impl Supervisor {
     pub fn new(config: SupervisorConfig) -> Supervisor {
         let cgroups = match cgroup::CgroupRoot::discover(&config.cgroup) {
@@ -285,7 +258,7 @@ impl Supervisor {
     /// Take `owner`'s lock in the PID directory (see [`owner_lock`]) before recovering and running
     /// anything of it: [`LockError::Held`] names the live instance that holds it. `None` without a
     /// PID directory.
-    pub fn lock_owner(&self, owner: &str) -> Result<Option<OwnerLock>, LockError> {
+    pub fn lock_owner(&self, owner: &Owner) -> Result<Option<OwnerLock>, LockError> {
         match &self.inner.config.pid_dir {
             Some(dir) => owner_lock::lock(dir, owner).map(Some),
             None => Ok(None),
@@ -317,8 +290,61 @@ impl Supervisor {
         if let Some(r) = stop.requested() {
             return finish(Outcome::NotStarted(r), Output::default(), None);
         }
-        let cfg = &self.inner.config;
-        let leaf = self.inner.cgroups.as_ref().and_then(|root| match root.create_leaf(&marker) {
+        let mut setup = match self.set_up(&spec, &marker) {
+            Ok(s) => s,
+            Err(outcome) => return finish(outcome, Output::default(), None),
+        };
+        // The last look before the process exists: a stop requested during the set-up above
+        // prevents the spawn (R7).
+        if let Some(r) = stop.requested() {
+            return finish(setup.abandon(Outcome::NotStarted(r)), Output::default(), None);
+        }
+        let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
+        let spec = Arc::new(spec);
+        let started_child = match self.spawn_child(&spec, &marker, &mut setup, stop, deadline).await {
+            Ok(s) => s,
+            Err(outcome) => return finish(outcome, Output::default(), None),
+        };
+        let (outcome, output, pid) = self.follow(&spec, &marker, setup, started_child, stop, deadline).await;
+        finish(outcome, output, Some(pid))
+    }
+
+    /// The run's cgroup leaf (when one can be made) and its PID record. The record exists before
+    /// the process does (pid 0 = not known yet): an agent killed at any moment after the spawn
+    /// leaves a record that finds the tree by its cgroup or marker. Without its record a process
+    /// could not be found again after a crash (R17): no record, no spawn (`Err`, the leaf removed).
+    fn set_up(&self, spec: &SpawnSpec, marker: &str) -> Result<Setup, Outcome> {
+        let cgroup = self.create_leaf(marker);
+        let record = PidRecord {
+            pid: 0,
+            start_time: 0,
+            boot_id: procfs::boot_id().unwrap_or_default(),
+            cgroup: cgroup.clone(),
+            marker: marker.to_string(),
+            owner: spec.owner.clone(),
+            command: spec.program.to_string_lossy().into_owned(),
+        };
+        let file = match &self.inner.config.pid_dir {
+            Some(dir) => match record.create(dir) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    if let Some(d) = &cgroup {
+                        cgroup::remove(d);
+                    }
+                    let why = format!("cannot write its PID record in {}: {e}", dir.display());
+                    return Err(Outcome::StartFailed(why));
+                }
+            },
+            None => None,
+        };
+        Ok(Setup { record, file, cgroup })
+    }
+
+    /// A cgroup leaf named `marker` under the root, when cgroups are in use and one can be made
+    /// (the first failure is logged; the run then goes by its process group).
+    fn create_leaf(&self, marker: &str) -> Option<PathBuf> {
+        let root = self.inner.cgroups.as_ref()?;
+        match root.create_leaf(marker) {
             Ok(l) => Some(l),
             Err(e) => {
                 if !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
@@ -326,154 +352,138 @@ impl Supervisor {
                 }
                 None
             }
-        });
-        let mut cgroup_dir = leaf;
-        // The record exists before the process does (pid 0 = not known yet): an agent killed at any
-        // moment after the spawn leaves a record that finds the tree by its cgroup or marker.
-        let mut record = PidRecord {
-            pid: 0,
-            start_time: 0,
-            boot_id: procfs::boot_id().unwrap_or_default(),
-            cgroup: cgroup_dir.clone(),
-            marker: marker.clone(),
-            owner: spec.owner.clone(),
-            command: spec.program.to_string_lossy().into_owned(),
-        };
-        // Without its record a process could not be found again after a crash (R17): no record,
-        // no spawn.
-        let mut record_file = match &cfg.pid_dir {
-            Some(dir) => match record.create(dir) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    if let Some(d) = &cgroup_dir {
-                        cgroup::remove(d);
-                    }
-                    let why = format!("cannot write its PID record in {}: {e}", dir.display());
-                    return finish(Outcome::StartFailed(why), Output::default(), None);
-                }
-            },
-            None => None,
-        };
-        let abandon = |outcome: Outcome, cgroup_dir: &Option<PathBuf>, record_file: Option<RecordFile>| {
-            remove_record(record_file.as_ref().map(RecordFile::path));
-            if let Some(d) = cgroup_dir {
-                cgroup::remove(d);
-            }
-            finish(outcome, Output::default(), None)
-        };
-        // The last look before the process exists: a stop requested during the set-up above
-        // prevents the spawn (R7).
-        if let Some(r) = stop.requested() {
-            return abandon(Outcome::NotStarted(r), &cgroup_dir, record_file);
         }
-        // Born in its cgroup with a pidfd (clone3) where the kernel allows it; otherwise join the
-        // cgroup before exec. Either way the spawn runs on the blocking pool: until the child has
-        // exec'd, the spawning thread waits for it, and a child stuck in chdir or execve (a hung
-        // network or FUSE mount) must not hold the runtime's only thread. A stop or the timeout
-        // meanwhile kills the child where it stands.
-        let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
-        let spec = Arc::new(spec);
-        let mut child = None;
+    }
+
+    /// Start the process: born in its cgroup with a pidfd (clone3) where the kernel allows it;
+    /// otherwise joining the cgroup before exec. Either way the spawn runs on the blocking pool:
+    /// until the child has exec'd, the spawning thread waits for it, and a child stuck in chdir or
+    /// execve (a hung network or FUSE mount) must not hold the runtime's only thread. A stop or the
+    /// timeout meanwhile kills the child where it stands. `Err` with the run's outcome when no
+    /// process runs (the set-up undone, or kept for a child stuck before its exec).
+    async fn spawn_child(
+        &self,
+        spec: &Arc<SpawnSpec>,
+        marker: &str,
+        setup: &mut Setup,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Started, Outcome> {
         let mut interrupted = None;
-        if self.inner.clone3.load(Ordering::Relaxed) {
-            let mut spawned = self.spawn_raw(&spec, &marker, cgroup_dir.as_deref(), stop, deadline).await;
-            if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
-                tracing::warn!(
-                    "the cgroup of {} vanished before its spawn ({e}); starting it without one",
-                    short_ids(&spec.owner)
-                );
-                cgroup_dir = None;
-                forget_cgroup(&mut record, &mut record_file);
-                spawned = self.spawn_raw(&spec, &marker, None, stop, deadline).await;
+        let born = if self.inner.clone3.load(Ordering::Relaxed) {
+            self.spawn_born_in_cgroup(spec, marker, setup, stop, deadline, &mut interrupted).await?
+        } else {
+            None
+        };
+        let child = match born {
+            Some(c) => c,
+            None => self.spawn_joining_cgroup(spec, marker, setup, stop, deadline, &mut interrupted).await?,
+        };
+        Ok(Started { child, interrupted })
+    }
+
+    /// clone3 into the run's cgroup (see [`Supervisor::spawn_child`]); without one if the leaf
+    /// vanished meanwhile. `Ok(None)` when the kernel cannot: remembered, and from then on
+    /// children join their cgroup before exec.
+    async fn spawn_born_in_cgroup(
+        &self,
+        spec: &Arc<SpawnSpec>,
+        marker: &str,
+        setup: &mut Setup,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+        interrupted: &mut Option<StopReason>,
+    ) -> Result<Option<Child>, Outcome> {
+        let mut spawned = self.spawn_raw(spec, marker, setup.cgroup.as_deref(), stop, deadline).await;
+        if let Ok(Err(spawn::SpawnError::LeafGone(e))) = &spawned {
+            tracing::warn!(
+                "the cgroup of {} vanished before its spawn ({e}); starting it without one",
+                spec.owner.short()
+            );
+            setup.forget_cgroup();
+            spawned = self.spawn_raw(spec, marker, None, stop, deadline).await;
+        }
+        let spawned = settle(spawned, interrupted).map_err(|reason| setup.stuck(spec, reason))?;
+        match spawned {
+            Ok(c) => Ok(Some(Child::Raw(c))),
+            Err(_) if interrupted.is_some() => {
+                let reason = interrupted.unwrap_or(StopReason::Cancel);
+                Err(setup.abandon(Outcome::NotStarted(reason)))
             }
-            let spawned = match settle(spawned, &mut interrupted) {
-                Ok(r) => r,
-                Err(reason) => {
-                    stuck_before_exec(&spec, record_file);
-                    return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
-                }
-            };
-            match spawned {
-                Ok(c) => child = Some(Child::Raw(c)),
-                Err(_) if interrupted.is_some() => {
-                    let reason = interrupted.unwrap_or(StopReason::Cancel);
-                    return abandon(Outcome::NotStarted(reason), &cgroup_dir, record_file);
-                }
-                Err(spawn::SpawnError::LeafGone(e) | spawn::SpawnError::Failed(e)) => {
-                    let what = format!("{}: {e}", spec.program.to_string_lossy());
-                    return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
-                }
-                Err(spawn::SpawnError::Unsupported(e)) => {
-                    self.inner.clone3.store(false, Ordering::Relaxed);
-                    tracing::info!("clone3 into a cgroup is unavailable ({e}); children join their cgroup before exec");
-                }
+            Err(spawn::SpawnError::LeafGone(e) | spawn::SpawnError::Failed(e)) => {
+                let what = format!("{}: {e}", spec.program.to_string_lossy());
+                Err(setup.abandon(Outcome::StartFailed(what)))
+            }
+            Err(spawn::SpawnError::Unsupported(e)) => {
+                self.inner.clone3.store(false, Ordering::Relaxed);
+                tracing::info!("clone3 into a cgroup is unavailable ({e}); children join their cgroup before exec");
+                Ok(None)
             }
         }
-        let mut child = match child {
-            Some(c) => c,
-            None => {
-                let mut spawned = self.spawn_tokio(&spec, &marker, cgroup_dir.clone(), stop, deadline).await;
-                if matches!(spawned, Ok(Err(_)))
-                    && let Some(d) = cgroup_dir.take()
-                {
-                    // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so
-                    // try once more with the process group only.
-                    cgroup::remove(&d);
-                    forget_cgroup(&mut record, &mut record_file);
-                    spawned = self.spawn_tokio(&spec, &marker, None, stop, deadline).await;
-                    if matches!(spawned, Ok(Ok(_))) && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            "cannot start processes in their own cgroup under {}; using the process group",
-                            d.display()
-                        );
-                    }
-                }
-                let spawned = match settle(spawned, &mut interrupted) {
-                    Ok(r) => r,
-                    Err(reason) => {
-                        stuck_before_exec(&spec, record_file);
-                        return finish(Outcome::Incomplete { reason, survivors: 1 }, Output::default(), None);
-                    }
-                };
-                match spawned {
-                    Ok(c) => Child::Tokio(c),
-                    Err(_) if interrupted.is_some() => {
-                        let reason = interrupted.unwrap_or(StopReason::Cancel);
-                        return abandon(Outcome::NotStarted(reason), &cgroup_dir, record_file);
-                    }
-                    Err(e) => {
-                        let what = format!("{}: {e}", spec.program.to_string_lossy());
-                        return abandon(Outcome::StartFailed(what), &cgroup_dir, record_file);
-                    }
-                }
+    }
+
+    /// tokio's spawn, joining the run's cgroup before exec (see [`Supervisor::spawn_child`]).
+    async fn spawn_joining_cgroup(
+        &self,
+        spec: &Arc<SpawnSpec>,
+        marker: &str,
+        setup: &mut Setup,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+        interrupted: &mut Option<StopReason>,
+    ) -> Result<Child, Outcome> {
+        let mut spawned = self.spawn_tokio(spec, marker, setup.cgroup.clone(), stop, deadline).await;
+        if matches!(spawned, Ok(Err(_)))
+            && let Some(d) = setup.cgroup.clone()
+        {
+            // Joining the cgroup may be what failed (delegation, EBUSY): nothing ran, so
+            // try once more with the process group only.
+            cgroup::remove(&d);
+            setup.forget_cgroup();
+            spawned = self.spawn_tokio(spec, marker, None, stop, deadline).await;
+            if matches!(spawned, Ok(Ok(_))) && !self.inner.leaf_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "cannot start processes in their own cgroup under {}; using the process group",
+                    d.display()
+                );
             }
-        };
+        }
+        let spawned = settle(spawned, interrupted).map_err(|reason| setup.stuck(spec, reason))?;
+        match spawned {
+            Ok(c) => Ok(Child::Tokio(c)),
+            Err(_) if interrupted.is_some() => {
+                let reason = interrupted.unwrap_or(StopReason::Cancel);
+                Err(setup.abandon(Outcome::NotStarted(reason)))
+            }
+            Err(e) => {
+                let what = format!("{}: {e}", spec.program.to_string_lossy());
+                Err(setup.abandon(Outcome::StartFailed(what)))
+            }
+        }
+    }
+
+    /// Follow a started process until it exits by itself, or until a stop (one that came during
+    /// its spawn, `stop`, or the timeout at `deadline`) runs the ladder on its tree. Returns the
+    /// outcome, the captured output and the pid.
+    async fn follow(
+        &self,
+        spec: &SpawnSpec,
+        marker: &str,
+        setup: Setup,
+        started: Started,
+        stop: &mut StopSignal,
+        deadline: Option<tokio::time::Instant>,
+    ) -> (Outcome, Output, i32) {
+        let Started { mut child, interrupted } = started;
+        let Setup { file, cgroup: cgroup_dir, .. } = setup;
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let backend = self.backend();
-        let tree = Tree::new(cgroup_dir.clone().map(|dir| cgroup::Leaf { dir, backend }), Some(pid), marker.clone());
+        let tree =
+            Tree::new(cgroup_dir.clone().map(|dir| cgroup::Leaf { dir, backend }), Some(pid), marker.to_string());
+        let record_path = record_pid(file, pid);
+        let captures = Captures::new(self.inner.config.capture_limit);
+        let mut readers = read_output(&mut child, &captures, &spec.sink);
 
-        // Now with the pid and its start time (one append to the open record), and before the
-        // output is read: no line the process printed is seen before its record names it.
-        if let Some(f) = &mut record_file {
-            let start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
-            if let Err(e) = f.set_pid(pid, start_time) {
-                tracing::warn!("cannot update the PID record of pid {pid}: {e}");
-            }
-        }
-        let record_path = record_file.map(|f| f.path().to_path_buf());
-
-        let captures = Captures::new(cfg.capture_limit);
-        let mut readers = Vec::new();
-        if let Some(out) = child.take_output(Stream::Stdout) {
-            let read = capture::read_lines(out, Stream::Stdout, captures.clone(), spec.sink.clone());
-            readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
-        }
-        if let Some(err) = child.take_output(Stream::Stderr) {
-            let read = capture::read_lines(err, Stream::Stderr, captures.clone(), spec.sink.clone());
-            readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
-        }
-
-        let timeout = spec.timeout;
         let stop_reason = tokio::select! {
             biased;
             // Stopped while it was being spawned: straight to the ladder.
@@ -483,40 +493,17 @@ impl Supervisor {
                     Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
                     Err(e) => Outcome::WaitFailed(e.to_string()),
                 };
-                // The leader is gone; the pgid is no longer ours to signal.
-                tree.leader_reaped();
-                self.drain(&mut readers, cfg.drain_timeout).await;
-                // Cheap check first (the leaf's rmdir, which succeeds only once it is empty, or a
-                // signal-0 probe of the group); the /proc scan only when something seems left.
-                if tree.maybe_leftovers(pid) {
-                    let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
-                    if leftovers > 0 {
-                        // A process that exits by itself and leaves children behind started them
-                        // on purpose (a daemon): they are left alone, like any daemon started by
-                        // hand. Only the run's own cgroup is tidied up once they are gone.
-                        tracing::warn!(
-                            "{} exited ({outcome}) and left {leftovers} process(es) running; they are left alone{}",
-                            spec.program.to_string_lossy(),
-                            cgroup_dir.as_ref().map(|d| format!(" in {}", d.display())).unwrap_or_default()
-                        );
-                        if let (Some(d), Ok(mut l)) = (&cgroup_dir, self.inner.lingering.lock()) {
-                            l.push(d.clone());
-                        }
-                    }
-                    // What seemed left may have ended meanwhile (an empty leaf was already
-                    // removed by the check itself).
-                    tree.cleanup();
-                }
+                self.after_exit(spec, &tree, pid, cgroup_dir.as_ref(), &mut readers, &outcome).await;
                 if !outcome.termination_incomplete() {
                     remove_record(record_path.as_deref());
                 }
-                return finish(outcome, captures.take(), Some(pid));
+                return (outcome, captures.take(), pid);
             }
             r = stop.wait() => r,
-            _ = sleep_until_opt(deadline) => StopReason::Timeout(timeout.unwrap_or_default()),
+            _ = sleep_until_opt(deadline) => StopReason::Timeout(spec.timeout.unwrap_or_default()),
         };
 
-        let outcome = ladder(&tree, Some(&mut child), &cfg.policy, stop_reason, || {
+        let outcome = ladder(&tree, Some(&mut child), &self.inner.config.policy, stop_reason, || {
             for r in &readers {
                 r.abort();
             }
@@ -529,7 +516,44 @@ impl Supervisor {
             tree.leader_reaped();
             blocking(tree, |t| t.cleanup()).await;
         }
-        finish(outcome, captures.take(), Some(pid))
+        (outcome, captures.take(), pid)
+    }
+
+    /// The process exited by itself (`outcome`): read what its pipes still hold, for a bounded
+    /// time. A process that exits by itself and leaves children behind started them on purpose
+    /// (a daemon): they are left alone, like any daemon started by hand. Only the run's own cgroup
+    /// is tidied up once they are gone.
+    async fn after_exit(
+        &self,
+        spec: &SpawnSpec,
+        tree: &Tree,
+        pid: i32,
+        cgroup_dir: Option<&PathBuf>,
+        readers: &mut Vec<tokio::task::JoinHandle<()>>,
+        outcome: &Outcome,
+    ) {
+        // The leader is gone; the pgid is no longer ours to signal.
+        tree.leader_reaped();
+        self.drain(readers, self.inner.config.drain_timeout).await;
+        // Cheap check first (the leaf's rmdir, which succeeds only once it is empty, or a
+        // signal-0 probe of the group); the /proc scan only when something seems left.
+        if !tree.maybe_leftovers(pid) {
+            return;
+        }
+        let leftovers = blocking(tree.clone(), |t| t.survivors()).await;
+        if leftovers > 0 {
+            tracing::warn!(
+                "{} exited ({outcome}) and left {leftovers} process(es) running; they are left alone{}",
+                spec.program.to_string_lossy(),
+                cgroup_dir.map(|d| format!(" in {}", d.display())).unwrap_or_default()
+            );
+            if let (Some(d), Ok(mut l)) = (cgroup_dir, self.inner.lingering.lock()) {
+                l.push(d.clone());
+            }
+        }
+        // What seemed left may have ended meanwhile (an empty leaf was already removed by the
+        // check itself).
+        tree.cleanup();
     }
 
     /// What kills a child stuck before its exec through its cgroup leaf `dir`, if it has one: the
@@ -659,20 +683,16 @@ impl Supervisor {
                 RecoveryResult::Refused(why) => RecoveryResult::Refused(format!(
                     "PID record {} of {} {why}; refused (nothing was signalled, the record is kept)",
                     path.display(),
-                    short_ids(&rec.owner)
+                    rec.owner.short()
                 )),
                 r => r,
             };
             match &result {
                 RecoveryResult::Stopped(o) => {
-                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), short_ids(&rec.owner))
+                    tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner.short())
                 }
                 RecoveryResult::NotStopped(o) => {
-                    tracing::error!(
-                        "leftover {} of {} could not be stopped: {o}",
-                        rec.describe(),
-                        short_ids(&rec.owner)
-                    )
+                    tracing::error!("leftover {} of {} could not be stopped: {o}", rec.describe(), rec.owner.short())
                 }
                 RecoveryResult::Mismatch(why) => {
                     tracing::warn!("discarding PID record {}: {why}; pid {} not signalled", path.display(), rec.pid)
@@ -744,7 +764,7 @@ impl Supervisor {
         if let Identity::Mismatch(why) = &identity {
             tracing::warn!(
                 "PID record of {}: {why}; stopping only {}",
-                short_ids(&rec.owner),
+                rec.owner.short(),
                 if leaf.is_some() { "its verified cgroup leaf" } else { "the processes that carry its marker" }
             );
         }
@@ -868,14 +888,73 @@ fn settle<R>(spawned: Spawned<R>, interrupted: &mut Option<StopReason>) -> Resul
     }
 }
 
-/// The run goes on without its cgroup: its PID record stops naming one.
-fn forget_cgroup(record: &mut PidRecord, file: &mut Option<RecordFile>) {
-    record.cgroup = None;
-    if let Some(f) = file
-        && let Err(e) = record.rewrite(f)
-    {
-        tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
+/// A run between its set-up and its process: its PID record (with the open file its pid is
+/// appended to) and its cgroup leaf, which a spawn that does not happen undoes.
+struct Setup {
+    record: PidRecord,
+    file: Option<RecordFile>,
+    cgroup: Option<PathBuf>,
+}
+
+impl Setup {
+    /// Nothing was started: the record and the leaf are removed. Returns `outcome`.
+    fn abandon(&mut self, outcome: Outcome) -> Outcome {
+        remove_record(self.file.take().as_ref().map(RecordFile::path));
+        if let Some(d) = self.cgroup.take() {
+            cgroup::remove(&d);
+        }
+        outcome
     }
+
+    /// A child stuck before its exec (see [`stuck_before_exec`]): its record is kept.
+    fn stuck(&mut self, spec: &SpawnSpec, reason: StopReason) -> Outcome {
+        stuck_before_exec(spec, self.file.take());
+        Outcome::Incomplete { reason, survivors: 1 }
+    }
+
+    /// The run goes on without its cgroup: its PID record stops naming one.
+    fn forget_cgroup(&mut self) {
+        self.cgroup = None;
+        self.record.cgroup = None;
+        if let Some(f) = &mut self.file
+            && let Err(e) = self.record.rewrite(f)
+        {
+            tracing::warn!("cannot rewrite the PID record {}: {e}", f.path().display());
+        }
+    }
+}
+
+/// A process that was started, and the stop that came during its spawn, if one did.
+struct Started {
+    child: Child,
+    interrupted: Option<StopReason>,
+}
+
+/// Append the pid and its start time to the run's open record (one write), before the output is
+/// read: no line the process printed is seen before its record names it. Returns the record's path.
+fn record_pid(file: Option<RecordFile>, pid: i32) -> Option<PathBuf> {
+    let mut f = file?;
+    let start_time = procfs::ProcHandle::open(pid).and_then(|h| h.stat()).map(|s| s.start_time).unwrap_or(0);
+    if let Err(e) = f.set_pid(pid, start_time) {
+        tracing::warn!("cannot update the PID record of pid {pid}: {e}");
+    }
+    Some(f.path().to_path_buf())
+}
+
+/// Read the child's stdout and stderr, each on a task of its own, into `captures` and `sink`.
+fn read_output(
+    child: &mut Child,
+    captures: &Arc<Captures>,
+    sink: &Arc<dyn LineSink>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut readers = Vec::new();
+    for stream in [Stream::Stdout, Stream::Stderr] {
+        if let Some(pipe) = child.take_output(stream) {
+            let read = capture::read_lines(pipe, stream, captures.clone(), sink.clone());
+            readers.push(tokio::spawn(tracing::Instrument::in_current_span(read)));
+        }
+    }
+    readers
 }
 
 /// A child that SIGKILL did not free from before its exec (an uninterruptible wait in the

@@ -1,5 +1,6 @@
 //! The typed outcome of a supervised run, printed the way people read it.
 
+use crate::duration::human;
 use std::fmt;
 use std::time::Duration;
 
@@ -149,32 +150,10 @@ impl Outcome {
     }
 }
 
-/// A duration for people: `120ms`, `3.8s`, `10s`, `2m05s`, `1h02m` (rounded down to what is shown).
-pub fn human_duration(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1000 {
-        format!("{ms}ms")
-    } else if ms < 60_000 {
-        // Tenths of a second, rounded down (never `3.8209999999999997s`); whole seconds bare.
-        let tenths = ms / 100;
-        if tenths.is_multiple_of(10) {
-            format!("{}s", tenths / 10)
-        } else {
-            format!("{}.{}s", tenths / 10, tenths % 10)
-        }
-    } else if ms < 3_600_000 {
-        let s = ms / 1000;
-        if s.is_multiple_of(60) { format!("{}m", s / 60) } else { format!("{}m{:02}s", s / 60, s % 60) }
-    } else {
-        let m = ms / 60_000;
-        if m.is_multiple_of(60) { format!("{}h", m / 60) } else { format!("{}h{:02}m", m / 60, m % 60) }
-    }
-}
-
 impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(StopReason::Timeout(d)) = self.stop_reason() {
-            write!(f, "timed out after {}: ", human_duration(d))?;
+            write!(f, "timed out after {}: ", human(d))?;
         }
         match self {
             Outcome::Exited(k) => write!(f, "{k}"),
@@ -186,13 +165,13 @@ impl fmt::Display for Outcome {
                 write!(f, "exited after stop request: {status}")
             }
             Outcome::Killed { grace, .. } => {
-                write!(f, "killed after {} grace", human_duration(*grace))
+                write!(f, "killed after {} grace", human(*grace))
             }
             Outcome::GaveUp { grace, survivors, .. } => write!(
                 f,
                 "termination incomplete: {survivors} {} still running after {} grace (not killed by policy)",
                 processes(*survivors),
-                human_duration(*grace)
+                human(*grace)
             ),
             Outcome::Incomplete { survivors, .. } => {
                 write!(f, "termination incomplete: {survivors} {} survived SIGKILL", processes(*survivors))
@@ -210,27 +189,6 @@ fn processes(n: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn human_durations() {
-        let ms = Duration::from_millis;
-        let cases = [
-            (ms(0), "0ms"),
-            (ms(120), "120ms"),
-            (ms(999), "999ms"),
-            (ms(1000), "1s"),
-            (Duration::from_secs_f64(3.8209999999999997), "3.8s"),
-            (ms(10_000), "10s"),
-            (ms(59_990), "59.9s"),
-            (ms(60_000), "1m"),
-            (ms(125_400), "2m05s"),
-            (ms(3_600_000), "1h"),
-            (ms(3_725_000), "1h02m"),
-        ];
-        for (d, want) in cases {
-            assert_eq!(human_duration(d), want, "{d:?}");
-        }
-    }
 
     #[test]
     fn displays_like_people_read_them() {

@@ -1,4 +1,4 @@
-//! One owner, one run: a lock file per owner (`apply:<checksum>`, `supervise:<name>`) in the PID
+//! One owner, one run: a lock file per [`Owner`] (`apply:<checksum>`, `supervise:<name>`) in the PID
 //! directory, held with a POSIX record lock (`fcntl(F_SETLK)`) for as long as the owner runs.
 //!
 //! The kernel drops the lock when its process dies, however it dies, so there is never a stale
@@ -11,6 +11,7 @@
 //! the file just before it was removed sees that its name now leads elsewhere (or nowhere) and
 //! tries again, so two instances never hold two different files of one name.
 
+use super::Owner;
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use sha2::{Digest, Sha256};
@@ -32,8 +33,20 @@ pub enum LockError {
     /// Another live process holds the owner's lock (its pid when the kernel can tell it).
     #[error("already running as pid {}", .pid.map_or("(unknown)".to_string(), |p| p.to_string()))]
     Held { pid: Option<i32>, path: PathBuf },
-    #[error("{0}")]
-    Io(String),
+    /// The lock file or its directory could not be made, opened, examined or locked.
+    #[error("owner lock {}: {what}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    /// Something other than the agent's own lock file is at its name.
+    #[error("owner lock {} is not a regular file owned by uid {euid}; refused (remove it by hand)", .path.display())]
+    Foreign { path: PathBuf, euid: u32 },
+    /// The file kept being replaced while it was being locked.
+    #[error("owner lock {}: it keeps being replaced; refused", .path.display())]
+    Replaced { path: PathBuf },
 }
 
 impl Drop for OwnerLock {
@@ -50,8 +63,10 @@ impl Drop for OwnerLock {
     }
 }
 
-/// The lock file's name for `owner`: readable, and unique through a hash of the whole owner.
-pub fn file_name(owner: &str) -> String {
+/// The lock file's name for `owner`: readable, and unique through a hash of the whole owner (its
+/// text form, so the names of earlier builds' locks are kept).
+pub fn file_name(owner: &Owner) -> String {
+    let owner = owner.to_string();
     let readable: String =
         owner.chars().take(48).map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
     let hash = Sha256::digest(owner.as_bytes());
@@ -60,10 +75,10 @@ pub fn file_name(owner: &str) -> String {
 }
 
 /// Take `owner`'s lock in `dir` (made if missing) without waiting.
-pub fn lock(dir: &Path, owner: &str) -> Result<OwnerLock, LockError> {
+pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
     let name = file_name(owner);
     let path = dir.join(&name);
-    let io_err = |what: &str, e: io::Error| LockError::Io(format!("owner lock {}: {what}: {e}", path.display()));
+    let io_err = |what: &'static str, source: io::Error| LockError::Io { path: path.clone(), what, source };
     std::fs::create_dir_all(dir).map_err(|e| io_err("cannot make its directory", e))?;
     let dfd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
         .map_err(|e| io_err("cannot open its directory", e.into()))?;
@@ -74,10 +89,7 @@ pub fn lock(dir: &Path, owner: &str) -> Result<OwnerLock, LockError> {
         let st = rustix::fs::fstat(&fd).map_err(|e| io_err("cannot examine it", e.into()))?;
         let euid = rustix::process::geteuid().as_raw();
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile || st.st_uid != euid {
-            return Err(LockError::Io(format!(
-                "owner lock {} is not a regular file owned by uid {euid}; refused (remove it by hand)",
-                path.display()
-            )));
+            return Err(LockError::Foreign { path, euid });
         }
         if !set_lock(fd.as_fd()).map_err(|e| io_err("cannot lock it", e))? {
             return Err(LockError::Held { pid: holder(fd.as_fd()), path });
@@ -95,7 +107,7 @@ pub fn lock(dir: &Path, owner: &str) -> Result<OwnerLock, LockError> {
             Err(e) => return Err(io_err("cannot examine it", e.into())),
         }
     }
-    Err(LockError::Io(format!("owner lock {}: it keeps being replaced; refused", path.display())))
+    Err(LockError::Replaced { path })
 }
 
 fn whole_file(kind: libc::c_int) -> libc::flock {
@@ -136,24 +148,34 @@ mod tests {
 
     #[test]
     fn names_are_plain_unique_and_hidden_from_the_record_scan() {
-        let a = file_name("supervise:web/../x");
+        let a = file_name(&Owner::supervise("web/../x"));
         assert!(a.starts_with(".supervise_web____x.") && a.ends_with(".lock"), "{a}");
-        assert_ne!(file_name("supervise:a/b"), file_name("supervise:a_b"));
+        assert_ne!(file_name(&Owner::supervise("a/b")), file_name(&Owner::supervise("a_b")));
         assert!(!a.ends_with(".json"));
     }
 
     #[test]
     fn the_lock_file_is_removed_on_release_and_can_be_taken_again() {
         let d = tempfile::tempdir().unwrap();
-        let l = lock(d.path(), "apply:x").unwrap();
-        let path = d.path().join(file_name("apply:x"));
+        let owner = Owner::apply("x");
+        let l = lock(d.path(), &owner).unwrap();
+        let path = d.path().join(file_name(&owner));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{}\n", std::process::id()));
         drop(l);
         assert!(!path.exists());
-        let again = lock(d.path(), "apply:x").unwrap();
+        let again = lock(d.path(), &owner).unwrap();
         drop(again);
         // A planted link is never followed.
         std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
-        assert!(matches!(lock(d.path(), "apply:x"), Err(LockError::Io(_))));
+        let e = lock(d.path(), &owner).unwrap_err();
+        assert!(matches!(e, LockError::Io { what: "cannot open it", .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "owner lock {}: cannot open it: {}",
+                path.display(),
+                std::io::Error::from_raw_os_error(libc::ELOOP)
+            )
+        );
     }
 }

@@ -11,6 +11,7 @@
 //! never happened (the record is written before it), and a torn update leaves pid 0, which
 //! recovery handles by the run's cgroup and marker, never by number.
 
+use super::Owner;
 use super::procfs::{self, ProcHandle};
 use super::tree::MARKER_ENV;
 use serde::{Deserialize, Serialize};
@@ -30,8 +31,9 @@ pub struct PidRecord {
     pub cgroup: Option<PathBuf>,
     /// The value of `NODEPLAN_RUN` in the process's environment.
     pub marker: String,
-    /// What the process belongs to, chosen by the caller (e.g. `plan:<checksum>:3`).
-    pub owner: String,
+    /// What the process belongs to, chosen by the caller (e.g. `apply:<checksum>:3`); kept as its
+    /// text form. Any text is read (an owner this build does not write is an unknown [`Owner`]).
+    pub owner: Owner,
     #[serde(default)]
     pub command: String,
 }
@@ -358,12 +360,6 @@ pub(crate) fn scan(dir: &Path) -> Result<Vec<(PathBuf, Entry)>, String> {
     Ok(out)
 }
 
-/// Write `data` to `path` atomically with `mode`, never following a planted link (see
-/// [`crate::safefs`]).
-pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    crate::safefs::write_file(path, data, mode, None).map(drop)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,6 +382,19 @@ mod tests {
         assert_eq!(ok.pid, 5);
     }
 
+    /// A record is never refused for its owner: any text is read, and written back unchanged.
+    #[test]
+    fn any_owner_text_is_read_and_written_back_unchanged() {
+        let cs = "440b2eb0b6bdd3b7eea28188e7b15ae147842a7d65359938a4d1961952971213";
+        let (remote, garbled) = (format!("remote:{cs}:p1"), format!("apply:{cs}:x"));
+        for owner in ["local:/p/a.plan:0", &remote, "supervise:web", "", "garbage", "local:", &garbled] {
+            let raw = format!(r#"{{"pid":5,"startTime":1,"bootId":"b","marker":"m","owner":{owner:?}}}"#);
+            let r = PidRecord::parse(raw.as_bytes()).unwrap();
+            assert_eq!(r.owner.to_string(), owner);
+            assert_eq!(serde_json::to_value(&r).unwrap()["owner"], owner);
+        }
+    }
+
     fn sample() -> PidRecord {
         PidRecord {
             pid: 0,
@@ -393,7 +402,7 @@ mod tests {
             boot_id: "b".into(),
             cgroup: None,
             marker: "np1-2-3".into(),
-            owner: "o".into(),
+            owner: Owner::supervise("o"),
             command: "sh".into(),
         }
     }
@@ -425,21 +434,11 @@ mod tests {
     fn rewrite_replaces_the_record_and_keeps_appending_to_the_new_file() {
         let d = tempfile::tempdir().unwrap();
         let mut f = sample().create(d.path()).unwrap();
-        let moved = PidRecord { cgroup: None, owner: "changed".into(), ..sample() };
+        let moved = PidRecord { cgroup: None, owner: Owner::supervise("changed"), ..sample() };
         moved.rewrite(&mut f).unwrap();
         f.set_pid(7, 70).unwrap();
         let r = PidRecord::parse(&std::fs::read(f.path()).unwrap()).unwrap();
-        assert_eq!((r.owner.as_str(), r.pid, r.start_time), ("changed", 7, 70));
+        assert_eq!((r.owner.to_string().as_str(), r.pid, r.start_time), ("supervise:changed", 7, 70));
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file left");
-    }
-
-    #[test]
-    fn atomic_write_replaces_and_leaves_no_temp() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("r.json");
-        write_atomic(&p, b"one", 0o600).unwrap();
-        write_atomic(&p, b"two", 0o600).unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
     }
 }

@@ -45,8 +45,12 @@ pub enum SuperviseError {
     PreviousInstance { pid: i32, outcome: Outcome },
     #[error("could not be stopped: {0}")]
     NotStopped(Outcome),
+    /// A PID record (or the PID directory) of the owner was refused.
     #[error("{0}; not starting it")]
     Refused(String),
+    /// The owner's lock cannot be taken (other than being held).
+    #[error("{0}; not starting it")]
+    Lock(#[source] LockError),
     /// The first start failed: the command or its set-up is wrong (no such program, not
     /// executable, an unusable PID directory), which retrying cannot mend.
     #[error("cannot start: {0}; not retrying (a first start that fails cannot succeed by retrying)")]
@@ -77,7 +81,7 @@ pub async fn supervise(
     let _lock = match sup.lock_owner(&owner) {
         Ok(l) => l,
         Err(LockError::Held { pid, .. }) => return Err(SuperviseError::AlreadyRunning { pid }),
-        Err(LockError::Io(e)) => return Err(SuperviseError::Refused(e)),
+        Err(e) => return Err(SuperviseError::Lock(e)),
     };
     for r in sup.recover(|rec| rec.owner == owner).await {
         match r.result {
@@ -111,9 +115,9 @@ pub async fn supervise(
             "{} ({}) exited after {}: {}; restarting in {}",
             spec.owner,
             spec.program.to_string_lossy(),
-            super::human_duration(result.elapsed),
+            crate::duration::human(result.elapsed),
             result.outcome,
-            super::human_duration(delay)
+            crate::duration::human(delay)
         );
         observer.exited(&result, delay);
         tokio::select! {

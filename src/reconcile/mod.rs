@@ -30,10 +30,11 @@
 //! pause, cancel, a crash and recovery: it is the smallest complete example.
 
 use crate::apply::{AgentExit, ApplyError, ApplyInput, ApplyResult, Applyinator, Interrupt, LogObserver};
+use crate::duration::human as human_duration;
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::plan::{Interruption, PeriodicInstructionOutput, ProbeStatus, ValidPlan};
 use crate::probe::Prober;
-use crate::process::human_duration;
+use crate::process::Owner;
 use crate::process::supervise::Backoff;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -193,10 +194,10 @@ pub trait PlanSource: Send {
     fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) -> impl Future<Output = ()> + Send;
     /// The pause/cancel values the running plan sees now.
     fn interrupt(&mut self, key: &Self::Key, look: &Look) -> Observed;
-    /// The owner label of the PID records of this plan's processes.
-    fn owner(&self, key: &Self::Key, look: &Look) -> String;
-    /// Whose a PID record with this owner label is.
-    fn claim(&self, owner: &str) -> Claim<Self::Key>;
+    /// The owner of the PID records of this plan's processes.
+    fn owner(&self, key: &Self::Key, look: &Look) -> Owner;
+    /// Whose a PID record with this owner is.
+    fn claim(&self, owner: &Owner) -> Claim<Self::Key>;
     /// How long the loop waits for a change before it looks at every plan again (the rescan or
     /// probe period).
     fn period(&self) -> Duration;
@@ -334,7 +335,7 @@ pub struct Recovery<K> {
 /// runs (R17); report what is kept.
 pub async fn recover<K: Clone + Eq + Hash>(
     app: &Applyinator,
-    claim: impl Fn(&str) -> Claim<K>,
+    claim: impl Fn(&Owner) -> Claim<K>,
     only: Option<&K>,
 ) -> Recovery<K> {
     let mut out = Recovery { held: HashMap::new(), all: None };

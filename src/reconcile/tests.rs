@@ -7,7 +7,7 @@ use super::*;
 use crate::apply::ApplyConfig;
 use crate::flow::{CheckpointWrite, Snapshot};
 use crate::plan::{Annotations, Checkpoint, PlanState, resolve_annotations};
-use crate::process::{CgroupMode, StopPolicy, Supervisor, SupervisorConfig};
+use crate::process::{CgroupMode, Source, StopPolicy, Supervisor, SupervisorConfig};
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::sync::Mutex;
@@ -161,14 +161,18 @@ impl PlanSource for MemSource {
         }
     }
 
-    fn owner(&self, name: &String, _: &Look) -> String {
-        format!("{OWNER}{name}")
+    fn owner(&self, name: &String, _: &Look) -> Owner {
+        // The store's plans are named like local plans (any text works as a local id).
+        Owner::new(Source::Local, format!("{OWNER}{name}"))
     }
 
-    fn claim(&self, owner: &str) -> Claim<String> {
-        match owner.strip_prefix(OWNER).and_then(|o| o.rsplit_once(':')) {
-            Some((name, _)) => Claim::Plan(name.to_string()),
-            None if owner.starts_with(OWNER) => Claim::Unknown,
+    fn claim(&self, owner: &Owner) -> Claim<String> {
+        match owner.local_plan() {
+            Some(p) => match p.to_str().and_then(|p| p.strip_prefix(OWNER)) {
+                Some(name) => Claim::Plan(name.to_string()),
+                None => Claim::NotMine,
+            },
+            None if owner.belongs_to(Source::Local) => Claim::Unknown,
             None => Claim::NotMine,
         }
     }
@@ -462,10 +466,10 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
         fn interrupt(&mut self, k: &String, l: &Look) -> Observed {
             self.0.interrupt(k, l)
         }
-        fn owner(&self, k: &String, l: &Look) -> String {
+        fn owner(&self, k: &String, l: &Look) -> Owner {
             self.0.owner(k, l)
         }
-        fn claim(&self, o: &str) -> Claim<String> {
+        fn claim(&self, o: &Owner) -> Claim<String> {
             self.0.claim(o)
         }
         fn period(&self) -> Duration {

@@ -16,6 +16,7 @@ use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::flow::Commit;
 use crate::plan::{self, ProbeStatus};
 use crate::probe::Prober;
+use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use futures::StreamExt as _;
 use std::collections::BTreeMap;
@@ -23,8 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// Owner prefix of the PID records of remote plans: `remote:<checksum>:<instruction>`.
-const OWNER_PREFIX: &str = "remote:";
 /// Every API call is bounded: kube has no read timeout of its own.
 const API_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -354,12 +353,12 @@ impl PlanSource for SecretSource {
         Observed { interrupt: self.last_interrupt, note }
     }
 
-    fn owner(&self, _: &(), look: &Look) -> String {
-        format!("{OWNER_PREFIX}{}", look.checksum)
+    fn owner(&self, _: &(), look: &Look) -> Owner {
+        Owner::remote(&look.checksum)
     }
 
-    fn claim(&self, owner: &str) -> Claim<()> {
-        if owner.starts_with(OWNER_PREFIX) { Claim::Plan(()) } else { Claim::NotMine }
+    fn claim(&self, owner: &Owner) -> Claim<()> {
+        if owner.belongs_to(Source::Remote) { Claim::Plan(()) } else { Claim::NotMine }
     }
 
     fn period(&self) -> Duration {

@@ -92,7 +92,7 @@ pub fn chan_sink() -> (Arc<ChanSink>, Lines) {
 pub fn helper(args: &[&str], sink: Arc<dyn LineSink>) -> SpawnSpec {
     let mut spec = SpawnSpec::new(HELPER, args.iter().copied());
     spec.sink = sink;
-    spec.owner = "test".into();
+    spec.owner = nodeplan::process::Owner::supervise("test");
     spec
 }
 
