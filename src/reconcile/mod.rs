@@ -211,13 +211,17 @@ fn backoff(initial: Duration) -> Backoff {
 /// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
 /// same millisecond.
 pub fn jittered(d: Duration) -> Duration {
+    d + spread((d / 10).min(Duration::from_secs(1)))
+}
+
+/// A random duration below `max`.
+fn spread(max: Duration) -> Duration {
     let mut b = [0u8; 2];
     let r = match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
         Ok(2) => u16::from_le_bytes(b),
         _ => 0,
     };
-    let spread = (d / 10).min(Duration::from_secs(1));
-    d + spread.mul_f64(f64::from(r) / f64::from(u16::MAX))
+    max.mul_f64(f64::from(r) / f64::from(u16::MAX))
 }
 
 /// A back-off step that is taken only once its previous delay has passed: being looked at again
@@ -250,6 +254,14 @@ impl Step {
 /// Another plan's probes, taken while a plan applies.
 type SideProbe<K> = std::pin::Pin<Box<dyn Future<Output = (K, Probes, BTreeMap<String, ProbeStatus>)> + Send>>;
 
+/// A write that did not land, waiting for its retry.
+struct Kept {
+    retry_at: Instant,
+    /// The source's change count when it failed: a change since means the source is reachable
+    /// again (its watch is back), and the write is retried at once (within a second's jitter).
+    changes: u64,
+}
+
 /// What the loop remembers about one plan (never persisted).
 struct Memory {
     /// Log lines already written (warn-once), cleared when the plan is no longer held.
@@ -260,8 +272,9 @@ struct Memory {
     apply: Step,
     blocked_step: Step,
     gate: Option<Instant>,
-    /// A write that did not land.
+    /// A write that did not land: its back-off, and when it is tried again.
     write: Step,
+    kept: Option<Kept>,
     /// The checksum of an unparsable plan already reported.
     bad: Option<String>,
     /// Look again then (a failed plan's retry, a back-off).
@@ -291,6 +304,7 @@ impl Default for Memory {
             blocked_step: Step::new(Duration::from_secs(5)),
             gate: None,
             write: Step::new(Duration::from_secs(1)),
+            kept: None,
             bad: None,
             due: None,
             blocked: None,
@@ -322,6 +336,8 @@ pub struct Reconciler<S: PlanSource> {
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
     dirty: bool,
+    /// How many changes the source has reported.
+    changes: u64,
 }
 
 /// What recovery found: the plans whose leftovers could not be stopped (or whose records are
@@ -370,6 +386,7 @@ impl<S: PlanSource> Reconciler<S> {
             incomplete: None,
             shutdown,
             dirty: false,
+            changes: 0,
         }
     }
 
@@ -388,7 +405,8 @@ impl<S: PlanSource> Reconciler<S> {
                 break;
             }
             let keys = self.source.keys().await;
-            self.memory.retain(|k, _| keys.contains(k));
+            // A plan that is gone is forgotten, unless it is blocked: its leftovers still run.
+            self.memory.retain(|k, m| keys.contains(k) || m.blocked.is_some());
             for key in keys {
                 if *shutdown.borrow() {
                     break 'outer;
@@ -413,7 +431,12 @@ impl<S: PlanSource> Reconciler<S> {
                 .map(|t| t.saturating_duration_since(now))
                 .fold(self.source.period(), Duration::min);
             tokio::select! {
-                alive = self.source.changed() => if !alive { break },
+                alive = self.source.changed() => {
+                    if !alive {
+                        break;
+                    }
+                    self.changes += 1;
+                }
                 _ = tokio::time::sleep(next) => {}
                 r = shutdown.changed() => if r.is_err() { break },
             }
@@ -470,17 +493,36 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
+        let (now, changes) = (Instant::now(), self.changes);
         let mem = self.mem(key);
         let d = match retry_after {
             Some(d) => jittered(d),
-            None => mem.write.next(Instant::now()),
+            None => mem.write.next(now),
         };
-        tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
+        mem.kept = Some(Kept { retry_at: now + d, changes });
+        tracing::warn!(
+            "cannot write {what} ({error}); retrying in {} (or as soon as it is reachable)",
+            human_duration(d)
+        );
         Action::After(d)
     }
 
     fn wrote(&mut self, key: &S::Key) {
-        self.mem(key).write.reset(Duration::from_secs(1));
+        let mem = self.mem(key);
+        mem.write.reset(Duration::from_secs(1));
+        mem.kept = None;
+    }
+
+    /// How long a kept write still waits: its back-off, cut short (to a second's jitter, so a
+    /// fleet does not write in the same millisecond) when the source reported a change since.
+    fn kept_wait(&mut self, key: &S::Key, now: Instant) -> Option<Duration> {
+        let changes = self.changes;
+        let k = self.mem(key).kept.as_mut()?;
+        if changes > k.changes {
+            k.changes = changes;
+            k.retry_at = k.retry_at.min(now + spread(Duration::from_secs(1)));
+        }
+        (now < k.retry_at).then(|| k.retry_at - now)
     }
 
     /// Reconcile one plan.
@@ -489,7 +531,11 @@ impl<S: PlanSource> Reconciler<S> {
         if self.mem(key).gate.is_some_and(|t| now < t) {
             return Action::Wait;
         }
-        // A kept write lands first (as soon as the source is reachable again).
+        // A kept write lands first: after its back-off, or as soon as the source is reachable
+        // again; nothing else about the plan is decided before.
+        if let Some(wait) = self.kept_wait(key, now) {
+            return Action::After(wait);
+        }
         match self.source.flush(key).await {
             Written::Done => {}
             Written::Abandoned => {
@@ -794,6 +840,7 @@ impl<S: PlanSource> Reconciler<S> {
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
                     self.dirty = true;
+                    self.changes += 1;
                     true
                 }
                 _ = poll.tick() => true,

@@ -11,6 +11,7 @@ use crate::process::{CgroupMode, Source, StopPolicy, Supervisor, SupervisorConfi
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use tokio::sync::Notify;
 
 /// Long enough for anything here to happen on a loaded machine; a test that waits this long fails.
@@ -44,10 +45,18 @@ struct Store {
     /// steps, never for time).
     writes: watch::Sender<u64>,
     looks: watch::Sender<u64>,
+    /// Faults: the producer pauses the plan the moment its start is written; outcomes cannot be
+    /// written (as when an API server is down) and the store asks for an hour before a retry.
+    pause_on_begin: AtomicBool,
+    down: AtomicBool,
+    /// Attempts to write an outcome while down.
+    refused: watch::Sender<u64>,
+    /// The loop's passes over the plans.
+    passes: watch::Sender<u64>,
 }
 
-/// The in-memory source: keys are plan names.
-struct MemSource(Arc<Store>, Duration);
+/// The in-memory source: keys are plan names. `kept`: an outcome that could not be written.
+struct MemSource(Arc<Store>, Duration, Option<(String, flow::Record)>);
 
 const OWNER: &str = "mem:";
 
@@ -77,6 +86,7 @@ impl PlanSource for MemSource {
     }
 
     async fn keys(&mut self) -> Vec<String> {
+        self.0.passes.send_modify(|n| *n += 1);
         self.0.plans.lock().unwrap().keys().cloned().collect()
     }
 
@@ -106,18 +116,42 @@ impl PlanSource for MemSource {
     }
 
     async fn commit(&mut self, name: &String, _: &Look, commit: &Commit) -> Written {
-        self.write(name, |p| {
+        let w = self.write(name, |p| {
             p.state = commit.state();
             p.checkpoint = commit.checkpoint().cloned();
-        })
+        });
+        if matches!(commit, Commit::Begin { .. }) && self.0.pause_on_begin.load(SeqCst) {
+            self.write(name, |p| p.paused = Some("true".into()));
+        }
+        w
     }
 
     async fn record(&mut self, name: &String, _: &Look, outcome: Outcome<'_>) -> Written {
         let Some(r) = outcome.record else { return Written::Done };
-        self.write(name, |p| {
-            if let Some(s) = outcome.probes {
-                p.probes = s;
-            }
+        let r = flow::Record { periodic_output: None, ..r };
+        if let Some(s) = outcome.probes {
+            self.write(name, |p| p.probes = s);
+        }
+        self.2 = Some((name.clone(), r));
+        self.flush(name).await
+    }
+
+    async fn not_started(&mut self, _: &String, _: &Look, _: &ApplyError) -> Option<Written> {
+        None
+    }
+
+    async fn write_probes(&mut self, name: &String, _: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+        self.write(name, |p| p.probes = statuses)
+    }
+
+    async fn flush(&mut self, _: &String) -> Written {
+        let Some((name, r)) = self.2.take() else { return Written::Done };
+        if self.0.down.load(SeqCst) {
+            self.0.refused.send_modify(|n| *n += 1);
+            self.2 = Some((name, r));
+            return Written::Failed { error: "down".into(), retry_after: Some(Duration::from_secs(3600)) };
+        }
+        self.write(&name, |p| {
             if let Some(s) = r.state {
                 p.state = s;
             }
@@ -133,18 +167,6 @@ impl PlanSource for MemSource {
                 p.outputs = o;
             }
         })
-    }
-
-    async fn not_started(&mut self, _: &String, _: &Look, _: &ApplyError) -> Option<Written> {
-        None
-    }
-
-    async fn write_probes(&mut self, name: &String, _: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
-        self.write(name, |p| p.probes = statuses)
-    }
-
-    async fn flush(&mut self, _: &String) -> Written {
-        Written::Done
     }
 
     async fn set_blocked(&mut self, name: &String, why: Option<&str>) {
@@ -283,7 +305,7 @@ impl Fixture {
     /// Start the loop with this probe (and look) period.
     fn start_every(&self, period: Duration) -> (watch::Sender<bool>, tokio::task::JoinHandle<(AgentExit, MemSource)>) {
         let (tx, rx) = watch::channel(false);
-        let source = MemSource(self.store.clone(), period);
+        let source = MemSource(self.store.clone(), period, None);
         let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (tx, tokio::spawn(r.run()))
     }
@@ -427,58 +449,9 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
     let fx = fixture();
     let log = fx.path("log");
     fx.add("a", &[&format!("echo a >> {log}")]);
-    // The source reports the pause at the first look after the start commit: the write and the
-    // producer's pause race, and the pause wins.
-    struct PauseOnBegin(MemSource);
-    impl PlanSource for PauseOnBegin {
-        type Key = String;
-        async fn changed(&mut self) -> bool {
-            self.0.changed().await
-        }
-        async fn keys(&mut self) -> Vec<String> {
-            self.0.keys().await
-        }
-        async fn look(&mut self, k: &String) -> Seen {
-            self.0.look(k).await
-        }
-        async fn commit(&mut self, k: &String, l: &Look, c: &Commit) -> Written {
-            let w = self.0.commit(k, l, c).await;
-            if matches!(c, Commit::Begin { .. }) {
-                self.0.write(k, |p| p.paused = Some("true".into()));
-            }
-            w
-        }
-        async fn record(&mut self, k: &String, l: &Look, o: Outcome<'_>) -> Written {
-            self.0.record(k, l, o).await
-        }
-        async fn not_started(&mut self, k: &String, l: &Look, e: &ApplyError) -> Option<Written> {
-            self.0.not_started(k, l, e).await
-        }
-        async fn write_probes(&mut self, k: &String, l: &str, s: BTreeMap<String, ProbeStatus>) -> Written {
-            self.0.write_probes(k, l, s).await
-        }
-        async fn flush(&mut self, k: &String) -> Written {
-            self.0.flush(k).await
-        }
-        async fn set_blocked(&mut self, k: &String, why: Option<&str>) {
-            self.0.set_blocked(k, why).await
-        }
-        fn interrupt(&mut self, k: &String, l: &Look) -> Observed {
-            self.0.interrupt(k, l)
-        }
-        fn owner(&self, k: &String, l: &Look) -> Owner {
-            self.0.owner(k, l)
-        }
-        fn claim(&self, o: &Owner) -> Claim<String> {
-            self.0.claim(o)
-        }
-        fn period(&self) -> Duration {
-            self.0.period()
-        }
-    }
-    let (stop, rx) = watch::channel(false);
-    let source = PauseOnBegin(MemSource(fx.store.clone(), Duration::from_secs(3600)));
-    let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
+    // The producer's pause lands right after the start is written: the pause wins.
+    fx.store.pause_on_begin.store(true, SeqCst);
+    let (stop, agent) = fx.start();
     let a = fx.until("a", "paused", |p| p.state == PlanState::Paused).await;
     assert_eq!(a.checkpoint.map(|c| (c.completed_instructions, c.paused)), Some((0, true)));
     assert_eq!(lines(&log), 0, "nothing ran");
@@ -529,6 +502,38 @@ async fn probes_of_other_plans_keep_running_while_one_applies() {
     assert_eq!(fx.get("b").state, PlanState::InProgress, "b is still running");
     open(&gate).await;
     fx.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+}
+
+/// An outcome that cannot be written is kept, retried only after its back-off (here the store's
+/// own hint: an hour) however often the loop wakes, and at once when the source reports a change
+/// (its watch is back): it never waits for the timer after an outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_outcome_lands_as_soon_as_the_source_is_back() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    fx.store.down.store(true, SeqCst);
+    let (stop, agent) = fx.start_every(Duration::from_millis(50));
+    // The start lands (in-progress), the run ends, its outcome does not.
+    let mut refused = fx.store.refused.subscribe();
+    tokio::time::timeout(GUARD, refused.wait_for(|n| *n > 0)).await.expect("the outcome was attempted").unwrap();
+    assert_eq!(lines(&log), 1);
+    // Passes go by (the loop wakes every 50 ms): the kept write waits for its back-off.
+    let looks = *fx.store.looks.borrow();
+    let mut passes = fx.store.passes.subscribe();
+    let five_more = *passes.borrow_and_update() + 5;
+    tokio::time::timeout(GUARD, passes.wait_for(|n| *n >= five_more)).await.expect("the loop kept waking").unwrap();
+    assert_eq!(*fx.store.refused.borrow(), 1, "not retried before its back-off");
+    assert_eq!(*fx.store.looks.borrow(), looks, "nothing is decided while an outcome is kept");
+    assert_eq!(fx.get("a").state, PlanState::InProgress);
+    // The source is back and says so: the outcome lands at once (not in an hour), run once.
+    fx.store.down.store(false, SeqCst);
+    fx.store.changed.notify_one();
+    let a = fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(a.history, [PlanState::InProgress, PlanState::Succeeded]);
+    assert_eq!(lines(&log), 1, "the plan did not run again");
     stop.send(true).unwrap();
     tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
 }
