@@ -215,7 +215,7 @@ impl PlanSource for DirSource {
         let Some(files) = PlanFiles::new(path) else { return Seen::Nothing };
         // Anyone who can write the plan can run commands as root; a file that is not what it
         // should be (a FIFO, a link, too large) is refused without blocking. Both hold the plan.
-        let raw = match trust::check(path).and_then(|()| read_plan(path)) {
+        let raw = match trust::check(path).map_err(PlanFileError::from).and_then(|()| read_plan(path)) {
             Ok(r) => r,
             Err(e) => {
                 return Seen::Held(format!("{}: refused: {e}; the plan is held and nothing is run", path.display()));
@@ -384,13 +384,20 @@ impl PlanSource for DirSource {
 /// The most a plan file may hold (file contents travel inside it, base64-encoded).
 pub const PLAN_CAP: u64 = 64 << 20;
 
+/// Why a plan file is not read.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanFileError {
+    #[error(transparent)]
+    Untrusted(#[from] trust::TrustError),
+    #[error("it no longer exists")]
+    Gone,
+    #[error(transparent)]
+    Unreadable(#[from] std::io::Error),
+}
+
 /// Read a plan file without following a link or blocking; regular files of at most [`PLAN_CAP`].
-fn read_plan(path: &Path) -> Result<Vec<u8>, String> {
-    match crate::safefs::read_small(path, PLAN_CAP) {
-        Ok(Some(raw)) => Ok(raw),
-        Ok(None) => Err("it no longer exists".into()),
-        Err(e) => Err(e.to_string()),
-    }
+fn read_plan(path: &Path) -> Result<Vec<u8>, PlanFileError> {
+    crate::safefs::read_small(path, PLAN_CAP)?.ok_or(PlanFileError::Gone)
 }
 
 /// Aborts the task when dropped.

@@ -6,10 +6,27 @@
 //! A symlink on the way must be owned by root too.
 
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Why a plan must not be trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    #[error("cannot check {}: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is a symlink owned by uid {uid}", path.display())]
+    ForeignLink { path: PathBuf, uid: u32 },
+    #[error("{} is owned by uid {uid}", path.display())]
+    Foreign { path: PathBuf, uid: u32 },
+    #[error("{} is writable by group or others (mode {mode:04o})", path.display())]
+    Writable { path: PathBuf, mode: u32 },
+}
 
 /// Why `plan` must not be trusted, or `Ok` when it may be.
-pub fn check(plan: &Path) -> Result<(), String> {
+pub fn check(plan: &Path) -> Result<(), TrustError> {
     let me = rustix::process::geteuid().as_raw();
     if me != 0 {
         // An unprivileged agent runs commands as its own user: nothing to escalate to.
@@ -18,21 +35,18 @@ pub fn check(plan: &Path) -> Result<(), String> {
     let mut prefix = std::path::PathBuf::new();
     for comp in plan.components() {
         prefix.push(comp);
-        let lm = std::fs::symlink_metadata(&prefix).map_err(|e| format!("cannot check {}: {e}", prefix.display()))?;
+        let unreadable = |source| TrustError::Unreadable { path: prefix.clone(), source };
+        let lm = std::fs::symlink_metadata(&prefix).map_err(unreadable)?;
         if lm.file_type().is_symlink() && lm.uid() != 0 && lm.uid() != me {
-            return Err(format!("{} is a symlink owned by uid {}", prefix.display(), lm.uid()));
+            return Err(TrustError::ForeignLink { path: prefix, uid: lm.uid() });
         }
-        let m = std::fs::metadata(&prefix).map_err(|e| format!("cannot check {}: {e}", prefix.display()))?;
+        let m = std::fs::metadata(&prefix).map_err(unreadable)?;
         if m.uid() != 0 && m.uid() != me {
-            return Err(format!("{} is owned by uid {}", prefix.display(), m.uid()));
+            return Err(TrustError::Foreign { path: prefix, uid: m.uid() });
         }
         let sticky_dir = m.is_dir() && m.mode() & 0o1000 != 0;
         if m.mode() & 0o022 != 0 && !sticky_dir {
-            return Err(format!(
-                "{} is writable by group or others (mode {:04o})",
-                prefix.display(),
-                m.mode() & 0o7777
-            ));
+            return Err(TrustError::Writable { path: prefix, mode: m.mode() & 0o7777 });
         }
     }
     Ok(())
@@ -52,17 +66,17 @@ mod tests {
         std::fs::write(&plan, b"{}").unwrap();
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        assert_eq!(check(&plan), Ok(()), "under /tmp (sticky) is fine");
+        assert!(check(&plan).is_ok(), "under /tmp (sticky) is fine");
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o664)).unwrap();
-        assert!(check(&plan).unwrap_err().contains("a.plan is writable by group or others (mode 0664)"));
+        assert!(check(&plan).unwrap_err().to_string().contains("a.plan is writable by group or others (mode 0664)"));
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(check(&plan).unwrap_err().contains("plans is writable by group or others (mode 0777)"));
+        assert!(check(&plan).unwrap_err().to_string().contains("plans is writable by group or others (mode 0777)"));
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::os::unix::fs::chown(&plan, Some(1000), None).unwrap();
-        assert!(check(&plan).unwrap_err().contains("a.plan is owned by uid 1000"));
+        assert!(check(&plan).unwrap_err().to_string().contains("a.plan is owned by uid 1000"));
         std::os::unix::fs::chown(&plan, Some(0), None).unwrap();
         std::os::unix::fs::chown(&dir, Some(1000), None).unwrap();
-        assert!(check(&plan).unwrap_err().contains("plans is owned by uid 1000"));
+        assert!(check(&plan).unwrap_err().to_string().contains("plans is owned by uid 1000"));
     }
 }
