@@ -29,6 +29,7 @@ pub mod duration;
 pub mod flow;
 pub mod image;
 pub mod local;
+pub mod nodeplan;
 pub mod plan;
 pub mod probe;
 pub mod process;
