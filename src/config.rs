@@ -28,13 +28,15 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 23] = [
+pub const KEYS: [&str; 25] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
     "appliedPlanDirectory",
     "remoteEnabled",
     "connectionInfoFile",
+    "nodePlanEnabled",
+    "nodeName",
     "preserveWorkDirectory",
     "imagesDirectory",
     "agentRegistriesFile",
@@ -73,6 +75,11 @@ pub struct AgentConfig {
     pub remote_enabled: bool,
     /// `connectionInfoFile`: kubeconfig, namespace and Secret name for remote mode.
     pub connection_info_file: PathBuf,
+    /// `nodePlanEnabled`: NodePlan mode (the node's NodePlans in the connection info's namespace).
+    pub node_plan_enabled: bool,
+    /// `nodeName`: the node NodePlans are selected for; empty: `CATTLE_NODE_NAME`, else the
+    /// hostname.
+    pub node_name: String,
     /// `preserveWorkDirectory`: do not wipe `work_directory` before an apply.
     pub preserve_work_directory: bool,
     /// `imagesDirectory`: image tarballs (an empty value means the default, as in system-agent).
@@ -128,6 +135,8 @@ impl Default for AgentConfig {
             applied_plan_directory: "/var/lib/rancher/agent/applied".into(),
             remote_enabled: false,
             connection_info_file: "/var/lib/rancher/agent/rancher2_connection_info.json".into(),
+            node_plan_enabled: false,
+            node_name: String::new(),
             preserve_work_directory: false,
             images_directory: DEFAULT_IMAGES_DIRECTORY.into(),
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
@@ -220,6 +229,12 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             p(&d.connection_info_file),
             "remote mode: JSON with `kubeConfig`, `namespace` and `secretName` (mode 0600, written by install.sh)",
         ),
+        (
+            "nodePlanEnabled",
+            d.node_plan_enabled.to_string(),
+            "NodePlan mode: apply the NodePlans labelled `cattle.io/node: <nodeName>` in the connection info's namespace",
+        ),
+        ("nodeName", "\"\"".to_string(), "NodePlan mode: the node; empty = `CATTLE_NODE_NAME`, else the hostname"),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (
             "imagesDirectory",
@@ -393,6 +408,10 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     doc.path_into("appliedPlanDirectory", &mut c.applied_plan_directory, false)?;
     doc.bool_into("remoteEnabled", &mut c.remote_enabled)?;
     doc.path_into("connectionInfoFile", &mut c.connection_info_file, false)?;
+    doc.bool_into("nodePlanEnabled", &mut c.node_plan_enabled)?;
+    if let Some(n) = doc.string("nodeName")? {
+        c.node_name = n;
+    }
     doc.bool_into("preserveWorkDirectory", &mut c.preserve_work_directory)?;
     doc.path_into("imagesDirectory", &mut c.images_directory, true)?;
     doc.path_into("agentRegistriesFile", &mut c.agent_registries_file, true)?;
@@ -438,12 +457,14 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
 pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
     let mut problems = Vec::new();
     let mut warnings = Vec::new();
-    if !cfg.local_enabled && !cfg.remote_enabled {
-        problems.push("neither localEnabled nor remoteEnabled is true: the agent would do nothing".to_string());
+    if !cfg.local_enabled && !cfg.remote_enabled && !cfg.node_plan_enabled {
+        problems.push(
+            "none of localEnabled, remoteEnabled and nodePlanEnabled is true: the agent would do nothing".to_string(),
+        );
     }
-    if cfg.remote_enabled {
+    if cfg.remote_enabled || cfg.node_plan_enabled {
         if cfg.connection_info_file.as_os_str().is_empty() {
-            problems.push("connectionInfoFile is empty but remoteEnabled is true".into());
+            problems.push("connectionInfoFile is empty but remoteEnabled or nodePlanEnabled is true".into());
         } else if !cfg.connection_info_file.exists() {
             warnings.push(format!(
                 "connectionInfoFile {} does not exist (install.sh writes it); remote mode cannot start without it",

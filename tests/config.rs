@@ -38,6 +38,8 @@ localPlanDirectory: /w/plans
 appliedPlanDirectory: /w/applied
 remoteEnabled: true
 connectionInfoFile: /w/conn.json
+nodePlanEnabled: true
+nodeName: worker-7
 preserveWorkDirectory: true
 imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
@@ -64,6 +66,8 @@ const FULL_JSON: &str = r#"{
   "appliedPlanDirectory": "/w/applied",
   "remoteEnabled": true,
   "connectionInfoFile": "/w/conn.json",
+  "nodePlanEnabled": true,
+  "nodeName": "worker-7",
   "preserveWorkDirectory": true,
   "imagesDirectory": "/w/images",
   "agentRegistriesFile": "/w/registries.yaml",
@@ -91,6 +95,8 @@ fn full() -> AgentConfig {
         applied_plan_directory: "/w/applied".into(),
         remote_enabled: true,
         connection_info_file: "/w/conn.json".into(),
+        node_plan_enabled: true,
+        node_name: "worker-7".into(),
         preserve_work_directory: true,
         images_directory: "/w/images".into(),
         agent_registries_file: "/w/registries.yaml".into(),

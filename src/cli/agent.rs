@@ -132,6 +132,18 @@ pub async fn run(args: AgentArgs) -> u8 {
         let rx = sd_rx.clone();
         tasks.push(tokio::spawn(async move { agent.run(rx).await }));
     }
+    if cfg.node_plan_enabled {
+        let agent = match node_plan_agent(&cfg, &parts).await {
+            Ok(a) => a,
+            Err(e) => {
+                super::say(&format!("nodeplan: {e}"));
+                abort_all(&tasks);
+                return exit::BAD_INPUT;
+            }
+        };
+        let rx = sd_rx.clone();
+        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+    }
     let mut code = exit::OK;
     for t in tasks {
         match t.await {
@@ -168,6 +180,33 @@ async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote:
     tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
     Ok(crate::remote::agent::RemoteAgent::new(
         SecretClient::new(client, secret),
+        parts.app.clone(),
+        parts.prober.clone(),
+        Duration::from_secs(5),
+    ))
+}
+
+/// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.
+fn node_name(cfg: &AgentConfig) -> String {
+    if !cfg.node_name.is_empty() {
+        return cfg.node_name.clone();
+    }
+    match std::env::var("CATTLE_NODE_NAME") {
+        Ok(n) if !n.is_empty() => n,
+        _ => std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default(),
+    }
+}
+
+async fn node_plan_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::nodeplan::source::NodePlanAgent, String> {
+    let conn = config::load_connection(&cfg.connection_info_file)
+        .map_err(|e| format!("{e} (the installer should have created it)"))?;
+    let client = crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&conn.kube_config)
+        .await
+        .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
+    Ok(crate::nodeplan::source::NodePlanAgent::new(
+        client,
+        &conn.namespace,
+        &node_name(cfg),
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),

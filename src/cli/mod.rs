@@ -83,6 +83,8 @@ enum Command {
     /// The orchestrator's side: push, pause, resume, cancel, reset or show a plan (local or in a Secret).
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
+    /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
+    Crd,
 }
 
 /// `apply --help`'s list of [`exit`] codes (the README's list says the same).
@@ -195,6 +197,10 @@ pub fn main() -> ExitCode {
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
             Command::Plan(p) => plan_cmd::run(p).await,
+            Command::Crd => {
+                out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
+                exit::OK
+            }
         }
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.

@@ -7,4 +7,5 @@
 //! rules in [`crate::flow`] do).
 
 pub mod resource;
+pub mod source;
 pub mod wire;

@@ -3,7 +3,7 @@
 //! does not support yet are refused, never ignored (a newer producer's plan must not run as a
 //! smaller one).
 
-use crate::plan::{Checkpoint, ProbeStatus};
+use crate::plan::{Checkpoint, PeriodicInstructionOutput, ProbeStatus};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -101,6 +101,9 @@ pub struct NodePlanStatus {
     pub instructions: Vec<InstructionResult>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub probe_statuses: BTreeMap<String, ProbeStatus>,
+    /// The periodic instructions' last results (their schedule survives restarts).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub periodic_outputs: BTreeMap<String, PeriodicInstructionOutput>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Why the plan is blocked (a leftover process could not be stopped).

@@ -243,6 +243,9 @@ pub fn record(
     if let Some(p) = probes {
         s.probe_statuses = p.clone();
     }
+    if let Some(p) = &rec.periodic_output {
+        s.periodic_outputs = p.clone();
+    }
     s
 }
 

@@ -16,10 +16,12 @@ pub enum Source {
     Apply,
     /// `nodeplan supervise`; services are identified by their name, and have no slots.
     Supervise,
+    /// The NodePlan agent; plans are identified by `namespace/name`.
+    NodePlan,
 }
 
 impl Source {
-    const ALL: [Source; 4] = [Source::Local, Source::Remote, Source::Apply, Source::Supervise];
+    const ALL: [Source; 5] = [Source::Local, Source::Remote, Source::Apply, Source::Supervise, Source::NodePlan];
 
     /// The owner prefix: `local`, `remote`, `apply` or `supervise`.
     pub fn prefix(self) -> &'static str {
@@ -28,6 +30,7 @@ impl Source {
             Source::Remote => "remote",
             Source::Apply => "apply",
             Source::Supervise => "supervise",
+            Source::NodePlan => "nodeplan",
         }
     }
 
@@ -40,7 +43,7 @@ impl Source {
     fn valid_id(self, id: &str) -> bool {
         match self {
             Source::Local => !id.is_empty(),
-            Source::Remote | Source::Apply => !id.is_empty() && !id.contains(':'),
+            Source::Remote | Source::Apply | Source::NodePlan => !id.is_empty() && !id.contains(':'),
             Source::Supervise => true,
         }
     }
