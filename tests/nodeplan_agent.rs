@@ -1,0 +1,299 @@
+//! NodePlan mode end to end: the real `nodeplan agent` binary against a real kube-apiserver (built
+//! with the vendor fix that lets it serve custom resources, see tools/build-kube-apiserver.sh),
+//! the CRD installed through the API, one namespace per test. The producer's side is played by
+//! the test through its own client. Timeouts are hang guards.
+
+mod common;
+mod k8s_support;
+
+use common::*;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_support::ControlPlane;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use nodeplan::nodeplan::resource::{CRD_YAML, NodePlanStatus};
+use nodeplan::nodeplan::source::api_resource;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokio::sync::OnceCell;
+
+macro_rules! control_plane {
+    () => {
+        match ControlPlane::shared().await {
+            Some(cp) => cp,
+            None => return,
+        }
+    };
+}
+
+static CRD: OnceCell<()> = OnceCell::const_new();
+
+/// Install the CRD through the API (once per control plane) and wait until it is served.
+async fn install_crd(cp: &ControlPlane) {
+    CRD.get_or_init(|| async {
+        let crds: Api<CustomResourceDefinition> = Api::all(cp.client().await);
+        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(CRD_YAML).unwrap();
+        match crds.create(&PostParams::default(), &crd).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("cannot install the CRD: {e}"),
+        }
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let c = crds.get("nodeplans.agent.cattle.io").await.unwrap();
+            let established = c
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            if established {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the CRD never became established");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The resource is served once discovery has it: a list answers.
+        let np: Api<DynamicObject> = Api::all_with(cp.client().await, &api_resource());
+        let deadline = Instant::now() + GUARD;
+        while np.list(&Default::default()).await.is_err() {
+            assert!(Instant::now() < deadline, "NodePlans are never served");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+struct Node {
+    dir: tempfile::TempDir,
+    api: Api<DynamicObject>,
+    namespace: String,
+    config: PathBuf,
+}
+
+impl Node {
+    async fn new(cp: &ControlPlane, test: &str) -> Node {
+        install_crd(cp).await;
+        let namespace = cp.new_namespace(test).await;
+        let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let conn = dir.path().join("conn.json");
+        let conn_json = json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": namespace, "secretName": "unused"});
+        std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
+        let config = dir.path().join("config.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "nodePlanEnabled: true\nnodeName: node-a\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\n\
+                 appliedPlanDirectory: {d}/applied\ninterlockDirectory: {d}/interlock\npidDirectory: {d}/pids\n\
+                 stopTimeout: 1s\nkillTimeout: 5s\n"
+            ),
+        )
+        .unwrap();
+        for f in [&conn, &config] {
+            std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        }
+        Node { dir, api, namespace, config }
+    }
+
+    fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+
+    fn fifo(&self, name: &str) -> String {
+        let p = self.p(name);
+        mkfifo(&p);
+        p
+    }
+
+    fn agent(&self) -> AgentProc {
+        AgentProc::start(&self.config)
+    }
+
+    /// Create a NodePlan for `node` as a producer does.
+    async fn create(&self, name: &str, node: &str, spec: serde_json::Value) {
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "agent.cattle.io/v1alpha1",
+            "kind": "NodePlan",
+            "metadata": {"name": name, "namespace": self.namespace, "labels": {"cattle.io/node": node}},
+            "spec": spec,
+        }))
+        .unwrap();
+        self.api.create(&PostParams::default(), &obj).await.unwrap();
+    }
+
+    async fn patch_spec(&self, name: &str, spec: serde_json::Value) {
+        self.api.patch(name, &PatchParams::default(), &Patch::Merge(json!({"spec": spec}))).await.unwrap();
+    }
+
+    async fn status(&self, name: &str) -> NodePlanStatus {
+        let o = self.api.get(name).await.unwrap();
+        o.data.get("status").cloned().map(|s| serde_json::from_value(s).unwrap()).unwrap_or_default()
+    }
+
+    /// Poll the NodePlan's status (the observable outcome) until `pred` holds.
+    async fn wait(&self, name: &str, what: &str, pred: impl Fn(&NodePlanStatus) -> bool) -> NodePlanStatus {
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let s = self.status(name).await;
+            if pred(&s) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "nodeplan {name} never got {what}: {s:?}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+fn sh(name: &str, script: &str) -> serde_json::Value {
+    json!({"name": name, "command": "sh", "args": ["-c", script], "saveOutput": true})
+}
+
+fn phase(p: &'static str) -> impl Fn(&NodePlanStatus) -> bool {
+    move |s| s.phase == p
+}
+
+#[tokio::test]
+async fn a_nodeplan_is_applied_with_its_results_readable_in_status() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-apply").await;
+    let marker = n.p("marker");
+    let plan =
+        json!({"instructions": [sh("one", &format!("echo one >> {marker}; echo out-one")), sh("two", "exit 0")]});
+    n.create("install", "node-a", json!({"plan": plan})).await;
+    n.create("elsewhere", "node-b", json!({"plan": {"instructions": [sh("x", &format!("echo x >> {marker}"))]}})).await;
+    let mut agent = n.agent();
+    let s = n.wait("install", "Applied", phase("Applied")).await;
+    assert_eq!((s.progress.as_str(), s.successes, s.attempts), ("2/2", 1, 1));
+    assert_eq!(s.observed_generation, 1);
+    assert_eq!(s.instructions.len(), 2);
+    assert_eq!((s.instructions[0].name.as_str(), s.instructions[0].output.as_str()), ("one", "out-one\n"));
+    assert_eq!(s.instructions[0].exit_code, Some(0));
+    assert!(s.conditions.iter().any(|c| c.type_ == "Applied" && c.status == "True"));
+    agent.wait_log("succeeded (2/2 instructions)");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n", "another node's plan never runs here");
+    assert_eq!(n.status("elsewhere").await.phase, "", "and its status is not touched");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_fields() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-refuse").await;
+    // The API server rejects what the schema forbids: an instruction without a name.
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+        "metadata": {"name": "bad", "namespace": n.namespace, "labels": {"cattle.io/node": "node-a"}},
+        "spec": {"plan": {"instructions": [{"command": "true"}]}},
+    }))
+    .unwrap();
+    match n.api.create(&PostParams::default(), &obj).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 422, "{s:?}"),
+        other => panic!("a malformed plan was accepted: {other:?}"),
+    }
+    // A field this agent does not know (a newer producer's) is refused in status, never ignored.
+    let marker = n.p("marker");
+    let spec = json!({"plan": {"instructions": [sh("a", &format!("touch {marker}"))]}, "rollout": {"batch": 2}});
+    n.create("newer", "node-a", spec).await;
+    let mut agent = n.agent();
+    let s = n.wait("newer", "Failed", phase("Failed")).await;
+    let c = s.conditions.iter().find(|c| c.type_ == "Applied").expect("a condition");
+    assert_eq!(c.reason, "Unsupported");
+    assert!(c.message.contains("spec.rollout"), "{c:?}");
+    agent.wait_log("spec.rollout");
+    assert!(!std::path::Path::new(&marker).exists(), "nothing ran");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test]
+async fn pause_then_resume_without_rerunning_then_cancel_a_tree() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-pause").await;
+    let (log, ready, gate) = (n.p("log"), n.fifo("ready"), n.fifo("gate"));
+    let plan = json!({"instructions": [
+        sh("one", &format!("echo one >> {log}")),
+        sh("two", &format!("echo two >> {log}; echo > {ready}; read x < {gate}")),
+        sh("three", &format!("echo three >> {log}")),
+    ]});
+    n.create("p", "node-a", json!({"plan": plan})).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    n.patch_spec("p", json!({"paused": true})).await;
+    agent.wait_log("pause requested");
+    std::fs::write(&gate, b"go\n").unwrap();
+    let s = n.wait("p", "Paused", phase("Paused")).await;
+    let cp1 = s.checkpoint.expect("a checkpoint");
+    assert_eq!((cp1.completed_instructions, cp1.paused), (2, true));
+    assert_eq!(s.progress, "2/3");
+    n.patch_spec("p", json!({"paused": false})).await;
+    let s = n.wait("p", "Applied", phase("Applied")).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "one\ntwo\nthree\n", "instruction three only after the resume");
+    assert_eq!(s.instructions.len(), 3, "the results of the instructions not run again are kept");
+
+    // Cancel a running tree, including a setsid grandchild.
+    let (ready2, pids) = (n.fifo("ready2"), n.p("tree-pids"));
+    let script = format!("setsid sleep 300 & echo $! > {pids}; echo $$ >> {pids}; echo > {ready2}; exec sleep 300");
+    n.create("c", "node-a", json!({"plan": {"instructions": [sh("long", &script), sh("never", "true")]}})).await;
+    read_fifo(&ready2);
+    let started: Vec<i32> =
+        std::fs::read_to_string(&pids).unwrap().lines().map(|l| l.trim().parse().unwrap()).collect();
+    n.patch_spec("c", json!({"canceled": true})).await;
+    let s = n.wait("c", "Cancelled", phase("Cancelled")).await;
+    assert_eq!(s.checkpoint.map(|c| c.completed_instructions), Some(0));
+    for pid in started {
+        assert!(!alive(pid), "pid {pid} of the canceled tree survived");
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Three NodePlans for one node from two producers run one at a time, highest priority first,
+/// then the older; none overlaps another.
+#[tokio::test]
+async fn several_nodeplans_run_one_at_a_time_in_the_documented_order() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-order").await;
+    let (order, busy, overlap) = (n.p("order"), n.p("busy"), n.p("overlap"));
+    let step = |name: &str| {
+        sh(
+            name,
+            &format!(
+                "if ! mkdir {busy} 2>/dev/null; then touch {overlap}; fi; echo {name} >> {order}; sleep 0.2; rmdir {busy}"
+            ),
+        )
+    };
+    // Created before the agent starts, so all three wait together.
+    n.create("b-producer-one", "node-a", json!({"plan": {"instructions": [step("low-old")]}})).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await; // creation timestamps have 1 s resolution
+    n.create("a-producer-two", "node-a", json!({"plan": {"instructions": [step("low-new")]}})).await;
+    n.create("z-producer-two", "node-a", json!({"priority": 10, "plan": {"instructions": [step("high")]}})).await;
+    let mut agent = n.agent();
+    for name in ["b-producer-one", "a-producer-two", "z-producer-two"] {
+        n.wait(name, "Applied", phase("Applied")).await;
+    }
+    assert_eq!(std::fs::read_to_string(&order).unwrap(), "high\nlow-old\nlow-new\n");
+    assert!(!std::path::Path::new(&overlap).exists(), "two NodePlans ran at once");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Deleting a NodePlan while it runs cancels it through the stop ladder (no finalizer).
+#[tokio::test]
+async fn deleting_a_running_nodeplan_stops_it() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-delete").await;
+    let (ready, pid_file) = (n.fifo("ready"), n.p("pid"));
+    let script = format!("echo $$ > {pid_file}; echo > {ready}; exec sleep 300");
+    n.create("d", "node-a", json!({"plan": {"instructions": [sh("long", &script)]}})).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    n.api.delete("d", &DeleteParams::default()).await.unwrap();
+    agent.wait_log("was deleted: canceling it");
+    let deadline = Instant::now() + GUARD;
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "the deleted plan's instruction still runs");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(n.api.get_opt("d").await.unwrap().is_none(), "no finalizer keeps it");
+    assert_eq!(agent.stop(), 0);
+}
