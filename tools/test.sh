@@ -13,7 +13,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
 
-# The real kube-apiserver and etcd for remote-mode tests (about 5 minutes once, instant after).
+# The real kube-apiserver, kubectl and etcd for remote-mode and custom-resource tests (about 9
+# minutes once, instant after; rebuilt once when the build script's recipe changes).
 K8S_CACHE=${NODEPLAN_K8S_CACHE:-/var/tmp/nodeplan-k8s}
 tools/build-kube-apiserver.sh "$K8S_CACHE" >&2
 export NODEPLAN_K8S_BIN="$K8S_CACHE/bin"

@@ -10,7 +10,10 @@
 //! Binaries: `$NODEPLAN_K8S_BIN`, else `/var/tmp/nodeplan-k8s/bin` if it exists. When they are
 //! missing, [`ControlPlane::start`] / [`ControlPlane::shared`] print a loud `*** SKIPPED ... ***`
 //! line (straight to stderr, past libtest's capture) and return `None`; with `NODEPLAN_CI` set
-//! they panic instead, so CI never skips silently.
+//! they panic instead, so CI never skips silently. Custom-resource tests use
+//! [`ControlPlane::shared_for_custom_resources`], which also needs the cache's `recipe` stamp to
+//! be [`CUSTOM_RESOURCE_RECIPE`] or later and `kubectl` beside the apiserver
+//! ([`ControlPlane::kubectl`]).
 //!
 //! Sharing: a start (RSA key, etcd, apiserver up to `/readyz` = ok) measured 3.3-4.0 s on a
 //! 2-core machine and costs ~350 MB, so a test binary shares one control plane
@@ -174,17 +177,57 @@ fn k8s_bin() -> Option<PathBuf> {
     if missing.is_empty() {
         return Some(dir);
     }
-    let need = format!(
+    skip(&format!(
         "real kube-apiserver tests need {} in {} (set NODEPLAN_K8S_BIN; build with tools/build-kube-apiserver.sh)",
         missing.join(" and "),
         dir.display()
-    );
+    ))
+}
+
+/// The loud skip (None) outside CI; a panic with `NODEPLAN_CI` set.
+fn skip<T>(need: &str) -> Option<T> {
     if std::env::var_os("NODEPLAN_CI").is_some() {
         panic!("NODEPLAN_CI is set, so these tests must not skip: {need}");
     }
     let test = std::thread::current().name().unwrap_or("?").to_string();
     loud(&format!("*** SKIPPED {test}: {need} ***"));
     None
+}
+
+/// The first recipe of `tools/build-kube-apiserver.sh` whose cache serves custom resources (its
+/// kube-apiserver has Debian's reflect2 1.0.2; recipe 1's dies with SIGSEGV on the first custom
+/// resource create) and holds `kubectl`.
+pub const CUSTOM_RESOURCE_RECIPE: u32 = 2;
+
+/// The build recipe of the cache `bin` belongs to: `bin/../recipe`, written by
+/// `tools/build-kube-apiserver.sh`. A cache without the stamp predates it (recipe 1).
+fn recipe_of(bin: &Path) -> u32 {
+    bin.parent()
+        .and_then(|cache| fs::read_to_string(cache.join("recipe")).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(1)
+}
+
+/// The cache's binaries and that they can serve custom resources (recipe and `kubectl`), or
+/// None after the loud skip (a panic in CI).
+fn custom_resource_bin() -> Option<PathBuf> {
+    let bin = k8s_bin()?;
+    let recipe = recipe_of(&bin);
+    if recipe < CUSTOM_RESOURCE_RECIPE {
+        return skip(&format!(
+            "custom-resource tests need a kube-apiserver cache of recipe {CUSTOM_RESOURCE_RECIPE} or later, and {} is \
+             recipe {recipe} (its kube-apiserver crashes on the first custom resource): rebuild it with \
+             tools/build-kube-apiserver.sh",
+            bin.display()
+        ));
+    }
+    if !bin.join("kubectl").is_file() {
+        return skip(&format!(
+            "custom-resource tests need kubectl in {} (build with tools/build-kube-apiserver.sh)",
+            bin.display()
+        ));
+    }
+    Some(bin)
 }
 
 /// N distinct free loopback ports, chosen at random *below* the kernel's ephemeral range
@@ -396,6 +439,34 @@ impl ControlPlane {
             let _ = k8s_bin();
         }
         cp
+    }
+
+    /// [`ControlPlane::shared`], for tests of custom resources: also requires a cache whose
+    /// kube-apiserver serves them and that holds `kubectl` (see [`CUSTOM_RESOURCE_RECIPE`]), with
+    /// the same loud skip outside CI and failure in CI.
+    pub async fn shared_for_custom_resources() -> Option<&'static ControlPlane> {
+        custom_resource_bin()?;
+        ControlPlane::shared().await
+    }
+
+    /// `kubectl` from the same cache, aimed at this apiserver: `--kubeconfig` is this control
+    /// plane's, its discovery/HTTP cache and `HOME` are in the temp dir, and `KUBECONFIG` is
+    /// removed, so it reads and writes nothing outside. The cache's kubectl is the one built
+    /// with the apiserver (1.20.2); get it through [`ControlPlane::shared_for_custom_resources`],
+    /// which checks it is there.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new(self.bin.join("kubectl"));
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig_path().display()))
+            .arg(format!("--cache-dir={}", self.dir.join("kubectl-cache").display()))
+            .env_remove("KUBECONFIG")
+            .env("HOME", &self.dir)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// The last `lines` lines of the apiserver's log, for failure messages (a crash shows there).
+    pub fn apiserver_log_tail(&self, lines: usize) -> String {
+        tail(&self.dir.join("apiserver.log"), lines)
     }
 
     /// How long `start()` took, from the temp dir to `/readyz` = ok.
