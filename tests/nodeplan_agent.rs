@@ -19,7 +19,7 @@ use tokio::sync::OnceCell;
 
 macro_rules! control_plane {
     () => {
-        match ControlPlane::shared().await {
+        match ControlPlane::shared_for_custom_resources().await {
             Some(cp) => cp,
             None => return,
         }
@@ -174,6 +174,15 @@ async fn a_nodeplan_is_applied_with_its_results_readable_in_status() {
     agent.wait_log("succeeded (2/2 instructions)");
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n", "another node's plan never runs here");
     assert_eq!(n.status("elsewhere").await.phase, "", "and its status is not touched");
+    // `kubectl get nodeplans` (built from the apiserver's source) shows the printer columns.
+    let out = cp.kubectl().args(["get", "nodeplans", "-n", &n.namespace]).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
+    assert_eq!(header, ["NAME", "NODE", "PHASE", "PROGRESS", "AGE"], "{table}");
+    let row = table.lines().find(|l| l.starts_with("install ")).unwrap_or_else(|| panic!("{table}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cols[..4], ["install", "node-a", "Applied", "2/2"], "{table}");
     assert_eq!(agent.stop(), 0);
 }
 
