@@ -515,6 +515,94 @@ async fn an_orchestrator_writing_meanwhile_loses_nothing() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The orchestrator's view of a run: every version of the Secret its watch delivers (distinct
+/// resourceVersions, in order) until `done` holds, then for `quiet` more.
+async fn versions_until(
+    watch: &mut std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>>,
+    done: impl Fn(&SecretSnapshot) -> bool,
+    quiet: Duration,
+) -> Vec<SecretSnapshot> {
+    use futures::StreamExt as _;
+    let mut seen: Vec<SecretSnapshot> = Vec::new();
+    let push = |seen: &mut Vec<SecretSnapshot>, s: Option<SecretSnapshot>| {
+        let s = s.expect("the secret is not deleted");
+        if seen.last().is_none_or(|l| l.resource_version != s.resource_version) {
+            seen.push(s);
+        }
+    };
+    while !seen.last().is_some_and(&done) {
+        let next = tokio::time::timeout(GUARD, watch.next()).await;
+        let states: Vec<String> = seen.iter().map(state).collect();
+        push(&mut seen, next.unwrap_or_else(|_| panic!("the run never ended: {states:?}")).expect("the watch goes on"));
+    }
+    // An observation window: nothing more is written after the outcome.
+    while let Ok(next) = tokio::time::timeout(quiet, watch.next()).await {
+        push(&mut seen, next.expect("the watch goes on"));
+    }
+    seen
+}
+
+/// The fleet's 409s: a run costs exactly its state writes, and the agent's own writes never
+/// conflict with each other (each is based on what the previous one returned, not on the watch's
+/// older snapshot). Several quick instructions, so the run ends before the watch has delivered the
+/// in-progress echo; twice, the second time after the orchestrator writes `pending` again. With a
+/// probe, its statuses go with the outcome (no write of their own).
+async fn a_run_costs_exactly_its_state_writes(with_probe: bool) {
+    let cp = control_plane!();
+    let r = Remote::new(cp, if with_probe { "writes-probe" } else { "writes" }).await;
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let steps: Vec<serde_json::Value> = (0..5).map(|i| sh(&format!("s{i}"), &format!("echo {i}"))).collect();
+    let mut plan = json!({ "instructions": steps });
+    if with_probe {
+        plan["probes"] =
+            json!({"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1}});
+    }
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut watch: std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>> =
+        Box::pin(r.client.watch());
+    let created = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
+    assert_eq!(created.len(), 1, "{:?}", created.iter().map(describe).collect::<Vec<_>>());
+    let mut agent = r.agent();
+    let succeeded = |s: &SecretSnapshot| state(s) == "succeeded";
+    // With a probe, its period (1 s) may come round in the window: only unchanged statuses then.
+    let quiet = Duration::from_secs(3);
+    for round in 1..=2 {
+        let run = versions_until(&mut watch, succeeded, quiet).await;
+        let states: Vec<String> = run.iter().map(state).collect();
+        let shown: Vec<String> = run.iter().map(describe).collect();
+        assert_eq!(states, ["in-progress", "succeeded"], "round {round}: exactly the state writes: {shown:#?}");
+        assert_eq!(val(&run[1], "applied-checksum"), checksum);
+        assert_eq!(val(&run[1], "plan-revision"), round.to_string());
+        assert_eq!(
+            run[1].data.contains_key("probe-statuses"),
+            with_probe,
+            "probe statuses are written with the outcome"
+        );
+        if round == 1 {
+            r.set_state("pending").await;
+            let again = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
+            assert_eq!(again.len(), 1);
+        }
+    }
+    agent.wait_log("succeeded (5/5 instructions)");
+    agent.wait_log("succeeded (5/5 instructions)");
+    assert_eq!(agent.stop(), 0);
+    agent.rest();
+    let conflicts: Vec<&String> = agent.seen.iter().filter(|l| l.contains("write conflicted (409)")).collect();
+    assert!(conflicts.is_empty(), "the agent conflicted with its own writes: {conflicts:#?}");
+}
+
+#[tokio::test]
+async fn a_run_costs_exactly_its_state_writes_and_no_conflict() {
+    a_run_costs_exactly_its_state_writes(false).await;
+}
+
+#[tokio::test]
+async fn a_run_with_a_probe_writes_its_statuses_with_the_outcome() {
+    a_run_costs_exactly_its_state_writes(true).await;
+}
+
 #[tokio::test]
 async fn the_outcome_is_written_once_the_apiserver_is_back() {
     let Some(mut own) = ControlPlane::start().await else { return };
