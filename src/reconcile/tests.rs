@@ -489,3 +489,20 @@ fn back_off_steps_double_only_once_their_delay_has_passed() {
         assert!(j >= d && j <= d + (d / 10).min(Duration::from_secs(1)), "{d:?} → {j:?}");
     }
 }
+
+/// A write the server asked to retry later (HTTP 429 with a hint) waits out the hint, jittered,
+/// instead of the loop's own back-off, and leaves that back-off where it was.
+#[tokio::test]
+async fn a_failed_write_waits_out_the_servers_hint() {
+    let fx = fixture();
+    let (_stop, rx) = watch::channel(false);
+    let mut r = Reconciler::new(MemSource(fx.store.clone()), fx.app.clone(), Arc::new(Prober::new()), rx);
+    let key = "a".to_string();
+    let hinted = r.write_failed(&key, "x", "429", Some(Duration::from_secs(7)));
+    let Action::After(d) = hinted else { panic!("{hinted:?}") };
+    assert!(d >= Duration::from_secs(7) && d <= Duration::from_millis(7700), "{d:?}");
+    assert!(r.mem(&key).write.until.is_none(), "the own back-off is not stepped");
+    let own = r.write_failed(&key, "x", "down", None);
+    let Action::After(d) = own else { panic!("{own:?}") };
+    assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1100), "{d:?}");
+}

@@ -600,4 +600,58 @@ mod tests {
         assert_eq!(rv(&source).as_deref(), Some("8"));
         assert!(interrupt_of(&source.current().unwrap()).0.cancel);
     }
+
+    /// HTTP 429 with the server's hint in its Status body (`details.retryAfterSeconds`): the write
+    /// fails with that hint for the loop (which waits it out instead of its own back-off), and an
+    /// outcome is kept for the retry.
+    #[tokio::test]
+    async fn a_429_hands_the_servers_retry_after_to_the_loop() {
+        let (mut source, handle) = mock_source();
+        source.remember(snap("5", "in-progress"), 0, "4");
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (base, send) = next_patch(&mut handle).await;
+            let status = serde_json::json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "reason": "TooManyRequests", "code": 429, "message": "slow down",
+                "details": {"retryAfterSeconds": 7}
+            });
+            send.send_response(respond(429, &status));
+            base
+        };
+        let checksum = plan::checksum(PLAN);
+        let (w, base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        assert_eq!(base, "5");
+        match w {
+            Written::Failed { retry_after, .. } => assert_eq!(retry_after, Some(Duration::from_secs(7))),
+            other => panic!("{other:?}"),
+        }
+        assert!(source.pending.is_some(), "the outcome is kept for the retry");
+    }
+
+    /// The API server's own throttling (max-in-flight, priority and fairness) answers 429 with a
+    /// `Retry-After` header and a plain-text body. kube keeps only the body of an error answer, so
+    /// that hint is not seen: the write fails without one and the loop's own back-off applies.
+    #[tokio::test]
+    async fn a_429_with_the_hint_only_in_a_header_falls_back_to_the_back_off() {
+        let (mut source, handle) = mock_source();
+        source.remember(snap("5", "in-progress"), 0, "4");
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (_, send) = next_patch(&mut handle).await;
+            let r = Response::builder()
+                .status(429)
+                .header("Retry-After", "7")
+                .header("Content-Type", "text/plain; charset=utf-8")
+                .body(Body::from(b"Too many requests, please try again later.\n".to_vec()))
+                .unwrap();
+            send.send_response(r);
+        };
+        let checksum = plan::checksum(PLAN);
+        let (w, ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        match w {
+            Written::Failed { retry_after, .. } => assert_eq!(retry_after, None),
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -70,8 +70,10 @@ pub enum WriteError {
     /// 404: the Secret (or its namespace) does not exist.
     #[error("not found: the secret does not exist")]
     NotFound,
-    /// 429: the API server asks clients to slow down (API priority and fairness), with its own
-    /// hint (`details.retryAfterSeconds`, which it also sends as `Retry-After`) when it gave one.
+    /// 429: the API server asks clients to slow down, with its hint when the answer is a Status
+    /// carrying `details.retryAfterSeconds`. The API server's own throttling (max-in-flight,
+    /// priority and fairness) sends its hint only as a `Retry-After` header with a plain-text body;
+    /// kube keeps only the body of an error answer, so that hint is not seen (`None`).
     #[error("too many requests: the API server asked to slow down")]
     TooManyRequests { retry_after: Option<std::time::Duration> },
     /// Anything else (transport, auth, validation, a malformed answer).
@@ -351,6 +353,16 @@ mod tests {
         let status = |code: u16| kube::Error::Api(kube::core::Status::failure("m", "R").with_code(code).boxed());
         assert_eq!(write_error(status(409)), WriteError::Conflict);
         assert_eq!(write_error(status(404)), WriteError::NotFound);
+        let mut throttled = kube::core::Status::failure("m", "TooManyRequests").with_code(429);
+        assert_eq!(
+            write_error(kube::Error::Api(throttled.clone().boxed())),
+            WriteError::TooManyRequests { retry_after: None }
+        );
+        throttled.details = serde_json::from_value(serde_json::json!({"retryAfterSeconds": 7})).ok();
+        assert_eq!(
+            write_error(kube::Error::Api(throttled.boxed())),
+            WriteError::TooManyRequests { retry_after: Some(std::time::Duration::from_secs(7)) }
+        );
         match write_error(status(422)) {
             WriteError::Other(msg) => assert!(msg.contains("422"), "{msg}"),
             other => panic!("expected Other, got {other:?}"),
