@@ -257,6 +257,10 @@ struct Memory {
     gate: Option<Instant>,
     /// A write that did not land.
     write: Step,
+    /// The write that did not land is an outcome the source keeps (retried through `flush`): its
+    /// landing there resets `write`. Otherwise a pass that had nothing to flush must not reset
+    /// it, or a failing commit would be retried every second instead of backing off.
+    kept: bool,
     /// The checksum of an unparsable plan already reported.
     bad: Option<String>,
     /// Look again then (a failed plan's retry, a back-off).
@@ -274,6 +278,7 @@ impl Default for Memory {
             blocked_step: Step::new(Duration::from_secs(5)),
             gate: None,
             write: Step::new(Duration::from_secs(1)),
+            kept: false,
             bad: None,
             due: None,
             blocked: None,
@@ -462,7 +467,15 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     fn wrote(&mut self, key: &S::Key) {
-        self.mem(key).write.reset(Duration::from_secs(1));
+        let mem = self.mem(key);
+        mem.write.reset(Duration::from_secs(1));
+        mem.kept = false;
+    }
+
+    /// An outcome did not land: the source keeps it and the loop retries it through `flush`.
+    fn outcome_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
+        self.mem(key).kept = true;
+        self.write_failed(key, what, error, retry_after)
     }
 
     /// Reconcile one plan.
@@ -478,10 +491,12 @@ impl<S: PlanSource> Reconciler<S> {
                 tracing::info!("the plan changed before its outcome could be written; reconciling the new plan")
             }
             Written::Failed { error, retry_after } => {
-                return self.write_failed(key, "the outcome", &error, retry_after);
+                return self.outcome_failed(key, "the outcome", &error, retry_after);
             }
         }
-        self.wrote(key);
+        if self.mem(key).kept {
+            self.wrote(key);
+        }
         let look = match self.source.look(key).await {
             Seen::Nothing => return Action::Wait,
             Seen::Held(why) => {
@@ -668,7 +683,7 @@ impl<S: PlanSource> Reconciler<S> {
                 Action::After(Duration::ZERO)
             }
             Written::Failed { error, retry_after } => {
-                self.write_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
+                self.outcome_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
             }
         }
     }

@@ -506,3 +506,159 @@ async fn a_failed_write_waits_out_the_servers_hint() {
     let Action::After(d) = own else { panic!("{own:?}") };
     assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1100), "{d:?}");
 }
+
+/// A source whose API server can be down: its writes fail while `down` holds; each attempt's
+/// (virtual) time is recorded. `kept`: an outcome the source keeps from an earlier failed write.
+struct Flaky {
+    inner: MemSource,
+    down: Arc<std::sync::atomic::AtomicBool>,
+    kept: bool,
+    attempts: watch::Sender<Vec<Instant>>,
+}
+
+impl Flaky {
+    fn attempt(&mut self) -> Written {
+        self.attempts.send_modify(|a| a.push(Instant::now()));
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            Written::failed("connection refused")
+        } else {
+            Written::Done
+        }
+    }
+}
+
+impl PlanSource for Flaky {
+    type Key = String;
+    async fn changed(&mut self) -> bool {
+        self.inner.changed().await
+    }
+    async fn keys(&mut self) -> Vec<String> {
+        self.inner.keys().await
+    }
+    async fn look(&mut self, k: &String) -> Seen {
+        self.inner.look(k).await
+    }
+    async fn commit(&mut self, k: &String, l: &Look, c: &Commit) -> Written {
+        match self.attempt() {
+            Written::Done => self.inner.commit(k, l, c).await,
+            failed => failed,
+        }
+    }
+    async fn record(&mut self, k: &String, l: &Look, o: Outcome<'_>) -> Written {
+        self.inner.record(k, l, o).await
+    }
+    async fn not_started(&mut self, k: &String, l: &Look, e: &ApplyError) -> Option<Written> {
+        self.inner.not_started(k, l, e).await
+    }
+    async fn write_probes(&mut self, k: &String, l: &Look, s: BTreeMap<String, ProbeStatus>) -> Written {
+        self.inner.write_probes(k, l, s).await
+    }
+    async fn flush(&mut self, _: &String) -> Written {
+        if !self.kept {
+            return Written::Done;
+        }
+        let w = self.attempt();
+        self.kept = w != Written::Done;
+        w
+    }
+    async fn set_blocked(&mut self, k: &String, why: Option<&str>) {
+        self.inner.set_blocked(k, why).await
+    }
+    fn interrupt(&mut self, k: &String, l: &Look) -> Observed {
+        self.inner.interrupt(k, l)
+    }
+    fn owner(&self, k: &String, l: &Look) -> String {
+        self.inner.owner(k, l)
+    }
+    fn claim(&self, o: &str) -> Claim<String> {
+        self.inner.claim(o)
+    }
+    fn period(&self) -> Duration {
+        self.inner.period()
+    }
+}
+
+impl Fixture {
+    /// Run the loop over a [`Flaky`] source that is down; the attempts, and the switch.
+    #[allow(clippy::type_complexity)]
+    fn start_flaky(
+        &self,
+        kept: bool,
+    ) -> (
+        watch::Sender<bool>,
+        tokio::task::JoinHandle<(AgentExit, Flaky)>,
+        watch::Receiver<Vec<Instant>>,
+        Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let (stop, rx) = watch::channel(false);
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (attempts, seen) = watch::channel(Vec::new());
+        let source = Flaky { inner: MemSource(self.store.clone()), down: down.clone(), kept, attempts };
+        let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
+        (stop, tokio::spawn(r.run()), seen, down)
+    }
+}
+
+/// The gaps between successive attempts.
+fn gaps(at: &[Instant]) -> Vec<Duration> {
+    at.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+/// `d` is the back-off step `base`, jittered (up to a tenth more).
+fn step_of(d: Duration, base: u64) -> bool {
+    let base = Duration::from_secs(base);
+    d >= base && d <= base + base / 10
+}
+
+async fn attempts(seen: &mut watch::Receiver<Vec<Instant>>, n: usize) -> Vec<Instant> {
+    let a = tokio::time::timeout(GUARD * 10, seen.wait_for(|a| a.len() >= n)).await;
+    a.expect("the loop attempted the write").unwrap().clone()
+}
+
+/// An outcome kept through an outage is retried with back-off (1, 2, 4, 8 s, jittered) while
+/// nothing changes; a change the source reports while the server is still down retries it at once
+/// without moving the back-off's deadline (it does not double twice without waiting); and the
+/// change that comes with the server's return (the watch is back) writes it at once, not at the
+/// back-off's next step 16 s later. Virtual time: the back-off costs nothing.
+#[tokio::test(start_paused = true)]
+async fn a_kept_outcome_is_written_at_the_first_change_after_an_outage() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().state = PlanState::Failed;
+    let (stop, agent, mut seen, down) = fx.start_flaky(true);
+    let at = attempts(&mut seen, 4).await;
+    let g = gaps(&at);
+    assert!(step_of(g[0], 1) && step_of(g[1], 2) && step_of(g[2], 4), "{g:?}");
+    // A change while the server is still down: one more attempt at once...
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 5).await;
+    assert_eq!(at[4], at[3], "a change retries the kept outcome at once");
+    // ...and the next timed attempt keeps the deadline set at the fourth (8 s after it, not 16).
+    let at = attempts(&mut seen, 6).await;
+    assert!(step_of(at[5] - at[3], 8), "{:?}", at[5] - at[3]);
+    // The server is back and the watch reports it: the outcome is written at once.
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 7).await;
+    assert_eq!(at[6], at[5], "written at the change, not at the back-off's next step (16 s later)");
+    stop.send(true).unwrap();
+    let (_, source) = agent.await.unwrap();
+    assert!(!source.kept, "the outcome landed");
+}
+
+/// A commit (a start) that does not land backs off too: 1, 2, 4 s, jittered. A pass with nothing
+/// kept to flush does not reset that back-off.
+#[tokio::test(start_paused = true)]
+async fn a_failing_commit_backs_off() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    let (stop, agent, mut seen, _down) = fx.start_flaky(false);
+    let at = attempts(&mut seen, 4).await;
+    let g = gaps(&at);
+    assert!(step_of(g[0], 1) && step_of(g[1], 2) && step_of(g[2], 4), "{g:?}");
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+    assert_eq!(lines(&log), 0, "nothing runs before its start is written");
+    assert_eq!(fx.get("a").state, PlanState::Pending);
+}
