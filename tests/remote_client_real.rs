@@ -168,6 +168,11 @@ async fn watch_keeps_delivering_after_an_apiserver_restart() {
     cp.stop_apiserver().await;
     cp.start_apiserver().await;
     k8s_support::loud(&format!("apiserver stop + start took {:?}", t0.elapsed()));
+    // The watch lists again after the outage: the unchanged Secret is the first item (how the
+    // agent learns that the apiserver is back; resuming from the last resourceVersion would say
+    // nothing until the next change).
+    let again = tokio::time::timeout(GUARD, stream.next()).await.expect("an item after the restart");
+    assert_eq!(again, Some(Some(created.clone())), "the unchanged secret, listed again");
 
     let patched = sc
         .orchestrator_patch(serde_json::json!({"metadata": {"annotations": {"after-restart": "yes"}}}))
