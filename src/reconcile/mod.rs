@@ -255,8 +255,9 @@ struct Memory {
     apply: Step,
     blocked_step: Step,
     gate: Option<Instant>,
-    /// A write that did not land.
+    /// A write that did not land, and when it is tried again (unless a change comes first).
     write: Step,
+    retry_at: Option<Instant>,
     /// The write that did not land is an outcome the source keeps (retried through `flush`): its
     /// landing there resets `write`. Otherwise a pass that had nothing to flush must not reset
     /// it, or a failing commit would be retried every second instead of backing off.
@@ -278,6 +279,7 @@ impl Default for Memory {
             blocked_step: Step::new(Duration::from_secs(5)),
             gate: None,
             write: Step::new(Duration::from_secs(1)),
+            retry_at: None,
             kept: false,
             bad: None,
             due: None,
@@ -309,6 +311,10 @@ pub struct Reconciler<S: PlanSource> {
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
     dirty: bool,
+    /// This pass follows a change the source reported (or is the first): a write backing off is
+    /// tried again at once. A pass that only follows the period (or another plan's timer) leaves
+    /// it to its back-off.
+    by_change: bool,
 }
 
 /// What recovery found: the plans whose leftovers could not be stopped (or whose records are
@@ -357,6 +363,7 @@ impl<S: PlanSource> Reconciler<S> {
             incomplete: None,
             shutdown,
             dirty: false,
+            by_change: true,
         }
     }
 
@@ -389,6 +396,7 @@ impl<S: PlanSource> Reconciler<S> {
                 }
             }
             if std::mem::take(&mut self.dirty) {
+                self.by_change = true;
                 continue;
             }
             let now = Instant::now();
@@ -399,8 +407,12 @@ impl<S: PlanSource> Reconciler<S> {
                 .flatten()
                 .map(|t| t.saturating_duration_since(now))
                 .fold(self.source.period(), Duration::min);
+            self.by_change = false;
             tokio::select! {
-                alive = self.source.changed() => if !alive { break },
+                alive = self.source.changed() => {
+                    if !alive { break }
+                    self.by_change = true;
+                }
                 _ = tokio::time::sleep(next) => {}
                 r = shutdown.changed() => if r.is_err() { break },
             }
@@ -457,11 +469,13 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
+        let now = Instant::now();
         let mem = self.mem(key);
         let d = match retry_after {
             Some(d) => jittered(d),
-            None => mem.write.next(Instant::now()),
+            None => mem.write.next(now),
         };
+        mem.retry_at = Some(now + d);
         tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
         Action::After(d)
     }
@@ -469,6 +483,7 @@ impl<S: PlanSource> Reconciler<S> {
     fn wrote(&mut self, key: &S::Key) {
         let mem = self.mem(key);
         mem.write.reset(Duration::from_secs(1));
+        mem.retry_at = None;
         mem.kept = false;
     }
 
@@ -482,6 +497,11 @@ impl<S: PlanSource> Reconciler<S> {
     async fn reconcile(&mut self, key: &S::Key) -> Action {
         let now = Instant::now();
         if self.mem(key).gate.is_some_and(|t| now < t) {
+            return Action::Wait;
+        }
+        // A write backing off is tried again at its step, or at once after a change (the source's
+        // watch is back, the plan changed); the period alone does not bring it forward.
+        if !self.by_change && self.mem(key).retry_at.is_some_and(|t| now < t) {
             return Action::Wait;
         }
         // A kept write lands first (as soon as the source is reachable again).

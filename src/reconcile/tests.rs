@@ -509,6 +509,7 @@ async fn a_failed_write_waits_out_the_servers_hint() {
 
 /// A source whose API server can be down: its writes fail while `down` holds; each attempt's
 /// (virtual) time is recorded. `kept`: an outcome the source keeps from an earlier failed write.
+/// Its period is a second: the loop looks at its plans every second.
 struct Flaky {
     inner: MemSource,
     down: Arc<std::sync::atomic::AtomicBool>,
@@ -574,7 +575,7 @@ impl PlanSource for Flaky {
         self.inner.claim(o)
     }
     fn period(&self) -> Duration {
-        self.inner.period()
+        Duration::from_secs(1)
     }
 }
 
@@ -616,7 +617,7 @@ async fn attempts(seen: &mut watch::Receiver<Vec<Instant>>, n: usize) -> Vec<Ins
 }
 
 /// An outcome kept through an outage is retried with back-off (1, 2, 4, 8 s, jittered) while
-/// nothing changes; a change the source reports while the server is still down retries it at once
+/// nothing changes, although the loop looks at the plan every second (its period); a change the source reports while the server is still down retries it at once
 /// without moving the back-off's deadline (it does not double twice without waiting); and the
 /// change that comes with the server's return (the watch is back) writes it at once, not at the
 /// back-off's next step 16 s later. Virtual time: the back-off costs nothing.
@@ -647,7 +648,8 @@ async fn a_kept_outcome_is_written_at_the_first_change_after_an_outage() {
 }
 
 /// A commit (a start) that does not land backs off too: 1, 2, 4 s, jittered. A pass with nothing
-/// kept to flush does not reset that back-off.
+/// kept to flush does not reset that back-off, and the period (a second) does not bring the next
+/// attempt forward.
 #[tokio::test(start_paused = true)]
 async fn a_failing_commit_backs_off() {
     let fx = fixture();
