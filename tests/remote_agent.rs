@@ -788,6 +788,12 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     read_fifo(&ready);
     r.wait("succeeded again", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\none\ntwo\n");
+    // A long value is shown cut to its first characters, with its length.
+    let long = "x".repeat(500);
+    r.annotate(plan::ANNOTATION_PAUSED, Some(&long)).await;
+    let status = cli(&["plan", "status"]);
+    assert!(status.contains(&format!("paused={}", plan::shown_value(&long))), "{status}");
+    assert!(status.contains("(500 bytes)") && !status.contains(&long), "{status}");
     assert_eq!(agent.stop(), 0);
 }
 

@@ -337,7 +337,7 @@ mod remote {
                 } else if wire::plan_state(&s) == Some(plan::PlanState::Succeeded) {
                     crate::cli::out!("progress:   {total}/{total} instructions done");
                 }
-                let ann = |k: &str| s.annotations.get(k).map(|v| format!("{v:?}")).unwrap_or_else(|| "absent".into());
+                let ann = |k: &str| s.annotations.get(k).map_or_else(|| "absent".into(), |v| plan::shown_value(v));
                 crate::cli::out!(
                     "control:    paused={} canceled={}",
                     ann(plan::ANNOTATION_PAUSED),
