@@ -392,18 +392,27 @@ impl<S: PlanSource> Reconciler<S> {
                 match action {
                     Action::Stop => break 'outer,
                     Action::After(d) => mem.due = Some(Instant::now() + d),
-                    Action::Wait => {}
+                    // A deadline that has passed was served by this pass (a pass that ends early
+                    // does not clear it itself); a later one still holds.
+                    Action::Wait => {
+                        if mem.due.is_some_and(|t| t <= Instant::now()) {
+                            mem.due = None;
+                        }
+                    }
                 }
             }
             if std::mem::take(&mut self.dirty) {
                 self.by_change = true;
                 continue;
             }
+            // The next thing due. A gate that has passed, and probes that are due but were not
+            // reached by this pass (the plan is held, gated or its write is backing off), are no
+            // reason to look again at once: that would spin until they are reached.
             let now = Instant::now();
             let next = self
                 .memory
                 .values()
-                .flat_map(|m| [m.due, m.gate, m.next_probe])
+                .flat_map(|m| [m.due, m.gate.filter(|t| *t > now), m.next_probe.filter(|t| *t > now)])
                 .flatten()
                 .map(|t| t.saturating_duration_since(now))
                 .fold(self.source.period(), Duration::min);
@@ -504,6 +513,9 @@ impl<S: PlanSource> Reconciler<S> {
         if !self.by_change && self.mem(key).retry_at.is_some_and(|t| now < t) {
             return Action::Wait;
         }
+        // This pass tries again; a write that fails in it sets the next attempt anew (a write
+        // abandoned meanwhile asks for a look at once, which nothing holds back).
+        self.mem(key).retry_at = None;
         // A kept write lands first (as soon as the source is reachable again).
         match self.source.flush(key).await {
             Written::Done => {}

@@ -178,6 +178,9 @@ struct Fixture {
     dir: tempfile::TempDir,
     store: Arc<Store>,
     app: Arc<Applyinator>,
+    /// [`Flaky`]'s switches: its next write is abandoned; it sees no plan.
+    abandon: Arc<std::sync::atomic::AtomicBool>,
+    vanish: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn fixture() -> Fixture {
@@ -189,7 +192,7 @@ fn fixture() -> Fixture {
         ..Default::default()
     });
     let app = Arc::new(Applyinator::new(ApplyConfig::new(dir.path().join("work")), sup));
-    Fixture { dir, store: Arc::new(Store::default()), app }
+    Fixture { dir, store: Arc::new(Store::default()), app, abandon: Default::default(), vanish: Default::default() }
 }
 
 impl Fixture {
@@ -513,6 +516,10 @@ async fn a_failed_write_waits_out_the_servers_hint() {
 struct Flaky {
     inner: MemSource,
     down: Arc<std::sync::atomic::AtomicBool>,
+    /// The next attempt finds the plan changed (a conflict): the write is abandoned.
+    abandon: Arc<std::sync::atomic::AtomicBool>,
+    /// The source sees no plan (its key stays listed).
+    vanish: Arc<std::sync::atomic::AtomicBool>,
     kept: bool,
     attempts: watch::Sender<Vec<Instant>>,
 }
@@ -520,6 +527,9 @@ struct Flaky {
 impl Flaky {
     fn attempt(&mut self) -> Written {
         self.attempts.send_modify(|a| a.push(Instant::now()));
+        if self.abandon.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Written::Abandoned;
+        }
         if self.down.load(std::sync::atomic::Ordering::SeqCst) {
             Written::failed("connection refused")
         } else {
@@ -537,7 +547,8 @@ impl PlanSource for Flaky {
         self.inner.keys().await
     }
     async fn look(&mut self, k: &String) -> Seen {
-        self.inner.look(k).await
+        let seen = self.inner.look(k).await;
+        if self.vanish.load(std::sync::atomic::Ordering::SeqCst) { Seen::Nothing } else { seen }
     }
     async fn commit(&mut self, k: &String, l: &Look, c: &Commit) -> Written {
         match self.attempt() {
@@ -594,7 +605,9 @@ impl Fixture {
         let (stop, rx) = watch::channel(false);
         let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let (attempts, seen) = watch::channel(Vec::new());
-        let source = Flaky { inner: MemSource(self.store.clone()), down: down.clone(), kept, attempts };
+        let (abandon, vanish) = (self.abandon.clone(), self.vanish.clone());
+        let inner = MemSource(self.store.clone());
+        let source = Flaky { inner, down: down.clone(), abandon, vanish, kept, attempts };
         let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (stop, tokio::spawn(r.run()), seen, down)
     }
@@ -663,4 +676,95 @@ async fn a_failing_commit_backs_off() {
     agent.await.unwrap();
     assert_eq!(lines(&log), 0, "nothing runs before its start is written");
     assert_eq!(fx.get("a").state, PlanState::Pending);
+}
+
+/// A write abandoned (the plan changed under it) asks for a look at once: a back-off left by an
+/// earlier failure does not hold that look back.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_write_is_looked_at_again_at_once_despite_an_earlier_failure() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    // A cancel of a pending plan: recorded by a commit, nothing runs.
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().canceled = Some("true".into());
+    let (stop, agent, mut seen, down) = fx.start_flaky(false);
+    attempts(&mut seen, 1).await;
+    // The server is back, and the plan changed under the next write.
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    fx.abandon.store(true, std::sync::atomic::Ordering::SeqCst);
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 3).await;
+    assert_eq!((at[1], at[2]), (at[0], at[0]), "decided and written again at once");
+    fx.until("a", "canceled", |p| p.state == PlanState::Canceled).await;
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// A plan whose probes are due but that its pass does not reach (held by an invalid value, R3) is
+/// looked at again with the hold's back-off, not in a loop: probes that fell due are no reason to
+/// wake at once when nothing will run them.
+#[tokio::test(start_paused = true)]
+async fn a_held_plan_whose_probes_fell_due_is_not_looked_at_in_a_loop() {
+    let fx = fixture();
+    let raw = serde_json::to_vec(&serde_json::json!({
+        "instructions": [{"name": "a1", "command": "true"}],
+        "probes": {"web": {"httpGet": {"url": "http://127.0.0.1:1/"}}}
+    }))
+    .unwrap();
+    fx.add("a", &["true"]);
+    fx.set("a", |p| {
+        p.plan = crate::plan::parse(&raw).unwrap();
+        p.checksum = crate::plan::checksum(&raw);
+        p.paused = Some("true".into());
+    });
+    let (stop, agent) = fx.start();
+    fx.until("a", "paused", |p| p.state == PlanState::Paused).await;
+    fx.set("a", |p| p.paused = Some("yes".into()));
+    fx.look_again().await;
+    // Hours pass (the period is one): a held plan is looked at with back-off, at most every 5 min.
+    let mut looks = fx.store.looks.subscribe();
+    let start = *looks.borrow_and_update();
+    let spun = tokio::time::timeout(Duration::from_secs(3 * 3600), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// An apply that could not start (its work directory is in the way) is tried again with back-off;
+/// once it has run, the back-off's gate that has passed is no reason to look again: the loop rests.
+#[tokio::test(start_paused = true)]
+async fn a_passed_apply_gate_does_not_keep_the_loop_awake() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    std::fs::write(fx.dir.path().join("work"), b"in the way").unwrap();
+    let (stop, agent) = fx.start();
+    let mut looks = fx.store.looks.subscribe();
+    tokio::time::timeout(GUARD, looks.wait_for(|n| *n >= 3)).await.expect("tried again").unwrap();
+    std::fs::remove_file(fx.dir.path().join("work")).unwrap();
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    let start = *looks.borrow_and_update();
+    let spun = tokio::time::timeout(Duration::from_secs(3 * 3600), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    assert_eq!(lines(&log), 1);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// A plan looked at again after a back-off (held, R3) that is then gone (the source sees no plan)
+/// leaves no deadline behind that keeps the loop awake.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_served_by_a_pass_does_not_keep_the_loop_awake() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().paused = Some("yes".into());
+    let (stop, agent, _attempts, _down) = fx.start_flaky(false);
+    let mut looks = fx.store.looks.subscribe();
+    tokio::time::timeout(GUARD, looks.wait_for(|n| *n >= 2)).await.expect("held, looked at again").unwrap();
+    fx.vanish.store(true, std::sync::atomic::Ordering::SeqCst);
+    let start = *looks.borrow_and_update();
+    // Ten seconds: about ten looks (the period is a second).
+    let spun = tokio::time::timeout(Duration::from_secs(10), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
 }
