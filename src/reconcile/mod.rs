@@ -15,7 +15,8 @@
 //!   (so a source without change notifications still reaches a running plan), and shutdown (R15);
 //! - back-off (one [`Backoff`] per reason) and warn-once for a held plan (R3), for an apply that
 //!   could not start, and for a write that did not land, with jitter so a fleet does not write in
-//!   the same millisecond when its API server comes back; a kept write is retried at once when the
+//!   the same millisecond when its API server comes back; a write that did not land is retried at
+//!   its back-off step (or the server's Retry-After), not at every period, and at once when the
 //!   source reports a change (its watch is back);
 //! - probe scheduling: every plan's probes once per period (not while an invalid value holds it,
 //!   R3; also while paused or canceled, R10), and right after a one-time pass.
