@@ -25,6 +25,11 @@ struct Remote {
 
 impl Remote {
     async fn new(cp: &ControlPlane, test: &str) -> Remote {
+        Remote::new_with(cp, test, &cp.kubeconfig_yaml()).await
+    }
+
+    /// The agent connects with `kubeconfig` (the test's own client stays the admin's).
+    async fn new_with(cp: &ControlPlane, test: &str, kubeconfig: &str) -> Remote {
         let namespace = cp.new_namespace(test).await;
         let client = SecretClient::new(
             cp.client().await,
@@ -33,8 +38,7 @@ impl Remote {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display().to_string();
         let conn = dir.path().join("conn.json");
-        let conn_json =
-            json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": namespace, "secretName": "machine-plan"});
+        let conn_json = json!({"kubeConfig": kubeconfig, "namespace": namespace, "secretName": "machine-plan"});
         std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
         let config = dir.path().join("config.yaml");
         std::fs::write(
@@ -515,22 +519,196 @@ async fn an_orchestrator_writing_meanwhile_loses_nothing() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The orchestrator's view of a run: every version of the Secret its watch delivers (distinct
+/// resourceVersions, in order) until `done` holds, then for `quiet` more.
+async fn versions_until(
+    watch: &mut std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>>,
+    done: impl Fn(&SecretSnapshot) -> bool,
+    quiet: Duration,
+) -> Vec<SecretSnapshot> {
+    use futures::StreamExt as _;
+    let mut seen: Vec<SecretSnapshot> = Vec::new();
+    let push = |seen: &mut Vec<SecretSnapshot>, s: Option<SecretSnapshot>| {
+        let s = s.expect("the secret is not deleted");
+        if seen.last().is_none_or(|l| l.resource_version != s.resource_version) {
+            seen.push(s);
+        }
+    };
+    while !seen.last().is_some_and(&done) {
+        let next = tokio::time::timeout(GUARD, watch.next()).await;
+        let states: Vec<String> = seen.iter().map(state).collect();
+        push(&mut seen, next.unwrap_or_else(|_| panic!("the run never ended: {states:?}")).expect("the watch goes on"));
+    }
+    // An observation window: nothing more is written after the outcome.
+    while let Ok(next) = tokio::time::timeout(quiet, watch.next()).await {
+        push(&mut seen, next.expect("the watch goes on"));
+    }
+    seen
+}
+
+/// The fleet's 409s: a run costs exactly its state writes, and the agent's own writes never
+/// conflict with each other (each is based on what the previous one returned, not on the watch's
+/// older snapshot). Several quick instructions, so the run ends before the watch has delivered the
+/// in-progress echo; twice, the second time after the orchestrator writes `pending` again. With a
+/// probe, its statuses go with the outcome (no write of their own).
+async fn a_run_costs_exactly_its_state_writes(with_probe: bool) {
+    let cp = control_plane!();
+    let r = Remote::new(cp, if with_probe { "writes-probe" } else { "writes" }).await;
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let steps: Vec<serde_json::Value> = (0..5).map(|i| sh(&format!("s{i}"), &format!("echo {i}"))).collect();
+    let mut plan = json!({ "instructions": steps });
+    if with_probe {
+        plan["probes"] =
+            json!({"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1}});
+    }
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut watch: std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>> =
+        Box::pin(r.client.watch());
+    let created = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
+    assert_eq!(created.len(), 1, "{:?}", created.iter().map(describe).collect::<Vec<_>>());
+    let mut agent = r.agent();
+    let succeeded = |s: &SecretSnapshot| state(s) == "succeeded";
+    // With a probe, its period (1 s) may come round in the window: only unchanged statuses then.
+    let quiet = Duration::from_secs(3);
+    for round in 1..=2 {
+        let run = versions_until(&mut watch, succeeded, quiet).await;
+        let states: Vec<String> = run.iter().map(state).collect();
+        let shown: Vec<String> = run.iter().map(describe).collect();
+        assert_eq!(states, ["in-progress", "succeeded"], "round {round}: exactly the state writes: {shown:#?}");
+        assert_eq!(val(&run[1], "applied-checksum"), checksum);
+        assert_eq!(val(&run[1], "plan-revision"), round.to_string());
+        assert_eq!(
+            run[1].data.contains_key("probe-statuses"),
+            with_probe,
+            "probe statuses are written with the outcome"
+        );
+        if round == 1 {
+            r.set_state("pending").await;
+            let again = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
+            assert_eq!(again.len(), 1);
+        }
+    }
+    agent.wait_log("succeeded (5/5 instructions)");
+    agent.wait_log("succeeded (5/5 instructions)");
+    assert_eq!(agent.stop(), 0);
+    agent.rest();
+    let conflicts: Vec<&String> = agent.seen.iter().filter(|l| l.contains("write conflicted (409)")).collect();
+    assert!(conflicts.is_empty(), "the agent conflicted with its own writes: {conflicts:#?}");
+}
+
+#[tokio::test]
+async fn a_run_costs_exactly_its_state_writes_and_no_conflict() {
+    a_run_costs_exactly_its_state_writes(false).await;
+}
+
+#[tokio::test]
+async fn a_run_with_a_probe_writes_its_statuses_with_the_outcome() {
+    a_run_costs_exactly_its_state_writes(true).await;
+}
+
+/// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
+fn retrying_in(line: &str) -> Option<Duration> {
+    if !line.contains("cannot write the outcome") {
+        return None;
+    }
+    let d = line.rsplit("retrying in ").next()?.trim();
+    match d.strip_suffix("ms") {
+        Some(ms) => ms.parse().ok().map(Duration::from_millis),
+        None => d.strip_suffix('s')?.parse().ok().map(Duration::from_secs_f64),
+    }
+}
+
+/// The next "cannot write the outcome" line: when it was read, and the back-off it announces.
+fn next_failure(agent: &mut AgentProc) -> (Instant, Duration) {
+    loop {
+        let l = agent.next_line();
+        if let Some(d) = retrying_in(&l) {
+            return (Instant::now(), d);
+        }
+    }
+}
+
+/// Patch the Secret as the agent's user until the authorizer's answer is `allowed` (it picks a
+/// role change up asynchronously).
+async fn until_allowed(as_agent: &SecretClient, patch: serde_json::Value, allowed: bool) {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        match as_agent.orchestrator_patch(patch.clone()).await {
+            Ok(_) if allowed => return,
+            Err(e) if !allowed && e.contains("403") => return,
+            Ok(_) | Err(_) => assert!(Instant::now() < deadline, "the role change never took effect"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An outcome kept through an outage is written as soon as the agent's watch is back, not at its
+/// back-off's next step. Deterministic handshakes on the agent's log, not timing:
+/// - the agent's own writes are refused first (its role loses `patch`; its watch goes on), so the
+///   outcome's back-off grows (1, 2, 4 s...) while the watch is healthy;
+/// - then the API server restarts: the watch breaks and lists again ("is back"), and the kept
+///   outcome is tried at once: its failure announces the remaining time to the deadline already
+///   set (no more than the previous step), where an attempt of the back-off's own would announce
+///   a doubled one;
+/// - then `patch` is given back and the Secret changes: the outcome lands at once, seconds before
+///   the back-off's next step.
 #[tokio::test]
 async fn the_outcome_is_written_once_the_apiserver_is_back() {
     let Some(mut own) = ControlPlane::start().await else { return };
-    let r = Remote::new(&own, "outage").await;
+    let r = Remote::new_with(&own, "outage", &own.kubeconfig_yaml_as_agent()).await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let as_agent = SecretClient::new(own.agent_client().await, r.client.secret_ref().clone());
+    own.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
     let (ready, go) = (r.fifo("ready"), r.fifo("go"));
     let plan = json!({"instructions": [sh("a", &format!("echo > {ready}; cat {go} > /dev/null; echo done"))]});
     let checksum = r.create(&plan, Some("pending"), &[]).await;
     let mut agent = r.agent();
     read_fifo(&ready);
-    own.stop_apiserver().await;
+    own.grant_agent(&ns, &["get", "list", "watch"]).await;
+    until_allowed(&as_agent, json!({}), false).await;
     release_fifo(&go);
-    agent.wait_log("cannot write the outcome");
+    let (mut at, mut step) = next_failure(&mut agent);
+    while step < Duration::from_secs(4) {
+        (at, step) = next_failure(&mut agent);
+    }
+    let _ = at;
+
+    own.stop_apiserver().await;
     own.start_apiserver().await;
+    let mut back = false;
+    let mut after_back = Vec::new();
+    let (mut at, mut remaining) = loop {
+        let l = agent.next_line();
+        if l.contains("the watch of secret") && l.contains("is back") {
+            back = true;
+        }
+        let Some(d) = retrying_in(&l) else { continue };
+        if back && d <= step {
+            break (Instant::now(), d);
+        }
+        if back {
+            after_back.push(l);
+            assert!(after_back.len() < 2, "no attempt when the watch came back: {after_back:#?}");
+        }
+        step = d;
+    };
+    // The next step of the back-off must be far enough off to tell the two apart.
+    while at + remaining < Instant::now() + Duration::from_secs(3) {
+        (at, remaining) = next_failure(&mut agent);
+    }
+
+    own.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    until_allowed(&as_agent, json!({"metadata": {"annotations": {"nodeplan.test/touch": "1"}}}), true).await;
     let s = r.wait("succeeded after the outage", |s| state(s) == "succeeded").await;
+    assert!(
+        Instant::now() + Duration::from_millis(500) < at + remaining,
+        "written at the change, not at the back-off's next step"
+    );
     assert_eq!(val(&s, "applied-checksum"), checksum);
     assert_eq!(plan::decode_one_time_output(&s.data["applied-output"]).unwrap()["a"], b"done\n");
+    let late: Vec<String> = agent.drain().into_iter().filter(|l| retrying_in(l).is_some()).collect();
+    assert!(late.is_empty(), "{late:#?}");
     assert_eq!(agent.stop(), 0);
 }
 
@@ -610,6 +788,12 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     read_fifo(&ready);
     r.wait("succeeded again", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\none\ntwo\n");
+    // A long value is shown cut to its first characters, with its length.
+    let long = "x".repeat(500);
+    r.annotate(plan::ANNOTATION_PAUSED, Some(&long)).await;
+    let status = cli(&["plan", "status"]);
+    assert!(status.contains(&format!("paused={}", plan::shown_value(&long))), "{status}");
+    assert!(status.contains("(500 bytes)") && !status.contains(&long), "{status}");
     assert_eq!(agent.stop(), 0);
 }
 

@@ -163,23 +163,51 @@ async fn watch_keeps_delivering_after_an_apiserver_restart() {
     let created = sc.create(bytes_map(&[("plan", "{}")]), BTreeMap::new()).await.expect("create");
     let mut stream: Snapshots = Box::pin(sc.watch());
     wait_for(&mut stream, "the initial snapshot", |s| s.as_ref() == Some(&created)).await;
+    // A change seen through the watch: the watch itself (not only the list) is established. From
+    // here on the stream is read all the time, as the agent reads it.
+    let before = sc
+        .orchestrator_patch(serde_json::json!({"metadata": {"annotations": {"before-restart": "yes"}}}))
+        .await
+        .expect("annotate before restart");
+    wait_for(&mut stream, "the update made before the restart", |s| s.as_ref() == Some(&before)).await;
+    let (tx, mut items) = tokio::sync::mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        while let Some(item) = stream.next().await {
+            if tx.send(item).is_err() {
+                break;
+            }
+        }
+    });
 
     let t0 = std::time::Instant::now();
     cp.stop_apiserver().await;
     cp.start_apiserver().await;
     k8s_support::loud(&format!("apiserver stop + start took {:?}", t0.elapsed()));
+    // The watch lists again after the outage: the unchanged Secret is the first item (how the
+    // agent learns that the apiserver is back; resuming from the last resourceVersion would say
+    // nothing until the next change).
+    let again = tokio::time::timeout(GUARD, items.recv()).await.expect("an item after the restart");
+    assert_eq!(again, Some(Some(before.clone())), "the unchanged secret, listed again");
 
     let patched = sc
         .orchestrator_patch(serde_json::json!({"metadata": {"annotations": {"after-restart": "yes"}}}))
         .await
         .expect("annotate after restart");
     let t1 = std::time::Instant::now();
-    let seen = wait_for(&mut stream, "the update made after the restart", |s| {
-        s.as_ref().is_some_and(|s| s.annotations.contains_key("after-restart"))
+    let seen = tokio::time::timeout(GUARD, async {
+        loop {
+            match items.recv().await {
+                Some(Some(s)) if s.annotations.contains_key("after-restart") => return s,
+                Some(_) => {}
+                None => panic!("the watch stream ended"),
+            }
+        }
     })
-    .await;
+    .await
+    .expect("the update made after the restart");
     k8s_support::loud(&format!("the update after the restart arrived {:?} after the patch", t1.elapsed()));
-    assert_eq!(seen, Some(patched));
+    assert_eq!(seen, patched);
+    reader.abort();
 }
 
 #[tokio::test]

@@ -145,6 +145,39 @@ async fn watch_relists_after_410_gone_and_keeps_going() {
     tokio::join!(server, client_side);
 }
 
+/// After an outage (the watch cannot be started again: here a 503) the watch lists again, and
+/// the Secret is yielded as it is even though it did not change: the caller learns that the API
+/// server is back (kube's watcher alone would resume from the last resourceVersion silently).
+#[tokio::test]
+async fn watch_lists_again_after_an_error_and_yields_the_unchanged_secret() {
+    let (sc, handle) = client();
+    let mut handle = pin!(handle);
+    let mut stream: Pin<Box<dyn Stream<Item = Option<SecretSnapshot>> + Send>> = Box::pin(sc.watch());
+
+    let server = async {
+        let (req, send) = next_request(&mut handle).await;
+        assert!(!is_watch(&req));
+        send.send_response(json_response(200, &list_json("10", vec![secret_json("10", serde_json::json!({}))])));
+
+        // The watch's connection breaks (the apiserver went away).
+        let (req, send) = next_request(&mut handle).await;
+        assert!(is_watch(&req));
+        send.send_response(json_response(503, &status(503, "ServiceUnavailable")));
+
+        // After the backoff: a list, not a watch resumed from resourceVersion 10.
+        let (req, send) = next_request(&mut handle).await;
+        assert_field_selected(&req);
+        assert!(!is_watch(&req), "a list after the error: {}", req.uri());
+        send.send_response(json_response(200, &list_json("12", vec![secret_json("10", serde_json::json!({}))])));
+    };
+    let client_side = async {
+        assert_eq!(next_item(&mut stream).await.map(|s| s.resource_version), Some("10".to_string()));
+        let again = next_item(&mut stream).await;
+        assert_eq!(again.map(|s| s.resource_version), Some("10".to_string()), "the unchanged secret, again");
+    };
+    tokio::join!(server, client_side);
+}
+
 #[tokio::test]
 async fn patch_data_sends_a_merge_patch_with_the_rv_precondition_and_base64_values() {
     let (sc, handle) = client();

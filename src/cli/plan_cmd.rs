@@ -120,7 +120,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
     let plan = f.plan.display();
     match action {
         PlanAction::Pause(_) => {
-            write(&f.paused(), b"true\n")?;
+            write(&f.paused(), pos::CONTROL_TRUE)?;
             crate::cli::out!(
                 "paused {plan}: wrote {} (the agent pauses it at the next instruction boundary)",
                 f.paused().display()
@@ -134,7 +134,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
             }
         }
         PlanAction::Cancel(_) => {
-            write(&f.canceled(), b"true\n")?;
+            write(&f.canceled(), pos::CONTROL_TRUE)?;
             crate::cli::out!(
                 "canceled {plan}: wrote {} (the running instruction is stopped; `nodeplan plan reset` runs it again)",
                 f.canceled().display()
@@ -142,7 +142,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
         }
         PlanAction::Reset(_) => {
             remove(&f.canceled())?;
-            write(&f.reset(), b"")?;
+            write(&f.reset(), pos::RESET_REQUEST)?;
             crate::cli::out!(
                 "reset {plan}: wrote {} (the agent runs it again from its first instruction)",
                 f.reset().display()
@@ -263,8 +263,6 @@ mod remote {
     use crate::plan::{self, Checkpoint};
     use crate::remote::client::{SecretClient, SecretRef};
     use crate::remote::wire;
-    use base64::Engine as _;
-    use serde_json::json;
 
     async fn client(t: &RemoteTarget) -> Result<SecretClient, String> {
         let secret = t.secret.as_deref().unwrap_or_default();
@@ -282,49 +280,34 @@ mod remote {
         Ok(SecretClient::new(kube, SecretRef { namespace: namespace.into(), name: name.into() }))
     }
 
-    fn annotate(key: &str, value: Option<&str>) -> serde_json::Value {
-        json!({"metadata": {"annotations": {key: value}}})
-    }
-
     pub async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), String> {
         let c = client(t).await?;
         let secret = t.secret.as_deref().unwrap_or_default();
-        let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
         match action {
             PlanAction::Push { file, .. } => {
                 let raw = super::read_plan(file)?;
                 plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
                 if c.get().await?.is_none() {
-                    let data = [("plan".to_string(), raw.clone()), ("plan-state".to_string(), b"pending".to_vec())];
-                    c.create(data.into_iter().collect(), Default::default()).await?;
+                    c.create(wire::push_data(&raw), Default::default()).await?;
                 } else {
-                    // A new plan starts from `pending`; a cancel of the previous plan does not carry over.
-                    c.orchestrator_patch(json!({
-                        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
-                        "data": {"plan": b64(&raw), "plan-state": b64(b"pending"), "probe-statuses": null}
-                    }))
-                    .await?;
+                    c.orchestrator_patch(wire::push_patch(&raw)).await?;
                 }
                 crate::cli::out!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
             }
             PlanAction::Pause(_) => {
-                c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, Some("true"))).await?;
+                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, Some("true"))).await?;
                 crate::cli::out!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Resume(_) => {
-                c.orchestrator_patch(annotate(plan::ANNOTATION_PAUSED, None)).await?;
+                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, None)).await?;
                 crate::cli::out!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Cancel(_) => {
-                c.orchestrator_patch(annotate(plan::ANNOTATION_CANCELED, Some("true"))).await?;
+                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_CANCELED, Some("true"))).await?;
                 crate::cli::out!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
             }
             PlanAction::Reset(_) => {
-                c.orchestrator_patch(json!({
-                    "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
-                    "data": {"plan-state": b64(b"pending")}
-                }))
-                .await?;
+                c.orchestrator_patch(wire::reset_patch()).await?;
                 crate::cli::out!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
             }
             PlanAction::Status(_) => {
@@ -351,10 +334,10 @@ mod remote {
                         cp.completed_instructions,
                         cp.total_instructions
                     );
-                } else if state == "succeeded" {
+                } else if wire::plan_state(&s) == Some(plan::PlanState::Succeeded) {
                     crate::cli::out!("progress:   {total}/{total} instructions done");
                 }
-                let ann = |k: &str| s.annotations.get(k).map(|v| format!("{v:?}")).unwrap_or_else(|| "absent".into());
+                let ann = |k: &str| s.annotations.get(k).map_or_else(|| "absent".into(), |v| plan::shown_value(v));
                 crate::cli::out!(
                     "control:    paused={} canceled={}",
                     ann(plan::ANNOTATION_PAUSED),

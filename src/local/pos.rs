@@ -126,6 +126,11 @@ pub fn write_pos(path: &Path, pos: &Pos) -> std::io::Result<bool> {
     crate::safefs::write_file(path, &bytes, 0o600, None)
 }
 
+/// What `nodeplan plan pause|cancel` writes to `NAME.paused` / `NAME.canceled`: `true` (R1, R16).
+pub const CONTROL_TRUE: &[u8] = b"true\n";
+/// What `nodeplan plan reset` writes to `NAME.reset`: the file being there is the request.
+pub const RESET_REQUEST: &[u8] = b"";
+
 /// Read a control file: absent → `None`; empty → `"true"`; otherwise the content less one
 /// trailing newline (validated later, as an annotation value would be). A file that is not a
 /// regular file, is a link, or is larger than [`CONTROL_CAP`] is an error naming the file.
@@ -186,6 +191,8 @@ mod tests {
             std::fs::write(&f, content).unwrap();
             assert_eq!(read_control(&f).unwrap().as_deref(), Some(want), "{content:?}");
         }
+        std::fs::write(&f, CONTROL_TRUE).unwrap();
+        assert_eq!(read_control(&f).unwrap().as_deref(), Some("true"), "what `nodeplan plan` writes");
     }
 
     #[test]

@@ -15,7 +15,8 @@
 //!   (so a source without change notifications still reaches a running plan), and shutdown (R15);
 //! - back-off (one [`Backoff`] per reason) and warn-once for a held plan (R3), for an apply that
 //!   could not start, and for a write that did not land, with jitter so a fleet does not write in
-//!   the same millisecond when its API server comes back; a kept write is retried at once when the
+//!   the same millisecond when its API server comes back; a write that did not land is retried at
+//!   its back-off step (or the server's Retry-After), not at every period, and at once when the
 //!   source reports a change (its watch is back);
 //! - probe scheduling: every plan's probes once per period (not while an invalid value holds it,
 //!   R3; also while paused or canceled, R10), and right after a one-time pass.
@@ -254,14 +255,6 @@ impl Step {
 /// Another plan's probes, taken while a plan applies.
 type SideProbe<K> = std::pin::Pin<Box<dyn Future<Output = (K, Probes, BTreeMap<String, ProbeStatus>)> + Send>>;
 
-/// A write that did not land, waiting for its retry.
-struct Kept {
-    retry_at: Instant,
-    /// The source's change count when it failed: a change since means the source is reachable
-    /// again (its watch is back), and the write is retried at once (within a second's jitter).
-    changes: u64,
-}
-
 /// What the loop remembers about one plan (never persisted).
 struct Memory {
     /// Log lines already written (warn-once), cleared when the plan is no longer held.
@@ -272,9 +265,13 @@ struct Memory {
     apply: Step,
     blocked_step: Step,
     gate: Option<Instant>,
-    /// A write that did not land: its back-off, and when it is tried again.
+    /// A write that did not land, and when it is tried again (unless a change comes first).
     write: Step,
-    kept: Option<Kept>,
+    retry_at: Option<Instant>,
+    /// The write that did not land is an outcome the source keeps (retried through `flush`): its
+    /// landing there resets `write`. Otherwise a pass that had nothing to flush must not reset
+    /// it, or a failing commit would be retried every second instead of backing off.
+    kept: bool,
     /// The checksum of an unparsable plan already reported.
     bad: Option<String>,
     /// Look again then (a failed plan's retry, a back-off).
@@ -304,7 +301,8 @@ impl Default for Memory {
             blocked_step: Step::new(Duration::from_secs(5)),
             gate: None,
             write: Step::new(Duration::from_secs(1)),
-            kept: None,
+            retry_at: None,
+            kept: false,
             bad: None,
             due: None,
             blocked: None,
@@ -336,8 +334,10 @@ pub struct Reconciler<S: PlanSource> {
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
     dirty: bool,
-    /// How many changes the source has reported.
-    changes: u64,
+    /// This pass follows a change the source reported (or is the first): a write backing off is
+    /// tried again at once. A pass that only follows the period (or another plan's timer) leaves
+    /// it to its back-off.
+    by_change: bool,
 }
 
 /// What recovery found: the plans whose leftovers could not be stopped (or whose records are
@@ -386,7 +386,7 @@ impl<S: PlanSource> Reconciler<S> {
             incomplete: None,
             shutdown,
             dirty: false,
-            changes: 0,
+            by_change: true,
         }
     }
 
@@ -416,26 +416,35 @@ impl<S: PlanSource> Reconciler<S> {
                 match action {
                     Action::Stop => break 'outer,
                     Action::After(d) => mem.due = Some(Instant::now() + d),
-                    Action::Wait => {}
+                    // A deadline that has passed was served by this pass (a pass that ends early
+                    // does not clear it itself); a later one still holds.
+                    Action::Wait => {
+                        if mem.due.is_some_and(|t| t <= Instant::now()) {
+                            mem.due = None;
+                        }
+                    }
                 }
             }
             if std::mem::take(&mut self.dirty) {
+                self.by_change = true;
                 continue;
             }
+            // The next thing due. A gate that has passed, and probes that are due but were not
+            // reached by this pass (the plan is held, gated or its write is backing off), are no
+            // reason to look again at once: that would spin until they are reached.
             let now = Instant::now();
             let next = self
                 .memory
                 .values()
-                .flat_map(|m| [m.due, m.gate, m.next_probe])
+                .flat_map(|m| [m.due, m.gate.filter(|t| *t > now), m.next_probe.filter(|t| *t > now)])
                 .flatten()
                 .map(|t| t.saturating_duration_since(now))
                 .fold(self.source.period(), Duration::min);
+            self.by_change = false;
             tokio::select! {
                 alive = self.source.changed() => {
-                    if !alive {
-                        break;
-                    }
-                    self.changes += 1;
+                    if !alive { break }
+                    self.by_change = true;
                 }
                 _ = tokio::time::sleep(next) => {}
                 r = shutdown.changed() => if r.is_err() { break },
@@ -493,36 +502,28 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
-        let (now, changes) = (Instant::now(), self.changes);
+        let now = Instant::now();
         let mem = self.mem(key);
         let d = match retry_after {
             Some(d) => jittered(d),
             None => mem.write.next(now),
         };
-        mem.kept = Some(Kept { retry_at: now + d, changes });
-        tracing::warn!(
-            "cannot write {what} ({error}); retrying in {} (or as soon as it is reachable)",
-            human_duration(d)
-        );
+        mem.retry_at = Some(now + d);
+        tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
         Action::After(d)
     }
 
     fn wrote(&mut self, key: &S::Key) {
         let mem = self.mem(key);
         mem.write.reset(Duration::from_secs(1));
-        mem.kept = None;
+        mem.retry_at = None;
+        mem.kept = false;
     }
 
-    /// How long a kept write still waits: its back-off, cut short (to a second's jitter, so a
-    /// fleet does not write in the same millisecond) when the source reported a change since.
-    fn kept_wait(&mut self, key: &S::Key, now: Instant) -> Option<Duration> {
-        let changes = self.changes;
-        let k = self.mem(key).kept.as_mut()?;
-        if changes > k.changes {
-            k.changes = changes;
-            k.retry_at = k.retry_at.min(now + spread(Duration::from_secs(1)));
-        }
-        (now < k.retry_at).then(|| k.retry_at - now)
+    /// An outcome did not land: the source keeps it and the loop retries it through `flush`.
+    fn outcome_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
+        self.mem(key).kept = true;
+        self.write_failed(key, what, error, retry_after)
     }
 
     /// Reconcile one plan.
@@ -531,21 +532,27 @@ impl<S: PlanSource> Reconciler<S> {
         if self.mem(key).gate.is_some_and(|t| now < t) {
             return Action::Wait;
         }
-        // A kept write lands first: after its back-off, or as soon as the source is reachable
-        // again; nothing else about the plan is decided before.
-        if let Some(wait) = self.kept_wait(key, now) {
-            return Action::After(wait);
+        // A write backing off is tried again at its step, or at once after a change (the source's
+        // watch is back, the plan changed); the period alone does not bring it forward.
+        if !self.by_change && self.mem(key).retry_at.is_some_and(|t| now < t) {
+            return Action::Wait;
         }
+        // This pass tries again; a write that fails in it sets the next attempt anew (a write
+        // abandoned meanwhile asks for a look at once, which nothing holds back).
+        self.mem(key).retry_at = None;
+        // A kept write lands first (as soon as the source is reachable again).
         match self.source.flush(key).await {
             Written::Done => {}
             Written::Abandoned => {
                 tracing::info!("the plan changed before its outcome could be written; reconciling the new plan")
             }
             Written::Failed { error, retry_after } => {
-                return self.write_failed(key, "the outcome", &error, retry_after);
+                return self.outcome_failed(key, "the outcome", &error, retry_after);
             }
         }
-        self.wrote(key);
+        if self.mem(key).kept {
+            self.wrote(key);
+        }
         let look = match self.source.look(key).await {
             Seen::Nothing => return Action::Wait,
             Seen::Held(why) => {
@@ -764,7 +771,7 @@ impl<S: PlanSource> Reconciler<S> {
                 Action::After(Duration::ZERO)
             }
             Written::Failed { error, retry_after } => {
-                self.write_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
+                self.outcome_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
             }
         }
     }
@@ -840,7 +847,6 @@ impl<S: PlanSource> Reconciler<S> {
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
                     self.dirty = true;
-                    self.changes += 1;
                     true
                 }
                 _ = poll.tick() => true,

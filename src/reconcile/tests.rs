@@ -208,6 +208,9 @@ struct Fixture {
     dir: tempfile::TempDir,
     store: Arc<Store>,
     app: Arc<Applyinator>,
+    /// [`Flaky`]'s switches: its next write is abandoned; it sees no plan.
+    abandon: Arc<std::sync::atomic::AtomicBool>,
+    vanish: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn fixture() -> Fixture {
@@ -219,7 +222,7 @@ fn fixture() -> Fixture {
         ..Default::default()
     });
     let app = Arc::new(Applyinator::new(ApplyConfig::new(dir.path().join("work")), sup));
-    Fixture { dir, store: Arc::new(Store::default()), app }
+    Fixture { dir, store: Arc::new(Store::default()), app, abandon: Default::default(), vanish: Default::default() }
 }
 
 impl Fixture {
@@ -275,19 +278,25 @@ impl Fixture {
     }
 
     /// Wait until the source has written `name` into a state where `pred` holds.
+    /// The guard is real time (a detached thread's sleep), so it also holds in the tests that run
+    /// on tokio's paused clock while real processes work.
     async fn until(&self, name: &str, what: &str, pred: impl Fn(&Stored) -> bool) -> Stored {
         let mut writes = self.store.writes.subscribe();
-        let waited = tokio::time::timeout(GUARD, async {
-            loop {
-                let p = self.get(name);
-                if pred(&p) {
-                    return p;
-                }
-                writes.changed().await.unwrap();
+        let (tx, mut guard) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            std::thread::sleep(GUARD);
+            let _ = tx.send(());
+        });
+        loop {
+            let p = self.get(name);
+            if pred(&p) {
+                return p;
             }
-        })
-        .await;
-        waited.unwrap_or_else(|_| panic!("plan {name} never became {what}: {:?}", self.get(name)))
+            tokio::select! {
+                r = writes.changed() => r.unwrap(),
+                _ = &mut guard => panic!("plan {name} never became {what}: {:?}", self.get(name)),
+            }
+        }
     }
 
     /// Wake the loop and wait until it has looked at every plan again.
@@ -560,4 +569,285 @@ fn back_off_steps_double_only_once_their_delay_has_passed() {
         let j = jittered(d);
         assert!(j >= d && j <= d + (d / 10).min(Duration::from_secs(1)), "{d:?} → {j:?}");
     }
+}
+
+/// A write the server asked to retry later (HTTP 429 with a hint) waits out the hint, jittered,
+/// instead of the loop's own back-off, and leaves that back-off where it was.
+#[tokio::test]
+async fn a_failed_write_waits_out_the_servers_hint() {
+    let fx = fixture();
+    let (_stop, rx) = watch::channel(false);
+    let mut r = Reconciler::new(
+        MemSource(fx.store.clone(), Duration::from_secs(3600), None),
+        fx.app.clone(),
+        Arc::new(Prober::new()),
+        rx,
+    );
+    let key = "a".to_string();
+    let hinted = r.write_failed(&key, "x", "429", Some(Duration::from_secs(7)));
+    let Action::After(d) = hinted else { panic!("{hinted:?}") };
+    assert!(d >= Duration::from_secs(7) && d <= Duration::from_millis(7700), "{d:?}");
+    assert!(r.mem(&key).write.until.is_none(), "the own back-off is not stepped");
+    let own = r.write_failed(&key, "x", "down", None);
+    let Action::After(d) = own else { panic!("{own:?}") };
+    assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1100), "{d:?}");
+}
+
+/// A source whose API server can be down: its writes fail while `down` holds; each attempt's
+/// (virtual) time is recorded. `kept`: an outcome the source keeps from an earlier failed write.
+/// Its period is a second: the loop looks at its plans every second.
+struct Flaky {
+    inner: MemSource,
+    down: Arc<std::sync::atomic::AtomicBool>,
+    /// The next attempt finds the plan changed (a conflict): the write is abandoned.
+    abandon: Arc<std::sync::atomic::AtomicBool>,
+    /// The source sees no plan (its key stays listed).
+    vanish: Arc<std::sync::atomic::AtomicBool>,
+    kept: bool,
+    attempts: watch::Sender<Vec<Instant>>,
+}
+
+impl Flaky {
+    fn attempt(&mut self) -> Written {
+        self.attempts.send_modify(|a| a.push(Instant::now()));
+        if self.abandon.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Written::Abandoned;
+        }
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            Written::failed("connection refused")
+        } else {
+            Written::Done
+        }
+    }
+}
+
+impl PlanSource for Flaky {
+    type Key = String;
+    async fn changed(&mut self) -> bool {
+        self.inner.changed().await
+    }
+    async fn keys(&mut self) -> Vec<String> {
+        self.inner.keys().await
+    }
+    async fn look(&mut self, k: &String) -> Seen {
+        let seen = self.inner.look(k).await;
+        if self.vanish.load(std::sync::atomic::Ordering::SeqCst) { Seen::Nothing } else { seen }
+    }
+    async fn commit(&mut self, k: &String, l: &Look, c: &Commit) -> Written {
+        match self.attempt() {
+            Written::Done => self.inner.commit(k, l, c).await,
+            failed => failed,
+        }
+    }
+    async fn record(&mut self, k: &String, l: &Look, o: Outcome<'_>) -> Written {
+        self.inner.record(k, l, o).await
+    }
+    async fn not_started(&mut self, k: &String, l: &Look, e: &ApplyError) -> Option<Written> {
+        self.inner.not_started(k, l, e).await
+    }
+    async fn write_probes(&mut self, k: &String, l: &str, s: BTreeMap<String, ProbeStatus>) -> Written {
+        self.inner.write_probes(k, l, s).await
+    }
+    async fn flush(&mut self, _: &String) -> Written {
+        if !self.kept {
+            return Written::Done;
+        }
+        let w = self.attempt();
+        self.kept = w != Written::Done;
+        w
+    }
+    async fn set_blocked(&mut self, k: &String, why: Option<&str>) {
+        self.inner.set_blocked(k, why).await
+    }
+    fn interrupt(&mut self, k: &String, l: &Look) -> Observed {
+        self.inner.interrupt(k, l)
+    }
+    fn owner(&self, k: &String, l: &Look) -> Owner {
+        self.inner.owner(k, l)
+    }
+    fn claim(&self, o: &Owner) -> Claim<String> {
+        self.inner.claim(o)
+    }
+    fn period(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+}
+
+impl Fixture {
+    /// Run the loop over a [`Flaky`] source that is down; the attempts, and the switch.
+    #[allow(clippy::type_complexity)]
+    fn start_flaky(
+        &self,
+        kept: bool,
+    ) -> (
+        watch::Sender<bool>,
+        tokio::task::JoinHandle<(AgentExit, Flaky)>,
+        watch::Receiver<Vec<Instant>>,
+        Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let (stop, rx) = watch::channel(false);
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (attempts, seen) = watch::channel(Vec::new());
+        let (abandon, vanish) = (self.abandon.clone(), self.vanish.clone());
+        let inner = MemSource(self.store.clone(), Duration::from_secs(3600), None);
+        let source = Flaky { inner, down: down.clone(), abandon, vanish, kept, attempts };
+        let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
+        (stop, tokio::spawn(r.run()), seen, down)
+    }
+}
+
+/// The gaps between successive attempts.
+fn gaps(at: &[Instant]) -> Vec<Duration> {
+    at.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+/// `d` is the back-off step `base`, jittered (up to a tenth more).
+fn step_of(d: Duration, base: u64) -> bool {
+    let base = Duration::from_secs(base);
+    d >= base && d <= base + base / 10
+}
+
+async fn attempts(seen: &mut watch::Receiver<Vec<Instant>>, n: usize) -> Vec<Instant> {
+    let a = tokio::time::timeout(GUARD * 10, seen.wait_for(|a| a.len() >= n)).await;
+    a.expect("the loop attempted the write").unwrap().clone()
+}
+
+/// An outcome kept through an outage is retried with back-off (1, 2, 4, 8 s, jittered) while
+/// nothing changes, although the loop looks at the plan every second (its period); a change the source reports while the server is still down retries it at once
+/// without moving the back-off's deadline (it does not double twice without waiting); and the
+/// change that comes with the server's return (the watch is back) writes it at once, not at the
+/// back-off's next step 16 s later. Virtual time: the back-off costs nothing.
+#[tokio::test(start_paused = true)]
+async fn a_kept_outcome_is_written_at_the_first_change_after_an_outage() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().state = PlanState::Failed;
+    let (stop, agent, mut seen, down) = fx.start_flaky(true);
+    let at = attempts(&mut seen, 4).await;
+    let g = gaps(&at);
+    assert!(step_of(g[0], 1) && step_of(g[1], 2) && step_of(g[2], 4), "{g:?}");
+    // A change while the server is still down: one more attempt at once...
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 5).await;
+    assert_eq!(at[4], at[3], "a change retries the kept outcome at once");
+    // ...and the next timed attempt keeps the deadline set at the fourth (8 s after it, not 16).
+    let at = attempts(&mut seen, 6).await;
+    assert!(step_of(at[5] - at[3], 8), "{:?}", at[5] - at[3]);
+    // The server is back and the watch reports it: the outcome is written at once.
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 7).await;
+    assert_eq!(at[6], at[5], "written at the change, not at the back-off's next step (16 s later)");
+    stop.send(true).unwrap();
+    let (_, source) = agent.await.unwrap();
+    assert!(!source.kept, "the outcome landed");
+}
+
+/// A commit (a start) that does not land backs off too: 1, 2, 4 s, jittered. A pass with nothing
+/// kept to flush does not reset that back-off, and the period (a second) does not bring the next
+/// attempt forward.
+#[tokio::test(start_paused = true)]
+async fn a_failing_commit_backs_off() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    let (stop, agent, mut seen, _down) = fx.start_flaky(false);
+    let at = attempts(&mut seen, 4).await;
+    let g = gaps(&at);
+    assert!(step_of(g[0], 1) && step_of(g[1], 2) && step_of(g[2], 4), "{g:?}");
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+    assert_eq!(lines(&log), 0, "nothing runs before its start is written");
+    assert_eq!(fx.get("a").state, PlanState::Pending);
+}
+
+/// A write abandoned (the plan changed under it) asks for a look at once: a back-off left by an
+/// earlier failure does not hold that look back.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_write_is_looked_at_again_at_once_despite_an_earlier_failure() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    // A cancel of a pending plan: recorded by a commit, nothing runs.
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().canceled = Some("true".into());
+    let (stop, agent, mut seen, down) = fx.start_flaky(false);
+    attempts(&mut seen, 1).await;
+    // The server is back, and the plan changed under the next write.
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    fx.abandon.store(true, std::sync::atomic::Ordering::SeqCst);
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 3).await;
+    assert_eq!((at[1], at[2]), (at[0], at[0]), "decided and written again at once");
+    fx.until("a", "canceled", |p| p.state == PlanState::Canceled).await;
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// A plan whose probes are due but that its pass does not reach (held by an invalid value, R3) is
+/// looked at again with the hold's back-off, not in a loop: probes that fell due are no reason to
+/// wake at once when nothing will run them.
+#[tokio::test(start_paused = true)]
+async fn a_held_plan_whose_probes_fell_due_is_not_looked_at_in_a_loop() {
+    let fx = fixture();
+    let raw = serde_json::to_vec(&serde_json::json!({
+        "instructions": [{"name": "a1", "command": "true"}],
+        "probes": {"web": {"httpGet": {"url": "http://127.0.0.1:1/"}}}
+    }))
+    .unwrap();
+    fx.add("a", &["true"]);
+    fx.set("a", |p| {
+        p.plan = crate::plan::parse(&raw).unwrap();
+        p.checksum = crate::plan::checksum(&raw);
+        p.paused = Some("true".into());
+    });
+    let (stop, agent) = fx.start();
+    fx.until("a", "paused", |p| p.state == PlanState::Paused).await;
+    fx.set("a", |p| p.paused = Some("yes".into()));
+    fx.look_again().await;
+    // Hours pass (the period is one): a held plan is looked at with back-off, at most every 5 min.
+    let mut looks = fx.store.looks.subscribe();
+    let start = *looks.borrow_and_update();
+    let spun = tokio::time::timeout(Duration::from_secs(3 * 3600), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// An apply that could not start (its work directory is in the way) is tried again with back-off;
+/// once it has run, the back-off's gate that has passed is no reason to look again: the loop rests.
+#[tokio::test(start_paused = true)]
+async fn a_passed_apply_gate_does_not_keep_the_loop_awake() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    std::fs::write(fx.dir.path().join("work"), b"in the way").unwrap();
+    let (stop, agent) = fx.start();
+    let mut looks = fx.store.looks.subscribe();
+    tokio::time::timeout(GUARD, looks.wait_for(|n| *n >= 3)).await.expect("tried again").unwrap();
+    std::fs::remove_file(fx.dir.path().join("work")).unwrap();
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    let start = *looks.borrow_and_update();
+    let spun = tokio::time::timeout(Duration::from_secs(3 * 3600), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    assert_eq!(lines(&log), 1);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
+/// A plan looked at again after a back-off (held, R3) that is then gone (the source sees no plan)
+/// leaves no deadline behind that keeps the loop awake.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_served_by_a_pass_does_not_keep_the_loop_awake() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().paused = Some("yes".into());
+    let (stop, agent, _attempts, _down) = fx.start_flaky(false);
+    let mut looks = fx.store.looks.subscribe();
+    tokio::time::timeout(GUARD, looks.wait_for(|n| *n >= 2)).await.expect("held, looked at again").unwrap();
+    fx.vanish.store(true, std::sync::atomic::Ordering::SeqCst);
+    let start = *looks.borrow_and_update();
+    // Ten seconds: about ten looks (the period is a second).
+    let spun = tokio::time::timeout(Duration::from_secs(10), looks.wait_for(|n| *n >= start + 100)).await.is_ok();
+    assert!(!spun, "looked at {} times", *looks.borrow() - start);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
 }

@@ -5,10 +5,14 @@
 //! merge patches (R13). The source owns the Secret and nothing else; the loop owns the rest.
 //!
 //! The base of a write is the object the agent's own last write returned, unless the watch has
-//! delivered an event since that write: its own writes never conflict with each other. A write
-//! that fails is kept (as the keys computed from its base, so a retry is idempotent) and retried
-//! by the loop until it lands or the Secret carries another plan. resourceVersions are compared
-//! for equality only (Kubernetes treats them as opaque).
+//! delivered a newer event since that write was sent: its own writes never conflict with each
+//! other. The watch may deliver the echo of an earlier write of ours after a later one returned
+//! (it lags behind the write's answer); such an event carries a resourceVersion the agent has
+//! already moved past and is not newer, so it never replaces the newer object (acting on it would
+//! see `in-progress` again after `succeeded` was written). A write that fails is kept (as the keys
+//! computed from its base, so a retry is idempotent) and retried by the loop until it lands or the
+//! Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
+//! them as opaque).
 
 use super::client::{SecretClient, SecretSnapshot, WriteError};
 use super::wire::{self, Keys};
@@ -19,13 +23,16 @@ use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use futures::StreamExt as _;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
 /// Every API call is bounded: kube has no read timeout of its own.
 const API_TIMEOUT: Duration = Duration::from_secs(15);
+/// How many resourceVersions the agent has moved past are remembered (a watch lags a few events
+/// behind at most).
+const PASSED_KEPT: usize = 16;
 
 /// A write that could not land yet; kept until it does (or the plan changes).
 #[derive(Debug, Clone)]
@@ -76,8 +83,12 @@ pub struct SecretSource {
     client: SecretClient,
     latest: Option<watch::Receiver<Latest>>,
     /// The object our own last write (or a read after a conflict) returned, and the watch's
-    /// sequence number then: it is the base until the watch delivers something newer.
+    /// sequence number when that call was sent: it is the base until the watch delivers something
+    /// newer.
     own: Option<(u64, SecretSnapshot)>,
+    /// resourceVersions older than `own` that the agent has seen (the bases of its writes, the
+    /// objects `own` replaced): a watch event carrying one arrives late and is not newer.
+    passed: VecDeque<String>,
     probe_period: Duration,
     uid: Option<String>,
     /// resourceVersion of our own last write (the legacy flow does not re-apply on its echo).
@@ -113,6 +124,7 @@ impl SecretSource {
             client,
             latest: None,
             own: None,
+            passed: VecDeque::new(),
             probe_period,
             uid: None,
             last_written_rv: None,
@@ -129,18 +141,40 @@ impl SecretSource {
     }
 
     /// The newest view of the Secret: our own last write's object, unless the watch delivered
-    /// an event after it.
+    /// an event after that write was sent that is not one the agent has already moved past.
     fn current(&self) -> Option<SecretSnapshot> {
         let (seq, watched) = self.latest.as_ref().map(|l| l.borrow().clone()).unwrap_or_default();
         match &self.own {
             Some((at, own)) if *at >= seq => Some(own.clone()),
+            Some((_, own)) if watched.as_ref().is_some_and(|w| self.passed.contains(&w.resource_version)) => {
+                Some(own.clone())
+            }
             _ => watched,
         }
     }
 
-    fn remember(&mut self, snap: SecretSnapshot) {
+    fn pass(&mut self, rv: &str) {
+        if !self.passed.iter().any(|p| p == rv) {
+            if self.passed.len() == PASSED_KEPT {
+                self.passed.pop_front();
+            }
+            self.passed.push_back(rv.to_string());
+        }
+    }
+
+    /// `snap` is the newest object: what a write (or a read) sent when the watch's sequence
+    /// number was `sent` returned, replacing `older` (the write's base).
+    fn remember(&mut self, snap: SecretSnapshot, sent: u64, older: &str) {
+        if let Some((_, old)) = self.own.take()
+            && old.resource_version != snap.resource_version
+        {
+            self.pass(&old.resource_version);
+        }
+        if older != snap.resource_version {
+            self.pass(older);
+        }
         self.uid = Some(snap.uid.clone());
-        self.own = Some((self.seq(), snap));
+        self.own = Some((sent, snap));
     }
 
     /// Write `keys` conditionally on the current base. On a conflict read again: an outcome
@@ -157,25 +191,30 @@ impl SecretSource {
             if keys.is_empty() {
                 return Written::Done;
             }
+            let sent = self.seq();
             match tokio::time::timeout(API_TIMEOUT, self.client.patch_data(&base.resource_version, &keys)).await {
                 Ok(Ok(new)) => {
                     self.last_written_rv = Some(new.resource_version.clone());
-                    self.remember(new);
+                    self.remember(new, sent, &base.resource_version);
                     return Written::Done;
                 }
-                Ok(Err(WriteError::Conflict)) => match tokio::time::timeout(API_TIMEOUT, self.client.get()).await {
-                    Ok(Ok(Some(fresh))) => {
-                        // Never act on anything older than what was just read.
-                        self.remember(fresh.clone());
-                        if !reapply || wire::plan_checksum(&fresh).as_deref() != Some(checksum) {
-                            return Written::Abandoned;
+                Ok(Err(WriteError::Conflict)) => {
+                    tracing::info!("write conflicted (409): reading the secret again");
+                    let sent = self.seq();
+                    match tokio::time::timeout(API_TIMEOUT, self.client.get()).await {
+                        Ok(Ok(Some(fresh))) => {
+                            // Never act on anything older than what was just read.
+                            self.remember(fresh.clone(), sent, &base.resource_version);
+                            if !reapply || wire::plan_checksum(&fresh).as_deref() != Some(checksum) {
+                                return Written::Abandoned;
+                            }
+                            base = fresh;
                         }
-                        base = fresh;
+                        Ok(Ok(None)) => return Written::Abandoned,
+                        Ok(Err(e)) => return Written::failed(e),
+                        Err(_) => return Written::failed("timed out reading the secret"),
                     }
-                    Ok(Ok(None)) => return Written::Abandoned,
-                    Ok(Err(e)) => return Written::failed(e),
-                    Err(_) => return Written::failed("timed out reading the secret"),
-                },
+                }
                 Ok(Err(WriteError::NotFound)) => return Written::Abandoned,
                 Ok(Err(WriteError::TooManyRequests { retry_after })) => {
                     return Written::Failed { error: "the API server asked to slow down (429)".into(), retry_after };
@@ -218,6 +257,7 @@ impl PlanSource for SecretSource {
             if self.uid.is_some() {
                 tracing::info!("the plan secret was recreated (uid {}); starting over", snap.uid);
                 self.own = None;
+                self.passed.clear();
                 self.last_written_rv = None;
                 self.has_run_once = false;
             }
@@ -437,7 +477,7 @@ mod tests {
                 }
                 patches.len()
             };
-            source.remember(base);
+            source.remember(base, 0, "4");
             let (written, _) = tokio::join!(source.write(&checksum, keys, reapply), server);
             match (reapply, written) {
                 (false, Written::Abandoned) => {
@@ -450,6 +490,167 @@ mod tests {
                 }
                 (r, w) => panic!("reapply={r}: {w:?}"),
             }
+        }
+    }
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    fn mock_source() -> (SecretSource, Handle) {
+        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = SecretClient::new(
+            kube::Client::new(svc, "n"),
+            super::super::client::SecretRef { namespace: "n".into(), name: "p".into() },
+        );
+        (SecretSource::new(client, Duration::from_secs(5)), handle)
+    }
+
+    fn snap(rv: &str, state: &str) -> SecretSnapshot {
+        SecretSnapshot {
+            uid: "u".into(),
+            resource_version: rv.into(),
+            data: BTreeMap::from([
+                ("plan".to_string(), PLAN.to_vec()),
+                ("plan-state".to_string(), state.as_bytes().to_vec()),
+            ]),
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    fn state_keys(state: &str) -> Keys {
+        Keys::from([("plan-state".to_string(), Some(state.as_bytes().to_vec()))])
+    }
+
+    /// The next request, which must be a PATCH: its resourceVersion precondition, and the responder.
+    async fn next_patch(
+        handle: &mut std::pin::Pin<&mut Handle>,
+    ) -> (String, tower_test::mock::SendResponse<Response<Body>>) {
+        let (req, send) = handle.as_mut().next_request().await.expect("a PATCH");
+        assert_eq!(req.method(), http::Method::PATCH);
+        let body = http_body_util::BodyExt::collect(req.into_body()).await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        (body["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_string(), send)
+    }
+
+    fn rv(source: &SecretSource) -> Option<String> {
+        source.current().map(|s| s.resource_version)
+    }
+
+    /// The fleet's 409s: the agent's own writes never conflict with each other. Two successive
+    /// writes (in-progress, then succeeded) while the watch delivers nothing: the second one's
+    /// precondition is what the first one returned, not the watch's (older) snapshot. When the
+    /// watch then delivers the first write's echo late, the newer object stays the base; the echo
+    /// of the second write, and anything newer, are taken as they come.
+    #[tokio::test]
+    async fn a_second_write_is_based_on_what_the_first_returned() {
+        let (mut source, handle) = mock_source();
+        let (tx, rx) = watch::channel::<Latest>((1, Some(snap("5", "pending"))));
+        source.latest = Some(rx);
+        let checksum = plan::checksum(PLAN);
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (first, send) = next_patch(&mut handle).await;
+            send.send_response(respond(200, &secret_json("6", "in-progress")));
+            let (second, send) = next_patch(&mut handle).await;
+            send.send_response(respond(200, &secret_json("7", "succeeded")));
+            (first, second)
+        };
+        let writes = async {
+            let w1 = source.write(&checksum, state_keys("in-progress"), false).await;
+            let w2 = source.write(&checksum, state_keys("succeeded"), true).await;
+            (w1, w2)
+        };
+        let ((w1, w2), (first, second)) = tokio::join!(writes, server);
+        assert_eq!((w1, w2), (Written::Done, Written::Done));
+        assert_eq!(first, "5", "the first write is based on the watch's snapshot");
+        assert_eq!(second, "6", "the second write is based on the first one's answer");
+        assert_eq!(rv(&source).as_deref(), Some("7"));
+        // The watch lags: the echo of the first write arrives after the second one returned. It is
+        // not newer (the agent based a write on it already): `succeeded` stays the view.
+        tx.send((2, Some(snap("6", "in-progress")))).unwrap();
+        assert_eq!(rv(&source).as_deref(), Some("7"), "a late echo of an earlier write is not newer");
+        assert_eq!(source.current().map(|s| s.data["plan-state"].clone()), Some(b"succeeded".to_vec()));
+        tx.send((3, Some(snap("7", "succeeded")))).unwrap();
+        assert_eq!(rv(&source).as_deref(), Some("7"));
+        // Someone else's write is taken as soon as the watch delivers it.
+        tx.send((4, Some(snap("9", "pending")))).unwrap();
+        assert_eq!(rv(&source).as_deref(), Some("9"));
+    }
+
+    /// An event the watch delivers while a write is in flight (another writer's, landing right
+    /// after ours) is newer than the write's answer: a cancel set then is seen at once, not at the
+    /// watch's next event.
+    #[tokio::test]
+    async fn an_event_delivered_during_a_write_is_newer_than_its_answer() {
+        let (mut source, handle) = mock_source();
+        let (tx, rx) = watch::channel::<Latest>((1, Some(snap("5", "pending"))));
+        source.latest = Some(rx);
+        let checksum = plan::checksum(PLAN);
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (base, send) = next_patch(&mut handle).await;
+            let mut canceled = snap("8", "in-progress");
+            canceled.annotations.insert(plan::ANNOTATION_CANCELED.into(), "true".into());
+            tx.send((2, Some(canceled))).unwrap();
+            send.send_response(respond(200, &secret_json("7", "in-progress")));
+            (base, tx)
+        };
+        let (w, (base, _tx)) = tokio::join!(source.write(&checksum, state_keys("in-progress"), false), server);
+        assert_eq!((w, base.as_str()), (Written::Done, "5"));
+        assert_eq!(rv(&source).as_deref(), Some("8"));
+        assert!(interrupt_of(&source.current().unwrap()).0.cancel);
+    }
+
+    /// HTTP 429 with the server's hint in its Status body (`details.retryAfterSeconds`): the write
+    /// fails with that hint for the loop (which waits it out instead of its own back-off), and an
+    /// outcome is kept for the retry.
+    #[tokio::test]
+    async fn a_429_hands_the_servers_retry_after_to_the_loop() {
+        let (mut source, handle) = mock_source();
+        source.remember(snap("5", "in-progress"), 0, "4");
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (base, send) = next_patch(&mut handle).await;
+            let status = serde_json::json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "reason": "TooManyRequests", "code": 429, "message": "slow down",
+                "details": {"retryAfterSeconds": 7}
+            });
+            send.send_response(respond(429, &status));
+            base
+        };
+        let checksum = plan::checksum(PLAN);
+        let (w, base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        assert_eq!(base, "5");
+        match w {
+            Written::Failed { retry_after, .. } => assert_eq!(retry_after, Some(Duration::from_secs(7))),
+            other => panic!("{other:?}"),
+        }
+        assert!(source.pending.is_some(), "the outcome is kept for the retry");
+    }
+
+    /// The API server's own throttling (max-in-flight, priority and fairness) answers 429 with a
+    /// `Retry-After` header and a plain-text body. kube keeps only the body of an error answer, so
+    /// that hint is not seen: the write fails without one and the loop's own back-off applies.
+    #[tokio::test]
+    async fn a_429_with_the_hint_only_in_a_header_falls_back_to_the_back_off() {
+        let (mut source, handle) = mock_source();
+        source.remember(snap("5", "in-progress"), 0, "4");
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (_, send) = next_patch(&mut handle).await;
+            let r = Response::builder()
+                .status(429)
+                .header("Retry-After", "7")
+                .header("Content-Type", "text/plain; charset=utf-8")
+                .body(Body::from(b"Too many requests, please try again later.\n".to_vec()))
+                .unwrap();
+            send.send_response(r);
+        };
+        let checksum = plan::checksum(PLAN);
+        let (w, ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        match w {
+            Written::Failed { retry_after, .. } => assert_eq!(retry_after, None),
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -22,9 +22,9 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use futures::{Stream, StreamExt as _};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::WatchStreamExt as _;
+use kube::runtime::utils::Backoff as _;
 use kube::runtime::watcher;
 
 /// The Secret type Rancher gives machine-plan Secrets.
@@ -70,8 +70,10 @@ pub enum WriteError {
     /// 404: the Secret (or its namespace) does not exist.
     #[error("not found: the secret does not exist")]
     NotFound,
-    /// 429: the API server asks clients to slow down (API priority and fairness), with its own
-    /// hint (`details.retryAfterSeconds`, which it also sends as `Retry-After`) when it gave one.
+    /// 429: the API server asks clients to slow down, with its hint when the answer is a Status
+    /// carrying `details.retryAfterSeconds`. The API server's own throttling (max-in-flight,
+    /// priority and fairness) sends its hint only as a `Retry-After` header with a plain-text body;
+    /// kube keeps only the body of an error answer, so that hint is not seen (`None`).
     #[error("too many requests: the API server asked to slow down")]
     TooManyRequests { retry_after: Option<std::time::Duration> },
     /// Anything else (transport, auth, validation, a malformed answer).
@@ -201,56 +203,126 @@ impl SecretClient {
         SecretSnapshot::from_secret(secret).map_err(WriteError::Other)
     }
 
-    /// A stream of snapshots of the one Secret (None when it does not exist), using
-    /// kube::runtime::watcher with fieldSelector metadata.name=<name> in the namespace; it keeps
-    /// going (relist) after errors and 410 Gone — errors are logged with tracing::warn and never
-    /// end the stream.
+    /// A stream of snapshots of the one Secret (None when it does not exist): a list, then a
+    /// watch from the list's resourceVersion, both with fieldSelector metadata.name=<name> in the
+    /// namespace. It never ends: errors are logged with tracing::warn and the stream goes on.
     ///
-    /// Semantics (those of `kube::runtime::watcher::watch_object`): after every (re)list the
-    /// current object is yielded, or `None` if the list did not contain it; afterwards each
-    /// ADDED/MODIFIED yields `Some` and each DELETED yields `None`. A relist may repeat a snapshot
-    /// already seen. Errors pause the stream with kube's default backoff (0.8 s doubling to 30 s,
-    /// reset on success) so a dead apiserver is not hammered.
+    /// Semantics: after every list the current object is yielded, or `None` if the list did not
+    /// contain it; afterwards each ADDED/MODIFIED yields `Some` and each DELETED yields `None`. A
+    /// list may repeat a snapshot already seen.
+    ///
+    /// Whenever the watch ends (its server-side timeout, a broken connection, an error, 410 Gone)
+    /// the stream lists again: the first item after an outage is the Secret as it is now, even
+    /// when it did not change, and that item is how the caller learns that the API server is
+    /// reachable again (resuming the watch from the last resourceVersion, as kube's watcher
+    /// does, says nothing until the next change). The first item after errors is logged ("is
+    /// back"). Errors pause the stream with kube's default backoff (0.8 s doubling to 30 s,
+    /// jittered, reset once the watch runs) so a dead apiserver is not hammered; a watch that
+    /// ends at once counts as an error.
     pub fn watch(&self) -> impl Stream<Item = Option<SecretSnapshot>> + Send + 'static {
+        type Events = std::pin::Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<Secret>>> + Send>>;
+        enum Phase {
+            List,
+            Watch { rv: String, events: Option<(Events, std::time::Instant)> },
+        }
+        struct State {
+            phase: Phase,
+            backoff: watcher::DefaultBackoff,
+            /// Errors since the last list.
+            failing: bool,
+        }
+        /// A watch that ends sooner than this without an error still counts as one.
+        const SHORTEST_WATCH: std::time::Duration = std::time::Duration::from_secs(1);
+        const LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
         let fields = format!("metadata.name={}", self.secret.name);
+        let lp = ListParams::default().fields(&fields);
+        let wp = WatchParams::default().fields(&fields).timeout(290);
         let what = self.describe();
-        watcher::watcher(self.api.clone(), watcher::Config::default().fields(&fields))
-            .default_backoff()
-            // `seen`: whether the object appeared in the current Init..InitDone relist.
-            .scan(false, |seen, event| {
-                let out = match event {
-                    Ok(watcher::Event::Init) => {
-                        *seen = false;
-                        None
-                    }
-                    Ok(watcher::Event::InitApply(secret) | watcher::Event::Apply(secret)) => {
-                        *seen = true;
-                        Some(Ok(Some(secret)))
-                    }
-                    Ok(watcher::Event::InitDone) => (!*seen).then_some(Ok(None)),
-                    Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
-                    Err(e) => Some(Err(e)),
-                };
-                futures::future::ready(Some(out))
-            })
-            .filter_map(move |item| {
-                let out = match item {
-                    None => None,
-                    Some(Ok(None)) => Some(None),
-                    Some(Ok(Some(secret))) => match SecretSnapshot::from_secret(secret) {
-                        Ok(snapshot) => Some(Some(snapshot)),
-                        Err(e) => {
-                            tracing::warn!(secret = %what, error = %e, "ignoring unusable watch event");
-                            None
-                        }
-                    },
-                    Some(Err(e)) => {
-                        tracing::warn!(secret = %what, error = %crate::error_line(&e), "watch error; the watch continues");
-                        None
-                    }
-                };
-                futures::future::ready(out)
-            })
+        let api = self.api.clone();
+        let state = State { phase: Phase::List, backoff: watcher::DefaultBackoff::default(), failing: false };
+        let usable = |secret: Secret, what: &str| match SecretSnapshot::from_secret(secret) {
+            Ok(snapshot) => Some(snapshot),
+            Err(e) => {
+                tracing::warn!(secret = %what, error = %e, "ignoring unusable watch event");
+                None
+            }
+        };
+        futures::stream::unfold(state, move |mut st| {
+            let (api, lp, wp, what) = (api.clone(), lp.clone(), wp.clone(), what.clone());
+            async move {
+                loop {
+                    let error = match &mut st.phase {
+                        Phase::List => match tokio::time::timeout(LIST_TIMEOUT, api.list(&lp)).await {
+                            Ok(Ok(list)) => {
+                                let rv = list.metadata.resource_version.unwrap_or_default();
+                                st.phase = Phase::Watch { rv, events: None };
+                                if std::mem::take(&mut st.failing) {
+                                    tracing::info!("the watch of secret {what} is back");
+                                }
+                                match list.items.into_iter().next() {
+                                    None => return Some((None, st)),
+                                    Some(secret) => match usable(secret, &what) {
+                                        Some(snapshot) => return Some((Some(snapshot), st)),
+                                        None => continue,
+                                    },
+                                }
+                            }
+                            Ok(Err(e)) => format!("failed to list: {}", kube_error_line(&e)),
+                            Err(_) => "failed to list: no answer".to_string(),
+                        },
+                        Phase::Watch { rv, events: events @ None } => match api.watch(&wp, rv).await {
+                            Ok(stream) => {
+                                *events = Some((Box::pin(stream), std::time::Instant::now()));
+                                continue;
+                            }
+                            Err(e) => format!("failed to start watching: {}", kube_error_line(&e)),
+                        },
+                        Phase::Watch { rv, events: Some((events, since)) } => match events.next().await {
+                            Some(Ok(WatchEvent::Added(secret) | WatchEvent::Modified(secret))) => {
+                                st.backoff.reset();
+                                *rv = secret.metadata.resource_version.clone().unwrap_or_default();
+                                match usable(secret, &what) {
+                                    Some(snapshot) => return Some((Some(snapshot), st)),
+                                    None => continue,
+                                }
+                            }
+                            Some(Ok(WatchEvent::Deleted(secret))) => {
+                                st.backoff.reset();
+                                *rv = secret.metadata.resource_version.unwrap_or_default();
+                                return Some((None, st));
+                            }
+                            Some(Ok(WatchEvent::Bookmark(b))) => {
+                                *rv = b.metadata.resource_version;
+                                continue;
+                            }
+                            Some(Ok(WatchEvent::Error(status))) if status.code == 410 => {
+                                // The watch fell too far behind: list again at once.
+                                tracing::debug!(secret = %what, "watch expired (410 Gone); listing again");
+                                st.phase = Phase::List;
+                                continue;
+                            }
+                            Some(Ok(WatchEvent::Error(status))) => {
+                                format!("watch error {} {}: {}", status.code, status.reason, status.message)
+                            }
+                            Some(Err(e)) => format!("watch failed: {}", kube_error_line(&e)),
+                            None if since.elapsed() >= SHORTEST_WATCH => {
+                                // The watch ended (its timeout, or the connection went away): list
+                                // again, so a broken connection is noticed as soon as it is back.
+                                st.backoff.reset();
+                                st.phase = Phase::List;
+                                continue;
+                            }
+                            None => "the watch ended at once".to_string(),
+                        },
+                    };
+                    tracing::warn!(secret = %what, error = %error.replace(['\n', '\r'], " "), "watch error; the watch continues");
+                    st.phase = Phase::List;
+                    st.failing = true;
+                    let pause = st.backoff.next().unwrap_or(std::time::Duration::from_secs(30));
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        })
     }
 
     /// Orchestrator side (`nodeplan plan push|pause|resume|cancel|reset`, tests): a JSON merge patch
@@ -351,6 +423,16 @@ mod tests {
         let status = |code: u16| kube::Error::Api(kube::core::Status::failure("m", "R").with_code(code).boxed());
         assert_eq!(write_error(status(409)), WriteError::Conflict);
         assert_eq!(write_error(status(404)), WriteError::NotFound);
+        let mut throttled = kube::core::Status::failure("m", "TooManyRequests").with_code(429);
+        assert_eq!(
+            write_error(kube::Error::Api(throttled.clone().boxed())),
+            WriteError::TooManyRequests { retry_after: None }
+        );
+        throttled.details = serde_json::from_value(serde_json::json!({"retryAfterSeconds": 7})).ok();
+        assert_eq!(
+            write_error(kube::Error::Api(throttled.boxed())),
+            WriteError::TooManyRequests { retry_after: Some(std::time::Duration::from_secs(7)) }
+        );
         match write_error(status(422)) {
             WriteError::Other(msg) => assert!(msg.contains("422"), "{msg}"),
             other => panic!("expected Other, got {other:?}"),

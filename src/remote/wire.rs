@@ -1,6 +1,6 @@
 //! The plan Secret's data keys and the pure functions over them: reading a snapshot into the
-//! flow's vocabulary, the legacy checksum flow's decision, and turning outcomes into the keys to
-//! write. No I/O.
+//! flow's vocabulary, the legacy checksum flow's decision, turning outcomes into the keys to
+//! write, and the orchestrator's patches (`nodeplan plan`). No I/O.
 
 use super::client::SecretSnapshot;
 use crate::flow::{self, CheckpointWrite, Record, Transition};
@@ -292,6 +292,45 @@ pub fn probe_keys(statuses: &BTreeMap<String, ProbeStatus>) -> Keys {
     k
 }
 
+// The orchestrator's writes (`nodeplan plan`, for people without Rancher): what Rancher would write.
+
+fn b64(v: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(v)
+}
+
+/// The data of a plan Secret created by `nodeplan plan push`: the plan, as `pending`.
+pub fn push_data(raw_plan: &[u8]) -> BTreeMap<String, Vec<u8>> {
+    BTreeMap::from([
+        (PLAN.to_string(), raw_plan.to_vec()),
+        (PLAN_STATE.to_string(), PlanState::Pending.as_str().as_bytes().to_vec()),
+    ])
+}
+
+/// `nodeplan plan push` into an existing Secret (a JSON merge patch): the plan, as `pending`; the
+/// previous plan's probe statuses deleted (as Rancher does) and its cancel removed (a new plan
+/// starts afresh). Of the agent's keys only `probe-statuses` is touched.
+pub fn push_patch(raw_plan: &[u8]) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
+        "data": {PLAN: b64(raw_plan), PLAN_STATE: b64(PlanState::Pending.as_str().as_bytes()), PROBE_STATUSES: null}
+    })
+}
+
+/// `nodeplan plan reset`: the plan runs again from its first instruction (`pending`), and a cancel
+/// is removed (R8: only this ends a cancel).
+pub fn reset_patch() -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
+        "data": {PLAN_STATE: b64(PlanState::Pending.as_str().as_bytes())}
+    })
+}
+
+/// `nodeplan plan pause|resume|cancel`: set an annotation (`Some`) or remove it (`None`).
+pub fn annotation_patch(key: &str, value: Option<&str>) -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {key: value}}})
+}
+
 /// Drop the keys whose value already is what we would write.
 pub fn changed_only(s: &SecretSnapshot, mut k: Keys) -> Keys {
     k.retain(|key, v| match v {
@@ -504,5 +543,49 @@ mod tests {
         k.insert("gone".into(), None);
         let k = changed_only(&base, k);
         assert_eq!(k.keys().collect::<Vec<_>>(), ["failure-count"]);
+    }
+
+    #[test]
+    fn orchestrator_patches() {
+        let raw = br#"{"instructions":[]}"#;
+        let rows: Vec<(&str, serde_json::Value, serde_json::Value)> = vec![
+            (
+                "push",
+                push_patch(raw),
+                serde_json::json!({
+                    "metadata": {"annotations": {"plan.cattle.io/canceled": null}},
+                    "data": {"plan": "eyJpbnN0cnVjdGlvbnMiOltdfQ==", "plan-state": "cGVuZGluZw==", "probe-statuses": null}
+                }),
+            ),
+            (
+                "reset",
+                reset_patch(),
+                serde_json::json!({
+                    "metadata": {"annotations": {"plan.cattle.io/canceled": null}},
+                    "data": {"plan-state": "cGVuZGluZw=="}
+                }),
+            ),
+            (
+                "pause",
+                annotation_patch(plan::ANNOTATION_PAUSED, Some("true")),
+                serde_json::json!({"metadata": {"annotations": {"plan.cattle.io/paused": "true"}}}),
+            ),
+            (
+                "resume",
+                annotation_patch(plan::ANNOTATION_PAUSED, None),
+                serde_json::json!({"metadata": {"annotations": {"plan.cattle.io/paused": null}}}),
+            ),
+            (
+                "cancel",
+                annotation_patch(plan::ANNOTATION_CANCELED, Some("true")),
+                serde_json::json!({"metadata": {"annotations": {"plan.cattle.io/canceled": "true"}}}),
+            ),
+        ];
+        for (what, got, want) in rows {
+            assert_eq!(got, want, "{what}");
+        }
+        let created = push_data(raw);
+        assert_eq!(created.keys().collect::<Vec<_>>(), ["plan", "plan-state"]);
+        assert_eq!((created["plan"].as_slice(), created["plan-state"].as_slice()), (&raw[..], &b"pending"[..]));
     }
 }

@@ -221,6 +221,19 @@ impl AgentProc {
         }
     }
 
+    /// The next log line in order (lines already read but not matched first).
+    pub fn next_line(&mut self) -> String {
+        if !self.backlog.is_empty() {
+            return self.backlog.remove(0);
+        }
+        let l = self
+            .lines
+            .recv_timeout(GUARD)
+            .unwrap_or_else(|_| panic!("the agent logged nothing more; saw:\n{}", self.seen.join("\n")));
+        self.seen.push(l.clone());
+        l
+    }
+
     pub fn signal(&self, sig: i32) {
         unsafe { libc::kill(self.child.id() as i32, sig) };
     }

@@ -52,6 +52,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 const READY_POLL: Duration = Duration::from_millis(100);
 /// The bearer token the apiserver accepts (group `system:masters`); loopback only.
 const TOKEN: &str = "nodeplan-test-token";
+/// A second user, with no group and so no permission beyond what [`ControlPlane::grant_agent`]
+/// grants in a namespace: an agent whose writes can be refused while its watch goes on.
+pub const AGENT_USER: &str = "nodeplan-agent";
+const AGENT_TOKEN: &str = "nodeplan-agent-token";
 const DEFAULT_BIN: &str = "/var/tmp/nodeplan-k8s/bin";
 
 // ---------------------------------------------------------------------------------------------
@@ -349,8 +353,8 @@ impl ControlPlane {
                 .arg("-out")
                 .arg(dir.join("sa.pub")),
         );
-        fs::write(dir.join("tokens.csv"), format!("{TOKEN},admin,admin-uid,system:masters\n"))
-            .unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
+        let tokens = format!("{TOKEN},admin,admin-uid,system:masters\n{AGENT_TOKEN},{AGENT_USER},agent-uid\n");
+        fs::write(dir.join("tokens.csv"), tokens).unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
 
         let mut cp = ControlPlane {
             dir,
@@ -490,11 +494,53 @@ impl ControlPlane {
     /// The kubeconfig with another CA (PEM) in place of the apiserver's, e.g. to prove that
     /// verification is strict.
     pub fn kubeconfig_yaml_with_ca(&self, ca_pem: &str) -> String {
+        self.kubeconfig(ca_pem, TOKEN)
+    }
+
+    /// The kubeconfig of [`AGENT_USER`].
+    pub fn kubeconfig_yaml_as_agent(&self) -> String {
+        self.kubeconfig(&self.ca_pem, AGENT_TOKEN)
+    }
+
+    fn kubeconfig(&self, ca_pem: &str, token: &str) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: admin\n  user:\n    token: {TOKEN}\ncontexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\n    namespace: default\ncurrent-context: local\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\n    namespace: default\ncurrent-context: local\n",
             server = self.server_url(),
             ca = b64(ca_pem.as_bytes()),
         )
+    }
+
+    /// A client as [`AGENT_USER`].
+    pub async fn agent_client(&self) -> kube::Client {
+        client_from_yaml(&self.kubeconfig_yaml_as_agent()).await.unwrap_or_else(|e| panic!("agent kube client: {e}"))
+    }
+
+    /// Let [`AGENT_USER`] do `verbs` on the Secrets of `namespace` (and nothing else): a Role and
+    /// its RoleBinding, replaced on every call. The authorizer picks a change up asynchronously.
+    pub async fn grant_agent(&self, namespace: &str, verbs: &[&str]) {
+        use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+        use kube::api::{Patch, PatchParams};
+        let client = self.client().await;
+        let pp = PatchParams::apply("nodeplan-tests").force();
+        let role = serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": AGENT_USER, "namespace": namespace},
+            "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": verbs}],
+        });
+        Api::<Role>::namespaced(client.clone(), namespace)
+            .patch(AGENT_USER, &pp, &Patch::Apply(&role))
+            .await
+            .unwrap_or_else(|e| panic!("role {namespace}/{AGENT_USER}: {e}"));
+        let binding = serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": AGENT_USER, "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": AGENT_USER},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": AGENT_USER}],
+        });
+        Api::<RoleBinding>::namespaced(client, namespace)
+            .patch(AGENT_USER, &pp, &Patch::Apply(&binding))
+            .await
+            .unwrap_or_else(|e| panic!("role binding {namespace}/{AGENT_USER}: {e}"));
     }
 
     /// The same kubeconfig, written in the temp dir.
