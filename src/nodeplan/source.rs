@@ -20,7 +20,7 @@ use futures::StreamExt as _;
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::core::GroupVersionKind;
 use kube::runtime::{WatchStreamExt as _, watcher};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -126,6 +126,9 @@ pub struct NodePlanSource {
     /// The object our own last write (or a read after a conflict) returned, and the watch's
     /// sequence number then.
     own: HashMap<String, (u64, DynamicObject)>,
+    /// resourceVersions of each NodePlan the agent has moved past (its own writes' bases and
+    /// answers): a lagging watch delivering one of them is not newer than `own`.
+    passed: HashMap<String, VecDeque<String>>,
     probe_period: Duration,
     pending: HashMap<String, Pending>,
     /// The last pause/cancel values each running plan saw.
@@ -148,6 +151,7 @@ impl NodePlanSource {
             node: node.to_string(),
             latest: None,
             own: HashMap::new(),
+            passed: HashMap::new(),
             probe_period,
             pending: HashMap::new(),
             last_interrupt: HashMap::new(),
@@ -181,10 +185,31 @@ impl NodePlanSource {
             }
             None => (0, None),
         };
-        match self.own.get(name) {
-            Some((at, own)) if *at >= seq && watched.is_some() => Some(own.clone()),
+        let moved_past = |w: &DynamicObject| {
+            let rv = w.metadata.resource_version.as_deref().unwrap_or_default();
+            self.passed.get(name).is_some_and(|p| p.iter().any(|x| x == rv))
+        };
+        match (self.own.get(name), &watched) {
+            (Some((at, own)), Some(w)) if *at >= seq || moved_past(w) => Some(own.clone()),
             _ => watched.filter(|o| self.for_this_node(o)),
         }
+    }
+
+    /// `new` is the newest object of `name`: what a write (or read) sent when the watch's sequence
+    /// number was `sent` returned, replacing `older` (its base).
+    fn remember(&mut self, name: &str, new: DynamicObject, sent: u64, older: Option<String>) {
+        let previous = self.own.remove(name).and_then(|(_, o)| o.metadata.resource_version);
+        let now = new.metadata.resource_version.clone();
+        let passed = self.passed.entry(name.to_string()).or_default();
+        for rv in [previous, older].into_iter().flatten() {
+            if Some(&rv) != now.as_ref() && !passed.contains(&rv) {
+                if passed.len() == 16 {
+                    passed.pop_front();
+                }
+                passed.push_back(rv);
+            }
+        }
+        self.own.insert(name.to_string(), (sent, new));
     }
 
     fn label(&self, name: &str) -> String {
@@ -206,19 +231,19 @@ impl NodePlanSource {
             if let Some(obj) = next.data.as_object_mut() {
                 obj.insert("status".into(), status_value.clone());
             }
+            // An event the watch delivers while the write is on its way counts as newer.
+            let sent = self.seq();
             match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &next)).await
             {
                 Ok(Ok(new)) => {
-                    let seq = self.seq();
-                    self.own.insert(name.to_string(), (seq, new));
+                    self.remember(name, new, sent, base.metadata.resource_version.clone());
                     return Written::Done;
                 }
                 Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                     tracing::info!("{}: status write conflicted (409); reading it again", self.label(name));
                     match tokio::time::timeout(API_TIMEOUT, self.api.get_opt(name)).await {
                         Ok(Ok(Some(fresh))) => {
-                            let seq = self.seq();
-                            self.own.insert(name.to_string(), (seq, fresh.clone()));
+                            self.remember(name, fresh.clone(), sent, base.metadata.resource_version.clone());
                             if !reapply {
                                 return Written::Abandoned;
                             }
@@ -278,11 +303,9 @@ impl NodePlanSource {
         if let (Some(data), Ok(v)) = (obj.data.as_object_mut(), serde_json::to_value(&next)) {
             data.insert("status".into(), v);
         }
+        let sent = self.seq();
         match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &obj)).await {
-            Ok(Ok(new)) => {
-                let seq = self.seq();
-                self.own.insert(name.to_string(), (seq, new));
-            }
+            Ok(Ok(new)) => self.remember(name, new, sent, o.metadata.resource_version.clone()),
             Ok(Err(e)) => tracing::warn!("{}: cannot write its status: {}", self.label(name), crate::error_line(&e)),
             Err(_) => tracing::warn!("{}: cannot write its status: timed out", self.label(name)),
         }
@@ -317,6 +340,7 @@ impl PlanSource for NodePlanSource {
             .collect();
         ranked.sort_by(|a, b| wire::order((a.0, &a.1, &a.2), (b.0, &b.1, &b.2)));
         self.own.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
+        self.passed.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
