@@ -13,7 +13,6 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams
 use nodeplan::nodeplan::resource::{CRD_YAML, NodePlanStatus};
 use nodeplan::nodeplan::source::api_resource;
 use serde_json::json;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tokio::sync::OnceCell;
 
@@ -65,10 +64,16 @@ async fn install_crd(cp: &ControlPlane) {
 }
 
 struct Node {
-    dir: tempfile::TempDir,
+    node: ClusterNode,
     api: Api<DynamicObject>,
     namespace: String,
-    config: PathBuf,
+}
+
+impl std::ops::Deref for Node {
+    type Target = ClusterNode;
+    fn deref(&self) -> &ClusterNode {
+        &self.node
+    }
 }
 
 impl Node {
@@ -76,39 +81,8 @@ impl Node {
         install_crd(cp).await;
         let namespace = cp.new_namespace(test).await;
         let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().display().to_string();
-        let conn = dir.path().join("conn.json");
-        let conn_json = json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": namespace, "secretName": "unused"});
-        std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
-        let config = dir.path().join("config.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "nodePlanEnabled: true\nnodeName: node-a\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\n\
-                 appliedPlanDirectory: {d}/applied\ninterlockDirectory: {d}/interlock\npidDirectory: {d}/pids\n\
-                 stopTimeout: 1s\nkillTimeout: 5s\n"
-            ),
-        )
-        .unwrap();
-        for f in [&conn, &config] {
-            std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-        }
-        Node { dir, api, namespace, config }
-    }
-
-    fn p(&self, name: &str) -> String {
-        self.dir.path().join(name).to_string_lossy().into_owned()
-    }
-
-    fn fifo(&self, name: &str) -> String {
-        let p = self.p(name);
-        mkfifo(&p);
-        p
-    }
-
-    fn agent(&self) -> AgentProc {
-        AgentProc::start(&self.config)
+        let mode = "nodePlanEnabled: true\nnodeName: node-a\n";
+        Node { node: ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace), api, namespace }
     }
 
     /// Create a NodePlan for `node` as a producer does.

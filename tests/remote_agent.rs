@@ -18,9 +18,15 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 struct Remote {
-    dir: tempfile::TempDir,
+    node: ClusterNode,
     client: SecretClient,
-    config: std::path::PathBuf,
+}
+
+impl std::ops::Deref for Remote {
+    type Target = ClusterNode;
+    fn deref(&self) -> &ClusterNode {
+        &self.node
+    }
 }
 
 impl Remote {
@@ -35,38 +41,7 @@ impl Remote {
             cp.client().await,
             SecretRef { namespace: namespace.clone(), name: "machine-plan".into() },
         );
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().display().to_string();
-        let conn = dir.path().join("conn.json");
-        let conn_json = json!({"kubeConfig": kubeconfig, "namespace": namespace, "secretName": "machine-plan"});
-        std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
-        let config = dir.path().join("config.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
-                 interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n"
-            ),
-        )
-        .unwrap();
-        for f in [&conn, &config] {
-            std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-        }
-        Remote { dir, client, config }
-    }
-
-    fn p(&self, name: &str) -> String {
-        self.dir.path().join(name).to_string_lossy().into_owned()
-    }
-
-    fn fifo(&self, name: &str) -> String {
-        let p = self.p(name);
-        mkfifo(&p);
-        p
-    }
-
-    fn agent(&self) -> AgentProc {
-        AgentProc::start(&self.config)
+        Remote { node: ClusterNode::new("remoteEnabled: true\n", kubeconfig, &namespace), client }
     }
 
     /// Create the plan Secret the way an orchestrator does.

@@ -121,28 +121,22 @@ pub async fn run(args: AgentArgs) -> u8 {
         tasks.push(tokio::spawn(async move { agent.run(rx).await }));
     }
     if cfg.remote_enabled {
-        let agent = match remote_agent(&cfg, &parts).await {
-            Ok(a) => a,
-            Err(e) => {
-                super::say(&format!("nodeplan: {e}"));
-                abort_all(&tasks);
-                return exit::BAD_INPUT;
+        match remote_agent(&cfg, &parts).await {
+            Ok(agent) => {
+                let rx = sd_rx.clone();
+                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
             }
-        };
-        let rx = sd_rx.clone();
-        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+            Err(e) => return refuse(&tasks, &e),
+        }
     }
     if cfg.node_plan_enabled {
-        let agent = match node_plan_agent(&cfg, &parts).await {
-            Ok(a) => a,
-            Err(e) => {
-                super::say(&format!("nodeplan: {e}"));
-                abort_all(&tasks);
-                return exit::BAD_INPUT;
+        match node_plan_agent(&cfg, &parts).await {
+            Ok(agent) => {
+                let rx = sd_rx.clone();
+                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
             }
-        };
-        let rx = sd_rx.clone();
-        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+            Err(e) => return refuse(&tasks, &e),
+        }
     }
     let mut code = exit::OK;
     for t in tasks {
@@ -162,11 +156,14 @@ pub async fn run(args: AgentArgs) -> u8 {
     code
 }
 
-/// Tasks already started are left to the process exit; nothing ran yet at this point.
-fn abort_all(tasks: &[tokio::task::JoinHandle<AgentExit>]) {
+/// A mode that cannot start: say why and stop the tasks already started (nothing ran yet at this
+/// point).
+fn refuse(tasks: &[tokio::task::JoinHandle<AgentExit>], why: &str) -> u8 {
+    super::say(&format!("nodeplan: {why}"));
     for t in tasks {
         t.abort();
     }
+    exit::BAD_INPUT
 }
 
 async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote::agent::RemoteAgent, String> {

@@ -324,3 +324,49 @@ pub fn http_server(status: std::sync::Arc<std::sync::atomic::AtomicU16>) -> u16 
     });
     port
 }
+
+/// A node's files for an agent that talks to a cluster: a connection-info file (`kubeconfig`,
+/// `namespace`, Secret name `machine-plan`) and a config (`mode`, e.g. `remoteEnabled: true`, plus
+/// every directory under one temporary directory), both mode 0600.
+pub struct ClusterNode {
+    pub dir: tempfile::TempDir,
+    pub config: std::path::PathBuf,
+}
+
+impl ClusterNode {
+    pub fn new(mode: &str, kubeconfig: &str, namespace: &str) -> ClusterNode {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let conn = dir.path().join("conn.json");
+        let conn_json =
+            serde_json::json!({"kubeConfig": kubeconfig, "namespace": namespace, "secretName": "machine-plan"});
+        std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
+        let config = dir.path().join("config.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "{mode}connectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
+                 interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n"
+            ),
+        )
+        .unwrap();
+        for f in [&conn, &config] {
+            std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        }
+        ClusterNode { dir, config }
+    }
+
+    pub fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+
+    pub fn fifo(&self, name: &str) -> String {
+        let p = self.p(name);
+        mkfifo(&p);
+        p
+    }
+
+    pub fn agent(&self) -> AgentProc {
+        AgentProc::start(&self.config)
+    }
+}
