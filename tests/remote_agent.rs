@@ -495,17 +495,22 @@ async fn an_orchestrator_writing_meanwhile_loses_nothing() {
 }
 
 /// The orchestrator's view of a run: every version of the Secret its watch delivers (distinct
-/// resourceVersions, in order) until `done` holds, then for `quiet` more.
+/// resourceVersions, in order, other than `last`, the version the previous call ended on: the
+/// watch lists again whenever it ends, and a list repeats the current version) until `done`
+/// holds, then for `quiet` more. Updates `last`.
 async fn versions_until(
     watch: &mut std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>>,
+    last: &mut String,
     done: impl Fn(&SecretSnapshot) -> bool,
     quiet: Duration,
 ) -> Vec<SecretSnapshot> {
     use futures::StreamExt as _;
     let mut seen: Vec<SecretSnapshot> = Vec::new();
+    let before = last.clone();
     let push = |seen: &mut Vec<SecretSnapshot>, s: Option<SecretSnapshot>| {
         let s = s.expect("the secret is not deleted");
-        if seen.last().is_none_or(|l| l.resource_version != s.resource_version) {
+        let newest = seen.last().map_or(before.as_str(), |l| l.resource_version.as_str());
+        if newest != s.resource_version {
             seen.push(s);
         }
     };
@@ -517,6 +522,9 @@ async fn versions_until(
     // An observation window: nothing more is written after the outcome.
     while let Ok(next) = tokio::time::timeout(quiet, watch.next()).await {
         push(&mut seen, next.expect("the watch goes on"));
+    }
+    if let Some(l) = seen.last() {
+        *last = l.resource_version.clone();
     }
     seen
 }
@@ -540,14 +548,15 @@ async fn a_run_costs_exactly_its_state_writes(with_probe: bool) {
     let checksum = r.create(&plan, Some("pending"), &[]).await;
     let mut watch: std::pin::Pin<Box<dyn futures::Stream<Item = Option<SecretSnapshot>> + Send>> =
         Box::pin(r.client.watch());
-    let created = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
+    let mut last = String::new();
+    let created = versions_until(&mut watch, &mut last, |s| state(s) == "pending", Duration::ZERO).await;
     assert_eq!(created.len(), 1, "{:?}", created.iter().map(describe).collect::<Vec<_>>());
     let mut agent = r.agent();
     let succeeded = |s: &SecretSnapshot| state(s) == "succeeded";
     // With a probe, its period (1 s) may come round in the window: only unchanged statuses then.
     let quiet = Duration::from_secs(3);
     for round in 1..=2 {
-        let run = versions_until(&mut watch, succeeded, quiet).await;
+        let run = versions_until(&mut watch, &mut last, succeeded, quiet).await;
         let states: Vec<String> = run.iter().map(state).collect();
         let shown: Vec<String> = run.iter().map(describe).collect();
         assert_eq!(states, ["in-progress", "succeeded"], "round {round}: exactly the state writes: {shown:#?}");
@@ -560,8 +569,9 @@ async fn a_run_costs_exactly_its_state_writes(with_probe: bool) {
         );
         if round == 1 {
             r.set_state("pending").await;
-            let again = versions_until(&mut watch, |s| state(s) == "pending", Duration::ZERO).await;
-            assert_eq!(again.len(), 1);
+            let again = versions_until(&mut watch, &mut last, |s| state(s) == "pending", Duration::ZERO).await;
+            let shown: Vec<String> = again.iter().map(describe).collect();
+            assert_eq!(again.len(), 1, "only the orchestrator's write: {shown:#?}");
         }
     }
     agent.wait_log("succeeded (5/5 instructions)");
