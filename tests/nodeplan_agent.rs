@@ -78,11 +78,16 @@ impl std::ops::Deref for Node {
 
 impl Node {
     async fn new(cp: &ControlPlane, test: &str) -> Node {
+        Node::new_with(cp, test, &cp.kubeconfig_yaml()).await
+    }
+
+    /// The agent connects with `kubeconfig` (the test's own client stays the admin's).
+    async fn new_with(cp: &ControlPlane, test: &str, kubeconfig: &str) -> Node {
         install_crd(cp).await;
         let namespace = cp.new_namespace(test).await;
         let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
         let mode = "nodePlanEnabled: true\nnodeName: node-a\n";
-        Node { node: ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace), api, namespace }
+        Node { node: ClusterNode::new(mode, kubeconfig, &namespace), api, namespace }
     }
 
     /// Create a NodePlan for `node` as a producer does.
@@ -278,5 +283,42 @@ async fn deleting_a_running_nodeplan_stops_it() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert!(n.api.get_opt("d").await.unwrap().is_none(), "no finalizer keeps it");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// The shipped `deploy/nodeplan-rbac.yaml` is enough for an agent: bound to `nodeplan-agent` in
+/// the node's namespace (and nothing else), it applies a NodePlan and writes its status, and it
+/// cannot change a NodePlan's spec.
+#[tokio::test]
+async fn the_shipped_agent_role_is_enough_and_no_more() {
+    use k8s_openapi::api::rbac::v1::Role;
+    let cp = control_plane!();
+    let n = Node::new_with(cp, "np-rbac", &cp.kubeconfig_yaml_as_agent()).await;
+    let roles: Api<Role> = Api::namespaced(cp.client().await, &n.namespace);
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nodeplan-rbac.yaml")).unwrap();
+    for doc in manifest.split("\n---\n").filter(|d| d.contains("kind: Role")) {
+        let role: Role = serde_yaml_ng::from_str(doc).unwrap();
+        roles.create(&PostParams::default(), &role).await.unwrap();
+    }
+    cp.bind_agent(&n.namespace, "nodeplan-agent").await;
+    let as_agent: Api<DynamicObject> = Api::namespaced_with(cp.agent_client().await, &n.namespace, &api_resource());
+    // The authorizer picks the binding up asynchronously: wait until the agent may list.
+    let deadline = Instant::now() + GUARD;
+    while as_agent.list(&Default::default()).await.is_err() {
+        assert!(Instant::now() < deadline, "the binding never took effect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let marker = n.p("marker");
+    n.create("rbac", "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
+    let mut agent = n.agent();
+    let s = n.wait("rbac", "Applied", phase("Applied")).await;
+    assert_eq!(s.progress, "1/1");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    // The agent's identity cannot rewrite the plan.
+    let patch = Patch::Merge(json!({"spec": {"priority": 5}}));
+    match as_agent.patch("rbac", &PatchParams::default(), &patch).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("the agent's role may change a spec: {other:?}"),
+    }
     assert_eq!(agent.stop(), 0);
 }

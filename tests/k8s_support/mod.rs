@@ -543,6 +543,23 @@ impl ControlPlane {
             .unwrap_or_else(|e| panic!("role binding {namespace}/{AGENT_USER}: {e}"));
     }
 
+    /// Bind [`AGENT_USER`] to the Role `role` of `namespace` (created by the caller).
+    pub async fn bind_agent(&self, namespace: &str, role: &str) {
+        use k8s_openapi::api::rbac::v1::RoleBinding;
+        use kube::api::{Patch, PatchParams};
+        let binding = serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": format!("{AGENT_USER}-{role}"), "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": AGENT_USER}],
+        });
+        let pp = PatchParams::apply("nodeplan-tests").force();
+        Api::<RoleBinding>::namespaced(self.client().await, namespace)
+            .patch(&format!("{AGENT_USER}-{role}"), &pp, &Patch::Apply(&binding))
+            .await
+            .unwrap_or_else(|e| panic!("role binding {namespace}/{role}: {e}"));
+    }
+
     /// The same kubeconfig, written in the temp dir.
     pub fn kubeconfig_path(&self) -> PathBuf {
         self.dir.join("kubeconfig")
