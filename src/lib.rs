@@ -14,7 +14,7 @@
 //! - [`process`]: the only place that spawns, waits for or signals a process.
 //! - [`apply`]: the applyinator: files, instructions, periodic instructions, interrupts.
 //! - [`image`]: images for `image` instructions: tarballs, registries, pulls, layer extraction.
-//! - [`probe`]: HTTP(S) health probes, thresholds and statuses.
+//! - [`probe`]: health probes (HTTP(S) and file existence), thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.

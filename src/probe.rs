@@ -1,8 +1,9 @@
-//! HTTP(S) health probes: this module owns running a plan's `probes` (one GET each, TLS set up from
-//! the probe's `caCert` / `clientCert` / `clientKey` / `insecure`), applying the success/failure
-//! thresholds, and producing the `ProbeStatus` map that the writer publishes as `probe-statuses`.
-//! It decides nothing about plan state (paused, canceled, failed: callers keep probing through all
-//! of them), spawns no processes and does no Kubernetes I/O; it only talks HTTP to the probe URLs.
+//! Health probes: this module owns running a plan's `probes` (an `httpGet` is one GET, TLS set up
+//! from the probe's `caCert` / `clientCert` / `clientKey` / `insecure`; a `fileExists` checks that
+//! a path exists, off the runtime threads and bounded by the probe's timeout), applying the
+//! success/failure thresholds, and producing the `ProbeStatus` map that the writer publishes as
+//! `probe-statuses`. It decides nothing about plan state (paused, canceled, failed: callers keep
+//! probing through all of them), spawns no processes and does no Kubernetes I/O.
 //!
 //! Semantics follow Rancher's system-agent (`pkg/prober`) on top of the kubelet HTTP prober:
 //! - `GET` with `User-Agent: kube-probe/1.33` ([`USER_AGENT`]), `Accept: */*`, `Connection: close`,
@@ -183,6 +184,9 @@ impl Prober {
     }
 
     async fn run(&self, name: &str, probe: &Probe) -> ProbeResult {
+        if let Some(f) = &probe.file_exists {
+            return file_exists(f.path.clone(), effective_timeout(probe)).await;
+        }
         let url = match Url::parse(&probe.http_get.url) {
             Ok(url) => url,
             Err(err) => return ProbeResult::Failure(format!("invalid URL {:?}: {err}", probe.http_get.url)),
@@ -228,6 +232,20 @@ impl Prober {
         let client = build_client(name, &key)?;
         self.lock_clients().insert(key, CachedClient { stamps, client: client.clone() });
         Ok(client)
+    }
+}
+
+/// A `fileExists` probe: the path exists (a link counts by what it points to). The check runs on
+/// the blocking pool, bounded by the probe's timeout as a request is: a hung file system is a
+/// failure, never a stuck agent.
+async fn file_exists(path: String, timeout: Duration) -> ProbeResult {
+    let shown = path.clone();
+    let check = tokio::task::spawn_blocking(move || std::fs::metadata(&path).map(|_| ()));
+    match tokio::time::timeout(timeout, check).await {
+        Ok(Ok(Ok(()))) => ProbeResult::Success,
+        Ok(Ok(Err(e))) => ProbeResult::Failure(format!("{shown}: {e}")),
+        Ok(Err(e)) => ProbeResult::Failure(format!("{shown}: {e}")),
+        Err(_) => ProbeResult::Failure(format!("{shown}: no answer from the file system")),
     }
 }
 
@@ -414,6 +432,32 @@ mod tests {
 
     fn st(healthy: bool, success_count: i64, failure_count: i64) -> ProbeStatus {
         ProbeStatus { healthy, success_count, failure_count }
+    }
+
+    /// A `fileExists` probe is healthy while its path exists, and never touches the network.
+    #[tokio::test]
+    async fn file_exists_probes_follow_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ready");
+        let p = Probe {
+            success_threshold: 1,
+            failure_threshold: 1,
+            file_exists: Some(crate::plan::FileExistsAction { path: path.display().to_string() }),
+            ..Probe::default()
+        };
+        let probes = BTreeMap::from([("ready".to_string(), p)]);
+        let prober = Prober::new();
+        let down = prober.probe_all(&probes, &BTreeMap::new(), false).await;
+        assert_eq!(down["ready"], st(false, 0, 1));
+        std::fs::write(&path, b"").unwrap();
+        let up = prober.probe_all(&probes, &down, false).await;
+        assert_eq!(up["ready"], st(true, 1, 0));
+        let ProbeResult::Failure(why) =
+            file_exists(dir.path().join("gone").display().to_string(), DEFAULT_TIMEOUT).await
+        else {
+            panic!("a missing path is healthy")
+        };
+        assert!(why.contains("gone") && why.contains("No such file"), "{why}");
     }
 
     /// Applies `outcomes` ('S' success, 'F' failure) from the default status and returns every

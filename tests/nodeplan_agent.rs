@@ -322,3 +322,24 @@ async fn the_shipped_agent_role_is_enough_and_no_more() {
     }
     assert_eq!(agent.stop(), 0);
 }
+
+/// A `fileExists` probe (the NodePlan draft's probe kind): its status follows the path, right
+/// after the run and then every probe period.
+#[tokio::test]
+async fn a_file_exists_probe_follows_its_path() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-file-probe").await;
+    let ready = n.p("ready");
+    let plan = json!({
+        "instructions": [sh("make", &format!("touch {ready}"))],
+        "probes": {"ready": {"fileExists": {"path": ready}, "successThreshold": 1, "failureThreshold": 1}},
+    });
+    n.create("f", "node-a", json!({"plan": plan})).await;
+    let mut agent = n.agent();
+    let healthy = |s: &NodePlanStatus| s.probe_statuses.get("ready").is_some_and(|p| p.healthy);
+    let s = n.wait("f", "Applied and healthy", |s| s.phase == "Applied" && healthy(s)).await;
+    assert_eq!(s.probe_statuses["ready"].success_count, 1);
+    std::fs::remove_file(&ready).unwrap();
+    n.wait("f", "unhealthy", |s| s.probe_statuses.get("ready").is_some_and(|p| !p.healthy)).await;
+    assert_eq!(agent.stop(), 0);
+}

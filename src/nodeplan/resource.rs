@@ -131,7 +131,7 @@ const INSTRUCTION_FIELDS: &[&str] = &["name", "image", "command", "args", "env",
 const PERIODIC_FIELDS: &[&str] =
     &["name", "image", "command", "args", "env", "timeoutSeconds", "periodSeconds", "saveStderrOutput"];
 const PROBE_FIELDS: &[&str] =
-    &["initialDelaySeconds", "timeoutSeconds", "successThreshold", "failureThreshold", "httpGet"];
+    &["initialDelaySeconds", "timeoutSeconds", "successThreshold", "failureThreshold", "httpGet", "fileExists"];
 
 /// Why a spec is not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -207,7 +207,6 @@ pub fn check_spec(spec: &Value) -> Result<(), SpecError> {
                 .find_map(|(name, p)| unknown_in(p, &format!("spec.plan.probes.{name}"), PROBE_FIELDS))
         });
     match found {
-        Some(f) if f.ends_with(".fileExists") => Err(SpecError::Unsupported(f)),
         Some(f) => Err(SpecError::Unknown(f)),
         None => Ok(()),
     }
@@ -221,7 +220,7 @@ mod tests {
     #[test]
     fn specs_this_agent_cannot_run_are_refused_with_the_field_named() {
         let plan = json!({"instructions": [{"name": "a", "command": "true"}], "probes": {"p": {"httpGet": {"url": "http://x"}}}});
-        let rows: [(Value, Result<(), SpecError>); 9] = [
+        let rows: [(Value, Result<(), SpecError>); 10] = [
             (json!({"plan": plan, "paused": true, "priority": 3}), Ok(())),
             (json!({}), Err(SpecError::NoPlan)),
             (json!({"plan": plan, "colour": "blue"}), Err(SpecError::Unknown("spec.colour".into()))),
@@ -235,9 +234,10 @@ mod tests {
                 json!({"plan": {"instructions": [{"name": "a", "retries": 3}]}}),
                 Err(SpecError::Unknown("spec.plan.instructions[0].retries".into())),
             ),
+            (json!({"plan": {"probes": {"f": {"fileExists": {"path": "/x"}}}}}), Ok(())),
             (
-                json!({"plan": {"probes": {"f": {"fileExists": {"path": "/x"}}}}}),
-                Err(SpecError::Unsupported("spec.plan.probes.f.fileExists".into())),
+                json!({"plan": {"probes": {"f": {"tcpSocket": {"port": 1}}}}}),
+                Err(SpecError::Unknown("spec.plan.probes.f.tcpSocket".into())),
             ),
             (json!({"plan": {"hooks": []}}), Err(SpecError::Unknown("spec.plan.hooks".into()))),
         ];

@@ -151,6 +151,16 @@ pub struct Probe {
     #[serde(skip_serializing_if = "is_zero")]
     pub failure_threshold: i64,
     pub http_get: HttpGetAction,
+    /// nodeplan extension (the NodePlan draft's probe kind): healthy while this path exists.
+    /// A probe has either this or `httpGet`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_exists: Option<FileExistsAction>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct FileExistsAction {
+    pub path: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -376,6 +386,18 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
         }
     }
     for (name, p) in &plan.probes {
+        if let Some(f) = &p.file_exists {
+            if !p.http_get.url.is_empty() {
+                return Err(PlanError(format!("probes[{name:?}]: has both httpGet and fileExists; give one")));
+            }
+            if !f.path.starts_with('/') {
+                return Err(PlanError(format!(
+                    "probes[{name:?}].fileExists.path: {:?} is not an absolute path",
+                    f.path
+                )));
+            }
+            continue;
+        }
         let field = |msg: String| PlanError(format!("probes[{name:?}].httpGet.url: {msg}"));
         let url = &p.http_get.url;
         if url.is_empty() {

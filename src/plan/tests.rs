@@ -287,3 +287,14 @@ fn unix_date_matches_go() {
         assert_eq!(parse_unix_date(bad), None, "{bad}");
     }
 }
+
+#[test]
+fn file_exists_probes_need_one_kind_and_an_absolute_path() {
+    let plan = |probe: &str| format!(r#"{{"probes": {{"p": {probe}}}}}"#);
+    assert!(parse(plan(r#"{"fileExists": {"path": "/run/ready"}}"#).as_bytes()).is_ok());
+    let e = parse(plan(r#"{"fileExists": {"path": "run/ready"}}"#).as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("fileExists.path") && e.contains("not an absolute path"), "{e}");
+    let both = r#"{"fileExists": {"path": "/r"}, "httpGet": {"url": "http://x"}}"#;
+    let e = parse(plan(both).as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("both httpGet and fileExists"), "{e}");
+}
