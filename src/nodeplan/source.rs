@@ -16,11 +16,12 @@ use crate::plan::ProbeStatus;
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
+use crate::remote::base::WriteBase;
 use futures::StreamExt as _;
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::core::GroupVersionKind;
 use kube::runtime::{WatchStreamExt as _, watcher};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -123,16 +124,17 @@ pub struct NodePlanSource {
     namespace: String,
     node: String,
     latest: Option<watch::Receiver<Latest>>,
-    /// The object our own last write (or a read after a conflict) returned, and the watch's
-    /// sequence number then.
-    own: HashMap<String, (u64, DynamicObject)>,
-    /// resourceVersions of each NodePlan the agent has moved past (its own writes' bases and
-    /// answers): a lagging watch delivering one of them is not newer than `own`.
-    passed: HashMap<String, VecDeque<String>>,
+    /// Per NodePlan, the base of the next write (see [`WriteBase`]).
+    own: HashMap<String, WriteBase<DynamicObject>>,
     probe_period: Duration,
     pending: HashMap<String, Pending>,
     /// The last pause/cancel values each running plan saw.
     last_interrupt: HashMap<String, Interrupt>,
+}
+
+/// An object's resourceVersion (compared for equality only).
+fn rv(o: &DynamicObject) -> &str {
+    o.metadata.resource_version.as_deref().unwrap_or_default()
 }
 
 /// Parse an object's spec and status (a status this agent cannot read counts as none).
@@ -151,7 +153,6 @@ impl NodePlanSource {
             node: node.to_string(),
             latest: None,
             own: HashMap::new(),
-            passed: HashMap::new(),
             probe_period,
             pending: HashMap::new(),
             last_interrupt: HashMap::new(),
@@ -185,31 +186,19 @@ impl NodePlanSource {
             }
             None => (0, None),
         };
-        let moved_past = |w: &DynamicObject| {
-            let rv = w.metadata.resource_version.as_deref().unwrap_or_default();
-            self.passed.get(name).is_some_and(|p| p.iter().any(|x| x == rv))
+        // A NodePlan the watch no longer has is gone, whatever was written to it before.
+        let watched = watched?;
+        let base = match self.own.get(name) {
+            Some(b) => b.current(seq, Some(watched), rv),
+            None => Some(watched),
         };
-        match (self.own.get(name), &watched) {
-            (Some((at, own)), Some(w)) if *at >= seq || moved_past(w) => Some(own.clone()),
-            _ => watched.filter(|o| self.for_this_node(o)),
-        }
+        base.filter(|o| self.for_this_node(o))
     }
 
     /// `new` is the newest object of `name`: what a write (or read) sent when the watch's sequence
     /// number was `sent` returned, replacing `older` (its base).
-    fn remember(&mut self, name: &str, new: DynamicObject, sent: u64, older: Option<String>) {
-        let previous = self.own.remove(name).and_then(|(_, o)| o.metadata.resource_version);
-        let now = new.metadata.resource_version.clone();
-        let passed = self.passed.entry(name.to_string()).or_default();
-        for rv in [previous, older].into_iter().flatten() {
-            if Some(&rv) != now.as_ref() && !passed.contains(&rv) {
-                if passed.len() == 16 {
-                    passed.pop_front();
-                }
-                passed.push_back(rv);
-            }
-        }
-        self.own.insert(name.to_string(), (sent, new));
+    fn remember(&mut self, name: &str, new: DynamicObject, sent: u64, older: &DynamicObject) {
+        self.own.entry(name.to_string()).or_default().remember(new, sent, rv(older), rv);
     }
 
     fn label(&self, name: &str) -> String {
@@ -223,7 +212,7 @@ impl NodePlanSource {
         let Some(mut base) = self.current(name) else { return Written::Abandoned };
         let Ok(status_value) = serde_json::to_value(status) else { return Written::failed("cannot encode the status") };
         for _ in 0..8 {
-            let same_plan = parts(&base).0.ok().and_then(|s| wire::plan_bytes(&s)).map(|b| crate::plan::checksum(&b));
+            let same_plan = parts(&base).0.ok().and_then(|s| wire::plan_checksum(&s));
             if same_plan.as_deref() != Some(checksum) {
                 return Written::Abandoned;
             }
@@ -236,14 +225,14 @@ impl NodePlanSource {
             match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &next)).await
             {
                 Ok(Ok(new)) => {
-                    self.remember(name, new, sent, base.metadata.resource_version.clone());
+                    self.remember(name, new, sent, &base);
                     return Written::Done;
                 }
                 Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                     tracing::info!("{}: status write conflicted (409); reading it again", self.label(name));
                     match tokio::time::timeout(API_TIMEOUT, self.api.get_opt(name)).await {
                         Ok(Ok(Some(fresh))) => {
-                            self.remember(name, fresh.clone(), sent, base.metadata.resource_version.clone());
+                            self.remember(name, fresh.clone(), sent, &base);
                             if !reapply {
                                 return Written::Abandoned;
                             }
@@ -305,7 +294,7 @@ impl NodePlanSource {
         }
         let sent = self.seq();
         match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &obj)).await {
-            Ok(Ok(new)) => self.remember(name, new, sent, o.metadata.resource_version.clone()),
+            Ok(Ok(new)) => self.remember(name, new, sent, o),
             Ok(Err(e)) => tracing::warn!("{}: cannot write its status: {}", self.label(name), crate::error_line(&e)),
             Err(_) => tracing::warn!("{}: cannot write its status: timed out", self.label(name)),
         }
@@ -340,7 +329,6 @@ impl PlanSource for NodePlanSource {
             .collect();
         ranked.sort_by(|a, b| wire::order((a.0, &a.1, &a.2), (b.0, &b.1, &b.2)));
         self.own.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
-        self.passed.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
@@ -436,10 +424,7 @@ impl PlanSource for NodePlanSource {
 
     async fn set_blocked(&mut self, name: &String, why: Option<&str>) {
         let Some(o) = self.current(name) else { return };
-        let Some(checksum) = parts(&o).0.ok().and_then(|s| wire::plan_bytes(&s)).map(|b| crate::plan::checksum(&b))
-        else {
-            return;
-        };
+        let Some(checksum) = parts(&o).0.ok().and_then(|s| wire::plan_checksum(&s)) else { return };
         let mut next = parts(&o).1;
         next.blocked = why.unwrap_or_default().to_string();
         if let Written::Failed { error, .. } = self.write(name, &checksum, &next, true).await {
@@ -456,8 +441,7 @@ impl PlanSource for NodePlanSource {
             return Observed { interrupt: *last, note: Some(format!("nodeplan {name} was deleted: canceling it")) };
         };
         if let Ok(spec) = parts(&o).0 {
-            let same =
-                wire::plan_bytes(&spec).map(|b| crate::plan::checksum(&b)).as_deref() == Some(look.checksum.as_str());
+            let same = wire::plan_checksum(&spec).as_deref() == Some(look.checksum.as_str());
             let forced =
                 o.metadata.annotations.as_ref().and_then(|a| a.get(resource::FORCE_UPDATE)).map(String::as_str)
                     == Some("true");

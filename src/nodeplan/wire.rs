@@ -25,6 +25,11 @@ pub fn plan_bytes(spec: &NodePlanSpec) -> Option<Vec<u8>> {
     spec.plan.as_ref().filter(|p| !p.is_null()).and_then(|p| serde_json::to_vec(p).ok())
 }
 
+/// The checksum of a spec's plan: what identifies a run.
+pub fn plan_checksum(spec: &NodePlanSpec) -> Option<String> {
+    plan_bytes(spec).map(|b| plan::checksum(&b))
+}
+
 /// The order in which a node's waiting plans run: higher priority first, then the older, then
 /// by name.
 pub fn order(a: (i32, &str, &str), b: (i32, &str, &str)) -> Ordering {

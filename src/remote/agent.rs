@@ -14,6 +14,7 @@
 //! Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
 //! them as opaque).
 
+use super::base::WriteBase;
 use super::client::{SecretClient, SecretSnapshot, WriteError};
 use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
@@ -23,16 +24,13 @@ use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use futures::StreamExt as _;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
 /// Every API call is bounded: kube has no read timeout of its own.
 const API_TIMEOUT: Duration = Duration::from_secs(15);
-/// How many resourceVersions the agent has moved past are remembered (a watch lags a few events
-/// behind at most).
-const PASSED_KEPT: usize = 16;
 
 /// A write that could not land yet; kept until it does (or the plan changes).
 #[derive(Debug, Clone)]
@@ -82,13 +80,9 @@ impl RemoteAgent {
 pub struct SecretSource {
     client: SecretClient,
     latest: Option<watch::Receiver<Latest>>,
-    /// The object our own last write (or a read after a conflict) returned, and the watch's
-    /// sequence number when that call was sent: it is the base until the watch delivers something
-    /// newer.
-    own: Option<(u64, SecretSnapshot)>,
-    /// resourceVersions older than `own` that the agent has seen (the bases of its writes, the
-    /// objects `own` replaced): a watch event carrying one arrives late and is not newer.
-    passed: VecDeque<String>,
+    /// The base of the next write: what our own last write returned, until the watch delivers
+    /// something newer.
+    base: WriteBase<SecretSnapshot>,
     probe_period: Duration,
     uid: Option<String>,
     /// resourceVersion of our own last write (the legacy flow does not re-apply on its echo).
@@ -123,8 +117,7 @@ impl SecretSource {
         SecretSource {
             client,
             latest: None,
-            own: None,
-            passed: VecDeque::new(),
+            base: WriteBase::default(),
             probe_period,
             uid: None,
             last_written_rv: None,
@@ -144,37 +137,14 @@ impl SecretSource {
     /// an event after that write was sent that is not one the agent has already moved past.
     fn current(&self) -> Option<SecretSnapshot> {
         let (seq, watched) = self.latest.as_ref().map(|l| l.borrow().clone()).unwrap_or_default();
-        match &self.own {
-            Some((at, own)) if *at >= seq => Some(own.clone()),
-            Some((_, own)) if watched.as_ref().is_some_and(|w| self.passed.contains(&w.resource_version)) => {
-                Some(own.clone())
-            }
-            _ => watched,
-        }
-    }
-
-    fn pass(&mut self, rv: &str) {
-        if !self.passed.iter().any(|p| p == rv) {
-            if self.passed.len() == PASSED_KEPT {
-                self.passed.pop_front();
-            }
-            self.passed.push_back(rv.to_string());
-        }
+        self.base.current(seq, watched, |s| &s.resource_version)
     }
 
     /// `snap` is the newest object: what a write (or a read) sent when the watch's sequence
     /// number was `sent` returned, replacing `older` (the write's base).
     fn remember(&mut self, snap: SecretSnapshot, sent: u64, older: &str) {
-        if let Some((_, old)) = self.own.take()
-            && old.resource_version != snap.resource_version
-        {
-            self.pass(&old.resource_version);
-        }
-        if older != snap.resource_version {
-            self.pass(older);
-        }
         self.uid = Some(snap.uid.clone());
-        self.own = Some((sent, snap));
+        self.base.remember(snap, sent, older, |s| &s.resource_version);
     }
 
     /// Write `keys` conditionally on the current base. On a conflict read again: an outcome
@@ -256,8 +226,7 @@ impl PlanSource for SecretSource {
         if self.uid.as_deref() != Some(snap.uid.as_str()) {
             if self.uid.is_some() {
                 tracing::info!("the plan secret was recreated (uid {}); starting over", snap.uid);
-                self.own = None;
-                self.passed.clear();
+                self.base = WriteBase::default();
                 self.last_written_rv = None;
                 self.has_run_once = false;
             }
