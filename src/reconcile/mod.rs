@@ -212,17 +212,8 @@ fn backoff(initial: Duration) -> Backoff {
 /// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
 /// same millisecond.
 pub fn jittered(d: Duration) -> Duration {
-    d + spread((d / 10).min(Duration::from_secs(1)))
-}
-
-/// A random duration below `max`.
-fn spread(max: Duration) -> Duration {
-    let mut b = [0u8; 2];
-    let r = match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
-        Ok(2) => u16::from_le_bytes(b),
-        _ => 0,
-    };
-    max.mul_f64(f64::from(r) / f64::from(u16::MAX))
+    let r = crate::safefs::random_u64().unwrap_or(0);
+    d + (d / 10).min(Duration::from_secs(1)).mul_f64(r as f64 / u64::MAX as f64)
 }
 
 /// A back-off step that is taken only once its previous delay has passed: being looked at again
@@ -388,11 +379,6 @@ impl<S: PlanSource> Reconciler<S> {
             dirty: false,
             by_change: true,
         }
-    }
-
-    /// The source, for tests that look at it after the loop stopped.
-    pub fn into_source(self) -> S {
-        self.source
     }
 
     /// Run until shutdown (or until the source ends).
