@@ -28,7 +28,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 25] = [
+pub const KEYS: [&str; 26] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -37,6 +37,7 @@ pub const KEYS: [&str; 25] = [
     "connectionInfoFile",
     "nodePlanEnabled",
     "nodeName",
+    "nodePlanStateDirectory",
     "preserveWorkDirectory",
     "imagesDirectory",
     "agentRegistriesFile",
@@ -77,6 +78,9 @@ pub struct AgentConfig {
     pub connection_info_file: PathBuf,
     /// `nodePlanEnabled`: NodePlan mode (the node's NodePlans in the connection info's namespace).
     pub node_plan_enabled: bool,
+    /// `nodePlanStateDirectory`: the NodePlan runs in progress, kept so that a restarted agent
+    /// recovers the plan it was running even when the spec changed meanwhile.
+    pub node_plan_state_directory: PathBuf,
     /// `nodeName`: the node NodePlans are selected for; empty: `CATTLE_NODE_NAME`, else the
     /// hostname.
     pub node_name: String,
@@ -136,6 +140,7 @@ impl Default for AgentConfig {
             remote_enabled: false,
             connection_info_file: "/var/lib/rancher/agent/rancher2_connection_info.json".into(),
             node_plan_enabled: false,
+            node_plan_state_directory: "/var/lib/rancher/agent/nodeplans".into(),
             node_name: String::new(),
             preserve_work_directory: false,
             images_directory: DEFAULT_IMAGES_DIRECTORY.into(),
@@ -235,6 +240,11 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "NodePlan mode: apply the NodePlans labelled `cattle.io/node: <nodeName>` in the connection info's namespace",
         ),
         ("nodeName", "\"\"".to_string(), "NodePlan mode: the node; empty = `CATTLE_NODE_NAME`, else the hostname"),
+        (
+            "nodePlanStateDirectory",
+            p(&d.node_plan_state_directory),
+            "NodePlan mode: the runs in progress, so a restarted agent recovers the plan it was running",
+        ),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (
             "imagesDirectory",
@@ -434,6 +444,7 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
         c.cgroup_root = s;
     }
     doc.path_into("pidDirectory", &mut c.pid_directory, false)?;
+    doc.path_into("nodePlanStateDirectory", &mut c.node_plan_state_directory, false)?;
     if let Some(n) = doc.uint("probePeriodSeconds")? {
         c.probe_period_seconds = n;
     }
@@ -520,6 +531,7 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         ("imageCredentialProviderBinDirectory", &cfg.image_credential_provider_bin_directory),
         ("interlockDirectory", &cfg.interlock_directory),
         ("pidDirectory", &cfg.pid_directory),
+        ("nodePlanStateDirectory", &cfg.node_plan_state_directory),
     ];
     for (key, p) in paths {
         if !p.as_os_str().is_empty() && !p.is_absolute() {

@@ -353,6 +353,17 @@ pub struct Applyinator {
     sup: Supervisor,
     clock: Arc<dyn Clock>,
     lock: tokio::sync::Mutex<()>,
+    /// Who holds `lock` (the owner of the plan applying), for plans that wait to show it.
+    holder: watch::Sender<Option<String>>,
+}
+
+/// Clears the lock holder when the apply ends, however it ends.
+struct HolderMark<'a>(&'a watch::Sender<Option<String>>);
+
+impl Drop for HolderMark<'_> {
+    fn drop(&mut self) {
+        self.0.send_replace(None);
+    }
 }
 
 impl Applyinator {
@@ -361,7 +372,15 @@ impl Applyinator {
     }
 
     pub fn with_clock(config: ApplyConfig, sup: Supervisor, clock: Arc<dyn Clock>) -> Applyinator {
-        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()) }
+        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()), holder: watch::Sender::new(None) }
+    }
+
+    /// Who holds the node's plan lock now (the PID-record owner of the plan applying, such as
+    /// `remote:<checksum>`), and every change of it: a source shows a plan waiting for the lock
+    /// and looks again when it is released. One agent applies one plan at a time, whatever its
+    /// source; the lock lives in the process, so a crashed agent leaves no stale holder.
+    pub fn lock_holder(&self) -> watch::Receiver<Option<String>> {
+        self.holder.subscribe()
     }
 
     pub fn supervisor(&self) -> &Supervisor {
@@ -401,6 +420,8 @@ impl Applyinator {
             return Ok(result);
         }
         let _guard = self.lock.lock().await;
+        self.holder.send_replace(Some(input.owner.short()));
+        let _holder = HolderMark(&self.holder);
         if let Some(i) = input.interrupt().boundary() {
             result.interruption = Some(i);
             return Ok(result);

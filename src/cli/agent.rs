@@ -207,6 +207,7 @@ async fn node_plan_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::node
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),
+        crate::nodeplan::runs::dir_of(&cfg.node_plan_state_directory),
     ))
 }
 

@@ -7,5 +7,6 @@
 //! rules in [`crate::flow`] do).
 
 pub mod resource;
+pub mod runs;
 pub mod source;
 pub mod wire;

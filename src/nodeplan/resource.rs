@@ -32,11 +32,72 @@ pub struct NodePlanSpec {
     pub canceled: bool,
     /// The plan JSON as a structured object.
     pub plan: Option<Value>,
-    pub retry_strategy: Option<Value>,
-    pub preflight_checks: Option<Value>,
-    pub execution: Option<Value>,
+    /// With `plan`, what identifies a run: a new token runs the same plan again from its first
+    /// instruction.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub run_token: String,
+    pub retry_strategy: Option<RetryStrategy>,
+    pub preflight_checks: Option<Vec<PreflightCheck>>,
+    pub execution: Option<Execution>,
     pub plan_ref: Option<Value>,
     pub locking: Option<Value>,
+}
+
+/// Retries of a failed run (absent: a failed plan is not retried).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct RetryStrategy {
+    /// Runs in all, the first included (0: the default, 3).
+    pub max_attempts: i64,
+    /// Each wait is this many times the one before (absent: 2).
+    pub backoff_multiplier: Option<f64>,
+    /// The wait before the first retry (empty: 10s).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub initial_delay: String,
+    /// The longest wait (empty: 10m).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub max_delay: String,
+}
+
+/// A probe that must pass before a run starts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PreflightCheck {
+    pub name: String,
+    /// A probe of the plan's probe kinds (`httpGet`, `fileExists`).
+    pub probe: Value,
+    /// A failing required check keeps the plan from starting; an optional one is reported only.
+    pub required: bool,
+}
+
+impl Default for PreflightCheck {
+    fn default() -> Self {
+        PreflightCheck { name: String::new(), probe: Value::Null, required: true }
+    }
+}
+
+/// Bounds on a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Execution {
+    /// The longest a run may execute (`30m`); empty: no limit.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub timeout: String,
+}
+
+/// Where the current run stands, as the draft names it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ExecutionState {
+    /// When the current run started (or resumed): RFC 3339. A timeout counts from here.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub started: String,
+    /// Who holds the node's plan lock while this plan waits for it.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub lock_holder: String,
+    /// When a failed run is retried: RFC 3339.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub next_retry: String,
 }
 
 /// One instruction's result as the status shows it.
@@ -109,6 +170,12 @@ pub struct NodePlanStatus {
     /// Why the plan is blocked (a leftover process could not be stopped).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub blocked: String,
+    #[serde(skip_serializing_if = "is_default")]
+    pub execution_state: ExecutionState,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// The fields of `spec` this agent knows, and those of the draft it does not support yet.
@@ -118,6 +185,7 @@ const SPEC_FIELDS: &[&str] = &[
     "paused",
     "canceled",
     "plan",
+    "runToken",
     "retryStrategy",
     "preflightChecks",
     "execution",
@@ -130,6 +198,9 @@ const FILE_FIELDS: &[&str] =
 const INSTRUCTION_FIELDS: &[&str] = &["name", "image", "command", "args", "env", "saveOutput", "timeoutSeconds"];
 const PERIODIC_FIELDS: &[&str] =
     &["name", "image", "command", "args", "env", "timeoutSeconds", "periodSeconds", "saveStderrOutput"];
+const RETRY_FIELDS: &[&str] = &["maxAttempts", "backoffMultiplier", "initialDelay", "maxDelay"];
+const PREFLIGHT_FIELDS: &[&str] = &["name", "probe", "required"];
+const EXECUTION_FIELDS: &[&str] = &["timeout"];
 const PROBE_FIELDS: &[&str] =
     &["initialDelaySeconds", "timeoutSeconds", "successThreshold", "failureThreshold", "httpGet", "fileExists"];
 
@@ -175,14 +246,18 @@ pub fn check_spec(spec: &Value) -> Result<(), SpecError> {
             return Err(SpecError::Unsupported(what.into()));
         }
     }
-    for (field, what) in [
-        ("retryStrategy", "spec.retryStrategy"),
-        ("preflightChecks", "spec.preflightChecks"),
-        ("execution", "spec.execution"),
-    ] {
-        if spec.get(field).is_some_and(|v| !v.is_null()) {
-            return Err(SpecError::Unsupported(what.into()));
-        }
+    let found = spec
+        .get("retryStrategy")
+        .and_then(|r| unknown_in(r, "spec.retryStrategy", RETRY_FIELDS))
+        .or_else(|| spec.get("execution").and_then(|e| unknown_in(e, "spec.execution", EXECUTION_FIELDS)))
+        .or_else(|| unknown_in_items(spec.get("preflightChecks"), "spec.preflightChecks", PREFLIGHT_FIELDS))
+        .or_else(|| {
+            spec.get("preflightChecks")?.as_array()?.iter().enumerate().find_map(|(i, c)| {
+                unknown_in(c.get("probe")?, &format!("spec.preflightChecks[{i}].probe"), PROBE_FIELDS)
+            })
+        });
+    if let Some(f) = found {
+        return Err(SpecError::Unknown(f));
     }
     let Some(plan) = spec.get("plan").filter(|p| !p.is_null()) else { return Err(SpecError::NoPlan) };
     if let Some(f) = unknown_in(plan, "spec.plan", PLAN_FIELDS) {
@@ -220,7 +295,25 @@ mod tests {
     #[test]
     fn specs_this_agent_cannot_run_are_refused_with_the_field_named() {
         let plan = json!({"instructions": [{"name": "a", "command": "true"}], "probes": {"p": {"httpGet": {"url": "http://x"}}}});
-        let rows: [(Value, Result<(), SpecError>); 10] = [
+        let rows: [(Value, Result<(), SpecError>); 14] = [
+            (
+                json!({"plan": plan, "runToken": "t", "retryStrategy": {"maxAttempts": 2, "initialDelay": "1s"},
+                       "preflightChecks": [{"name": "c", "probe": {"fileExists": {"path": "/x"}}}],
+                       "execution": {"timeout": "5m"}}),
+                Ok(()),
+            ),
+            (
+                json!({"plan": plan, "retryStrategy": {"maxAttempts": 2, "jitter": true}}),
+                Err(SpecError::Unknown("spec.retryStrategy.jitter".into())),
+            ),
+            (
+                json!({"plan": plan, "preflightChecks": [{"name": "c", "probe": {"exec": {}}}]}),
+                Err(SpecError::Unknown("spec.preflightChecks[0].probe.exec".into())),
+            ),
+            (
+                json!({"plan": plan, "execution": {"timeout": "5m", "deadline": "x"}}),
+                Err(SpecError::Unknown("spec.execution.deadline".into())),
+            ),
             (json!({"plan": plan, "paused": true, "priority": 3}), Ok(())),
             (json!({}), Err(SpecError::NoPlan)),
             (json!({"plan": plan, "colour": "blue"}), Err(SpecError::Unknown("spec.colour".into()))),

@@ -9,10 +9,11 @@
 //! finalizer: a dead node must not leave objects stuck in Terminating).
 
 use super::resource::{self, NODE_LABEL, NodePlanSpec, NodePlanStatus};
-use super::wire::{self, Target};
+use super::runs::RunStore;
+use super::wire::{self, Policy, PreflightResult, Target};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
-use crate::flow::Commit;
-use crate::plan::ProbeStatus;
+use crate::flow::{self, Commit, Decision, RunPlan};
+use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
@@ -63,6 +64,7 @@ pub struct NodePlanAgent {
 }
 
 impl NodePlanAgent {
+    /// `state_dir`: where runs in progress are kept ([`RunStore`]; `None`: not kept).
     pub fn new(
         client: kube::Client,
         namespace: &str,
@@ -70,9 +72,25 @@ impl NodePlanAgent {
         app: Arc<Applyinator>,
         prober: Arc<Prober>,
         probe_period: Duration,
+        state_dir: Option<std::path::PathBuf>,
     ) -> NodePlanAgent {
         let api = Api::namespaced_with(client, namespace, &api_resource());
-        NodePlanAgent { source: NodePlanSource::new(api, namespace, node, probe_period), app, prober }
+        let source = NodePlanSource {
+            api,
+            namespace: namespace.to_string(),
+            node: node.to_string(),
+            latest: None,
+            own: HashMap::new(),
+            probe_period,
+            pending: HashMap::new(),
+            last_interrupt: HashMap::new(),
+            prober: prober.clone(),
+            holder: app.lock_holder(),
+            store: RunStore::new(state_dir, namespace),
+            runs: HashMap::new(),
+            preflight: HashMap::new(),
+        };
+        NodePlanAgent { source, app, prober }
     }
 
     pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
@@ -130,6 +148,23 @@ pub struct NodePlanSource {
     pending: HashMap<String, Pending>,
     /// The last pause/cancel values each running plan saw.
     last_interrupt: HashMap<String, Interrupt>,
+    prober: Arc<Prober>,
+    /// Who holds the node's plan lock (any source's plan applying).
+    holder: watch::Receiver<Option<String>>,
+    store: RunStore,
+    /// Per NodePlan, the run last looked at: its policy, and whether it ran past its timeout.
+    runs: HashMap<String, RunInfo>,
+    /// Per NodePlan, the preflight result of the run about to begin (written with its start).
+    preflight: HashMap<String, (String, PreflightResult)>,
+}
+
+/// What the source remembers of the run it last showed the loop.
+struct RunInfo {
+    checksum: String,
+    policy: Policy,
+    /// The spec that runs (saved when it begins).
+    spec: NodePlanSpec,
+    timed_out: bool,
 }
 
 /// An object's resourceVersion (compared for equality only).
@@ -145,20 +180,19 @@ fn parts(o: &DynamicObject) -> (Result<NodePlanSpec, String>, NodePlanStatus) {
     (spec, status)
 }
 
-impl NodePlanSource {
-    fn new(api: Api<DynamicObject>, namespace: &str, node: &str, probe_period: Duration) -> NodePlanSource {
-        NodePlanSource {
-            api,
-            namespace: namespace.to_string(),
-            node: node.to_string(),
-            latest: None,
-            own: HashMap::new(),
-            probe_period,
-            pending: HashMap::new(),
-            last_interrupt: HashMap::new(),
-        }
-    }
+/// Whether a status for run `checksum` may be written to this object: the spec asks for that run,
+/// or the status belongs to it (a run that goes on while the spec changed records its outcome).
+fn belongs(o: &DynamicObject, checksum: &str) -> bool {
+    let (spec, status) = parts(o);
+    spec.ok().and_then(|s| wire::plan_checksum(&s)).as_deref() == Some(checksum) || status.plan_checksum == checksum
+}
 
+/// Whether the object asks that a change of its plan stop the running one at once.
+fn forced(o: &DynamicObject) -> bool {
+    o.metadata.annotations.as_ref().and_then(|a| a.get(resource::FORCE_UPDATE)).map(String::as_str) == Some("true")
+}
+
+impl NodePlanSource {
     fn seq(&self) -> u64 {
         self.latest.as_ref().map_or(0, |l| l.borrow().0)
     }
@@ -212,8 +246,7 @@ impl NodePlanSource {
         let Some(mut base) = self.current(name) else { return Written::Abandoned };
         let Ok(status_value) = serde_json::to_value(status) else { return Written::failed("cannot encode the status") };
         for _ in 0..8 {
-            let same_plan = parts(&base).0.ok().and_then(|s| wire::plan_checksum(&s));
-            if same_plan.as_deref() != Some(checksum) {
+            if !belongs(&base, checksum) {
                 return Written::Abandoned;
             }
             let mut next = base.clone();
@@ -269,6 +302,74 @@ impl NodePlanSource {
         w
     }
 
+    /// The spec that runs: the live one, unless the status shows another run in progress (the
+    /// spec changed while it ran, and the agent restarted or stopped meanwhile). That run goes on
+    /// from what was saved when it began, with the live pause and cancel values, unless the
+    /// object asks for a forced update.
+    async fn running_spec(
+        &self,
+        name: &str,
+        o: &DynamicObject,
+        live: NodePlanSpec,
+        status: &NodePlanStatus,
+    ) -> NodePlanSpec {
+        let running = status.plan_checksum.as_str();
+        let live_run = wire::plan_checksum(&live);
+        if status.state != Some(PlanState::InProgress)
+            || running.is_empty()
+            || live_run.as_deref() == Some(running)
+            || forced(o)
+        {
+            return live;
+        }
+        let with_live = |saved: NodePlanSpec| NodePlanSpec { paused: live.paused, canceled: live.canceled, ..saved };
+        if let Some(r) = self.runs.get(name).filter(|r| r.checksum == running) {
+            return with_live(r.spec.clone());
+        }
+        match self.store.load(name, running).await {
+            Some(saved) => {
+                tracing::info!(
+                    "{}: the spec changed while run {} was in progress; that run goes on first",
+                    self.label(name),
+                    &running[..running.len().min(12)]
+                );
+                with_live(saved)
+            }
+            None => {
+                tracing::warn!(
+                    "{}: run {} was in progress but is not kept on this node; the newest spec runs instead",
+                    self.label(name),
+                    &running[..running.len().min(12)]
+                );
+                live
+            }
+        }
+    }
+
+    /// Run the preflight checks once each (concurrently, each within its probe's timeout).
+    async fn preflight(&self, policy: &Policy) -> PreflightResult {
+        let runs = policy.preflight.iter().map(|c| async move { (c, self.prober.probe_once(&c.probe).await) });
+        let mut out = PreflightResult::default();
+        for (c, r) in futures::future::join_all(runs).await {
+            if let crate::probe::ProbeResult::Failure(why) = r {
+                let list = if c.required { &mut out.required_failed } else { &mut out.optional_failed };
+                list.push((c.name.clone(), why));
+            }
+        }
+        out
+    }
+
+    /// Write a status that differs from the one read (a plan waiting: written once, not at every
+    /// look).
+    async fn write_if_changed(&mut self, name: &str, checksum: &str, prev: &NodePlanStatus, next: NodePlanStatus) {
+        if *prev == next {
+            return;
+        }
+        if let Written::Failed { error, .. } = self.write(name, checksum, &next, false).await {
+            tracing::warn!("{}: cannot write why it waits: {error}", self.label(name));
+        }
+    }
+
     fn status_of(&self, name: &str) -> NodePlanStatus {
         self.current(name).map(|o| parts(&o).1).unwrap_or_default()
     }
@@ -305,9 +406,26 @@ impl PlanSource for NodePlanSource {
     type Key = String;
 
     async fn changed(&mut self) -> bool {
-        match self.latest.as_mut() {
-            Some(l) => l.changed().await.is_ok(),
-            None => std::future::pending().await,
+        let released = async {
+            // The node's plan lock was released: a plan waiting for it starts now.
+            loop {
+                if self.holder.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+                if self.holder.borrow().is_none() {
+                    return true;
+                }
+            }
+        };
+        let watched = async {
+            match self.latest.as_mut() {
+                Some(l) => l.changed().await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = watched => r,
+            r = released => r,
         }
     }
 
@@ -336,29 +454,58 @@ impl PlanSource for NodePlanSource {
         let Some(o) = self.current(name) else { return Seen::Nothing };
         let generation = o.metadata.generation.unwrap_or_default();
         let label = self.label(name);
+        let bad = |e: String| Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
         let spec_value = o.data.get("spec").cloned().unwrap_or_default();
         if let Err(e) = resource::check_spec(&spec_value) {
             self.refuse(name, &o, e.reason(), &e.to_string()).await;
-            return Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
+            return bad(e.to_string());
         }
         let (spec, status) = parts(&o);
         let spec = match spec {
             Ok(s) => s,
             Err(e) => {
                 self.refuse(name, &o, "InvalidSpec", &e).await;
-                return Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
+                return bad(e);
             }
         };
-        let (vp, checksum) = match wire::valid_plan(&spec) {
+        let spec = self.running_spec(name, &o, spec, &status).await;
+        let checked = wire::valid_plan(&spec).and_then(|(vp, c)| Ok((vp, c, wire::policy(&spec)?)));
+        let (vp, checksum, policy) = match checked {
             Ok(v) => v,
             Err(e) => {
                 self.refuse(name, &o, "InvalidPlan", &e).await;
-                return Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
+                return bad(e);
             }
         };
         let total = vp.plan.instructions.len();
-        let snap = wire::snapshot(&spec, &status, &checksum, total);
+        let (snap, retry_in) = wire::snapshot(&spec, &status, &checksum, total, &policy, chrono::Utc::now());
         let attempt = wire::attempt(&status, &checksum);
+        let decision = flow::decide(&snap);
+        let begins = matches!(decision, Decision::Run(RunPlan::Begin { .. }));
+        let one_time = matches!(decision, Decision::Run(RunPlan::Begin { .. } | RunPlan::Continue { .. }));
+        let target = Target { generation, checksum: &checksum, total };
+        // A plan that would start waits, Pending with a condition that says why, for the node's
+        // plan lock (another source's plan applies) and for its required preflight checks.
+        let holder = self.holder.borrow().clone();
+        if one_time && let Some(holder) = holder {
+            let mut next = wire::waiting(&status, target, chrono::Utc::now());
+            wire::set_lock_holder(&mut next, Some(&holder), generation, chrono::Utc::now());
+            self.write_if_changed(name, &checksum, &status, next).await;
+            return Seen::Held(format!("{label}: waiting for the node's plan lock, held by {holder}"));
+        }
+        if begins && !policy.preflight.is_empty() {
+            let result = self.preflight(&policy).await;
+            if !result.passed() {
+                let mut next = wire::waiting(&status, target, chrono::Utc::now());
+                wire::set_lock_holder(&mut next, None, generation, chrono::Utc::now());
+                wire::set_preflight(&mut next, &result, generation, chrono::Utc::now());
+                self.write_if_changed(name, &checksum, &status, next).await;
+                let names: Vec<&str> = result.required_failed.iter().map(|(n, _)| n.as_str()).collect();
+                return Seen::Held(format!("{label}: preflight checks failed ({}); the plan waits", names.join(", ")));
+            }
+            self.preflight.insert(name.clone(), (checksum.clone(), result));
+        }
+        self.runs.insert(name.clone(), RunInfo { checksum: checksum.clone(), policy, spec, timed_out: false });
         Seen::Plan(Box::new(Look {
             label,
             view: View::Flow(snap),
@@ -371,33 +518,50 @@ impl PlanSource for NodePlanSource {
                 BTreeMap::new()
             },
             probe_statuses: status.probe_statuses.clone(),
-            retry_in: None,
+            retry_in,
             checksum,
             plan: vp,
         }))
     }
 
     async fn commit(&mut self, name: &String, look: &Look, commit: &Commit) -> Written {
-        let t = Target {
-            generation: self.generation(name),
-            checksum: &look.checksum,
-            total: look.plan.plan.instructions.len(),
-        };
-        let next = wire::commit(&self.status_of(name), t, commit, chrono::Utc::now());
+        let generation = self.generation(name);
+        let t = Target { generation, checksum: &look.checksum, total: look.plan.plan.instructions.len() };
+        let now = chrono::Utc::now();
+        let mut next = wire::commit(&self.status_of(name), t, commit, now);
+        if matches!(commit, Commit::Begin { .. }) {
+            if let Some((_, r)) = self.preflight.remove(name).filter(|(c, _)| *c == look.checksum) {
+                wire::set_preflight(&mut next, &r, generation, now);
+            }
+            // Kept on the node before it runs, so a restarted agent goes on with this run.
+            if let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum)
+                && let Err(e) = self.store.save(name, &look.checksum, &run.spec).await
+            {
+                return Written::failed(format!("cannot keep the run on this node: {e}"));
+            }
+        }
         self.write(name, &look.checksum, &next, false).await
     }
 
     async fn record(&mut self, name: &String, look: &Look, outcome: Outcome<'_>) -> Written {
         let Some(rec) = &outcome.record else { return Written::Done };
-        let t = Target {
-            generation: self.generation(name),
-            checksum: &look.checksum,
-            total: look.plan.plan.instructions.len(),
-        };
-        let mut next =
-            wire::record(&self.status_of(name), t, rec, outcome.result, outcome.probes.as_ref(), chrono::Utc::now());
+        let generation = self.generation(name);
+        let t = Target { generation, checksum: &look.checksum, total: look.plan.plan.instructions.len() };
+        let now = chrono::Utc::now();
+        let run = self.runs.get(name).filter(|r| r.checksum == look.checksum);
+        let policy = run.map(|r| r.policy.clone()).unwrap_or_default();
+        let timeout = policy.timeout.filter(|_| run.is_some_and(|r| r.timed_out));
+        let rec = if timeout.is_some() { wire::as_timeout(rec) } else { rec.clone() };
+        let mut next = wire::record(&self.status_of(name), t, &rec, outcome.result, outcome.probes.as_ref(), now);
         if next.state.is_none() && next.plan_checksum.is_empty() {
             next.plan_checksum = look.checksum.clone();
+        }
+        if let Some(d) = timeout {
+            wire::mark_timeout(&mut next, d, generation, now);
+        }
+        wire::mark_retry(&mut next, &policy);
+        if rec.state.as_ref().is_some_and(|s| *s != PlanState::InProgress) {
+            self.store.remove(name).await;
         }
         self.write_outcome(name, &look.checksum, next).await
     }
@@ -440,18 +604,26 @@ impl PlanSource for NodePlanSource {
             last.cancel = true;
             return Observed { interrupt: *last, note: Some(format!("nodeplan {name} was deleted: canceling it")) };
         };
-        if let Ok(spec) = parts(&o).0 {
-            let same = wire::plan_checksum(&spec).as_deref() == Some(look.checksum.as_str());
-            let forced =
-                o.metadata.annotations.as_ref().and_then(|a| a.get(resource::FORCE_UPDATE)).map(String::as_str)
-                    == Some("true");
-            if same {
-                *last = Interrupt { pause: spec.paused, cancel: spec.canceled, shutdown: false };
-            } else if forced {
-                last.cancel = true;
+        let mut note = None;
+        let (spec, status) = parts(&o);
+        if let Ok(spec) = spec {
+            // Pause and cancel act on the running plan even when the spec's plan changed
+            // meanwhile (the new plan runs after it); a forced update stops it.
+            let replaced = wire::plan_checksum(&spec).as_deref() != Some(look.checksum.as_str()) && forced(&o);
+            *last = Interrupt { pause: spec.paused, cancel: spec.canceled || replaced, shutdown: false };
+            if replaced {
+                note = Some(format!("{}: the plan changed with {}: stopping the running one", look.label, resource::FORCE_UPDATE));
             }
         }
-        Observed { interrupt: *last, note: None }
+        if let Some(run) = self.runs.get_mut(name).filter(|r| r.checksum == look.checksum)
+            && (run.timed_out || wire::timed_out(&status, &run.policy, chrono::Utc::now()))
+        {
+            run.timed_out = true;
+            last.cancel = true;
+            let limit = run.policy.timeout.map(crate::duration::show).unwrap_or_default();
+            note = Some(format!("{}: the run exceeded its timeout of {limit}: stopping it", look.label));
+        }
+        Observed { interrupt: *last, note }
     }
 
     fn owner(&self, name: &String, _: &Look) -> Owner {

@@ -6,13 +6,14 @@
 //! `metadata.generation`: flipping `spec.paused` or `spec.canceled` changes the generation but
 //! is the same run, and acts on it at once.
 
-use super::resource::{Condition, InstructionResult, NodePlanSpec, NodePlanStatus};
+use super::resource::{Condition, InstructionResult, NodePlanSpec, NodePlanStatus, PreflightCheck};
 use crate::apply::ApplyResult;
 use crate::flow::{self, CheckpointWrite, Commit, Record};
 use crate::plan::{self, Hold, PlanState, ProbeStatus};
 use chrono::{DateTime, SecondsFormat, Utc};
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// The most output one instruction keeps in the status, and all instructions together: the
 /// status must stay far below the object size limit (1.5 MiB on etcd's default).
@@ -25,9 +26,112 @@ pub fn plan_bytes(spec: &NodePlanSpec) -> Option<Vec<u8>> {
     spec.plan.as_ref().filter(|p| !p.is_null()).and_then(|p| serde_json::to_vec(p).ok())
 }
 
-/// The checksum of a spec's plan: what identifies a run.
+/// What identifies a run: the checksum of the spec's plan (its canonical JSON), and of the run
+/// token after it when there is one (a new token runs the same plan again).
 pub fn plan_checksum(spec: &NodePlanSpec) -> Option<String> {
-    plan_bytes(spec).map(|b| plan::checksum(&b))
+    let mut bytes = plan_bytes(spec)?;
+    if !spec.run_token.is_empty() {
+        bytes.push(b'\n');
+        bytes.extend_from_slice(spec.run_token.as_bytes());
+    }
+    Some(plan::checksum(&bytes))
+}
+
+/// Retries of a failed run, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Retry {
+    /// Runs in all, the first included.
+    pub max_attempts: i64,
+    pub multiplier: f64,
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl Retry {
+    /// The wait after the `failures`-th failure in a row (1 for the first).
+    pub fn delay(&self, failures: i64) -> Duration {
+        let exp = failures.clamp(1, 64) - 1;
+        let secs = self.initial.as_secs_f64() * self.multiplier.powi(exp as i32);
+        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
+            return self.max;
+        }
+        Duration::from_secs_f64(secs)
+    }
+}
+
+/// A preflight check, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preflight {
+    pub name: String,
+    pub probe: plan::Probe,
+    pub required: bool,
+}
+
+/// What shapes a run besides its plan: retries, preflight checks and the timeout.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Policy {
+    pub retry: Option<Retry>,
+    pub preflight: Vec<Preflight>,
+    pub timeout: Option<Duration>,
+}
+
+fn duration_field(s: &str, field: &str, default: Duration) -> Result<Duration, String> {
+    if s.is_empty() {
+        return Ok(default);
+    }
+    crate::duration::parse(s).map_err(|e| format!("{field}: {e}"))
+}
+
+/// The spec's retries, preflight checks and timeout, checked (one error line naming the field).
+pub fn policy(spec: &NodePlanSpec) -> Result<Policy, String> {
+    let retry = match &spec.retry_strategy {
+        None => None,
+        Some(r) => {
+            let max_attempts = if r.max_attempts == 0 { 3 } else { r.max_attempts };
+            if max_attempts < 1 {
+                return Err(format!("spec.retryStrategy.maxAttempts: {max_attempts} is less than 1"));
+            }
+            let multiplier = r.backoff_multiplier.unwrap_or(2.0);
+            if !multiplier.is_finite() || multiplier < 1.0 {
+                return Err(format!("spec.retryStrategy.backoffMultiplier: {multiplier} is less than 1"));
+            }
+            let initial =
+                duration_field(&r.initial_delay, "spec.retryStrategy.initialDelay", Duration::from_secs(10))?;
+            let max = duration_field(&r.max_delay, "spec.retryStrategy.maxDelay", Duration::from_secs(600))?;
+            Some(Retry { max_attempts, multiplier, initial, max: max.max(initial) })
+        }
+    };
+    let timeout = match spec.execution.as_ref().map(|e| e.timeout.as_str()).filter(|t| !t.is_empty()) {
+        None => None,
+        Some(t) => match crate::duration::parse(t) {
+            Ok(d) if d.is_zero() => return Err("spec.execution.timeout: must be more than 0".into()),
+            Ok(d) => Some(d),
+            Err(e) => return Err(format!("spec.execution.timeout: {e}")),
+        },
+    };
+    let checks = spec.preflight_checks.as_deref().unwrap_or_default();
+    Ok(Policy { retry, preflight: preflight(checks)?, timeout })
+}
+
+/// Preflight checks, each probe validated as a plan's probes are.
+fn preflight(checks: &[PreflightCheck]) -> Result<Vec<Preflight>, String> {
+    let mut out: Vec<Preflight> = Vec::new();
+    for (i, c) in checks.iter().enumerate() {
+        let at = format!("spec.preflightChecks[{i}]");
+        if c.name.is_empty() {
+            return Err(format!("{at}.name: is empty"));
+        }
+        if out.iter().any(|p| p.name == c.name) {
+            return Err(format!("{at}.name: {:?} is used twice", c.name));
+        }
+        // The probe is checked by the plan parser, as a plan's only probe.
+        let as_plan = serde_json::json!({"probes": {c.name.clone(): c.probe.clone()}});
+        let bytes = serde_json::to_vec(&as_plan).map_err(|e| format!("{at}.probe: {e}"))?;
+        let mut parsed = plan::parse(&bytes).map_err(|e| format!("{at}.probe: {e}"))?;
+        let probe = parsed.plan.probes.remove(&c.name).ok_or_else(|| format!("{at}.probe: missing"))?;
+        out.push(Preflight { name: c.name.clone(), probe, required: c.required });
+    }
+    Ok(out)
 }
 
 /// The order in which a node's waiting plans run: higher priority first, then the older, then
@@ -49,13 +153,42 @@ pub fn phase(state: &PlanState) -> &'static str {
     }
 }
 
-/// The flow's view of a NodePlan whose plan has `checksum` (`total` one-time instructions).
-pub fn snapshot(spec: &NodePlanSpec, status: &NodePlanStatus, checksum: &str, total: usize) -> flow::Snapshot {
+/// The flow's view of a NodePlan whose run is `checksum` (`total` one-time instructions), and
+/// when a failed run is retried if that is later than `now`.
+///
+/// Two NodePlan rules on top of the shared flow: a canceled run whose `spec.canceled` is cleared
+/// runs again from its first instruction (the producer's way back, as for a changed plan), and a
+/// failed run is retried by the spec's retry strategy until it has had `maxAttempts` runs (it is
+/// seen as `pending` once its wait is over).
+pub fn snapshot(
+    spec: &NodePlanSpec,
+    status: &NodePlanStatus,
+    checksum: &str,
+    total: usize,
+    policy: &Policy,
+    now: DateTime<Utc>,
+) -> (flow::Snapshot, Option<Duration>) {
     let ours = status.plan_checksum == checksum;
-    let state = match &status.state {
+    let mut state = match &status.state {
         Some(s) if ours => s.clone(),
         _ => PlanState::Pending,
     };
+    let mut retry_in = None;
+    let mut fresh = false;
+    if state == PlanState::Canceled && !spec.canceled {
+        state = PlanState::Pending;
+        fresh = true;
+    }
+    if state == PlanState::Failed && !spec.canceled && !spec.paused {
+        match retry_due(status, policy, now) {
+            Some(Ok(())) => {
+                state = PlanState::Pending;
+                fresh = true;
+            }
+            Some(Err(wait)) => retry_in = Some(wait),
+            None => {}
+        }
+    }
     let hold = if spec.canceled {
         Hold::Cancel
     } else if spec.paused {
@@ -63,8 +196,128 @@ pub fn snapshot(spec: &NodePlanSpec, status: &NodePlanStatus, checksum: &str, to
     } else {
         Hold::None
     };
-    let checkpoint = status.checkpoint.clone().filter(|c| ours && c.checksum == checksum);
-    flow::Snapshot { checksum: checksum.to_string(), state, hold: Ok(hold), checkpoint, total }
+    let checkpoint = status.checkpoint.clone().filter(|c| ours && !fresh && c.checksum == checksum);
+    (flow::Snapshot { checksum: checksum.to_string(), state, hold: Ok(hold), checkpoint, total }, retry_in)
+}
+
+/// For a failed run: `None` when it is not retried (no strategy, or its attempts are used up),
+/// `Some(Ok)` when its retry is due, `Some(Err(wait))` while it waits.
+pub fn retry_due(status: &NodePlanStatus, policy: &Policy, now: DateTime<Utc>) -> Option<Result<(), Duration>> {
+    let retry = policy.retry.as_ref()?;
+    if status.failures >= retry.max_attempts {
+        return None;
+    }
+    let due = next_retry(status, retry)?;
+    match (due - now).to_std() {
+        Ok(wait) if !wait.is_zero() => Some(Err(wait)),
+        _ => Some(Ok(())),
+    }
+}
+
+/// When a failed run is retried (`None`: no time recorded; it is retried at once).
+fn next_retry(status: &NodePlanStatus, retry: &Retry) -> Option<DateTime<Utc>> {
+    let last = DateTime::parse_from_rfc3339(&status.last_apply_time).ok()?.with_timezone(&Utc);
+    Some(last + chrono::Duration::from_std(retry.delay(status.failures)).unwrap_or_default())
+}
+
+/// Whether a run that started at `status.executionState.started` has run past the timeout.
+pub fn timed_out(status: &NodePlanStatus, policy: &Policy, now: DateTime<Utc>) -> bool {
+    let (Some(timeout), Some(PlanState::InProgress)) = (policy.timeout, &status.state) else { return false };
+    let Ok(started) = DateTime::parse_from_rfc3339(&status.execution_state.started) else { return false };
+    now - started.with_timezone(&Utc) >= chrono::Duration::from_std(timeout).unwrap_or(chrono::Duration::MAX)
+}
+
+/// A run stopped because it ran past its timeout is a failed run (it counts against the retry
+/// strategy's attempts), with reason `Timeout`.
+pub fn as_timeout(rec: &Record) -> Record {
+    match rec.state {
+        Some(PlanState::Canceled) => Record {
+            state: Some(PlanState::Failed),
+            checkpoint: CheckpointWrite::Clear,
+            succeeded: Some(false),
+            ..rec.clone()
+        },
+        _ => rec.clone(),
+    }
+}
+
+/// The status after [`record`] of a run that timed out.
+pub fn mark_timeout(s: &mut NodePlanStatus, timeout: Duration, generation: i64, now: DateTime<Utc>) {
+    let msg = format!(
+        "the run exceeded its timeout of {}; its processes were stopped",
+        crate::duration::show(timeout)
+    );
+    set_condition(&mut s.conditions, "Applied", "False", "Timeout", &msg, generation, now);
+}
+
+/// The status after a failed run: when it is retried, or that it is not.
+pub fn mark_retry(s: &mut NodePlanStatus, policy: &Policy) {
+    s.execution_state.next_retry = match &policy.retry {
+        Some(r) if s.state == Some(PlanState::Failed) && s.failures < r.max_attempts => {
+            next_retry(s, r).map(time).unwrap_or_default()
+        }
+        _ => String::new(),
+    };
+}
+
+/// What preflight checks found: the failing checks (name, why), required ones first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PreflightResult {
+    pub required_failed: Vec<(String, String)>,
+    pub optional_failed: Vec<(String, String)>,
+}
+
+impl PreflightResult {
+    pub fn passed(&self) -> bool {
+        self.required_failed.is_empty()
+    }
+    fn describe(list: &[(String, String)]) -> String {
+        list.iter().map(|(n, why)| format!("{n} ({why})")).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// The `Preflight` condition for a result.
+pub fn set_preflight(s: &mut NodePlanStatus, r: &PreflightResult, generation: i64, now: DateTime<Utc>) {
+    let (status, reason, msg) = if !r.passed() {
+        ("False", "CheckFailed", format!("required checks failed: {}", PreflightResult::describe(&r.required_failed)))
+    } else if !r.optional_failed.is_empty() {
+        (
+            "True",
+            "OptionalCheckFailed",
+            format!("optional checks failed: {}", PreflightResult::describe(&r.optional_failed)),
+        )
+    } else {
+        ("True", "Passed", "all checks passed".to_string())
+    };
+    set_condition(&mut s.conditions, "Preflight", status, reason, &msg, generation, now);
+}
+
+/// The status of a plan that does not start yet: `Pending` (the caller adds the condition that
+/// says why).
+pub fn waiting(prev: &NodePlanStatus, t: Target<'_>, now: DateTime<Utc>) -> NodePlanStatus {
+    let mut s = if prev.plan_checksum == t.checksum && prev.state == Some(PlanState::Pending) {
+        prev.clone()
+    } else {
+        with_state(prev, t, PlanState::Pending, now)
+    };
+    s.observed_generation = t.generation;
+    s
+}
+
+/// The `Waiting` condition and lock holder of a plan waiting for the node's plan lock (`None`:
+/// it no longer waits).
+pub fn set_lock_holder(s: &mut NodePlanStatus, holder: Option<&str>, generation: i64, now: DateTime<Utc>) {
+    match holder {
+        Some(h) => {
+            s.execution_state.lock_holder = h.to_string();
+            let msg = format!("waiting for the node's plan lock, held by {h}");
+            set_condition(&mut s.conditions, "Waiting", "True", "LockHeld", &msg, generation, now);
+        }
+        None => {
+            s.execution_state.lock_holder.clear();
+            s.conditions.retain(|c| c.type_ != "Waiting");
+        }
+    }
 }
 
 /// `CATTLE_AGENT_ATTEMPT_NUMBER` of the next run of this plan.
@@ -154,6 +407,11 @@ pub fn commit(prev: &NodePlanStatus, t: Target<'_>, c: &Commit, now: DateTime<Ut
             s.instructions.clear();
         }
         _ => s.checkpoint = c.checkpoint().cloned(),
+    }
+    if matches!(c, Commit::Begin { .. } | Commit::Resume(_)) {
+        s.execution_state.started = time(now);
+        s.execution_state.next_retry.clear();
+        set_lock_holder(&mut s, None, t.generation, now);
     }
     if matches!(c, Commit::Begin { .. }) {
         s.attempts = s.failures + 1;
@@ -268,11 +526,11 @@ pub fn refused(
     s
 }
 
-/// The plan JSON of a spec, validated as any plan is.
+/// The plan JSON of a spec, validated as any plan is, and the run's identity ([`plan_checksum`]).
 pub fn valid_plan(spec: &NodePlanSpec) -> Result<(plan::ValidPlan, String), String> {
     let raw = plan_bytes(spec).ok_or("spec.plan is missing")?;
-    let checksum = plan::checksum(&raw);
-    plan::parse(&raw).map(|vp| (vp, checksum)).map_err(|e| e.to_string())
+    let run = plan_checksum(spec).ok_or("spec.plan is missing")?;
+    plan::parse(&raw).map(|vp| (vp, run)).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -307,7 +565,7 @@ mod tests {
             (spec(false, false), &other, PlanState::Pending, Hold::None),
         ];
         for (sp, st, state, hold) in rows {
-            let s = snapshot(&sp, st, &c, 2);
+            let (s, _) = snapshot(&sp, st, &c, 2, &Policy::default(), now());
             assert_eq!((s.state, s.hold), (state, Ok(hold)));
         }
         // Key order in the object does not change the checksum (canonical JSON).
@@ -316,6 +574,116 @@ mod tests {
             ..NodePlanSpec::default()
         };
         assert_eq!(valid_plan(&reordered).unwrap().1, c);
+    }
+
+    fn retry(max_attempts: i64) -> Policy {
+        let r = crate::nodeplan::resource::RetryStrategy {
+            max_attempts,
+            backoff_multiplier: Some(3.0),
+            initial_delay: "10s".into(),
+            max_delay: "1m".into(),
+        };
+        policy(&NodePlanSpec { retry_strategy: Some(r), ..spec(false, false) }).unwrap()
+    }
+
+    #[test]
+    fn failed_runs_are_retried_by_the_strategy_and_canceled_ones_when_the_cancel_is_cleared() {
+        let c = "c";
+        let failed = |failures: i64, ago: i64| NodePlanStatus {
+            plan_checksum: c.into(),
+            state: Some(PlanState::Failed),
+            failures,
+            last_apply_time: time(now() - chrono::Duration::seconds(ago)),
+            ..Default::default()
+        };
+        let secs = Duration::from_secs;
+        let rows: [(&str, NodePlanSpec, NodePlanStatus, Policy, PlanState, Option<Duration>); 9] = [
+            ("no strategy: terminal", spec(false, false), failed(1, 999), Policy::default(), PlanState::Failed, None),
+            ("first retry waits 10s", spec(false, false), failed(1, 4), retry(3), PlanState::Failed, Some(secs(6))),
+            ("first retry due", spec(false, false), failed(1, 10), retry(3), PlanState::Pending, None),
+            ("second waits 30s", spec(false, false), failed(2, 20), retry(3), PlanState::Failed, Some(secs(10))),
+            ("attempts used up", spec(false, false), failed(3, 999), retry(3), PlanState::Failed, None),
+            ("a held plan is not retried", spec(true, false), failed(1, 999), retry(3), PlanState::Failed, None),
+            (
+                "canceled, cancel still set",
+                spec(false, true),
+                NodePlanStatus { state: Some(PlanState::Canceled), ..failed(0, 0) },
+                Policy::default(),
+                PlanState::Canceled,
+                None,
+            ),
+            (
+                "canceled, cancel cleared: runs again",
+                spec(false, false),
+                NodePlanStatus { state: Some(PlanState::Canceled), ..failed(0, 0) },
+                Policy::default(),
+                PlanState::Pending,
+                None,
+            ),
+            ("another run", spec(false, false), NodePlanStatus { plan_checksum: "old".into(), ..failed(3, 0) }, retry(3), PlanState::Pending, None),
+        ];
+        for (what, sp, st, pol, state, wait) in rows {
+            let (s, retry_in) = snapshot(&sp, &st, c, 2, &pol, now());
+            assert_eq!((s.state, retry_in), (state, wait), "{what}");
+        }
+        // The waits grow by the multiplier up to the maximum.
+        let r = retry(9).retry.unwrap();
+        assert_eq!([1, 2, 3, 4].map(|f| r.delay(f)), [secs(10), secs(30), secs(60), secs(60)]);
+    }
+
+    #[test]
+    fn a_run_past_its_timeout_fails_with_reason_timeout() {
+        let pol = policy(&NodePlanSpec {
+            execution: Some(crate::nodeplan::resource::Execution { timeout: "1m".into() }),
+            ..spec(false, false)
+        })
+        .unwrap();
+        let mut st = NodePlanStatus { state: Some(PlanState::InProgress), ..Default::default() };
+        st.execution_state.started = time(now() - chrono::Duration::seconds(59));
+        assert!(!timed_out(&st, &pol, now()));
+        assert!(timed_out(&st, &pol, now() + chrono::Duration::seconds(1)));
+        assert!(!timed_out(&st, &Policy::default(), now() + chrono::Duration::hours(1)), "no timeout set");
+        let done = NodePlanStatus { state: Some(PlanState::Succeeded), ..st.clone() };
+        assert!(!timed_out(&done, &pol, now() + chrono::Duration::hours(1)), "only a run in progress");
+        let canceled = Record { state: Some(PlanState::Canceled), ..Default::default() };
+        let t = Target { generation: 1, checksum: "c", total: 2 };
+        let rec = as_timeout(&canceled);
+        let mut s = record(&st, t, &rec, &ApplyResult::default(), None, now());
+        mark_timeout(&mut s, Duration::from_secs(60), 1, now());
+        assert_eq!((s.phase.as_str(), s.failures, s.checkpoint.clone()), ("Failed", 1, None));
+        assert_eq!(s.conditions[0].reason, "Timeout");
+    }
+
+    #[test]
+    fn bad_policies_are_one_line_naming_the_field() {
+        use crate::nodeplan::resource::{Execution, PreflightCheck, RetryStrategy};
+        let with = |f: &dyn Fn(&mut NodePlanSpec)| {
+            let mut s = spec(false, false);
+            f(&mut s);
+            policy(&s).unwrap_err()
+        };
+        let e = with(&|s| s.execution = Some(Execution { timeout: "soon".into() }));
+        assert!(e.starts_with("spec.execution.timeout: "), "{e}");
+        let e = with(&|s| {
+            s.retry_strategy = Some(RetryStrategy { backoff_multiplier: Some(0.5), ..Default::default() })
+        });
+        assert!(e.starts_with("spec.retryStrategy.backoffMultiplier"), "{e}");
+        let check = |name: &str, probe: serde_json::Value| PreflightCheck { name: name.into(), probe, required: true };
+        let e = with(&|s| s.preflight_checks = Some(vec![check("a", json!({"fileExists": {"path": "rel"}}))]));
+        assert!(e.starts_with("spec.preflightChecks[0].probe: "), "{e}");
+        let ok = json!({"fileExists": {"path": "/x"}});
+        let e = with(&|s| s.preflight_checks = Some(vec![check("a", ok.clone()), check("a", ok.clone())]));
+        assert!(e.contains("used twice"), "{e}");
+    }
+
+    #[test]
+    fn a_run_token_makes_the_same_plan_a_new_run() {
+        let a = spec(false, false);
+        let b = NodePlanSpec { run_token: "2026-11-30T12:00:00Z".into(), ..a.clone() };
+        assert_ne!(plan_checksum(&a), plan_checksum(&b));
+        let (vp, run) = valid_plan(&a).unwrap();
+        assert_eq!((Some(run.clone()), vp.checksum), (plan_checksum(&a), run), "no token: the plan's own checksum");
+        assert_eq!(valid_plan(&b).unwrap().1, plan_checksum(&b).unwrap());
     }
 
     #[test]

@@ -346,7 +346,8 @@ impl ClusterNode {
             &config,
             format!(
                 "{mode}connectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
-                 interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n"
+                 interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nnodePlanStateDirectory: {d}/nodeplans\n\
+                 stopTimeout: 1s\nkillTimeout: 5s\n"
             ),
         )
         .unwrap();
