@@ -40,6 +40,7 @@ remoteEnabled: true
 connectionInfoFile: /w/conn.json
 nodePlanEnabled: true
 nodeName: worker-7
+nodePlanStateDirectory: /w/nodeplans
 preserveWorkDirectory: true
 imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
@@ -68,6 +69,7 @@ const FULL_JSON: &str = r#"{
   "connectionInfoFile": "/w/conn.json",
   "nodePlanEnabled": true,
   "nodeName": "worker-7",
+  "nodePlanStateDirectory": "/w/nodeplans",
   "preserveWorkDirectory": true,
   "imagesDirectory": "/w/images",
   "agentRegistriesFile": "/w/registries.yaml",
@@ -97,6 +99,7 @@ fn full() -> AgentConfig {
         connection_info_file: "/w/conn.json".into(),
         node_plan_enabled: true,
         node_name: "worker-7".into(),
+        node_plan_state_directory: "/w/nodeplans".into(),
         preserve_work_directory: true,
         images_directory: "/w/images".into(),
         agent_registries_file: "/w/registries.yaml".into(),

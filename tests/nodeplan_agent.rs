@@ -343,3 +343,229 @@ async fn a_file_exists_probe_follows_its_path() {
     n.wait("f", "unhealthy", |s| s.probe_statuses.get("ready").is_some_and(|p| !p.healthy)).await;
     assert_eq!(agent.stop(), 0);
 }
+
+/// The checksum that identifies a run of `spec` (what `status.planChecksum` names).
+fn run_of(spec: &serde_json::Value) -> String {
+    let spec: nodeplan::nodeplan::resource::NodePlanSpec = serde_json::from_value(spec.clone()).unwrap();
+    nodeplan::nodeplan::wire::plan_checksum(&spec).unwrap()
+}
+
+fn condition<'a>(s: &'a NodePlanStatus, type_: &str) -> Option<&'a nodeplan::nodeplan::resource::Condition> {
+    s.conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// A failing plan is retried with back-off until `maxAttempts` runs, each with its attempt number;
+/// then it stays failed and says it is not retried again.
+#[tokio::test]
+async fn a_failing_plan_is_retried_until_max_attempts() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-retry").await;
+    let log = n.p("log");
+    let plan = json!({"instructions": [sh("flaky", &format!("echo $CATTLE_AGENT_ATTEMPT_NUMBER >> {log}; exit 3"))]});
+    let retry = json!({"maxAttempts": 3, "initialDelay": "100ms", "backoffMultiplier": 2});
+    n.create("r", "node-a", json!({"plan": plan, "retryStrategy": retry})).await;
+    let mut agent = n.agent();
+    let s = n.wait("r", "three failed runs", |s| s.phase == "Failed" && s.failures == 3).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n3\n", "three runs, numbered");
+    assert_eq!((s.attempts, s.instructions[0].exit_code), (3, Some(3)));
+    assert_eq!(s.execution_state.next_retry, "", "no fourth run is scheduled");
+    agent.wait_log("failed (0/1 instructions)");
+    // The same plan with a new run token runs again from its first instruction.
+    n.patch_spec(
+        "r",
+        json!({"runToken": "again", "plan": {"instructions": [sh("fixed", &format!("echo fixed >> {log}"))]}}),
+    )
+    .await;
+    let s = n.wait("r", "Applied", phase("Applied")).await;
+    assert_eq!((s.attempts, s.failures, s.successes), (1, 0, 1));
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n3\nfixed\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A failing required preflight check keeps the plan Pending (nothing runs) and is checked again
+/// with back-off; once it passes the plan runs. A failing optional check is reported only.
+#[tokio::test]
+async fn a_required_preflight_check_holds_the_plan_until_it_passes() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-preflight").await;
+    let (gate, marker) = (n.p("gate"), n.p("marker"));
+    let checks = json!([
+        {"name": "gate-open", "probe": {"fileExists": {"path": gate}}},
+        {"name": "nice-to-have", "required": false, "probe": {"fileExists": {"path": n.p("absent")}}},
+    ]);
+    let plan = json!({"instructions": [sh("go", &format!("touch {marker}"))]});
+    n.create("pf", "node-a", json!({"plan": plan, "preflightChecks": checks})).await;
+    let mut agent = n.agent();
+    let s =
+        n.wait("pf", "a failed preflight", |s| condition(s, "Preflight").is_some_and(|c| c.status == "False")).await;
+    assert_eq!(s.phase, "Pending");
+    let c = condition(&s, "Preflight").unwrap();
+    assert!(c.message.contains("gate-open") && !c.message.contains("nice-to-have"), "{c:?}");
+    agent.wait_log("preflight checks failed (gate-open)");
+    assert!(!std::path::Path::new(&marker).exists(), "nothing ran");
+    std::fs::write(&gate, b"").unwrap();
+    let s = n.wait("pf", "Applied", phase("Applied")).await;
+    assert!(std::path::Path::new(&marker).exists());
+    let c = condition(&s, "Preflight").unwrap();
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "OptionalCheckFailed"), "{c:?}");
+    assert!(c.message.contains("nice-to-have"), "{c:?}");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A run past `spec.execution.timeout` is stopped through the stop ladder (its whole tree) and
+/// fails with reason Timeout; the next instruction never runs.
+#[tokio::test]
+async fn a_run_past_its_timeout_is_stopped_and_fails_with_reason_timeout() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-timeout").await;
+    let (ready, pids, never) = (n.fifo("ready"), n.p("tree-pids"), n.p("never"));
+    let script = format!("setsid sleep 300 & echo $! > {pids}; echo $$ >> {pids}; echo > {ready}; exec sleep 300");
+    let plan = json!({"instructions": [sh("hang", &script), sh("after", &format!("touch {never}"))]});
+    n.create("t", "node-a", json!({"plan": plan, "execution": {"timeout": "2s"}})).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    let started: Vec<i32> =
+        std::fs::read_to_string(&pids).unwrap().lines().map(|l| l.trim().parse().unwrap()).collect();
+    let s = n.wait("t", "Failed", phase("Failed")).await;
+    let c = condition(&s, "Applied").unwrap();
+    assert_eq!(c.reason, "Timeout", "{c:?}");
+    assert!(c.message.contains("timeout of 2s"), "{c:?}");
+    assert_eq!((s.failures, s.checkpoint.clone()), (1, None));
+    agent.wait_log("exceeded its timeout of 2s");
+    for pid in started {
+        assert!(!alive(pid), "pid {pid} of the timed-out tree survived");
+    }
+    assert!(!std::path::Path::new(&never).exists(), "the next instruction ran");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A plan's spec changing while it runs does not change what runs: the running plan finishes,
+/// then the new one runs. With the force-update annotation the running one is stopped at once.
+#[tokio::test]
+async fn a_spec_change_waits_for_the_running_plan_unless_forced() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-change").await;
+    let (log, ready, gate) = (n.p("log"), n.fifo("ready"), n.fifo("gate"));
+    let x = json!({"instructions": [sh("x", &format!("echo x-start >> {log}; echo > {ready}; read g < {gate}; echo x-end >> {log}"))]});
+    let y = json!({"instructions": [sh("y", &format!("echo y >> {log}"))]});
+    n.create("c", "node-a", json!({"plan": x})).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    n.patch_spec("c", json!({"plan": y})).await;
+    // The agent sees the change (interrupts are looked at every second and on every event) and
+    // keeps running x: the gate is opened only after a later event has surely been seen.
+    n.patch_spec("c", json!({"priority": 1})).await;
+    release_fifo(&gate);
+    let want = run_of(&json!({"plan": y}));
+    let s = n.wait("c", "y applied", |s| s.phase == "Applied" && s.plan_checksum == want).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "x-start\nx-end\ny\n", "x finished first");
+    assert_eq!(s.instructions[0].name, "y");
+
+    // Forced: x2 is stopped through the ladder and y2 starts.
+    let (ready2, pid_file) = (n.fifo("ready2"), n.p("pid"));
+    let x2 = json!({"instructions": [sh("x2", &format!("echo x2-start >> {log}; echo $$ > {pid_file}; echo > {ready2}; exec sleep 300"))]});
+    let y2 = json!({"instructions": [sh("y2", &format!("echo y2 >> {log}"))]});
+    n.create("f", "node-a", json!({"plan": x2})).await;
+    read_fifo(&ready2);
+    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    n.api
+        .patch(
+            "f",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"agent.cattle.io/force-update": "true"}}, "spec": {"plan": y2}}),
+            ),
+        )
+        .await
+        .unwrap();
+    agent.wait_log("stopping the running one");
+    let want = run_of(&json!({"plan": y2}));
+    n.wait("f", "y2 applied", |s| s.phase == "Applied" && s.plan_checksum == want).await;
+    assert!(!alive(pid), "the replaced run still runs");
+    assert!(std::fs::read_to_string(&log).unwrap().ends_with("x2-start\ny2\n"));
+    assert_eq!(agent.stop(), 0);
+}
+
+/// An agent SIGKILLed while a plan runs, whose spec changed meanwhile, recovers the plan it was
+/// running (kept on the node), not the newest spec: that run goes on from its first instruction,
+/// then the new plan runs.
+#[tokio::test]
+async fn a_restarted_agent_recovers_the_run_in_progress_not_the_newest_spec() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-crash-change").await;
+    let (log, ready, gate) = (n.p("log"), n.fifo("ready"), n.fifo("gate"));
+    let x = json!({"instructions": [sh("x", &format!("echo x-start >> {log}; echo > {ready}; read g < {gate}; echo x-end >> {log}"))]});
+    let y = json!({"instructions": [sh("y", &format!("echo y >> {log}"))]});
+    n.create("c", "node-a", json!({"plan": x})).await;
+    let agent = n.agent();
+    read_fifo(&ready);
+    let x_run = run_of(&json!({"plan": x}));
+    n.wait("c", "x executing", |s| s.phase == "Executing" && s.plan_checksum == x_run).await;
+    n.patch_spec("c", json!({"plan": y})).await;
+    agent.crash();
+    let mut agent = n.agent();
+    agent.wait_log("that run goes on first");
+    // Recovery stopped the old x; x runs again from its first instruction.
+    read_fifo(&ready);
+    release_fifo(&gate);
+    let want = run_of(&json!({"plan": y}));
+    n.wait("c", "y applied", |s| s.phase == "Applied" && s.plan_checksum == want).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "x-start\nx-start\nx-end\ny\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A canceled plan stays canceled while `spec.canceled` is set; clearing it runs the plan again
+/// from its first instruction.
+#[tokio::test]
+async fn clearing_the_cancel_runs_the_plan_again_from_the_start() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-uncancel").await;
+    let log = n.p("log");
+    let plan =
+        json!({"instructions": [sh("one", &format!("echo one >> {log}")), sh("two", &format!("echo two >> {log}"))]});
+    n.create("u", "node-a", json!({"plan": plan, "canceled": true})).await;
+    let mut agent = n.agent();
+    let s = n.wait("u", "Cancelled", phase("Cancelled")).await;
+    assert_eq!(s.progress, "0/2");
+    agent.wait_log("canceled");
+    assert!(!std::path::Path::new(&log).exists());
+    n.patch_spec("u", json!({"canceled": false})).await;
+    let s = n.wait("u", "Applied", phase("Applied")).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "one\ntwo\n");
+    assert_eq!(s.checkpoint, None);
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A NodePlan that would start while another source's plan holds the node's plan lock waits,
+/// Pending, with a condition naming the holder; it starts once the lock is released.
+#[tokio::test]
+async fn a_nodeplan_waiting_for_the_lock_names_the_holder() {
+    let cp = control_plane!();
+    install_crd(cp).await;
+    let namespace = cp.new_namespace("np-lock").await;
+    let api: Api<DynamicObject> = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
+    let plans = tempfile::tempdir().unwrap();
+    let mode = format!(
+        "nodePlanEnabled: true\nnodeName: node-a\nlocalEnabled: true\nlocalPlanDirectory: {}\n",
+        plans.path().display()
+    );
+    let node = ClusterNode::new(&mode, &cp.kubeconfig_yaml(), &namespace);
+    let n = Node { node, api, namespace };
+    let (log, ready, gate) = (n.p("log"), n.fifo("ready"), n.fifo("gate"));
+    let local = json!({"instructions": [sh("local", &format!("echo local-start >> {log}; echo > {ready}; read g < {gate}; echo local-end >> {log}"))]});
+    let local_path = plans.path().join("hold.plan");
+    std::fs::write(&local_path, serde_json::to_vec(&local).unwrap()).unwrap();
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    n.create("w", "node-a", json!({"plan": {"instructions": [sh("np", &format!("echo nodeplan >> {log}"))]}})).await;
+    let s = n.wait("w", "a Waiting condition", |s| condition(s, "Waiting").is_some()).await;
+    let c = condition(&s, "Waiting").unwrap();
+    assert_eq!((s.phase.as_str(), c.reason.as_str()), ("Pending", "LockHeld"));
+    assert!(c.message.contains(&format!("local:{}", local_path.display())), "{c:?}");
+    assert!(s.execution_state.lock_holder.starts_with("local:"), "{s:?}");
+    release_fifo(&gate);
+    let s = n.wait("w", "Applied", phase("Applied")).await;
+    assert!(condition(&s, "Waiting").is_none() && s.execution_state.lock_holder.is_empty(), "{s:?}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "local-start\nlocal-end\nnodeplan\n");
+    assert_eq!(agent.stop(), 0);
+}

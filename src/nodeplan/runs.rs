@@ -161,8 +161,8 @@ mod tests {
     fn a_saved_run_for_another_object_is_refused() {
         let s = spec("x");
         let run = wire::plan_checksum(&s).unwrap();
-        let bytes = serde_json::to_vec(&Saved { namespace: "a".into(), name: "p".into(), run: run.clone(), spec: s })
-            .unwrap();
+        let bytes =
+            serde_json::to_vec(&Saved { namespace: "a".into(), name: "p".into(), run: run.clone(), spec: s }).unwrap();
         assert!(check(&bytes, "a", "p", &run).is_ok());
         assert!(check(&bytes, "b", "p", &run).unwrap_err().contains("not b/p"));
     }

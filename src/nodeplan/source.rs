@@ -454,7 +454,8 @@ impl PlanSource for NodePlanSource {
         let Some(o) = self.current(name) else { return Seen::Nothing };
         let generation = o.metadata.generation.unwrap_or_default();
         let label = self.label(name);
-        let bad = |e: String| Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
+        let bad =
+            |e: String| Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
         let spec_value = o.data.get("spec").cloned().unwrap_or_default();
         if let Err(e) = resource::check_spec(&spec_value) {
             self.refuse(name, &o, e.reason(), &e.to_string()).await;
@@ -612,7 +613,11 @@ impl PlanSource for NodePlanSource {
             let replaced = wire::plan_checksum(&spec).as_deref() != Some(look.checksum.as_str()) && forced(&o);
             *last = Interrupt { pause: spec.paused, cancel: spec.canceled || replaced, shutdown: false };
             if replaced {
-                note = Some(format!("{}: the plan changed with {}: stopping the running one", look.label, resource::FORCE_UPDATE));
+                note = Some(format!(
+                    "{}: the plan changed with {}: stopping the running one",
+                    look.label,
+                    resource::FORCE_UPDATE
+                ));
             }
         }
         if let Some(run) = self.runs.get_mut(name).filter(|r| r.checksum == look.checksum)

@@ -95,8 +95,7 @@ pub fn policy(spec: &NodePlanSpec) -> Result<Policy, String> {
             if !multiplier.is_finite() || multiplier < 1.0 {
                 return Err(format!("spec.retryStrategy.backoffMultiplier: {multiplier} is less than 1"));
             }
-            let initial =
-                duration_field(&r.initial_delay, "spec.retryStrategy.initialDelay", Duration::from_secs(10))?;
+            let initial = duration_field(&r.initial_delay, "spec.retryStrategy.initialDelay", Duration::from_secs(10))?;
             let max = duration_field(&r.max_delay, "spec.retryStrategy.maxDelay", Duration::from_secs(600))?;
             Some(Retry { max_attempts, multiplier, initial, max: max.max(initial) })
         }
@@ -243,10 +242,7 @@ pub fn as_timeout(rec: &Record) -> Record {
 
 /// The status after [`record`] of a run that timed out.
 pub fn mark_timeout(s: &mut NodePlanStatus, timeout: Duration, generation: i64, now: DateTime<Utc>) {
-    let msg = format!(
-        "the run exceeded its timeout of {}; its processes were stopped",
-        crate::duration::show(timeout)
-    );
+    let msg = format!("the run exceeded its timeout of {}; its processes were stopped", crate::duration::show(timeout));
     set_condition(&mut s.conditions, "Applied", "False", "Timeout", &msg, generation, now);
 }
 
@@ -620,7 +616,14 @@ mod tests {
                 PlanState::Pending,
                 None,
             ),
-            ("another run", spec(false, false), NodePlanStatus { plan_checksum: "old".into(), ..failed(3, 0) }, retry(3), PlanState::Pending, None),
+            (
+                "another run",
+                spec(false, false),
+                NodePlanStatus { plan_checksum: "old".into(), ..failed(3, 0) },
+                retry(3),
+                PlanState::Pending,
+                None,
+            ),
         ];
         for (what, sp, st, pol, state, wait) in rows {
             let (s, retry_in) = snapshot(&sp, &st, c, 2, &pol, now());
@@ -664,9 +667,8 @@ mod tests {
         };
         let e = with(&|s| s.execution = Some(Execution { timeout: "soon".into() }));
         assert!(e.starts_with("spec.execution.timeout: "), "{e}");
-        let e = with(&|s| {
-            s.retry_strategy = Some(RetryStrategy { backoff_multiplier: Some(0.5), ..Default::default() })
-        });
+        let e =
+            with(&|s| s.retry_strategy = Some(RetryStrategy { backoff_multiplier: Some(0.5), ..Default::default() }));
         assert!(e.starts_with("spec.retryStrategy.backoffMultiplier"), "{e}");
         let check = |name: &str, probe: serde_json::Value| PreflightCheck { name: name.into(), probe, required: true };
         let e = with(&|s| s.preflight_checks = Some(vec![check("a", json!({"fileExists": {"path": "rel"}}))]));
