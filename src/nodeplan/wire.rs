@@ -593,7 +593,8 @@ mod tests {
             ..Default::default()
         };
         let secs = Duration::from_secs;
-        let rows: [(&str, NodePlanSpec, NodePlanStatus, Policy, PlanState, Option<Duration>); 9] = [
+        type Row = (&'static str, NodePlanSpec, NodePlanStatus, Policy, PlanState, Option<Duration>);
+        let rows: [Row; 9] = [
             ("no strategy: terminal", spec(false, false), failed(1, 999), Policy::default(), PlanState::Failed, None),
             ("first retry waits 10s", spec(false, false), failed(1, 4), retry(3), PlanState::Failed, Some(secs(6))),
             ("first retry due", spec(false, false), failed(1, 10), retry(3), PlanState::Pending, None),
