@@ -250,7 +250,7 @@ pub fn mark_timeout(s: &mut NodePlanStatus, timeout: Duration, generation: i64, 
 pub fn mark_retry(s: &mut NodePlanStatus, policy: &Policy) {
     s.execution_state.next_retry = match &policy.retry {
         Some(r) if s.state == Some(PlanState::Failed) && s.failures < r.max_attempts => {
-            next_retry(s, r).map(time).unwrap_or_default()
+            next_retry(s, r).map(precise).unwrap_or_default()
         }
         _ => String::new(),
     };
@@ -323,6 +323,11 @@ pub fn attempt(status: &NodePlanStatus, checksum: &str) -> i64 {
 
 fn time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+/// With milliseconds: the times retries and the timeout count from.
+fn precise(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
 /// Which object and plan a status is written for.
@@ -405,7 +410,7 @@ pub fn commit(prev: &NodePlanStatus, t: Target<'_>, c: &Commit, now: DateTime<Ut
         _ => s.checkpoint = c.checkpoint().cloned(),
     }
     if matches!(c, Commit::Begin { .. } | Commit::Resume(_)) {
-        s.execution_state.started = time(now);
+        s.execution_state.started = precise(now);
         s.execution_state.next_retry.clear();
         set_lock_holder(&mut s, None, t.generation, now);
     }
@@ -490,12 +495,12 @@ pub fn record(
         Some(true) => {
             s.successes += 1;
             s.failures = 0;
-            s.last_apply_time = time(now);
+            s.last_apply_time = precise(now);
         }
         Some(false) => {
             s.failures += 1;
             s.successes = 0;
-            s.last_apply_time = time(now);
+            s.last_apply_time = precise(now);
         }
         None => {}
     }
