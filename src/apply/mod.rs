@@ -16,7 +16,9 @@ pub use archive::InterlockError;
 pub use files::FileError;
 
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
-use crate::process::{LogSink, Outcome, Output, Owner, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor};
+use crate::process::{
+    LogSink, Outcome, Output, Owner, OwnerLock, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor,
+};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -298,6 +300,9 @@ pub enum ApplyError {
     /// nothing was touched.
     #[error("work directory: {0}")]
     ForeignWorkDir(#[source] WorkDirError),
+    /// The work directory's lock could not be taken (not: it is held; then the apply waits).
+    #[error("work directory lock: {0}")]
+    Lock(#[source] crate::process::LockError),
 }
 
 /// What went wrong with the work directory or an execution directory in it.
@@ -355,6 +360,14 @@ pub struct Applyinator {
     lock: tokio::sync::Mutex<()>,
     /// Who holds `lock` (the owner of the plan applying), for plans that wait to show it.
     holder: watch::Sender<Option<String>>,
+}
+
+/// The work directory's lock ([`Applyinator::work_dir_lock`]).
+enum WorkLock {
+    /// Held until dropped (`None`: a work directory without a parent has no lock).
+    Held(Option<OwnerLock>),
+    /// A pause, cancel or shutdown came while another process held it.
+    Interrupted,
 }
 
 /// Clears the lock holder when the apply ends, however it ends.
@@ -422,6 +435,10 @@ impl Applyinator {
         let _guard = self.lock.lock().await;
         self.holder.send_replace(Some(input.owner.short()));
         let _holder = HolderMark(&self.holder);
+        let WorkLock::Held(_work_lock) = self.work_dir_lock(&input).await? else {
+            result.interruption = input.interrupt().boundary();
+            return Ok(result);
+        };
         if let Some(i) = input.interrupt().boundary() {
             result.interruption = Some(i);
             return Ok(result);
@@ -454,6 +471,50 @@ impl Applyinator {
             result.interruption = input.interrupt().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
         }
         Ok(result)
+    }
+
+    /// The work directory's lock, held by every process applying in that work directory (the
+    /// agent, `nodeplan apply`, another agent), so two of them never wipe each other's execution
+    /// directories nor run their plans at once. A POSIX record lock: the kernel drops it when its
+    /// holder dies, so a crashed holder never leaves it stale. While another process holds it the
+    /// apply waits, saying once who holds it, and stops waiting for a pause, cancel or shutdown
+    /// ([`WorkLock::Interrupted`]).
+    async fn work_dir_lock(&self, input: &ApplyInput<'_>) -> Result<WorkLock, ApplyError> {
+        let work = &self.config.work_dir;
+        let (Some(dir), Some(name)) = (work.parent().filter(|p| !p.as_os_str().is_empty()), work.file_name()) else {
+            return Ok(WorkLock::Held(None));
+        };
+        let name = format!(".{}.lock", name.to_string_lossy());
+        let note = input.owner.short();
+        let mut interrupts = input.interrupts.clone();
+        let (mut said, mut alive) = (false, true);
+        loop {
+            let (d, n, o) = (dir.to_path_buf(), name.clone(), note.clone());
+            let taken = tokio::task::spawn_blocking(move || crate::process::owner_lock::lock_file(&d, &n, &o))
+                .await
+                .map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))?;
+            match taken {
+                Ok(l) => return Ok(WorkLock::Held(Some(l))),
+                Err(crate::process::LockError::Held { pid, path }) => {
+                    if !said {
+                        let who =
+                            crate::process::owner_lock::note_of(&path).unwrap_or_else(|| "another process".into());
+                        let pid = pid.map_or(String::new(), |p| format!(" (pid {p})"));
+                        tracing::info!("waiting for the work directory's lock {}, held by {who}{pid}", path.display());
+                        said = true;
+                    }
+                }
+                Err(e) => return Err(ApplyError::Lock(e)),
+            }
+            if input.interrupt().boundary().is_some() {
+                return Ok(WorkLock::Interrupted);
+            }
+            // Polled: the kernel offers no wake-up for a record lock released in another process.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                r = interrupts.changed(), if alive => alive = r.is_ok(),
+            }
+        }
     }
 
     /// Whether the pass has anything to do: one-time instructions or files to apply, or a due

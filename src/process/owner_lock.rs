@@ -76,15 +76,20 @@ pub fn file_name(owner: &Owner) -> String {
 
 /// Take `owner`'s lock in `dir` (made if missing) without waiting.
 pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
-    let name = file_name(owner);
-    let path = dir.join(&name);
+    lock_file(dir, &file_name(owner), "")
+}
+
+/// Take the lock file `name` in `dir` (made if missing) without waiting. The file says the
+/// holder's pid and, on the next line, `note` (who holds it, for people and for [`note_of`]).
+pub fn lock_file(dir: &Path, name: &str, note: &str) -> Result<OwnerLock, LockError> {
+    let path = dir.join(name);
     let io_err = |what: &'static str, source: io::Error| LockError::Io { path: path.clone(), what, source };
     std::fs::create_dir_all(dir).map_err(|e| io_err("cannot make its directory", e))?;
     let dfd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
         .map_err(|e| io_err("cannot open its directory", e.into()))?;
     for _ in 0..16 {
         let flags = OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
-        let fd = rustix::fs::openat(&dfd, name.as_str(), flags, Mode::from_raw_mode(0o600))
+        let fd = rustix::fs::openat(&dfd, name, flags, Mode::from_raw_mode(0o600))
             .map_err(|e| io_err("cannot open it", e.into()))?;
         let st = rustix::fs::fstat(&fd).map_err(|e| io_err("cannot examine it", e.into()))?;
         let euid = rustix::process::geteuid().as_raw();
@@ -95,12 +100,16 @@ pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
             return Err(LockError::Held { pid: holder(fd.as_fd()), path });
         }
         // Still the file of that name? Its last holder may have removed it meanwhile.
-        match rustix::fs::statat(&dfd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
+        match rustix::fs::statat(&dfd, name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(now) if now.st_ino == st.st_ino && now.st_dev == st.st_dev => {
-                let lock = OwnerLock { dir: dfd, name: name.into(), fd };
+                let lock = OwnerLock { dir: dfd, name: OsString::from(name), fd };
                 // For people looking at the directory; the kernel's lock is what counts.
                 let _ = rustix::fs::ftruncate(&lock.fd, 0);
-                let _ = rustix::io::pwrite(&lock.fd, format!("{}\n", std::process::id()).as_bytes(), 0);
+                let text = match note {
+                    "" => format!("{}\n", std::process::id()),
+                    n => format!("{}\n{n}\n", std::process::id()),
+                };
+                let _ = rustix::io::pwrite(&lock.fd, text.as_bytes(), 0);
                 return Ok(lock);
             }
             Ok(_) | Err(rustix::io::Errno::NOENT) => continue,
@@ -108,6 +117,18 @@ pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
         }
     }
     Err(LockError::Replaced { path })
+}
+
+/// The note of a lock file held by another process (read without following a link; a file
+/// planted there by someone else only changes what a log line says). Never call it for a lock
+/// this process holds: closing any descriptor of a file drops the process's POSIX locks on it.
+pub fn note_of(path: &Path) -> Option<String> {
+    let bytes = crate::safefs::read_small(path, 4096).ok()??;
+    let text = String::from_utf8_lossy(&bytes);
+    let note = text.lines().nth(1)?.trim();
+    // Control characters never reach a log line; a long note is cut.
+    let shown: String = note.chars().filter(|c| !c.is_control()).take(200).collect();
+    (!shown.is_empty()).then_some(shown)
 }
 
 fn whole_file(kind: libc::c_int) -> libc::flock {
