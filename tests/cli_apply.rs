@@ -881,3 +881,45 @@ fn ctrl_c_stops_waiting_for_the_work_directory() {
     assert_ne!(code, Some(0), "an apply stopped before it ran is not a success");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "first\n", "the second plan ran");
 }
+
+/// `--dry-run` shows each file's diff and each instruction, masks secrets, touches nothing (no
+/// work or PID directory, no file, no process), and exits 6 when something would change, 0 when
+/// nothing would.
+#[test]
+fn a_dry_run_shows_the_changes_and_touches_nothing() {
+    use base64::Engine as _;
+    let e = Env::new();
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let (conf, token, ran) = (e.p("conf"), e.p("token"), e.p("ran"));
+    std::fs::write(&conf, "one\ntwo\n").unwrap();
+    std::fs::set_permissions(&conf, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let plan = e.plan(serde_json::json!({
+        "files": [
+            {"path": conf, "content": b64("one\n2\n"), "permissions": "0644"},
+            {"path": token, "content": b64("join-secret\n")},
+        ],
+        "instructions": [{"name": "go", "command": "touch", "args": [ran], "env": ["TOKEN=env-secret"]}],
+    }));
+    let out = output_within(e.cmd(&plan, &["--dry-run"]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(6), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for want in ["modify ", "-two", "+2", "create ", "[1/1] go", "env TOKEN=(masked)"] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+    assert!(!text.contains("join-secret") && !text.contains("env-secret"), "a secret was shown:\n{text}");
+    assert_eq!(std::fs::read_to_string(&conf).unwrap(), "one\ntwo\n");
+    for p in [&token, &ran, &e.p("work"), &e.p("pids")] {
+        assert!(!Path::new(p).exists(), "{p} was made by a dry run");
+    }
+    let shown = output_within(e.cmd(&plan, &["--dry-run", "--show-secrets"]));
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("+join-secret") && shown.contains("TOKEN=env-secret"), "{shown}");
+    // A plan that is already in place: nothing would change.
+    let done =
+        e.plan(serde_json::json!({"files": [{"path": conf, "content": b64("one\ntwo\n"), "permissions": "0644"}]}));
+    let out = output_within(e.cmd(&done, &["--dry-run"]));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    // --show-secrets only means something with --dry-run.
+    let out = output_within(e.cmd(&done, &["--show-secrets"]));
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -11,6 +11,7 @@
 mod archive;
 pub mod files;
 pub mod periodic;
+pub mod preview;
 
 pub use archive::InterlockError;
 pub use files::FileError;

@@ -53,6 +53,14 @@ pub struct ApplyArgs {
     /// Skip the periodic instructions [default: off].
     #[arg(long)]
     pub no_periodic: bool,
+    /// Show what the plan would change (each file's diff, each instruction with its
+    /// environment) and touch nothing; exit 6 when something would change, 0 when nothing would.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: show the content of files that are not world-readable and env values
+    /// (masked by default: join tokens, keys).
+    #[arg(long, requires = "dry_run")]
+    pub show_secrets: bool,
     /// Image tarballs searched before pulling (for `image` instructions); absolute.
     #[arg(long, value_name = "DIR", default_value = "/var/lib/rancher/agent/images", value_parser = super::absolute_path)]
     pub images_dir: PathBuf,
@@ -180,6 +188,9 @@ pub async fn run(args: ApplyArgs) -> u8 {
     if args.resume_from > total {
         super::say(&format!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from));
         return exit::BAD_INPUT;
+    }
+    if args.dry_run {
+        return super::dry_run::show(&plan, args.resume_from, !args.no_periodic, args.show_secrets);
     }
     if let Err(e) = super::check_cgroup_dir(&args.cgroup) {
         super::say(&format!("nodeplan: --cgroup {e}"));

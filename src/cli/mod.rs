@@ -7,6 +7,7 @@
 
 mod agent;
 mod apply;
+mod dry_run;
 mod output;
 mod plan_cmd;
 mod supervise;
@@ -30,6 +31,8 @@ pub mod exit {
     /// Another live `nodeplan apply` of the same plan, or `supervise` of the same name, is running
     /// (with the same PID directory); nothing was started or stopped.
     pub const ALREADY_RUNNING: u8 = 5;
+    /// `apply --dry-run`: applying the plan would change something (files, instructions to run).
+    pub const CHANGES_PENDING: u8 = 6;
 }
 
 #[derive(Parser, Debug)]
@@ -95,7 +98,8 @@ const APPLY_EXIT_CODES: &str = "Exit codes:
   3  paused at an instruction boundary (the command that resumes is printed)
   4  canceled (second Ctrl-C or SIGTERM)
   5  already running: another live `nodeplan apply` of this plan with the same --pid-dir
-     (nothing was started or stopped)";
+     (nothing was started or stopped)
+  6  --dry-run: applying the plan would change something (0: nothing would)";
 
 const SUPERVISE_EXIT_CODES: &str = "Exit codes:
   0  stopped by SIGTERM/SIGINT through the stop ladder
