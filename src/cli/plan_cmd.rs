@@ -3,13 +3,21 @@
 //! the agent (the only writer of `.pos`) acts on them. For a node's plan Secret
 //! (`--secret NAMESPACE/NAME`) they write what Rancher would: the `plan` and `plan-state` keys and
 //! the `plan.cattle.io/paused|canceled` annotations. Of the agent's keys, only `probe-statuses` is
-//! touched: `push` of a new plan deletes it, as Rancher does.
+//! touched: `push` of a new plan deletes it, as Rancher does. For a NodePlan
+//! (`--nodeplan NAMESPACE/NAME`, and `status --node` for a node's list) they write its spec only,
+//! see [`nodeplan`].
+//!
+//! Every request to the API server is bounded by `--request-timeout`: kube has no read timeout of
+//! its own, and a command must not hang on a server that accepts and never answers.
+
+mod nodeplan;
 
 use super::exit;
 use crate::local::pos::{self, PlanFiles};
 use crate::plan::{self, Annotations, Checkpoint};
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -17,44 +25,97 @@ pub struct PlanArgs {
     pub action: PlanAction,
 }
 
-/// Which plan: a local `.plan` file, or a node's plan Secret.
+/// Which plan: a local `.plan` file, a node's plan Secret or a NodePlan.
 #[derive(Args, Debug)]
 pub struct Target {
-    /// A local plan file (omit with --secret).
+    /// A local plan file (omit with --secret or --nodeplan).
     pub file: Option<PathBuf>,
     #[command(flatten)]
     pub remote: RemoteTarget,
 }
 
-#[derive(Args, Debug, Default)]
+#[derive(Args, Debug)]
 pub struct RemoteTarget {
     /// The node's plan Secret, as NAMESPACE/NAME.
-    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_secret)]
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_secret, conflicts_with = "nodeplan")]
     pub secret: Option<String>,
-    /// Kubeconfig for --secret [default: KUBECONFIG, else ~/.kube/config].
+    /// A NodePlan (agent.cattle.io/v1alpha1), as NAMESPACE/NAME.
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = nodeplan::parse_ref)]
+    pub nodeplan: Option<nodeplan::NodePlanRef>,
+    /// Kubeconfig for --secret and --nodeplan [default: KUBECONFIG, else ~/.kube/config].
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
+    /// The longest one request to the API server may take (`500ms`, `10s`, `1m`).
+    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_request_timeout)]
+    pub request_timeout: Duration,
+}
+
+/// `plan status --node`: a node's NodePlans instead of one plan.
+#[derive(Args, Debug)]
+pub struct NodeList {
+    /// List this node's NodePlans, in the order its agent runs them (instead of one plan).
+    #[arg(long, value_name = "NODE", value_parser = nodeplan::parse_node, conflicts_with_all = ["file", "secret", "nodeplan"])]
+    pub node: Option<String>,
+    /// With --node: the namespace to list [default: the kubeconfig context's namespace, else default].
+    #[arg(long, short = 'n', value_name = "NAMESPACE", requires = "node", value_parser = nodeplan::parse_namespace)]
+    pub namespace: Option<String>,
+    /// With --node: list every namespace.
+    #[arg(long, short = 'A', requires = "node", conflicts_with = "namespace")]
+    pub all_namespaces: bool,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum PlanAction {
-    /// Put a plan into a node's Secret (`--secret`) as `pending`, creating the Secret if needed.
+    /// Put a plan into a node's Secret (`--secret`) as `pending`, creating the Secret if needed,
+    /// or into a NodePlan's spec.plan (`--nodeplan`), creating the NodePlan if needed.
     Push {
         /// The plan file (validated before anything is written).
         file: PathBuf,
         #[command(flatten)]
         remote: RemoteTarget,
+        /// With --nodeplan: the node a new NodePlan is for (required to create one; an existing
+        /// one must be for this node).
+        #[arg(long, value_name = "NODE", requires = "nodeplan", value_parser = nodeplan::parse_node)]
+        node: Option<String>,
+        /// With --nodeplan: spec.priority, higher runs first [default: 0 for a new NodePlan, kept
+        /// for an existing one].
+        #[arg(long, value_name = "N", requires = "nodeplan", allow_negative_numbers = true)]
+        priority: Option<i32>,
     },
-    /// Pause at the next instruction boundary (NAME.paused, or the paused annotation).
+    /// Pause at the next instruction boundary (NAME.paused, the paused annotation, spec.paused).
     Pause(Target),
     /// Resume a paused plan without re-running finished instructions.
     Resume(Target),
     /// Cancel: stop the running instruction's whole tree now; terminal until reset.
     Cancel(Target),
-    /// Run the plan again from its first instruction (clears the cancel).
+    /// Run the plan again from its first instruction (clears the cancel; not for NodePlans yet).
     Reset(Target),
-    /// Show the plan's state, progress and probe health.
-    Status(Target),
+    /// Show the plan's state, progress and probe health, or with --node a node's NodePlans.
+    Status {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        list: NodeList,
+    },
+}
+
+impl PlanAction {
+    /// The plan a command other than `push` acts on.
+    fn target(&self) -> Option<&Target> {
+        match self {
+            PlanAction::Push { .. } => None,
+            PlanAction::Pause(t) | PlanAction::Resume(t) | PlanAction::Cancel(t) | PlanAction::Reset(t) => Some(t),
+            PlanAction::Status { target, .. } => Some(target),
+        }
+    }
+}
+
+/// `--request-timeout`: a positive duration.
+fn parse_request_timeout(s: &str) -> Result<Duration, String> {
+    match crate::duration::parse(s)? {
+        d if d.is_zero() => Err("must be longer than 0".into()),
+        d => Ok(d),
+    }
 }
 
 fn parse_secret(s: &str) -> Result<String, String> {
@@ -148,7 +209,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
                 f.reset().display()
             );
         }
-        PlanAction::Status(_) => status(&f)?,
+        PlanAction::Status { .. } => status(&f)?,
         PlanAction::Push { .. } => return Err(bad_input("plan push needs --secret NAMESPACE/NAME".into())),
     }
     Ok(())
@@ -156,20 +217,26 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
 
 pub async fn run(args: PlanArgs) -> u8 {
     let r = match &args.action {
+        PlanAction::Push { remote, .. } if remote.nodeplan.is_some() => nodeplan::run(&args.action, remote).await,
         PlanAction::Push { remote, .. } if remote.secret.is_none() => Err(bad_input(
-            "plan push needs --secret NAMESPACE/NAME (the node's plan Secret); a local plan is pushed by copying \
-             it into the agent's plan directory"
+            "plan push needs --secret NAMESPACE/NAME (the node's plan Secret) or --nodeplan NAMESPACE/NAME; a local \
+             plan is pushed by copying it into the agent's plan directory"
                 .into(),
         )),
         PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::Failed),
-        PlanAction::Pause(t)
-        | PlanAction::Resume(t)
-        | PlanAction::Cancel(t)
-        | PlanAction::Reset(t)
-        | PlanAction::Status(t) => match (&t.file, &t.remote.secret) {
-            (Some(file), None) => local(&args.action, file),
-            (None, Some(_)) => remote::run(&args.action, &t.remote).await.map_err(Failure::Failed),
-            _ => Err(Failure::Usage("give either a PLANFILE or --secret NAMESPACE/NAME".into())),
+        PlanAction::Status { target, list: list @ NodeList { node: Some(node), .. } } => {
+            nodeplan::list(node, list, &target.remote).await
+        }
+        action => match action.target() {
+            Some(t) => match (&t.file, &t.remote.secret, &t.remote.nodeplan) {
+                (Some(file), None, None) => local(action, file),
+                (None, Some(_), None) => remote::run(action, &t.remote).await.map_err(Failure::Failed),
+                (None, None, Some(_)) => nodeplan::run(action, &t.remote).await,
+                _ => Err(Failure::Usage(
+                    "give one of a PLANFILE, --secret NAMESPACE/NAME or --nodeplan NAMESPACE/NAME".into(),
+                )),
+            },
+            None => Err(Failure::Usage("no plan given".into())),
         },
     };
     match r {
@@ -183,6 +250,41 @@ pub async fn run(args: PlanArgs) -> u8 {
             exit::FAILED
         }
     }
+}
+
+/// The kubeconfig's text: `--kubeconfig`, else `KUBECONFIG`, else `~/.kube/config`. Read without
+/// blocking (a FIFO or a device is one error line) and capped.
+fn kubeconfig_yaml(t: &RemoteTarget) -> Result<String, String> {
+    const CAP: u64 = 16 << 20;
+    let path = t
+        .kubeconfig
+        .clone()
+        .or_else(|| std::env::var_os("KUBECONFIG").filter(|v| !v.is_empty()).map(Into::into))
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".kube/config")))
+        .ok_or("no kubeconfig: give --kubeconfig")?;
+    let bytes = crate::safefs::read_named(&path, CAP).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))
+}
+
+/// One request to the API server, bounded by `--request-timeout`.
+async fn bounded<T>(
+    t: &RemoteTarget,
+    what: &str,
+    request: impl std::future::Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(t.request_timeout, request).await {
+        Ok(r) => r,
+        Err(_) => Err(format!(
+            "{what}: no answer from the API server within {} (--request-timeout)",
+            crate::duration::show(t.request_timeout)
+        )),
+    }
+}
+
+/// A client for the kubeconfig's current context.
+async fn kube_client(t: &RemoteTarget) -> Result<kube::Client, String> {
+    let yaml = kubeconfig_yaml(t)?;
+    bounded(t, "load the kubeconfig", crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&yaml)).await
 }
 
 fn status(f: &PlanFiles) -> Result<(), String> {
@@ -269,14 +371,7 @@ mod remote {
         let Some((namespace, name)) = secret.split_once('/').filter(|(n, s)| !n.is_empty() && !s.is_empty()) else {
             return Err(format!("--secret {secret:?}: expected NAMESPACE/NAME"));
         };
-        let path = t
-            .kubeconfig
-            .clone()
-            .or_else(|| std::env::var_os("KUBECONFIG").map(Into::into))
-            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".kube/config")))
-            .ok_or("no kubeconfig: give --kubeconfig")?;
-        let yaml = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let kube = SecretClient::client_from_kubeconfig_yaml(&yaml).await?;
+        let kube = super::kube_client(t).await?;
         Ok(SecretClient::new(kube, SecretRef { namespace: namespace.into(), name: name.into() }))
     }
 
@@ -287,31 +382,46 @@ mod remote {
             PlanAction::Push { file, .. } => {
                 let raw = super::read_plan(file)?;
                 plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
-                if c.get().await?.is_none() {
-                    c.create(wire::push_data(&raw), Default::default()).await?;
+                if super::bounded(t, "read the secret", c.get()).await?.is_none() {
+                    super::bounded(t, "create the secret", c.create(wire::push_data(&raw), Default::default())).await?;
                 } else {
-                    c.orchestrator_patch(wire::push_patch(&raw)).await?;
+                    super::bounded(t, "patch the secret", c.orchestrator_patch(wire::push_patch(&raw))).await?;
                 }
                 crate::cli::out!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
             }
             PlanAction::Pause(_) => {
-                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, Some("true"))).await?;
+                super::bounded(
+                    t,
+                    "patch the secret",
+                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, Some("true"))),
+                )
+                .await?;
                 crate::cli::out!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Resume(_) => {
-                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, None)).await?;
+                super::bounded(
+                    t,
+                    "patch the secret",
+                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, None)),
+                )
+                .await?;
                 crate::cli::out!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
             }
             PlanAction::Cancel(_) => {
-                c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_CANCELED, Some("true"))).await?;
+                super::bounded(
+                    t,
+                    "patch the secret",
+                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_CANCELED, Some("true"))),
+                )
+                .await?;
                 crate::cli::out!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
             }
             PlanAction::Reset(_) => {
-                c.orchestrator_patch(wire::reset_patch()).await?;
+                super::bounded(t, "patch the secret", c.orchestrator_patch(wire::reset_patch())).await?;
                 crate::cli::out!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
             }
-            PlanAction::Status(_) => {
-                let s = c.get().await?.ok_or("the secret does not exist")?;
+            PlanAction::Status { .. } => {
+                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
                 let raw = s.data.get(wire::PLAN).ok_or("the secret has no plan")?;
                 let checksum = plan::checksum(raw);
                 let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();

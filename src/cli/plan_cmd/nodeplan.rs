@@ -1,0 +1,327 @@
+//! `nodeplan plan push|pause|resume|cancel|status --nodeplan NAMESPACE/NAME` and
+//! `nodeplan plan status --node NODE`: a NodePlan's spec written as a producer writes it, its
+//! status read back. The objects, patches and text come from [`crate::nodeplan::cli_wire`]; this
+//! module parses the names, asks the API server (every request bounded by `--request-timeout`) and
+//! reports. It never writes a status: that is the agent's record.
+//!
+//! `reset` is refused: the agent keys a NodePlan's run by the checksum of `spec.plan` and keeps a
+//! finished, failed or canceled run of that plan final, and only the agent writes the status that
+//! says so. Running the same plan again needs the agent to honour something new in the spec.
+
+use super::{Failure, NodeList, PlanAction, RemoteTarget, bad_input};
+use crate::nodeplan::cli_wire::{self, Control};
+use crate::nodeplan::resource::{self, NODE_LABEL};
+use crate::nodeplan::source::{api_resource, node_label_value};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use std::future::Future;
+
+/// A NodePlan's namespace and name, as `--nodeplan NAMESPACE/NAME` gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePlanRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for NodePlanRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Lowercase letters, digits, `-` (and `.` when `dots`), starting and ending with a letter or
+/// digit: what the API server accepts as a namespace (a DNS label) or a NodePlan's name (a DNS
+/// subdomain). Checked here so a typo is exit 2 and never part of a request path.
+fn dns_name(s: &str, max: usize, dots: bool) -> bool {
+    let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !s.is_empty()
+        && s.len() <= max
+        && s.chars().all(|c| alnum(c) || c == '-' || (dots && c == '.'))
+        && s.starts_with(alnum)
+        && s.ends_with(alnum)
+}
+
+/// `--namespace`: a DNS label.
+pub fn parse_namespace(s: &str) -> Result<String, String> {
+    if dns_name(s, 63, false) {
+        Ok(s.to_string())
+    } else {
+        Err(format!("{}: not a namespace (lowercase letters, digits and '-', at most 63)", crate::quoted(s)))
+    }
+}
+
+/// `--nodeplan NAMESPACE/NAME`.
+pub fn parse_ref(s: &str) -> Result<NodePlanRef, String> {
+    let Some((namespace, name)) = s.split_once('/') else {
+        return Err(format!("{}: expected NAMESPACE/NAME", crate::quoted(s)));
+    };
+    let namespace = parse_namespace(namespace)?;
+    if !dns_name(name, 253, true) {
+        return Err(format!(
+            "{}: not a NodePlan name (lowercase letters, digits, '-' and '.', at most 253)",
+            crate::quoted(name)
+        ));
+    }
+    Ok(NodePlanRef { namespace, name: name.to_string() })
+}
+
+/// `--node`: a node name as the agent's `nodeName` holds it (any text without blanks or control
+/// characters, at most 253 bytes; a name that is no label value is hashed into the label).
+pub fn parse_node(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 253 || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("{}: not a node name (no blanks, at most 253 bytes)", crate::quoted(s)));
+    }
+    Ok(s.to_string())
+}
+
+/// Why a request failed.
+#[derive(Debug)]
+enum ApiError {
+    /// The object does not exist.
+    NotFound,
+    /// A precondition (resourceVersion) failed, or the object exists already.
+    Conflict,
+    /// A 404 that is not about the object: NodePlans are not served (no CRD).
+    NotServed,
+    /// Anything else, as one line.
+    Failed(String),
+}
+
+/// A kube error as one line (the API server's status, code and message).
+fn error_line(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => {
+            let reason = if s.reason.is_empty() { "Unknown" } else { s.reason.as_str() };
+            format!("the API server answered {} {reason}: {}", s.code, s.message).replace(['\n', '\r'], " ")
+        }
+        other => crate::error_line(other),
+    }
+}
+
+/// One request, bounded by `--request-timeout`; `what` names it in an error.
+async fn ask<T>(
+    t: &RemoteTarget,
+    what: &str,
+    request: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(t.request_timeout, request).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(kube::Error::Api(s))) if s.code == 404 && s.reason == "NotFound" => Err(ApiError::NotFound),
+        Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(ApiError::NotServed),
+        Ok(Err(kube::Error::Api(s))) if s.code == 409 => Err(ApiError::Conflict),
+        Ok(Err(e)) => Err(ApiError::Failed(format!("{what}: {}", error_line(&e)))),
+        Err(_) => Err(ApiError::Failed(format!(
+            "{what}: no answer from the API server within {} (--request-timeout)",
+            crate::duration::show(t.request_timeout)
+        ))),
+    }
+}
+
+impl ApiError {
+    /// The command's failure: a NodePlan that does not exist is "no such plan" (exit 2, as for a
+    /// local plan); the rest could not be read or written (exit 1).
+    fn of(self, r: &NodePlanRef) -> Failure {
+        match self {
+            ApiError::NotFound => bad_input(format!("nodeplan {r} does not exist")),
+            ApiError::Conflict => Failure::Failed(format!("nodeplan {r} kept changing under every write; try again")),
+            ApiError::NotServed => not_served(),
+            ApiError::Failed(e) => Failure::Failed(e),
+        }
+    }
+}
+
+fn not_served() -> Failure {
+    Failure::Failed(format!(
+        "the API server does not serve NodePlans ({}/{}): install the CRD with `nodeplan crd | kubectl apply -f -`",
+        resource::GROUP,
+        resource::VERSION
+    ))
+}
+
+/// The first 12 digits of a checksum, as plans are named everywhere.
+fn short(checksum: &str) -> &str {
+    checksum.get(..12).unwrap_or(checksum)
+}
+
+/// `push|pause|resume|cancel|reset|status --nodeplan`.
+pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Failure> {
+    let Some(r) = &t.nodeplan else { return Err(bad_input("no --nodeplan given".into())) };
+    match action {
+        PlanAction::Push { file, node, priority, .. } => {
+            // The plan file is checked before anything is asked.
+            let plan = plan_object(file)?;
+            push(&nodeplans(t, r).await?, t, r, plan, node.as_deref(), *priority).await
+        }
+        PlanAction::Pause(_) => control(&nodeplans(t, r).await?, t, r, Control::Pause).await,
+        PlanAction::Resume(_) => control(&nodeplans(t, r).await?, t, r, Control::Resume).await,
+        PlanAction::Cancel(_) => control(&nodeplans(t, r).await?, t, r, Control::Cancel).await,
+        // Nothing is asked: no spec change this agent honours runs the same plan again.
+        PlanAction::Reset(_) => Err(Failure::Failed(format!(
+            "cannot reset nodeplan {r}: the agent runs a NodePlan again only for a new spec.plan (its record is \
+             kept by the plan's checksum, and only the agent writes it); change the plan and push it, or delete the \
+             NodePlan and push it again"
+        ))),
+        PlanAction::Status { .. } => {
+            let api = nodeplans(t, r).await?;
+            let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
+            for l in cli_wire::status_lines(&o) {
+                crate::cli::out!("{l}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The NodePlans of `r`'s namespace, through the kubeconfig's current context.
+async fn nodeplans(t: &RemoteTarget, r: &NodePlanRef) -> Result<Api<DynamicObject>, Failure> {
+    Ok(Api::namespaced_with(super::kube_client(t).await?, &r.namespace, &api_resource()))
+}
+
+/// The plan file as the object `spec.plan` holds: validated as every push validates a plan, and
+/// refused (exit 2) when this agent would refuse it in a NodePlan.
+fn plan_object(file: &std::path::Path) -> Result<serde_json::Value, Failure> {
+    let raw = super::read_plan(file).map_err(bad_input)?;
+    crate::plan::parse(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
+    let plan: serde_json::Value =
+        serde_json::from_slice(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
+    resource::check_spec(&serde_json::json!({ "plan": plan }))
+        .map_err(|e| bad_input(format!("{}: as a NodePlan: {e}", file.display())))?;
+    Ok(plan)
+}
+
+/// How often a push reads again when the NodePlan changed between its read and its write (the
+/// agent writes its status often; the write carries the version it read).
+const PUSH_ATTEMPTS: usize = 8;
+
+/// Create the NodePlan, or replace its `spec.plan` on the version whose node was checked.
+async fn push(
+    api: &Api<DynamicObject>,
+    t: &RemoteTarget,
+    r: &NodePlanRef,
+    plan: serde_json::Value,
+    node: Option<&str>,
+    priority: Option<i32>,
+) -> Result<(), Failure> {
+    for _ in 0..PUSH_ATTEMPTS {
+        let existing = match ask(t, "read the NodePlan", api.get(&r.name)).await {
+            Ok(o) => Some(o),
+            Err(ApiError::NotFound) => None,
+            Err(e) => return Err(e.of(r)),
+        };
+        let (written, what) = match existing {
+            None => {
+                let Some(node) = node else {
+                    return Err(bad_input(format!("nodeplan {r} does not exist: give --node NODE to create it")));
+                };
+                let obj = cli_wire::new_nodeplan(&r.namespace, &r.name, node, priority, plan.clone());
+                let obj: DynamicObject = serde_json::from_value(obj).map_err(|e| Failure::Failed(e.to_string()))?;
+                let created = ask(t, "create the NodePlan", api.create(&PostParams::default(), &obj)).await;
+                let what =
+                    format!("created for node {} ({NODE_LABEL}={})", cli_wire::shown(node, 80), node_label_value(node));
+                (created, what)
+            }
+            Some(o) => {
+                if let Some(node) = node.filter(|n| !cli_wire::is_for_node(&o, n)) {
+                    return Err(bad_input(format!(
+                        "nodeplan {r} is for {}, not node {}: nothing pushed",
+                        cli_wire::node_of(&o),
+                        cli_wire::shown(node, 80)
+                    )));
+                }
+                let was_canceled = o.data.pointer("/spec/canceled").and_then(serde_json::Value::as_bool) == Some(true);
+                let next = cli_wire::replace_plan(&o, plan.clone(), priority);
+                let replaced = ask(t, "write the NodePlan", api.replace(&r.name, &PostParams::default(), &next)).await;
+                let mut what = String::from("replaced spec.plan");
+                if was_canceled {
+                    what.push_str(", cleared spec.canceled");
+                }
+                if let Some(p) = priority {
+                    what.push_str(&format!(", spec.priority={p}"));
+                }
+                (replaced, what)
+            }
+        };
+        match written {
+            Ok(o) => {
+                let checksum = cli_wire::plan_checksum(&o).unwrap_or_default();
+                crate::cli::out!("pushed plan {} to nodeplan {r}: {what}", short(&checksum));
+                if let Some(note) = cli_wire::push_note(&o) {
+                    crate::cli::out!("{note}");
+                }
+                return Ok(());
+            }
+            // Created or changed meanwhile: read it again.
+            Err(ApiError::Conflict) => continue,
+            Err(e) => return Err(e.of(r)),
+        }
+    }
+    Err(ApiError::Conflict.of(r))
+}
+
+/// `pause`, `resume`, `cancel`: one spec field, by a JSON merge patch.
+async fn control(api: &Api<DynamicObject>, t: &RemoteTarget, r: &NodePlanRef, c: Control) -> Result<(), Failure> {
+    let patch = c.patch();
+    ask(t, "patch the NodePlan", api.patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch)))
+        .await
+        .map_err(|e| e.of(r))?;
+    let (field, value) = c.field();
+    let (done, effect) = match c {
+        Control::Pause => ("paused", "the agent pauses it at the next instruction boundary"),
+        Control::Resume => ("resumed", "a paused plan goes on without re-running finished instructions"),
+        Control::Cancel => {
+            ("canceled", "the running instruction is stopped; the plan stays canceled until spec.plan changes")
+        }
+    };
+    crate::cli::out!("{done} nodeplan {r}: set spec.{field}={value} ({effect})");
+    Ok(())
+}
+
+/// `status --node NODE [--namespace NS | -A]`: the node's NodePlans in the order its agent runs
+/// them.
+pub(super) async fn list(node: &str, l: &NodeList, t: &RemoteTarget) -> Result<(), Failure> {
+    let client = super::kube_client(t).await?;
+    let (api, place): (Api<DynamicObject>, String) = if l.all_namespaces {
+        (Api::all_with(client, &api_resource()), "any namespace".into())
+    } else {
+        let ns = l.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
+        let place = format!("namespace {ns}");
+        (Api::namespaced_with(client, &ns, &api_resource()), place)
+    };
+    let lp = ListParams::default().labels(&format!("{NODE_LABEL}={}", node_label_value(node)));
+    let objects = match ask(t, "list NodePlans", api.list(&lp)).await {
+        Ok(list) => list.items,
+        Err(ApiError::NotFound | ApiError::NotServed) => return Err(not_served()),
+        Err(ApiError::Conflict) => return Err(Failure::Failed("list NodePlans: conflict".into())),
+        Err(ApiError::Failed(e)) => return Err(Failure::Failed(e)),
+    };
+    let rows = cli_wire::rows(&objects, node, chrono::Utc::now().timestamp());
+    if rows.is_empty() {
+        crate::cli::out!("no NodePlans for node {} in {place}", cli_wire::shown(node, 80));
+        return Ok(());
+    }
+    for line in cli_wire::table(&rows, l.all_namespaces) {
+        crate::cli::out!("{line}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_on_the_command_line() {
+        let ok = |ns: &str, name: &str| Ok(NodePlanRef { namespace: ns.into(), name: name.into() });
+        assert_eq!(parse_ref("ns/p"), ok("ns", "p"));
+        assert_eq!(parse_ref("ns-1/p.v2-a"), ok("ns-1", "p.v2-a"));
+        for bad in ["foo", "/p", "ns/", "ns/p/q", "NS/p", "ns/P", "ns/-p", "ns/p?x", "n.s/p", "ns/p q"] {
+            let e = parse_ref(bad).unwrap_err();
+            assert!(!e.contains('\n'), "{e}");
+        }
+        assert!(parse_ref(&format!("{}/p", "n".repeat(64))).is_err());
+        assert_eq!(parse_node("node-a"), Ok("node-a".into()));
+        assert_eq!(parse_node(&"N".repeat(200)), Ok("N".repeat(200)));
+        for bad in ["", "a b", "a\nb", &"n".repeat(254)] {
+            assert!(parse_node(bad).is_err(), "{bad:?}");
+        }
+    }
+}
