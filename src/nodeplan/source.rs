@@ -18,10 +18,8 @@ use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use crate::remote::base::WriteBase;
-use futures::StreamExt as _;
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::core::GroupVersionKind;
-use kube::runtime::{WatchStreamExt as _, watcher};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,33 +94,7 @@ impl NodePlanAgent {
     pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
         let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
         let selector = format!("{NODE_LABEL}={}", node_label_value(&self.source.node));
-        let stream = watcher(self.source.api.clone(), watcher::Config::default().labels(&selector)).default_backoff();
-        let pump = tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            let (mut seq, mut objects, mut relist) = (0u64, BTreeMap::new(), BTreeMap::new());
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(watcher::Event::Init) => relist = BTreeMap::new(),
-                    Ok(watcher::Event::InitApply(o)) => {
-                        relist.insert(o.metadata.name.clone().unwrap_or_default(), o);
-                        continue;
-                    }
-                    Ok(watcher::Event::InitDone) => objects = std::mem::take(&mut relist),
-                    Ok(watcher::Event::Apply(o)) => {
-                        objects.insert(o.metadata.name.clone().unwrap_or_default(), o);
-                    }
-                    Ok(watcher::Event::Delete(o)) => {
-                        objects.remove(&o.metadata.name.clone().unwrap_or_default());
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %crate::error_line(&e), "NodePlan watch error; the watch continues");
-                        continue;
-                    }
-                }
-                seq += 1;
-                let _ = tx.send((seq, objects.clone()));
-            }
-        });
+        let pump = tokio::spawn(super::watch::pump(self.source.api.clone(), selector.clone(), tx));
         self.source.latest = Some(rx);
         tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.source.namespace);
         let (exit, _) = Reconciler::new(self.source, self.app, self.prober, shutdown).run().await;

@@ -453,6 +453,14 @@ impl ControlPlane {
         ControlPlane::shared().await
     }
 
+    /// [`ControlPlane::start`] (a control plane of the test's own, e.g. to restart its apiserver),
+    /// for tests of custom resources: the same checks and loud skip as
+    /// [`ControlPlane::shared_for_custom_resources`].
+    pub async fn start_for_custom_resources() -> Option<ControlPlane> {
+        custom_resource_bin()?;
+        ControlPlane::start().await
+    }
+
     /// `kubectl` from the same cache, aimed at this apiserver: `--kubeconfig` is this control
     /// plane's, its discovery/HTTP cache and `HOME` are in the temp dir, and `KUBECONFIG` is
     /// removed, so it reads and writes nothing outside. The cache's kubectl is the one built
