@@ -270,7 +270,7 @@ async fn status_node_lists_a_nodes_plans_in_the_order_its_agent_runs_them() {
 }
 
 /// The CLI drives a real agent: a plan it pushes is applied, paused at a boundary, resumed, and
-/// `status` shows what the agent recorded; a running plan is canceled; reset is refused.
+/// `status` shows what the agent recorded; a running plan is canceled; reset runs it again.
 #[tokio::test]
 async fn a_plan_pushed_with_the_cli_is_applied_by_the_agent_and_status_shows_it() {
     let cp = control_plane!();
@@ -333,10 +333,13 @@ async fn a_plan_pushed_with_the_cli_is_applied_by_the_agent_and_status_shows_it(
     let status = p.wait_status("long", "phase:      Cancelled");
     assert!(!alive(pid), "the canceled instruction still runs");
     assert!(status.contains("control:    paused=false canceled=true\n"), "{status}");
-    // Reset would need the agent to run a finished plan again: refused, nothing written.
-    let before = p.get("long").await.metadata.resource_version;
-    p.cli(&["plan", "reset", "--nodeplan", &p.target("long")]).refused(1, "change the plan and push it");
-    assert_eq!(p.get("long").await.metadata.resource_version, before);
+    // Reset runs the same plan again from its first instruction (a new run token).
+    p.ok(&["plan", "reset", "--nodeplan", &p.target("long")]);
+    read_fifo(&ready2);
+    let again: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    assert_ne!(again, pid, "a new run");
+    let status = p.wait_status("long", "phase:      Executing");
+    assert!(status.contains("control:    paused=false canceled=false\n"), "{status}");
     assert_eq!(agent.stop(), 0);
 }
 
@@ -366,9 +369,6 @@ fn bad_arguments_are_one_line_and_exit_2() {
     for (args, want) in rows {
         nodeplan_cli(args).refused(2, want);
     }
-    // Reset is refused (exit 1) without asking anything.
-    nodeplan_cli(&["plan", "reset", "--nodeplan", "ns/p", "--kubeconfig", no_kubeconfig])
-        .refused(1, "cannot reset nodeplan ns/p: the agent runs a NodePlan again only for a new spec.plan");
 }
 
 /// An API server that accepts connections and never answers: every command gives up after

@@ -427,8 +427,8 @@ async fn wait_secret(client: &SecretClient, what: &str, pred: impl Fn(&SecretSna
 /// One agent, two sources: the plan Secret (remote mode) and a NodePlan on the same node never run
 /// at the same time, whichever starts first. Each instruction writes `start NAME` and `end NAME`
 /// to one file; the file must be those pairs, never interleaved, and both plans finish. A gate
-/// holds the first plan's instruction until the other plan has been taken up (its start written)
-/// and is waiting for its turn.
+/// holds the first plan's instruction until the other plan has been taken up and is waiting for its
+/// turn (a Secret plan marked started, a NodePlan Pending with a Waiting condition naming the holder).
 #[tokio::test]
 async fn a_secret_plan_and_a_nodeplan_on_one_node_never_overlap() {
     let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
@@ -470,7 +470,12 @@ async fn a_secret_plan_and_a_nodeplan_on_one_node_never_overlap() {
     client.orchestrator_patch(json!({"data": {"plan": b64(&raw2), "plan-state": b64(b"pending")}})).await.unwrap();
     read_fifo(&ready2);
     n.create("np2", json!({"instructions": [step("n3", None), step("n4", None)]})).await;
-    n.wait("np2", "Executing (taken up, waiting for its turn)", phase("Executing")).await;
+    let waiting = n
+        .wait("np2", "Pending with a Waiting condition", |s| {
+            s.phase == "Pending" && s.conditions.iter().any(|c| c.type_ == "Waiting" && c.reason == "LockHeld")
+        })
+        .await;
+    assert!(waiting.execution_state.lock_holder.starts_with("remote:"), "{waiting:?}");
     assert!(!started("n3"), "the NodePlan started while the Secret's plan ran");
     release_fifo(&go2);
     checks_out(&n.wait("np2", "Applied", phase("Applied")).await, "2/2");

@@ -39,6 +39,12 @@ impl Control {
     }
 }
 
+/// The spec patch of `reset`: a new run token (the same plan runs again from its first
+/// instruction, with a fresh record), and neither paused nor canceled.
+pub fn reset_patch(token: &str) -> Value {
+    json!({"spec": {"runToken": token, "paused": false, "canceled": false}})
+}
+
 /// A NodePlan to create for `node`: labelled with [`node_label_value`] (the agent's watch selects
 /// by it), `spec.nodeName` when the label is a hash (the agent then matches the full name),
 /// `spec.plan` the plan JSON as an object.
@@ -90,13 +96,6 @@ fn spec_node_name(o: &DynamicObject) -> Option<&str> {
     o.data.pointer("/spec/nodeName").and_then(Value::as_str).filter(|n| !n.is_empty())
 }
 
-/// Whether `node`'s agent runs this NodePlan: its watch selects the label
-/// [`node_label_value`]`(node)`, and a hashed label must name the node in `spec.nodeName`.
-pub fn is_for_node(o: &DynamicObject, node: &str) -> bool {
-    let Some(label) = label_of(o) else { return false };
-    label == node_label_value(node) && (label == node || spec_node_name(o) == Some(node))
-}
-
 /// The node a NodePlan is for, as people read it (for the line refusing a push for another).
 pub fn node_of(o: &DynamicObject) -> String {
     match (label_of(o), spec_node_name(o)) {
@@ -126,16 +125,15 @@ pub fn plan_checksum(o: &DynamicObject) -> Option<String> {
 }
 
 /// After a push: a line saying the agent will not run the plan again, when the pushed plan is the
-/// one the status already records as finished (its status is keyed by the plan's checksum, and a
-/// finished, failed or canceled run of it is final).
+/// one the status already records as applied or failed (its status is keyed by the run, and such
+/// a run is final; a canceled one runs again once the push clears the cancel).
 pub fn push_note(o: &DynamicObject) -> Option<String> {
     let status = status_of(o).ok()?;
     let checksum = plan_checksum(o)?;
-    let finished = matches!(status.phase.as_str(), "Applied" | "Failed" | "Cancelled");
+    let finished = matches!(status.phase.as_str(), "Applied" | "Failed");
     (finished && status.plan_checksum == checksum).then(|| {
         format!(
-            "note: this plan is unchanged and its run is over (phase {}); the agent runs it again only when \
-             spec.plan changes",
+            "note: this plan is unchanged and its run is over (phase {}); `nodeplan plan reset` runs it again",
             shown(&status.phase, 20)
         )
     })
@@ -191,19 +189,12 @@ pub struct Row {
     pub message: String,
 }
 
-/// What the agent orders by: priority, creation time as the source compares it, name.
-fn order_key(o: &DynamicObject) -> (i32, String, String) {
-    let priority = o.data.pointer("/spec/priority").and_then(Value::as_i64).unwrap_or(0);
-    let created = o.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default();
-    (priority.clamp(i32::MIN.into(), i32::MAX.into()) as i32, created, o.metadata.name.clone().unwrap_or_default())
-}
-
 /// The NodePlans of `objects` that `node`'s agent runs, in the order it runs them
 /// ([`wire::order`]; per namespace, since an agent watches one), as table rows. `now`: Unix
 /// seconds.
 pub fn rows(objects: &[DynamicObject], node: &str, now: i64) -> Vec<Row> {
     let mut mine: Vec<(&DynamicObject, (i32, String, String))> =
-        objects.iter().filter(|o| is_for_node(o, node)).map(|o| (o, order_key(o))).collect();
+        objects.iter().filter(|o| wire::is_for_node(o, node)).map(|o| (o, wire::order_key(o))).collect();
     mine.sort_by(|(a, ka), (b, kb)| {
         a.metadata
             .namespace
@@ -363,6 +354,7 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nodeplan::wire::is_for_node;
 
     fn object(v: Value) -> DynamicObject {
         serde_json::from_value(v).unwrap()
@@ -578,8 +570,7 @@ mod tests {
         assert_eq!(
             push_note(&o).as_deref(),
             Some(
-                "note: this plan is unchanged and its run is over (phase Applied); the agent runs it again only when \
-                 spec.plan changes"
+                "note: this plan is unchanged and its run is over (phase Applied); `nodeplan plan reset` runs it again"
             )
         );
 

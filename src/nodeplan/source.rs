@@ -169,17 +169,8 @@ impl NodePlanSource {
         self.latest.as_ref().map_or(0, |l| l.borrow().0)
     }
 
-    /// Whether a watched object is for this node (the label may be a hash: then `spec.nodeName`
-    /// must name the node).
     fn for_this_node(&self, o: &DynamicObject) -> bool {
-        let label = o.metadata.labels.as_ref().and_then(|l| l.get(NODE_LABEL));
-        match label {
-            Some(v) if *v == self.node => true,
-            Some(v) if v.starts_with("h-") => {
-                o.data.pointer("/spec/nodeName").and_then(|n| n.as_str()) == Some(self.node.as_str())
-            }
-            _ => false,
-        }
+        wire::is_for_node(o, &self.node)
     }
 
     /// The newest view of one NodePlan: our own last write's object, unless the watch delivered
@@ -404,19 +395,8 @@ impl PlanSource for NodePlanSource {
     async fn keys(&mut self) -> Vec<String> {
         let Some(l) = &self.latest else { return Vec::new() };
         let objects: Vec<DynamicObject> = l.borrow().1.values().cloned().collect();
-        let mut ranked: Vec<(i32, String, String)> = objects
-            .iter()
-            .filter(|o| self.for_this_node(o))
-            .map(|o| {
-                let priority = o.data.pointer("/spec/priority").and_then(|p| p.as_i64()).unwrap_or(0);
-                let created = o.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default();
-                (
-                    priority.clamp(i32::MIN.into(), i32::MAX.into()) as i32,
-                    created,
-                    o.metadata.name.clone().unwrap_or_default(),
-                )
-            })
-            .collect();
+        let mut ranked: Vec<(i32, String, String)> =
+            objects.iter().filter(|o| self.for_this_node(o)).map(wire::order_key).collect();
         ranked.sort_by(|a, b| wire::order((a.0, &a.1, &a.2), (b.0, &b.1, &b.2)));
         self.own.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
         ranked.into_iter().map(|r| r.2).collect()

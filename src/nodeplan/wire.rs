@@ -133,6 +133,23 @@ fn preflight(checks: &[PreflightCheck]) -> Result<Vec<Preflight>, String> {
     Ok(out)
 }
 
+/// Whether `node`'s agent runs this NodePlan: its watch selects the label
+/// [`node_label_value`](super::source::node_label_value)`(node)`, and a hashed label must name the
+/// node in `spec.nodeName`.
+pub fn is_for_node(o: &kube::api::DynamicObject, node: &str) -> bool {
+    let label = o.metadata.labels.as_ref().and_then(|l| l.get(super::resource::NODE_LABEL));
+    let Some(label) = label else { return false };
+    let named = o.data.pointer("/spec/nodeName").and_then(serde_json::Value::as_str) == Some(node);
+    *label == super::source::node_label_value(node) && (label == node || named)
+}
+
+/// What a NodePlan is ordered by ([`order`]): its priority, creation time and name.
+pub fn order_key(o: &kube::api::DynamicObject) -> (i32, String, String) {
+    let priority = o.data.pointer("/spec/priority").and_then(serde_json::Value::as_i64).unwrap_or(0);
+    let created = o.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default();
+    (priority.clamp(i32::MIN.into(), i32::MAX.into()) as i32, created, o.metadata.name.clone().unwrap_or_default())
+}
+
 /// The order in which a node's waiting plans run: higher priority first, then the older, then
 /// by name.
 pub fn order(a: (i32, &str, &str), b: (i32, &str, &str)) -> Ordering {

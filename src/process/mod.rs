@@ -852,8 +852,13 @@ struct Interrupted<R> {
 /// What a spawn on the blocking pool came to.
 type Spawned<R> = Result<R, Interrupted<R>>;
 
-/// Await a spawn running on the blocking pool, or, on a stop or at `deadline`, `kill` the child
-/// where it stands and give the spawn `kill_wait` more to return.
+/// How long a spawn still running when a stop comes gets to return before its child is killed
+/// where it stands.
+const SPAWN_SETTLE: Duration = Duration::from_secs(1);
+
+/// Await a spawn running on the blocking pool, or, on a stop or at `deadline`, give it a moment
+/// to return (then the caller stops the child through the ladder like any other), else `kill` the
+/// child where it stands and give the spawn `kill_wait` more to return.
 async fn await_spawn<R>(
     job: tokio::task::JoinHandle<R>,
     failed: impl Fn(tokio::task::JoinError) -> R,
@@ -870,6 +875,13 @@ async fn await_spawn<R>(
         r = stop.wait() => r,
         _ = sleep_until_opt(deadline) => StopReason::Timeout(timeout.unwrap_or_default()),
     };
+    // On a loaded machine the child may have exec'd (and be running) while the blocking thread
+    // that spawned it has not been scheduled yet: that child deserves the ladder (SIGTERM first,
+    // a chance to clean up), which the caller gives it since the stop stays requested. Only a
+    // spawn that is still not back, a child stuck before its exec, is killed where it stands.
+    if let Ok(r) = tokio::time::timeout(SPAWN_SETTLE.min(kill_wait), &mut job).await {
+        return Ok(r.unwrap_or_else(&failed));
+    }
     kill();
     let result = tokio::time::timeout(kill_wait, &mut job).await.ok().map(|r| r.unwrap_or_else(&failed));
     Err(Interrupted { reason, result })
@@ -1273,5 +1285,60 @@ mod ladder_tests {
         let t = Scripted { kill_error: Some(libc::EPERM), ..Scripted::new(false, true) };
         let (o, closed) = run(&t, POLICY).await;
         assert!(matches!(o, Outcome::SignalFailed { .. }) && closed, "{o:?}");
+    }
+}
+
+#[cfg(test)]
+mod await_spawn_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A spawn whose blocking thread returns late (a loaded machine) while a stop is already
+    /// requested: the child is not killed where it stands; it is handed back for the ladder.
+    #[tokio::test(start_paused = true)]
+    async fn a_spawn_that_returns_soon_after_a_stop_is_not_killed() {
+        let (tx, mut stop) = StopSignal::channel();
+        tx.send_replace(Some(StopReason::Cancel));
+        let killed = Arc::new(AtomicBool::new(false));
+        let k = killed.clone();
+        let job = tokio::spawn(async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            7
+        });
+        let r = await_spawn(
+            job,
+            |_| 0,
+            move || k.store(true, Ordering::SeqCst),
+            &mut stop,
+            None,
+            None,
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(matches!(r, Ok(7)), "handed back");
+        assert!(!killed.load(Ordering::SeqCst), "a started child gets the ladder, not SIGKILL");
+        assert_eq!(stop.requested(), Some(StopReason::Cancel), "the stop is still there for the ladder");
+    }
+
+    /// A spawn that does not come back (a child stuck before its exec) is killed where it stands.
+    #[tokio::test(start_paused = true)]
+    async fn a_spawn_stuck_after_a_stop_is_killed() {
+        let (tx, mut stop) = StopSignal::channel();
+        tx.send_replace(Some(StopReason::Cancel));
+        let killed = Arc::new(AtomicBool::new(false));
+        let k = killed.clone();
+        let job = tokio::spawn(std::future::pending::<i32>());
+        let r = await_spawn(
+            job,
+            |_| 0,
+            move || k.store(true, Ordering::SeqCst),
+            &mut stop,
+            None,
+            None,
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(matches!(r, Err(Interrupted { reason: StopReason::Cancel, result: None })));
+        assert!(killed.load(Ordering::SeqCst));
     }
 }

@@ -1,12 +1,11 @@
-//! `nodeplan plan push|pause|resume|cancel|status --nodeplan NAMESPACE/NAME` and
+//! `nodeplan plan push|pause|resume|cancel|reset|status --nodeplan NAMESPACE/NAME` and
 //! `nodeplan plan status --node NODE`: a NodePlan's spec written as a producer writes it, its
 //! status read back. The objects, patches and text come from [`crate::nodeplan::cli_wire`]; this
 //! module parses the names, asks the API server (every request bounded by `--request-timeout`) and
 //! reports. It never writes a status: that is the agent's record.
 //!
-//! `reset` is refused: the agent keys a NodePlan's run by the checksum of `spec.plan` and keeps a
-//! finished, failed or canceled run of that plan final, and only the agent writes the status that
-//! says so. Running the same plan again needs the agent to honour something new in the spec.
+//! `reset` writes a new `spec.runToken`: the agent identifies a run by `spec.plan` and the token
+//! (docs/rules.md R18), so the same plan runs again from its first instruction.
 
 use super::{Failure, NodeList, PlanAction, RemoteTarget, bad_input};
 use crate::nodeplan::cli_wire::{self, Control};
@@ -154,12 +153,7 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
         PlanAction::Pause(_) => control(&nodeplans(t, r).await?, t, r, Control::Pause).await,
         PlanAction::Resume(_) => control(&nodeplans(t, r).await?, t, r, Control::Resume).await,
         PlanAction::Cancel(_) => control(&nodeplans(t, r).await?, t, r, Control::Cancel).await,
-        // Nothing is asked: no spec change this agent honours runs the same plan again.
-        PlanAction::Reset(_) => Err(Failure::Failed(format!(
-            "cannot reset nodeplan {r}: the agent runs a NodePlan again only for a new spec.plan (its record is \
-             kept by the plan's checksum, and only the agent writes it); change the plan and push it, or delete the \
-             NodePlan and push it again"
-        ))),
+        PlanAction::Reset(_) => reset(&nodeplans(t, r).await?, t, r).await,
         PlanAction::Status { .. } => {
             let api = nodeplans(t, r).await?;
             let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
@@ -220,7 +214,7 @@ async fn push(
                 (created, what)
             }
             Some(o) => {
-                if let Some(node) = node.filter(|n| !cli_wire::is_for_node(&o, n)) {
+                if let Some(node) = node.filter(|n| !crate::nodeplan::wire::is_for_node(&o, n)) {
                     return Err(bad_input(format!(
                         "nodeplan {r} is for {}, not node {}: nothing pushed",
                         cli_wire::node_of(&o),
@@ -267,11 +261,26 @@ async fn control(api: &Api<DynamicObject>, t: &RemoteTarget, r: &NodePlanRef, c:
     let (done, effect) = match c {
         Control::Pause => ("paused", "the agent pauses it at the next instruction boundary"),
         Control::Resume => ("resumed", "a paused plan goes on without re-running finished instructions"),
-        Control::Cancel => {
-            ("canceled", "the running instruction is stopped; the plan stays canceled until spec.plan changes")
-        }
+        Control::Cancel => (
+            "canceled",
+            "the running instruction is stopped; the plan stays canceled until `nodeplan plan reset`, a cleared spec.canceled or a new spec.plan",
+        ),
     };
     crate::cli::out!("{done} nodeplan {r}: set spec.{field}={value} ({effect})");
+    Ok(())
+}
+
+/// `reset`: a new `spec.runToken` (the time), so the agent runs the plan again from its first
+/// instruction with a fresh record; the pause and cancel are cleared.
+async fn reset(api: &Api<DynamicObject>, t: &RemoteTarget, r: &NodePlanRef) -> Result<(), Failure> {
+    let token = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
+    let patch = cli_wire::reset_patch(&token);
+    ask(t, "patch the NodePlan", api.patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch)))
+        .await
+        .map_err(|e| e.of(r))?;
+    crate::cli::out!(
+        "reset nodeplan {r}: set spec.runToken={token} (the agent runs the plan again from its first instruction)"
+    );
     Ok(())
 }
 
