@@ -416,3 +416,44 @@ fn an_api_server_that_never_answers_is_one_line_and_exit_1_within_the_timeout() 
         out.refused(1, "no answer from the API server within 1s (--request-timeout)");
     }
 }
+
+/// `push --dry-run` compares the plan file with what the NodePlan holds and writes nothing: exit
+/// 6 with the changes by path and name, 0 when it holds the plan already.
+#[tokio::test]
+async fn a_push_dry_run_shows_the_changes_and_writes_nothing() {
+    let cp = control_plane!();
+    let p = Producer::new(cp, "npcli-dry").await;
+    let target = p.target("web");
+    let plan1 = json!({"files": [{"path": "/etc/a", "content": "eA=="}], "instructions": [sh("one", "true")]});
+    let file1 = p.plan_file("one.plan", &plan1);
+    let out = p.cli(&["plan", "push", &file1, "--nodeplan", &target, "--node", "node-a", "--dry-run"]);
+    assert_eq!(out.code, Some(6), "{out:?}");
+    assert!(out.stdout.contains("new plan ") && out.stdout.contains("  + /etc/a"), "{out:?}");
+    assert!(p.api.get_opt("web").await.unwrap().is_none(), "a dry run created the NodePlan");
+    p.ok(&["plan", "push", &file1, "--nodeplan", &target, "--node", "node-a"]);
+    let before = p.get("web").await.metadata.resource_version;
+    let out = p.cli(&["plan", "push", &file1, "--nodeplan", &target, "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("holds this plan already"), "{out:?}");
+    let plan2 = json!({"instructions": [sh("one", "true"), {"name": "two", "command": "x", "env": ["T=hidden"]}]});
+    let file2 = p.plan_file("two.plan", &plan2);
+    let out = p.cli(&["plan", "push", &file2, "--nodeplan", &target, "--dry-run"]);
+    assert_eq!(out.code, Some(6), "{out:?}");
+    for want in ["  - /etc/a", "  + two", "env T=(masked)"] {
+        assert!(out.stdout.contains(want), "no {want:?} in {out:?}");
+    }
+    assert!(!out.stdout.contains("hidden"), "{out:?}");
+    assert_eq!(p.get("web").await.metadata.resource_version, before, "a dry run wrote");
+    // The same for a node's plan Secret: compared, never created.
+    let secret = format!("{}/machine-plan", p.namespace);
+    let out = p.cli(&["plan", "push", &file1, "--secret", &secret, "--dry-run"]);
+    assert_eq!(out.code, Some(6), "{out:?}");
+    assert!(out.stdout.contains("new plan ") && out.stdout.contains("  + /etc/a"), "{out:?}");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(cp.client().await, &p.namespace);
+    assert!(secrets.get_opt("machine-plan").await.unwrap().is_none(), "a dry run created the Secret");
+    p.ok(&["plan", "push", &file1, "--secret", &secret]);
+    let out = p.cli(&["plan", "push", &file1, "--secret", &secret, "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let out = p.cli(&["plan", "push", &file2, "--secret", &secret, "--dry-run"]);
+    assert!(out.code == Some(6) && out.stdout.contains("  + two"), "{out:?}");
+}

@@ -5,7 +5,7 @@
 
 use super::exit;
 use crate::apply::preview::{self, Change, FilePreview};
-use crate::plan::{CommonInstruction, ValidPlan};
+use crate::plan::{CommonInstruction, FileOp, ValidPlan};
 
 /// One line per instruction field that matters: what runs, with what.
 fn instruction_lines(c: &CommonInstruction, show_secrets: bool) -> Vec<String> {
@@ -100,9 +100,120 @@ pub fn show(plan: &ValidPlan, resume_from: usize, run_periodic: bool, show_secre
     if changed > 0 || !run.is_empty() || !periodic.is_empty() { exit::CHANGES_PENDING } else { exit::OK }
 }
 
+fn file_word(op: &FileOp) -> String {
+    match op {
+        FileOp::Delete { directory: true, .. } => "delete directory tree".into(),
+        FileOp::Delete { .. } => "delete".into(),
+        FileOp::Directory { mode, uid, gid, .. } => format!("directory, mode {mode:04o}, owner {uid}:{gid}"),
+        FileOp::Write { content, mode, uid, gid, .. } => {
+            let sum = crate::plan::checksum(content);
+            format!("file, mode {mode:04o}, owner {uid}:{gid}, {} bytes, sha256 {}", content.len(), &sum[..16])
+        }
+    }
+}
+
+/// `+ name`, `- name`, `~ name` lines for two keyed lists, with `describe` of the new entry.
+fn keyed<T: PartialEq>(
+    out: &mut Vec<String>,
+    what: &str,
+    old: &[(String, T)],
+    new: &[(String, T)],
+    describe: impl Fn(&T) -> Vec<String>,
+) {
+    let mut lines = Vec::new();
+    for (k, v) in new {
+        match old.iter().find(|(o, _)| o == k) {
+            None => lines.push((format!("  + {k}"), describe(v))),
+            Some((_, ov)) if ov != v => lines.push((format!("  ~ {k}"), describe(v))),
+            Some(_) => {}
+        }
+    }
+    for (k, _) in old.iter().filter(|(k, _)| !new.iter().any(|(n, _)| n == k)) {
+        lines.push((format!("  - {k}"), Vec::new()));
+    }
+    out.push(format!("{what}: {} changed", lines.len()));
+    for (head, details) in lines {
+        out.push(head);
+        out.extend(details.into_iter().map(|d| format!("      {d}")));
+    }
+}
+
+/// What pushing `new` over `old` (the plan the target holds now, if any) changes, by file path
+/// and by instruction and probe name (file contents as size and SHA-256; env values masked
+/// unless `show_secrets`). Empty when the plans are the same.
+pub fn plan_changes(old: Option<&ValidPlan>, new: &ValidPlan, show_secrets: bool) -> Vec<String> {
+    if old.is_some_and(|o| o.checksum == new.checksum) {
+        return Vec::new();
+    }
+    let mut out = vec![match old {
+        Some(o) => format!("plan {} → {}", &o.checksum[..12], &new.checksum[..12]),
+        None => format!("new plan {} (nothing there yet)", &new.checksum[..12]),
+    }];
+    let files = |p: Option<&ValidPlan>| -> Vec<(String, FileOp)> {
+        p.map(|p| p.files.iter().map(|f| (f.path().to_string(), f.clone())).collect()).unwrap_or_default()
+    };
+    keyed(&mut out, "files", &files(old), &files(Some(new)), |f| vec![file_word(f)]);
+    let one_time = |p: Option<&ValidPlan>| -> Vec<(String, CommonInstruction)> {
+        p.map(|p| p.plan.instructions.iter().map(|i| (i.common.name.clone(), i.common.clone())).collect())
+            .unwrap_or_default()
+    };
+    keyed(&mut out, "instructions", &one_time(old), &one_time(Some(new)), |c| instruction_lines(c, show_secrets));
+    let periodic = |p: Option<&ValidPlan>| -> Vec<(String, (CommonInstruction, i64))> {
+        p.map(|p| {
+            p.plan
+                .periodic_instructions
+                .iter()
+                .map(|i| (i.common.name.clone(), (i.common.clone(), i.period_seconds)))
+                .collect()
+        })
+        .unwrap_or_default()
+    };
+    keyed(&mut out, "periodic instructions", &periodic(old), &periodic(Some(new)), |(c, _)| {
+        instruction_lines(c, show_secrets)
+    });
+    let probes = |p: Option<&ValidPlan>| -> Vec<(String, crate::plan::Probe)> {
+        p.map(|p| p.plan.probes.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default()
+    };
+    keyed(&mut out, "probes", &probes(old), &probes(Some(new)), |_| Vec::new());
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parsed(v: serde_json::Value) -> ValidPlan {
+        crate::plan::parse(&serde_json::to_vec(&v).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_push_shows_what_it_changes_by_path_and_name() {
+        let old = parsed(serde_json::json!({
+            "files": [{"path": "/a", "content": "eA=="}, {"path": "/gone", "content": ""}],
+            "instructions": [{"name": "keep", "command": "true"}, {"name": "edit", "command": "true"}],
+        }));
+        let new = parsed(serde_json::json!({
+            "files": [{"path": "/a", "content": "eQ=="}, {"path": "/b", "directory": true}],
+            "instructions": [{"name": "keep", "command": "true"}, {"name": "edit", "command": "false", "env": ["K=secret"]}],
+        }));
+        let lines = plan_changes(Some(&old), &new, false);
+        let text = lines.join("\n");
+        assert!(text.starts_with(&format!("plan {} → {}", &old.checksum[..12], &new.checksum[..12])), "{text}");
+        for want in [
+            "files: 3 changed",
+            "  ~ /a",
+            "  + /b",
+            "  - /gone",
+            "instructions: 1 changed",
+            "  ~ edit",
+            "env K=(masked)",
+        ] {
+            assert!(lines.iter().any(|l| l.contains(want)), "no {want:?} in:\n{text}");
+        }
+        assert!(!text.contains("keep") && !text.contains("secret"), "{text}");
+        assert!(plan_changes(Some(&new), &new, false).is_empty(), "the same plan changes nothing");
+        assert!(plan_changes(None, &new, false)[0].starts_with("new plan "));
+    }
 
     #[test]
     fn env_values_are_masked_unless_asked_and_words_are_quoted() {

@@ -81,6 +81,14 @@ pub enum PlanAction {
         /// for an existing one].
         #[arg(long, value_name = "N", requires = "nodeplan", allow_negative_numbers = true)]
         priority: Option<i32>,
+        /// Show what the push would change (files by path with size and SHA-256, instructions
+        /// and probes by name) against what the target holds now, and write nothing; exit 6 when
+        /// something would change, 0 when it holds this plan already.
+        #[arg(long)]
+        dry_run: bool,
+        /// With --dry-run: show env values (masked by default).
+        #[arg(long, requires = "dry_run")]
+        show_secrets: bool,
     },
     /// Pause at the next instruction boundary (NAME.paused, the paused annotation, spec.paused).
     Pause(Target),
@@ -215,7 +223,38 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
+/// `push --dry-run`: the plan file checked as a push checks it, compared with what the target
+/// holds now; nothing is written.
+async fn push_dry_run(file: &Path, t: &RemoteTarget, show_secrets: bool) -> Result<u8, Failure> {
+    let raw = read_plan(file).map_err(bad_input)?;
+    let new = plan::parse(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
+    let (target, old) = match (&t.nodeplan, &t.secret) {
+        (Some(r), _) => (format!("nodeplan {r}"), nodeplan::current_plan(file, t, r).await?),
+        (None, Some(s)) => (format!("secret {s}"), remote::current_plan(t).await.map_err(Failure::Failed)?),
+        (None, None) => {
+            return Err(bad_input("plan push needs --secret NAMESPACE/NAME or --nodeplan NAMESPACE/NAME".into()));
+        }
+    };
+    let old = old.and_then(|b| plan::parse(&b).ok());
+    crate::cli::out!("dry run: push {} to {target}; nothing is written", file.display());
+    let lines = super::dry_run::plan_changes(old.as_ref(), &new, show_secrets);
+    if lines.is_empty() {
+        crate::cli::out!("no change: {target} holds this plan already");
+        return Ok(exit::OK);
+    }
+    for l in lines {
+        crate::cli::out!("{l}");
+    }
+    Ok(exit::CHANGES_PENDING)
+}
+
 pub async fn run(args: PlanArgs) -> u8 {
+    if let PlanAction::Push { file, remote, dry_run: true, show_secrets, .. } = &args.action {
+        return match push_dry_run(file, remote, *show_secrets).await {
+            Ok(code) => code,
+            Err(f) => report(f),
+        };
+    }
     let r = match &args.action {
         PlanAction::Push { remote, .. } if remote.nodeplan.is_some() => nodeplan::run(&args.action, remote).await,
         PlanAction::Push { remote, .. } if remote.secret.is_none() => Err(bad_input(
@@ -241,11 +280,18 @@ pub async fn run(args: PlanArgs) -> u8 {
     };
     match r {
         Ok(()) => exit::OK,
-        Err(Failure::Usage(e)) => {
+        Err(f) => report(f),
+    }
+}
+
+/// One line for a failure; its exit code.
+fn report(f: Failure) -> u8 {
+    match f {
+        Failure::Usage(e) => {
             super::say(&format!("nodeplan: {e}"));
             exit::BAD_INPUT
         }
-        Err(Failure::Failed(e)) => {
+        Failure::Failed(e) => {
             super::say(&format!("nodeplan: {e}"));
             exit::FAILED
         }
@@ -373,6 +419,13 @@ mod remote {
         };
         let kube = super::kube_client(t).await?;
         Ok(SecretClient::new(kube, SecretRef { namespace: namespace.into(), name: name.into() }))
+    }
+
+    /// The plan the Secret holds now (`None`: no Secret, or no plan in it).
+    pub async fn current_plan(t: &RemoteTarget) -> Result<Option<Vec<u8>>, String> {
+        let c = client(t).await?;
+        let s = super::bounded(t, "read the secret", c.get()).await?;
+        Ok(s.and_then(|s| s.data.get(wire::PLAN).cloned()))
     }
 
     pub async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), String> {

@@ -165,6 +165,23 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
     }
 }
 
+/// For `push --dry-run`: the plan file checked as a push checks it, and the plan JSON the NodePlan
+/// holds now (`None`: no such NodePlan, or no plan in it).
+pub(super) async fn current_plan(
+    file: &std::path::Path,
+    t: &RemoteTarget,
+    r: &NodePlanRef,
+) -> Result<Option<Vec<u8>>, Failure> {
+    plan_object(file)?;
+    let api = nodeplans(t, r).await?;
+    let o = match ask(t, "read the NodePlan", api.get(&r.name)).await {
+        Ok(o) => o,
+        Err(ApiError::NotFound) => return Ok(None),
+        Err(e) => return Err(e.of(r)),
+    };
+    Ok(o.data.pointer("/spec/plan").filter(|p| !p.is_null()).and_then(|p| serde_json::to_vec(p).ok()))
+}
+
 /// The NodePlans of `r`'s namespace, through the kubeconfig's current context.
 async fn nodeplans(t: &RemoteTarget, r: &NodePlanRef) -> Result<Api<DynamicObject>, Failure> {
     Ok(Api::namespaced_with(super::kube_client(t).await?, &r.namespace, &api_resource()))
