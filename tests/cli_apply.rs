@@ -827,12 +827,20 @@ fn sigterm_cancels_while_stderr_is_a_full_pipe_nobody_reads() {
     assert!(!Path::new(&e.p("after")).exists());
 }
 
-/// Two applies of different plans in one work directory never run at once (they would wipe each
-/// other's execution directories): the second waits for the work directory's lock, says who
-/// holds it, and runs once the first is done.
-#[test]
-fn a_second_apply_in_the_same_work_directory_waits_for_the_first() {
-    let e = Env::new();
+/// Two applies of different plans in one work directory: the first holds its instruction until
+/// `go` is released, the second has been started and has said it waits for the lock (its line).
+struct TwoApplies {
+    first: std::process::Child,
+    second: std::process::Child,
+    go: String,
+    log: String,
+    waiting: String,
+    seen: Vec<String>,
+    /// The first's stderr stays read until the test ends.
+    _first_stderr: mpsc::Receiver<String>,
+}
+
+fn two_applies(e: &Env) -> TwoApplies {
     let (ready, go, log) = (e.fifo("ready"), e.fifo("go"), e.p("log"));
     let first_plan = e.plan(serde_json::json!({"instructions": [
         sh("first", &format!("echo first-start >> {log}; echo > {ready}; cat {go} > /dev/null; echo first-end >> {log}")),
@@ -840,46 +848,44 @@ fn a_second_apply_in_the_same_work_directory_waits_for_the_first() {
     let second_plan = e.p("second.plan");
     let second_json = serde_json::json!({"instructions": [sh("second", &format!("echo second >> {log}"))]});
     std::fs::write(&second_plan, serde_json::to_vec(&second_json).unwrap()).unwrap();
-    let (mut first, _rx1) = spawn_with_stderr(e.cmd(&first_plan, &[]));
+    let (first, first_stderr) = spawn_with_stderr(e.cmd(&first_plan, &[]));
     read_fifo(&ready);
     let mut cmd = e.cmd(&second_plan, &[]);
     cmd.env("NODEPLAN_LOG", "info");
-    let (mut second, rx2) = spawn_with_stderr(cmd);
+    let (second, rx2) = spawn_with_stderr(cmd);
     let mut seen = Vec::new();
     wait_stderr(&rx2, "waiting for the work directory's lock", &mut seen);
-    let line = seen.last().cloned().unwrap_or_default();
-    assert!(line.contains(&format!("(pid {})", first.id())) && line.contains("held by apply:"), "{line}");
-    assert_eq!(std::fs::read_to_string(&log).unwrap(), "first-start\n", "the second did not wait");
-    release_fifo(&go);
-    assert_eq!(first.wait().unwrap().code(), Some(0));
-    assert_eq!(second.wait().unwrap().code(), Some(0), "{seen:?}");
-    assert_eq!(std::fs::read_to_string(&log).unwrap(), "first-start\nfirst-end\nsecond\n");
+    let waiting = seen.last().cloned().unwrap_or_default();
+    TwoApplies { first, second, go, log, waiting, seen, _first_stderr: first_stderr }
+}
+
+/// Two applies of different plans in one work directory never run at once (they would wipe each
+/// other's execution directories): the second waits for the work directory's lock, says who
+/// holds it, and runs once the first is done.
+#[test]
+fn a_second_apply_in_the_same_work_directory_waits_for_the_first() {
+    let e = Env::new();
+    let mut t = two_applies(&e);
+    let line = &t.waiting;
+    assert!(line.contains(&format!("(pid {})", t.first.id())) && line.contains("held by apply:"), "{line}");
+    assert_eq!(std::fs::read_to_string(&t.log).unwrap(), "first-start\n", "the second did not wait");
+    release_fifo(&t.go);
+    assert_eq!(t.first.wait().unwrap().code(), Some(0));
+    assert_eq!(t.second.wait().unwrap().code(), Some(0), "{:?}", t.seen);
+    assert_eq!(std::fs::read_to_string(&t.log).unwrap(), "first-start\nfirst-end\nsecond\n");
 }
 
 /// Ctrl-C stops an apply that waits for the work directory's lock: nothing of its plan runs.
 #[test]
 fn ctrl_c_stops_waiting_for_the_work_directory() {
     let e = Env::new();
-    let (ready, go, log) = (e.fifo("ready"), e.fifo("go"), e.p("log"));
-    let first_plan = e.plan(serde_json::json!({"instructions": [
-        sh("first", &format!("echo > {ready}; cat {go} > /dev/null; echo first >> {log}")),
-    ]}));
-    let second_plan = e.p("second.plan");
-    let second_json = serde_json::json!({"instructions": [sh("second", &format!("echo second >> {log}"))]});
-    std::fs::write(&second_plan, serde_json::to_vec(&second_json).unwrap()).unwrap();
-    let (mut first, _rx1) = spawn_with_stderr(e.cmd(&first_plan, &[]));
-    read_fifo(&ready);
-    let mut cmd = e.cmd(&second_plan, &[]);
-    cmd.env("NODEPLAN_LOG", "info");
-    let (mut second, rx2) = spawn_with_stderr(cmd);
-    let mut seen = Vec::new();
-    wait_stderr(&rx2, "waiting for the work directory's lock", &mut seen);
-    sigint(&second);
-    let code = second.wait().unwrap().code();
-    release_fifo(&go);
-    assert_eq!(first.wait().unwrap().code(), Some(0));
+    let mut t = two_applies(&e);
+    sigint(&t.second);
+    let code = t.second.wait().unwrap().code();
+    release_fifo(&t.go);
+    assert_eq!(t.first.wait().unwrap().code(), Some(0));
     assert_ne!(code, Some(0), "an apply stopped before it ran is not a success");
-    assert_eq!(std::fs::read_to_string(&log).unwrap(), "first\n", "the second plan ran");
+    assert_eq!(std::fs::read_to_string(&t.log).unwrap(), "first-start\nfirst-end\n", "the second plan ran");
 }
 
 /// `--dry-run` shows each file's diff and each instruction, masks secrets, touches nothing (no

@@ -7,14 +7,12 @@ mod common;
 mod k8s_support;
 
 use common::*;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_support::ControlPlane;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use nodeplan::nodeplan::resource::{CRD_YAML, NodePlanStatus};
+use nodeplan::nodeplan::resource::NodePlanStatus;
 use nodeplan::nodeplan::source::api_resource;
 use serde_json::json;
 use std::time::{Duration, Instant};
-use tokio::sync::OnceCell;
 
 macro_rules! control_plane {
     () => {
@@ -23,44 +21,6 @@ macro_rules! control_plane {
             None => return,
         }
     };
-}
-
-static CRD: OnceCell<()> = OnceCell::const_new();
-
-/// Install the CRD through the API (once per control plane) and wait until it is served.
-async fn install_crd(cp: &ControlPlane) {
-    CRD.get_or_init(|| async {
-        let crds: Api<CustomResourceDefinition> = Api::all(cp.client().await);
-        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(CRD_YAML).unwrap();
-        match crds.create(&PostParams::default(), &crd).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 409 => {}
-            Err(e) => panic!("cannot install the CRD: {e}"),
-        }
-        let deadline = Instant::now() + GUARD;
-        loop {
-            let c = crds.get("nodeplans.agent.cattle.io").await.unwrap();
-            let established = c
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            if established {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the CRD never became established");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        // The resource is served once discovery has it: a list answers.
-        let np: Api<DynamicObject> = Api::all_with(cp.client().await, &api_resource());
-        let deadline = Instant::now() + GUARD;
-        while np.list(&Default::default()).await.is_err() {
-            assert!(Instant::now() < deadline, "NodePlans are never served");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
 }
 
 struct Node {
@@ -83,7 +43,7 @@ impl Node {
 
     /// The agent connects with `kubeconfig` (the test's own client stays the admin's).
     async fn new_with(cp: &ControlPlane, test: &str, kubeconfig: &str) -> Node {
-        install_crd(cp).await;
+        cp.install_nodeplan_crd().await;
         let namespace = cp.new_namespace(test).await;
         let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
         let mode = "nodePlanEnabled: true\nnodeName: node-a\n";
@@ -541,7 +501,7 @@ async fn clearing_the_cancel_runs_the_plan_again_from_the_start() {
 #[tokio::test]
 async fn a_nodeplan_waiting_for_the_lock_names_the_holder() {
     let cp = control_plane!();
-    install_crd(cp).await;
+    cp.install_nodeplan_crd().await;
     let namespace = cp.new_namespace("np-lock").await;
     let api: Api<DynamicObject> = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
     let plans = tempfile::tempdir().unwrap();

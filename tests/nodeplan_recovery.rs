@@ -8,10 +8,9 @@ mod common;
 mod k8s_support;
 
 use common::*;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_support::ControlPlane;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use nodeplan::nodeplan::resource::{CRD_YAML, NodePlanStatus};
+use nodeplan::nodeplan::resource::NodePlanStatus;
 use nodeplan::nodeplan::source::api_resource;
 use nodeplan::plan;
 use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
@@ -21,38 +20,6 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// Install the CRD through the API (a conflict means it is there) and wait until it is served.
-async fn install_crd(cp: &ControlPlane) {
-    let crds: Api<CustomResourceDefinition> = Api::all(cp.client().await);
-    let crd: CustomResourceDefinition = serde_yaml_ng::from_str(CRD_YAML).unwrap();
-    match crds.create(&PostParams::default(), &crd).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("cannot install the CRD: {e}"),
-    }
-    let deadline = Instant::now() + GUARD;
-    loop {
-        let c = crds.get("nodeplans.agent.cattle.io").await.unwrap();
-        let established = c
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        if established {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the CRD never became established");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let np: Api<DynamicObject> = Api::all_with(cp.client().await, &api_resource());
-    let deadline = Instant::now() + GUARD;
-    while np.list(&Default::default()).await.is_err() {
-        assert!(Instant::now() < deadline, "NodePlans are never served");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// A node with NodePlan mode on (plus `extra_mode`), its namespace and the producer's client.
 struct Node {
@@ -70,7 +37,7 @@ impl std::ops::Deref for Node {
 
 impl Node {
     async fn new(cp: &ControlPlane, test: &str, kubeconfig: &str, extra_mode: &str) -> Node {
-        install_crd(cp).await;
+        cp.install_nodeplan_crd().await;
         let namespace = cp.new_namespace(test).await;
         let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
         let mode = format!("nodePlanEnabled: true\nnodeName: node-a\n{extra_mode}");

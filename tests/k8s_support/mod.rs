@@ -694,33 +694,28 @@ impl Drop for ControlPlane {
     }
 }
 
-static NODEPLAN_CRD: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-
 impl ControlPlane {
-    /// Install the NodePlan CRD (`deploy/nodeplan-crd.yaml`) through the API, once per test
-    /// binary, and wait (bounded) until NodePlans are served (a list of them answers).
+    /// Install the NodePlan CRD (`deploy/nodeplan-crd.yaml`) through this control plane's API (one
+    /// already there is a conflict, fine) and wait (bounded) until NodePlans are served (a list of
+    /// them answers). Not cached: a test may run its own control plane.
     pub async fn install_nodeplan_crd(&self) {
         use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
         const WAIT: Duration = Duration::from_secs(30);
-        NODEPLAN_CRD
-            .get_or_init(|| async {
-                let crds: Api<CustomResourceDefinition> = Api::all(self.client().await);
-                let crd: CustomResourceDefinition = serde_yaml_ng::from_str(nodeplan::nodeplan::resource::CRD_YAML)
-                    .unwrap_or_else(|e| panic!("the CRD does not parse: {e}"));
-                match crds.create(&PostParams::default(), &crd).await {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(s)) if s.code == 409 => {}
-                    Err(e) => panic!("cannot install the CRD: {e}"),
-                }
-                let np: Api<kube::api::DynamicObject> =
-                    Api::all_with(self.client().await, &nodeplan::nodeplan::source::api_resource());
-                let deadline = Instant::now() + WAIT;
-                while np.list(&Default::default()).await.is_err() {
-                    assert!(Instant::now() < deadline, "NodePlans are never served");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            })
-            .await;
+        let crds: Api<CustomResourceDefinition> = Api::all(self.client().await);
+        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(nodeplan::nodeplan::resource::CRD_YAML)
+            .unwrap_or_else(|e| panic!("the CRD does not parse: {e}"));
+        match crds.create(&PostParams::default(), &crd).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("cannot install the CRD: {e}"),
+        }
+        let np: Api<kube::api::DynamicObject> =
+            Api::all_with(self.client().await, &nodeplan::nodeplan::source::api_resource());
+        let deadline = Instant::now() + WAIT;
+        while np.list(&Default::default()).await.is_err() {
+            assert!(Instant::now() < deadline, "NodePlans are never served");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
