@@ -12,7 +12,7 @@ mod output;
 mod plan_cmd;
 mod supervise;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -35,10 +35,14 @@ pub mod exit {
     pub const CHANGES_PENDING: u8 = 6;
 }
 
+/// `nodeplan --version`: the release, the commit it was built from and that commit's date.
+pub const VERSION: &str =
+    concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("NODEPLAN_COMMIT"), ", ", env!("NODEPLAN_COMMIT_DATE"), ")");
+
 #[derive(Parser, Debug)]
 #[command(
     name = "nodeplan",
-    version,
+    version = VERSION,
     about = "Apply plans to this node; supervise processes that never hang",
     propagate_version = true
 )]
@@ -89,6 +93,13 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
     Crd,
+    /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff; `nodeplan man | man -l -`).
+    Man,
 }
 
 /// `apply --help`'s list of [`exit`] codes (the README's list says the same).
@@ -207,6 +218,11 @@ pub fn main() -> ExitCode {
                 out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
                 exit::OK
             }
+            Command::Completions { shell } => generated(|w| {
+                clap_complete::generate(shell, &mut Cli::command(), "nodeplan", w);
+                Ok(())
+            }),
+            Command::Man => generated(|w| clap_mangen::Man::new(Cli::command()).render(w)),
         }
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.
@@ -222,6 +238,17 @@ const STDERR_DRAIN: Duration = Duration::from_secs(2);
 
 /// The progress bar that log lines must not tear; set by `apply`.
 pub(crate) static PROGRESS: OnceLock<indicatif::ProgressBar> = OnceLock::new();
+
+/// Write generated text (completions, the man page) to stdout; a closed stdout is no error.
+fn generated(write: impl FnOnce(&mut Vec<u8>) -> std::io::Result<()>) -> u8 {
+    let mut buf = Vec::new();
+    if let Err(e) = write(&mut buf) {
+        say(&format!("nodeplan: {e}"));
+        return exit::FAILED;
+    }
+    out!("{}", String::from_utf8_lossy(&buf).trim_end());
+    exit::OK
+}
 
 /// A clap error (bad arguments) as one line: `nodeplan: <what>; see '<command> --help'`.
 fn clap_error_line(e: &clap::Error) -> String {
