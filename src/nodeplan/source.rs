@@ -441,7 +441,7 @@ impl PlanSource for NodePlanSource {
         // plan lock (another source's plan applies) and for its required preflight checks.
         let holder = self.holder.borrow().clone();
         if one_time && let Some(holder) = holder {
-            let mut next = wire::waiting(&status, target, chrono::Utc::now());
+            let mut next = wire::waiting(&status, target, begins, chrono::Utc::now());
             wire::set_lock_holder(&mut next, Some(&holder), generation, chrono::Utc::now());
             self.write_if_changed(name, &checksum, &status, next).await;
             return Seen::Held(format!("{label}: waiting for the node's plan lock, held by {holder}"));
@@ -449,7 +449,7 @@ impl PlanSource for NodePlanSource {
         if begins && !policy.preflight.is_empty() {
             let result = self.preflight(&policy).await;
             if !result.passed() {
-                let mut next = wire::waiting(&status, target, chrono::Utc::now());
+                let mut next = wire::waiting(&status, target, true, chrono::Utc::now());
                 wire::set_lock_holder(&mut next, None, generation, chrono::Utc::now());
                 wire::set_preflight(&mut next, &result, generation, chrono::Utc::now());
                 self.write_if_changed(name, &checksum, &status, next).await;
@@ -513,6 +513,8 @@ impl PlanSource for NodePlanSource {
             wire::mark_timeout(&mut next, d, generation, now);
         }
         wire::mark_retry(&mut next, &policy);
+        // A run that went on without a commit (a recovery) may still show that it waited.
+        wire::set_lock_holder(&mut next, None, generation, now);
         if rec.state.as_ref().is_some_and(|s| *s != PlanState::InProgress) {
             self.store.remove(name).await;
         }

@@ -305,10 +305,12 @@ pub fn set_preflight(s: &mut NodePlanStatus, r: &PreflightResult, generation: i6
     set_condition(&mut s.conditions, "Preflight", status, reason, &msg, generation, now);
 }
 
-/// The status of a plan that does not start yet: `Pending` (the caller adds the condition that
-/// says why).
-pub fn waiting(prev: &NodePlanStatus, t: Target<'_>, now: DateTime<Utc>) -> NodePlanStatus {
-    let mut s = if prev.plan_checksum == t.checksum && prev.state == Some(PlanState::Pending) {
+/// The status of a plan that does not start yet (the caller adds the condition that says why).
+/// A run that would begin shows `Pending`; one that would go on (a resume, a recovery) keeps its
+/// state and checkpoint, so waiting never loses its place.
+pub fn waiting(prev: &NodePlanStatus, t: Target<'_>, begins: bool, now: DateTime<Utc>) -> NodePlanStatus {
+    let same_run = prev.plan_checksum == t.checksum && prev.state.is_some();
+    let mut s = if same_run && (!begins || prev.state == Some(PlanState::Pending)) {
         prev.clone()
     } else {
         with_state(prev, t, PlanState::Pending, now)
@@ -709,6 +711,33 @@ mod tests {
         let (vp, run) = valid_plan(&a).unwrap();
         assert_eq!((Some(run.clone()), vp.checksum), (plan_checksum(&a), run), "no token: the plan's own checksum");
         assert_eq!(valid_plan(&b).unwrap().1, plan_checksum(&b).unwrap());
+    }
+
+    #[test]
+    fn a_plan_waiting_to_go_on_keeps_its_state_and_checkpoint() {
+        let t = Target { generation: 2, checksum: "c", total: 3 };
+        let cp = Checkpoint {
+            checksum: "c".into(),
+            completed_instructions: 2,
+            total_instructions: 3,
+            resume_state: Some(PlanState::InProgress),
+            paused: true,
+            termination_incomplete: false,
+        };
+        let paused = NodePlanStatus {
+            plan_checksum: "c".into(),
+            state: Some(PlanState::Paused),
+            phase: "Paused".into(),
+            checkpoint: Some(cp.clone()),
+            ..Default::default()
+        };
+        let w = waiting(&paused, t, false, now());
+        assert_eq!((w.state, w.phase.as_str(), w.checkpoint), (Some(PlanState::Paused), "Paused", Some(cp)));
+        let failed = NodePlanStatus { state: Some(PlanState::Failed), checkpoint: None, ..paused.clone() };
+        assert_eq!(waiting(&failed, t, true, now()).phase, "Pending", "a retry that would begin");
+        let other = NodePlanStatus { plan_checksum: "old".into(), ..paused };
+        let w = waiting(&other, t, false, now());
+        assert_eq!((w.phase.as_str(), w.plan_checksum.as_str()), ("Pending", "c"), "a new run");
     }
 
     #[test]
