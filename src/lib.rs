@@ -26,6 +26,7 @@ pub mod apply;
 pub mod cli;
 pub mod config;
 pub mod duration;
+pub mod events;
 pub mod flow;
 pub mod image;
 pub mod local;

@@ -12,6 +12,7 @@ use super::resource::{self, NODE_LABEL, NodePlanSpec, NodePlanStatus};
 use super::runs::RunStore;
 use super::wire::{self, Policy, PreflightResult, Target};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
+use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
@@ -87,11 +88,13 @@ impl NodePlanAgent {
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
             preflight: HashMap::new(),
+            events: None,
         };
         NodePlanAgent { source, app, prober }
     }
 
     pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
+        self.source.events = Some(EventSink::start(self.source.api.clone().into_client(), &self.source.node));
         let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
         let selector = format!("{NODE_LABEL}={}", node_label_value(&self.source.node));
         let pump = tokio::spawn(super::watch::pump(self.source.api.clone(), selector.clone(), tx));
@@ -128,6 +131,8 @@ pub struct NodePlanSource {
     runs: HashMap<String, RunInfo>,
     /// Per NodePlan, the preflight result of the run about to begin (written with its start).
     preflight: HashMap<String, (String, PreflightResult)>,
+    /// Kubernetes Events about the NodePlans (started when the agent runs).
+    events: Option<EventSink>,
 }
 
 /// What the source remembers of the run it last showed the loop.
@@ -602,6 +607,27 @@ impl PlanSource for NodePlanSource {
 
     fn period(&self) -> Duration {
         self.probe_period
+    }
+
+    fn event(&mut self, name: &String, reason: Reason, note: &str) {
+        let (Some(sink), Some(o)) = (&self.events, self.current(name)) else { return };
+        let regarding = Regarding {
+            api_version: format!("{}/{}", resource::GROUP, resource::VERSION),
+            kind: resource::KIND.to_string(),
+            namespace: self.namespace.clone(),
+            name: name.clone(),
+            uid: o.metadata.uid.clone().unwrap_or_default(),
+        };
+        // A run stopped at its timeout is recorded as failed (R21), not canceled.
+        let timed_out = self.runs.get(name).filter(|r| r.timed_out).and_then(|r| r.policy.timeout);
+        match (reason, timed_out) {
+            (Reason::Canceled | Reason::CanceledWithSurvivors, Some(t)) => sink.emit(
+                regarding,
+                Reason::Failed,
+                format!("the run exceeded its timeout of {}: {note}", crate::duration::show(t)),
+            ),
+            _ => sink.emit(regarding, reason, note),
+        }
     }
 }
 

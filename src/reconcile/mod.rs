@@ -32,6 +32,7 @@
 
 use crate::apply::{AgentExit, ApplyError, ApplyInput, ApplyResult, Applyinator, Interrupt, LogObserver};
 use crate::duration::human as human_duration;
+pub use crate::events::Reason;
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::plan::{Interruption, PeriodicInstructionOutput, ProbeStatus, ValidPlan};
 use crate::probe::Prober;
@@ -202,11 +203,27 @@ pub trait PlanSource: Send {
     /// How long the loop waits for a change before it looks at every plan again (the rescan or
     /// probe period).
     fn period(&self) -> Duration;
+    /// Tell people what happened to a plan (a Kubernetes Event where the source has an object;
+    /// nothing by default). Must not wait: the loop calls it between steps.
+    fn event(&mut self, _key: &Self::Key, _reason: Reason, _note: &str) {}
 }
 
 /// A back-off of `initial` doubling to five minutes.
 fn backoff(initial: Duration) -> Backoff {
     Backoff::new(initial, Duration::from_secs(300), Duration::MAX)
+}
+
+/// The event for a plan state written after (or instead of) a run.
+fn outcome_reason(state: &crate::plan::PlanState, survivors: bool) -> Option<Reason> {
+    use crate::plan::PlanState;
+    match state {
+        PlanState::Succeeded => Some(Reason::Succeeded),
+        PlanState::Failed => Some(Reason::Failed),
+        PlanState::Paused => Some(Reason::Paused),
+        PlanState::Canceled if survivors => Some(Reason::CanceledWithSurvivors),
+        PlanState::Canceled => Some(Reason::Canceled),
+        _ => None,
+    }
 }
 
 /// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
@@ -304,10 +321,13 @@ impl Default for Memory {
 }
 
 impl Memory {
-    fn warn_once(&mut self, msg: String) {
-        if self.warned.insert(msg.clone()) {
+    /// Log `msg` unless it was logged already; whether it was logged now.
+    fn warn_once(&mut self, msg: String) -> bool {
+        let first = self.warned.insert(msg.clone());
+        if first {
             tracing::warn!("{msg}");
         }
+        first
     }
 }
 
@@ -336,6 +356,8 @@ pub struct Reconciler<S: PlanSource> {
 pub struct Recovery<K> {
     pub held: HashMap<K, String>,
     pub all: Option<String>,
+    /// Per plan, the leftovers stopped.
+    pub stopped: HashMap<K, usize>,
 }
 
 /// Stop the verified leftovers claimed by `claim` (those of `only`, or all of them) before anything
@@ -345,7 +367,7 @@ pub async fn recover<K: Clone + Eq + Hash>(
     claim: impl Fn(&Owner) -> Claim<K>,
     only: Option<&K>,
 ) -> Recovery<K> {
-    let mut out = Recovery { held: HashMap::new(), all: None };
+    let mut out = Recovery { held: HashMap::new(), all: None, stopped: HashMap::new() };
     let results = app
         .supervisor()
         .recover(|rec| match claim(&rec.owner) {
@@ -355,6 +377,11 @@ pub async fn recover<K: Clone + Eq + Hash>(
         })
         .await;
     for r in results {
+        if let (crate::process::RecoveryResult::Stopped(_), Some(Claim::Plan(k))) =
+            (&r.result, r.record.as_ref().map(|rec| claim(&rec.owner)))
+        {
+            *out.stopped.entry(k).or_default() += 1;
+        }
         let Some(why) = r.hold_reason() else { continue };
         match r.record.as_ref().map(|rec| claim(&rec.owner)) {
             Some(Claim::Plan(k)) => {
@@ -446,8 +473,14 @@ impl<S: PlanSource> Reconciler<S> {
     async fn recover_all(&mut self) {
         let source = &self.source;
         let r = recover(&self.app, |o| source.claim(o), None).await;
+        for (key, n) in r.stopped {
+            let note =
+                format!("{n} process tree(s) a previous agent left running were stopped before the plan runs again");
+            self.source.event(&key, Reason::LeftoversStopped, &note);
+        }
         for (key, why) in r.held {
             tracing::error!("{why}; the plan is blocked until this is resolved");
+            self.source.event(&key, Reason::Blocked, &why);
             self.memory.entry(key).or_default().blocked = Some(why);
         }
         if let Some(why) = &r.all {
@@ -565,9 +598,13 @@ impl<S: PlanSource> Reconciler<S> {
             // R3: nothing written, nothing run, no probes; looked at again with back-off.
             let msg = format!("{}: {e}; the plan is held and nothing is written", look.label);
             let mem = self.mem(key);
-            mem.warn_once(msg);
+            let first = mem.warn_once(msg);
             mem.probes = None;
-            return Action::After(mem.hold.next(now));
+            let after = mem.hold.next(now);
+            if first {
+                self.source.event(key, Reason::InvalidValue, &format!("{e}; the plan is held and nothing is written"));
+            }
+            return Action::After(after);
         }
         {
             let mem = self.mem(key);
@@ -608,6 +645,9 @@ impl<S: PlanSource> Reconciler<S> {
                 match self.source.commit(key, &look, &Commit::Record(transition)).await {
                     Written::Done => {
                         self.wrote(key);
+                        if let Some(reason) = outcome_reason(&state, false) {
+                            self.source.event(key, reason, &format!("{} before it ran", state));
+                        }
                         self.probe(key).await
                     }
                     Written::Abandoned => Action::After(Duration::ZERO),
@@ -674,7 +714,21 @@ impl<S: PlanSource> Reconciler<S> {
         // Commit the start (pending → in-progress) or the resume before anything runs.
         if let Some(commit) = run.commit() {
             match self.source.commit(key, look, &commit).await {
-                Written::Done => self.wrote(key),
+                Written::Done => {
+                    self.wrote(key);
+                    let total = look.plan.plan.instructions.len();
+                    match &commit {
+                        Commit::Begin { .. } => {
+                            let note = format!("attempt {}: applying {total} instructions", look.begin_attempt);
+                            self.source.event(key, Reason::Started, &note);
+                        }
+                        Commit::Resume(_) => {
+                            let from = (run.resume_from() + 1).min(total);
+                            self.source.event(key, Reason::Resumed, &format!("resuming at instruction {from}/{total}"));
+                        }
+                        Commit::Record(_) => {}
+                    }
+                }
                 Written::Abandoned => return Action::After(Duration::ZERO),
                 Written::Failed { error, retry_after } => {
                     return self.write_failed(key, &format!("the start of {}", look.label), &error, retry_after);
@@ -747,9 +801,16 @@ impl<S: PlanSource> Reconciler<S> {
         } else {
             None
         };
+        let state = record.as_ref().and_then(|r| r.state.clone());
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
             Written::Done => {
                 self.wrote(key);
+                if let Some(s) = &state
+                    && let Some(reason) = outcome_reason(s, result.termination_incomplete)
+                {
+                    let note = format!("{s} ({}/{total} instructions)", result.completed);
+                    self.source.event(key, reason, &note);
+                }
                 Action::Wait
             }
             Written::Abandoned => {
