@@ -132,28 +132,6 @@ async fn until_status_writable(as_agent: &Api<DynamicObject>, name: &str, allowe
     }
 }
 
-/// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
-fn retrying_in(line: &str) -> Option<Duration> {
-    if !line.contains("cannot write the outcome") {
-        return None;
-    }
-    let d = line.rsplit("retrying in ").next()?.trim();
-    match d.strip_suffix("ms") {
-        Some(ms) => ms.parse().ok().map(Duration::from_millis),
-        None => d.strip_suffix('s')?.parse().ok().map(Duration::from_secs_f64),
-    }
-}
-
-/// The next "cannot write the outcome" line: when it was read, and the back-off it announces.
-fn next_failure(agent: &mut AgentProc) -> (Instant, Duration) {
-    loop {
-        let l = agent.next_line();
-        if let Some(d) = retrying_in(&l) {
-            return (Instant::now(), d);
-        }
-    }
-}
-
 fn checks_out(s: &NodePlanStatus, progress: &str) {
     assert_eq!(s.phase, "Applied", "{s:?}");
     assert_eq!(s.progress, progress, "{s:?}");

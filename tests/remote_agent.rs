@@ -596,28 +596,6 @@ async fn a_run_with_a_probe_writes_its_statuses_with_the_outcome() {
     a_run_costs_exactly_its_state_writes(true).await;
 }
 
-/// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
-fn retrying_in(line: &str) -> Option<Duration> {
-    if !line.contains("cannot write the outcome") {
-        return None;
-    }
-    let d = line.rsplit("retrying in ").next()?.trim();
-    match d.strip_suffix("ms") {
-        Some(ms) => ms.parse().ok().map(Duration::from_millis),
-        None => d.strip_suffix('s')?.parse().ok().map(Duration::from_secs_f64),
-    }
-}
-
-/// The next "cannot write the outcome" line: when it was read, and the back-off it announces.
-fn next_failure(agent: &mut AgentProc) -> (Instant, Duration) {
-    loop {
-        let l = agent.next_line();
-        if let Some(d) = retrying_in(&l) {
-            return (Instant::now(), d);
-        }
-    }
-}
-
 /// Patch the Secret as the agent's user until the authorizer's answer is `allowed` (it picks a
 /// role change up asynchronously).
 async fn until_allowed(as_agent: &SecretClient, patch: serde_json::Value, allowed: bool) {

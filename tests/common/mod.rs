@@ -371,3 +371,25 @@ impl ClusterNode {
         AgentProc::start(&self.config)
     }
 }
+
+/// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
+pub fn retrying_in(line: &str) -> Option<Duration> {
+    if !line.contains("cannot write the outcome") {
+        return None;
+    }
+    let d = line.rsplit("retrying in ").next()?.trim();
+    match d.strip_suffix("ms") {
+        Some(ms) => ms.parse().ok().map(Duration::from_millis),
+        None => d.strip_suffix('s')?.parse().ok().map(Duration::from_secs_f64),
+    }
+}
+
+/// The next "cannot write the outcome" line: when it was read, and the back-off it announces.
+pub fn next_failure(agent: &mut AgentProc) -> (std::time::Instant, Duration) {
+    loop {
+        let l = agent.next_line();
+        if let Some(d) = retrying_in(&l) {
+            return (std::time::Instant::now(), d);
+        }
+    }
+}
