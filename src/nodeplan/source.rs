@@ -403,7 +403,12 @@ impl PlanSource for NodePlanSource {
         let mut ranked: Vec<(i32, String, String)> =
             objects.iter().filter(|o| self.for_this_node(o)).map(wire::order_key).collect();
         ranked.sort_by(|a, b| wire::order((a.0, &a.1, &a.2), (b.0, &b.1, &b.2)));
-        self.own.retain(|name, _| ranked.iter().any(|r| r.2 == *name));
+        // What is kept per NodePlan goes with it (keys are listed between runs, never during one).
+        let listed = |name: &String| ranked.iter().any(|r| r.2 == *name);
+        self.own.retain(|name, _| listed(name));
+        self.runs.retain(|name, _| listed(name));
+        self.preflight.retain(|name, _| listed(name));
+        self.last_interrupt.retain(|name, _| listed(name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
