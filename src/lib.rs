@@ -17,6 +17,7 @@
 //! - [`probe`]: health probes (HTTP(S) and file existence), thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
+//! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`cli`]: commands, progress display, logging, exit codes.
@@ -29,6 +30,7 @@ pub mod duration;
 pub mod events;
 pub mod flow;
 pub mod image;
+pub mod lease;
 pub mod local;
 pub mod nodeplan;
 pub mod plan;

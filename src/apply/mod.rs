@@ -97,6 +97,8 @@ pub enum AgentExit {
     Clean,
     /// A process could not be stopped on the way out.
     Incomplete(String),
+    /// Stopped because another agent took the plan source's Lease (see `lease`).
+    LostLease,
 }
 
 pub use crate::plan::Interruption;

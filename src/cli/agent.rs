@@ -89,7 +89,10 @@ pub async fn run(args: AgentArgs) -> u8 {
         }
     };
     let (sd_tx, sd_rx) = watch::channel(false);
+    let sd_tx = Arc::new(sd_tx);
+    let signals = sd_tx.clone();
     tokio::spawn(async move {
+        let sd_tx = signals;
         use tokio::signal::unix::{SignalKind, signal};
         let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
             tracing::warn!("cannot install signal handlers");
@@ -122,18 +125,18 @@ pub async fn run(args: AgentArgs) -> u8 {
     }
     if cfg.remote_enabled {
         match remote_agent(&cfg, &parts).await {
-            Ok(agent) => {
+            Ok((agent, lease)) => {
                 let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+                tasks.push(tokio::spawn(under_lease(lease, rx, sd_tx.clone(), move |rx| agent.run(rx))));
             }
             Err(e) => return refuse(&tasks, &e),
         }
     }
     if cfg.node_plan_enabled {
         match node_plan_agent(&cfg, &parts).await {
-            Ok(agent) => {
+            Ok((agent, lease)) => {
                 let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+                tasks.push(tokio::spawn(under_lease(lease, rx, sd_tx.clone(), move |rx| agent.run(rx))));
             }
             Err(e) => return refuse(&tasks, &e),
         }
@@ -142,6 +145,10 @@ pub async fn run(args: AgentArgs) -> u8 {
     for t in tasks {
         match t.await {
             Ok(AgentExit::Clean) => {}
+            Ok(AgentExit::LostLease) => {
+                super::say("nodeplan: another agent took the Lease of a plan source; stopped (a restart waits for it)");
+                code = exit::FAILED;
+            }
             Ok(AgentExit::Incomplete(e)) => {
                 super::say(&format!("nodeplan: a process could not be stopped: {e}"));
                 code = exit::FAILED;
@@ -156,6 +163,56 @@ pub async fn run(args: AgentArgs) -> u8 {
     code
 }
 
+/// The Lease of a remote or NodePlan source: where, and the client to take it with (`None`: no
+/// Lease, `leaseDuration: 0`).
+type SourceLease = Option<(kube::Client, crate::lease::LeaseRef)>;
+
+fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, source: &str, what: String) -> SourceLease {
+    use crate::lease::{LeaseRef, identity, lease_name};
+    (!cfg.lease_duration.is_zero()).then(|| {
+        let r = LeaseRef {
+            namespace: namespace.to_string(),
+            name: lease_name(source),
+            identity: identity(&node_name(cfg)),
+            duration: cfg.lease_duration,
+            what,
+        };
+        (client.clone(), r)
+    })
+}
+
+/// Run a source's loop while holding its Lease: wait for the Lease first (a shutdown meanwhile
+/// ends cleanly); if another agent takes it, stop the whole agent (`stop_all`: the running plan gets
+/// the stop ladder and resumes later; the exit code makes systemd restart the agent, which then
+/// waits for the Lease); give the Lease up when the loop ends.
+async fn under_lease<F, Fut>(
+    lease: SourceLease,
+    shutdown: watch::Receiver<bool>,
+    stop_all: Arc<watch::Sender<bool>>,
+    run: F,
+) -> AgentExit
+where
+    F: FnOnce(watch::Receiver<bool>) -> Fut,
+    Fut: std::future::Future<Output = AgentExit>,
+{
+    let Some((client, r)) = lease else { return run(shutdown).await };
+    let Some(held) = crate::lease::hold(client, r, shutdown.clone()).await else { return AgentExit::Clean };
+    let mut lost = held.lost();
+    let relay = tokio::spawn(async move {
+        if lost.wait_for(|l| *l).await.is_ok() {
+            let _ = stop_all.send(true);
+        }
+    });
+    let exit = run(shutdown).await;
+    relay.abort();
+    let lost = *held.lost().borrow();
+    held.release().await;
+    match exit {
+        AgentExit::Clean if lost => AgentExit::LostLease,
+        other => other,
+    }
+}
+
 /// A mode that cannot start: say why and stop the tasks already started (nothing ran yet at this
 /// point).
 fn refuse(tasks: &[tokio::task::JoinHandle<AgentExit>], why: &str) -> u8 {
@@ -166,7 +223,10 @@ fn refuse(tasks: &[tokio::task::JoinHandle<AgentExit>], why: &str) -> u8 {
     exit::BAD_INPUT
 }
 
-async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote::agent::RemoteAgent, String> {
+async fn remote_agent(
+    cfg: &AgentConfig,
+    parts: &Parts,
+) -> Result<(crate::remote::agent::RemoteAgent, SourceLease), String> {
     use crate::remote::client::{SecretClient, SecretRef};
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
@@ -175,12 +235,21 @@ async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote:
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
     let secret = SecretRef { namespace: conn.namespace.clone(), name: conn.secret_name.clone() };
     tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
-    Ok(crate::remote::agent::RemoteAgent::new(
+    let lease = source_lease(
+        cfg,
+        &client,
+        &secret.namespace,
+        &secret.name,
+        format!("secret {}/{}", secret.namespace, secret.name),
+    );
+    let agent = crate::remote::agent::RemoteAgent::new(
         SecretClient::new(client, secret),
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),
-    ))
+    )
+    .with_events(&node_name(cfg));
+    Ok((agent, lease))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.
@@ -194,21 +263,28 @@ fn node_name(cfg: &AgentConfig) -> String {
     }
 }
 
-async fn node_plan_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::nodeplan::source::NodePlanAgent, String> {
+async fn node_plan_agent(
+    cfg: &AgentConfig,
+    parts: &Parts,
+) -> Result<(crate::nodeplan::source::NodePlanAgent, SourceLease), String> {
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
     let client = crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&conn.kube_config)
         .await
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
-    Ok(crate::nodeplan::source::NodePlanAgent::new(
+    let node = node_name(cfg);
+    let lease =
+        source_lease(cfg, &client, &conn.namespace, &format!("node-{node}"), format!("the NodePlans of node {node}"));
+    let agent = crate::nodeplan::source::NodePlanAgent::new(
         client,
         &conn.namespace,
-        &node_name(cfg),
+        &node,
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),
         crate::nodeplan::runs::dir_of(&cfg.node_plan_state_directory),
-    ))
+    );
+    Ok((agent, lease))
 }
 
 pub fn validate_config(args: ValidateArgs) -> u8 {
