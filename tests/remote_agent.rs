@@ -848,6 +848,62 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
     assert_eq!(second.child.wait().unwrap().code(), Some(1));
 }
 
+/// R23 in remote mode: an upgrade instruction that asks for a restart has its progress written
+/// to the Secret (in-progress, a suspended checkpoint) before the agent executes its new program;
+/// the restarted agent goes on at the next instruction and the plan succeeds, nothing run twice.
+#[tokio::test]
+async fn a_plan_that_upgrades_the_agent_goes_on_after_the_restart() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "upgrade").await;
+    let program = r.p("nodeplan");
+    std::fs::copy(NODEPLAN, &program).unwrap();
+    let (runs, starts) = (r.p("runs"), r.p("starts"));
+    let upgrade = format!(
+        "echo upgrade >> {runs}; cp {program} {program}.real; \
+         printf '#!/bin/sh\necho started >> {starts}\nexec {program}.real \"$@\"\n' > {program}.new; \
+         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
+    );
+    let plan = json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = AgentProc::start_program(Path::new(&program), &r.config, &[]);
+    agent.wait_log("starting again as an instruction asked");
+    agent.wait_log("resuming at instruction 2/2");
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "success-count"), "1");
+    assert!(checkpoint(&s, &checksum).is_none(), "a finished plan has no checkpoint");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "upgrade\nafter\n", "nothing ran twice");
+    assert_eq!(std::fs::read_to_string(&starts).unwrap(), "started\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Rancher's `system-agent-upgrader` starts `rancher-system-agent` on the node, which takes no
+/// Lease: remote mode waits while it runs (saying so, acting on nothing), applies once it is gone,
+/// and stops (exit 1) when it starts again, so the two never act on one Secret. The program looked
+/// for is given a name of this test's own, so that no other test's agent sees the stand-in.
+#[tokio::test]
+async fn remote_mode_never_acts_beside_rancher_system_agent() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "rival").await;
+    let name = format!("rsa{}", std::process::id());
+    let stand_in = r.p(&name);
+    std::fs::copy("/bin/sleep", &stand_in).unwrap();
+    let start_rival = || std::process::Command::new(&stand_in).arg("300").spawn().unwrap();
+    let mut rival = start_rival();
+    r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
+    let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
+    let line = agent.wait_log("acts on the same plan Secret");
+    assert!(line.contains(&format!("pid {}", rival.id())), "{line}");
+    assert_eq!(state(&r.get().await), "pending", "nothing is done while it runs");
+    rival.kill().unwrap();
+    rival.wait().unwrap();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let mut rival = start_rival();
+    agent.wait_log("started on this node");
+    assert_eq!(agent.child.wait().unwrap().code(), Some(1));
+    rival.kill().unwrap();
+    rival.wait().unwrap();
+}
+
 #[tokio::test]
 async fn checksum_flow_stops_at_max_failures() {
     let cp = control_plane!();
