@@ -220,7 +220,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "workDirectory",
             p(&d.work_directory),
-            "parent of the per-apply execution directories; earlier applies' directories are removed before each apply unless `preserveWorkDirectory`; one holding anything else is refused (the apply is retried) and never touched",
+            "parent of the per-apply execution directories; a successful apply's directory (staged images included) is removed at its end, a failed one's before the next apply, unless `preserveWorkDirectory`; one holding anything else is refused (the apply is retried) and never touched",
         ),
         (
             "localEnabled",

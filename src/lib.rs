@@ -19,6 +19,7 @@
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
+//! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
@@ -29,6 +30,7 @@ pub mod config;
 pub mod duration;
 pub mod events;
 pub mod flow;
+pub mod formats;
 pub mod image;
 pub mod lease;
 pub mod local;

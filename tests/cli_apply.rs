@@ -56,6 +56,25 @@ fn applies_a_plan_and_exits_zero() {
     assert!(Path::new(&target).exists());
 }
 
+/// Disk stays bounded: a successful apply removes its execution directory at once (what it
+/// staged goes with it), a failed one keeps it to look at until the next apply, and
+/// `--preserve-work-dir` keeps every one.
+#[test]
+fn a_successful_apply_leaves_no_execution_directory_and_a_failed_one_does() {
+    let e = Env::new();
+    let entries = |e: &Env| std::fs::read_dir(e.p("work")).map(|d| d.count()).unwrap_or(0);
+    let ok = e.plan(serde_json::json!({"instructions": [sh("a", "echo staged > staged-file")]}));
+    assert_eq!(e.cmd(&ok, &[]).status().unwrap().code(), Some(0));
+    assert_eq!(entries(&e), 0, "the successful apply's directory is gone");
+    let bad = e.p("bad.plan");
+    std::fs::write(&bad, serde_json::json!({"instructions": [sh("a", "echo kept > kept-file; exit 1")]}).to_string())
+        .unwrap();
+    assert_eq!(e.cmd(&bad, &[]).status().unwrap().code(), Some(1));
+    assert_eq!(entries(&e), 1, "the failed apply's directory is kept");
+    assert_eq!(e.cmd(&ok, &["--preserve-work-dir"]).status().unwrap().code(), Some(0));
+    assert_eq!(entries(&e), 2, "preserved: both kept");
+}
+
 #[test]
 fn a_failing_instruction_exits_one_and_prints_its_outcome() {
     let e = Env::new();

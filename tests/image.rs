@@ -418,8 +418,14 @@ fn a_local_user_cannot_rewrite_the_image_while_it_is_staged() {
     let (go, gate) = mpsc::channel();
     let reg = registry_with("team/installer", ls.clone(), Opts { gate: Some(gate), ..Default::default() });
     let image = format!("127.0.0.1:{}/team/installer:v1", reg.port);
-    let child =
-        e.apply(&e.plan(&image), &e.registries(reg.port)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    // The execution directory is kept (a successful apply's goes at once) to check its modes.
+    let child = e
+        .apply(&e.plan(&image), &e.registries(reg.port))
+        .arg("--preserve-work-dir")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     // The second layer is asked for once the first one is extracted.
     let second = sha(&ls[1]);
     while reg.blob_requests.recv_timeout(GUARD).expect("the pull never asked for the second layer") != second {}

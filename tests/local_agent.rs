@@ -354,9 +354,12 @@ fn hostile_local_files_hold_their_plan_and_never_hang_the_agent() {
     use std::os::unix::fs::PermissionsExt;
     let s = Setup::new();
     let ran = |n: &str| s.p(&format!("ran-{n}"));
-    for name in ["fifo", "link", "open", "good"] {
+    for name in ["fifo", "link", "open", "newer", "good"] {
         s.plan(name, serde_json::json!({"instructions": [sh("a", &format!("touch {}", ran(name)))]}));
     }
+    // R25: a .pos written by a newer nodeplan is kept as it is and holds its plan.
+    let newer = br#"{"appliedChecksum":"x","nodeplanFormat":2}"#;
+    std::fs::write(s.p("plans/newer.pos"), newer).unwrap();
     mkfifo(&s.p("plans/fifo.paused"));
     let victim = s.p("victim");
     std::fs::write(&victim, b"keep").unwrap();
@@ -366,10 +369,12 @@ fn hostile_local_files_hold_their_plan_and_never_hang_the_agent() {
     agent.wait_log("fifo.paused: is not a regular file (a FIFO)");
     agent.wait_log("link.pos: cannot use: is a symlink (not followed)");
     agent.wait_log("open.plan is writable by group or others (mode 0666)");
+    agent.wait_log("newer.pos: cannot use: .pos file written by a newer nodeplan (format 2");
     s.wait_pos("good", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
-    for name in ["fifo", "link", "open"] {
+    for name in ["fifo", "link", "open", "newer"] {
         assert!(!Path::new(&ran(name)).exists(), "{name}: held, never run");
     }
+    assert_eq!(std::fs::read(s.p("plans/newer.pos")).unwrap(), newer, "never written over");
     assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     // Once the file is as it should be, the plan runs.
     std::fs::set_permissions(s.plan_path("open"), std::fs::Permissions::from_mode(0o644)).unwrap();

@@ -494,6 +494,20 @@ impl Applyinator {
         if !one_time_failed {
             result.interruption = input.interrupt().boundary().and_then(|i| completed_pass_kept(i, &input, &result));
         }
+        // Disk stays bounded: a successful apply's execution directory (staged image filesystems
+        // included) goes at once; a failed one is kept to look at until the next apply.
+        let succeeded = result.interruption.is_none() && result.reports.iter().all(|r| r.outcome.success());
+        if succeeded && !one_time_failed && !self.config.preserve_work_dir {
+            let dir = exec_dir.clone();
+            let removed = tokio::task::spawn_blocking(move || match std::fs::symlink_metadata(&dir) {
+                Ok(_) => crate::safefs::remove(&dir, true),
+                Err(_) => Ok(()),
+            })
+            .await;
+            if let Ok(Err(e)) = removed {
+                tracing::warn!("cannot remove the execution directory {}: {e}", exec_dir.display());
+            }
+        }
         Ok(result)
     }
 

@@ -48,6 +48,14 @@ pub struct Pos {
     /// A human-readable reason the plan is blocked (a leftover process could not be stopped).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub blocked: String,
+    /// `nodeplanFormat` (R25): set by [`write_pos`]; 0 in memory (a read `.pos` of a format this
+    /// build knows is held as the current one).
+    #[serde(rename = "nodeplanFormat", skip_serializing_if = "is_zero_u64")]
+    pub format: u64,
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 /// The files that belong to one plan file `DIR/NAME.plan`.
@@ -83,14 +91,23 @@ impl PlanFiles {
 
 /// Parse a `.pos` file; the error is one line.
 pub fn parse_pos(raw: &[u8]) -> Result<Pos, String> {
+    parse_checked(raw).map_err(|e| e.to_string())
+}
+
+/// [`parse_pos`], telling a newer format (held: [`PosError::Unusable`]) from a damaged file.
+fn parse_checked(raw: &[u8]) -> Result<Pos, PosError> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(Pos::default());
     }
-    let v: serde_json::Value = serde_json::from_slice(raw).map_err(|e| format!("malformed .pos file: {e}"))?;
+    let malformed = |e: String| PosError::Malformed(format!("malformed .pos file: {e}"));
+    let v: serde_json::Value = serde_json::from_slice(raw).map_err(|e| malformed(e.to_string()))?;
     if !v.is_object() {
-        return Err("malformed .pos file: expected a JSON object".into());
+        return Err(malformed("expected a JSON object".into()));
     }
-    serde_json::from_value(v).map_err(|e| format!("malformed .pos file: {e}"))
+    crate::formats::check(&v, ".pos file", crate::formats::POS).map_err(PosError::Unusable)?;
+    let pos: Pos = serde_json::from_value(v).map_err(|e| malformed(e.to_string()))?;
+    // Read in, every format this build knows is the current one.
+    Ok(Pos { format: 0, ..pos })
 }
 
 /// The most a `.pos` file may hold (outputs are capped and gzipped, so real ones are far smaller).
@@ -114,7 +131,7 @@ pub enum PosError {
 /// [`crate::safefs::read_small`]).
 pub fn read_pos(path: &Path) -> Result<Pos, PosError> {
     match crate::safefs::read_small(path, POS_CAP) {
-        Ok(Some(raw)) => parse_pos(&raw).map_err(PosError::Malformed),
+        Ok(Some(raw)) => parse_checked(&raw),
         Ok(None) => Ok(Pos::default()),
         Err(e) => Err(PosError::Unusable(e.to_string())),
     }
@@ -122,7 +139,8 @@ pub fn read_pos(path: &Path) -> Result<Pos, PosError> {
 
 /// Serialise and write atomically (mode 0600) when the bytes differ from what is there.
 pub fn write_pos(path: &Path, pos: &Pos) -> std::io::Result<bool> {
-    let bytes = serde_json::to_vec(pos).map_err(std::io::Error::other)?;
+    let stamped = Pos { format: crate::formats::POS, ..pos.clone() };
+    let bytes = serde_json::to_vec(&stamped).map_err(std::io::Error::other)?;
     crate::safefs::write_file(path, &bytes, 0o600, None)
 }
 
@@ -173,6 +191,20 @@ mod tests {
             assert!(e.starts_with("malformed .pos file") && !e.contains('\n'), "{e}");
         }
         assert_eq!(parse_pos(b"").unwrap(), Pos::default());
+        // R25: a newer format is held (never started over), an older or current one is read.
+        let newer = parse_checked(br#"{"appliedChecksum":"x","nodeplanFormat":2}"#).unwrap_err();
+        assert!(matches!(&newer, PosError::Unusable(e) if e.contains("newer nodeplan (format 2")), "{newer:?}");
+        assert_eq!(parse_checked(br#"{"appliedChecksum":"x","nodeplanFormat":1}"#).unwrap().applied_checksum, "x");
+    }
+
+    #[test]
+    fn written_pos_files_carry_their_format() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("p.pos");
+        write_pos(&path, &Pos { applied_checksum: "abc".into(), ..Default::default() }).unwrap();
+        let raw = std::fs::read(&path).unwrap();
+        assert_eq!(raw, br#"{"appliedChecksum":"abc","nodeplanFormat":1}"#);
+        assert_eq!(read_pos(&path).unwrap().applied_checksum, "abc");
     }
 
     #[test]

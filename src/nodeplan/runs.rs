@@ -51,7 +51,9 @@ impl RunStore {
             run: run.to_string(),
             spec: NodePlanSpec { paused: false, canceled: false, ..spec.clone() },
         };
-        let bytes = serde_json::to_vec(&saved).map_err(|e| e.to_string())?;
+        let v = serde_json::to_value(&saved).map_err(|e| e.to_string())?;
+        let bytes =
+            serde_json::to_vec(&crate::formats::stamp(v, crate::formats::SAVED_RUN)).map_err(|e| e.to_string())?;
         let shown = path.display().to_string();
         blocking(move || {
             crate::safefs::make_dir(&dir, 0o700, None)?;
@@ -98,7 +100,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> std::io::Result<T> + Se
 
 /// A saved run, believed only when it names this NodePlan and its content is the run `run`.
 fn check(bytes: &[u8], namespace: &str, name: &str, run: &str) -> Result<NodePlanSpec, String> {
-    let saved: Saved = serde_json::from_slice(bytes).map_err(|e| format!("not a saved run: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| format!("not a saved run: {e}"))?;
+    crate::formats::check(&v, "saved run", crate::formats::SAVED_RUN)?;
+    let saved: Saved = serde_json::from_value(v).map_err(|e| format!("not a saved run: {e}"))?;
     if saved.namespace != namespace || saved.name != name {
         return Err(format!("saved for {}/{}, not {namespace}/{name}", saved.namespace, saved.name));
     }

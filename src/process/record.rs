@@ -64,6 +64,12 @@ impl RecordFile {
     }
 }
 
+/// The record's first line: its JSON with the format (R25), and a newline.
+fn record_line(r: &PidRecord) -> io::Result<Vec<u8>> {
+    let v = serde_json::to_value(r).map_err(io::Error::other)?;
+    json_line(&crate::formats::stamp(v, crate::formats::PID_RECORD))
+}
+
 /// One line of the record file: compact JSON and a newline.
 fn json_line<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
     let mut line = serde_json::to_vec(v).map_err(io::Error::other)?;
@@ -103,7 +109,7 @@ impl PidRecord {
     pub fn create(&self, dir: &Path) -> io::Result<RecordFile> {
         use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(Self::file_name(&self.marker));
-        let line = json_line(self)?;
+        let line = record_line(self)?;
         let open = || std::fs::OpenOptions::new().append(true).create_new(true).mode(0o600).open(&path);
         let mut file = match open() {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -127,7 +133,7 @@ impl PidRecord {
         // An unguessable name, created exclusively: nothing planted in the directory is followed.
         let name = crate::safefs::temp_name(std::ffi::OsStr::new(&Self::file_name(&self.marker)))?;
         let tmp = dir.join(std::ffi::OsStr::from_bytes(&name));
-        let line = json_line(self)?;
+        let line = record_line(self)?;
         let result = (|| {
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
@@ -160,6 +166,7 @@ impl PidRecord {
             Some(Err(e)) => return Err(format!("malformed PID record: {e}")),
             None => return Err("malformed PID record: the file is empty".into()),
         };
+        crate::formats::check(&first, "PID record", crate::formats::PID_RECORD)?;
         let mut r: PidRecord = serde_json::from_value(first).map_err(|e| format!("malformed PID record: {e}"))?;
         for v in values {
             let update: PidUpdate = match v {
@@ -363,6 +370,29 @@ pub(crate) fn scan(dir: &Path) -> Result<Vec<(PathBuf, Entry)>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// R25: records carry their format; a newer one is refused (kept, its plan held), never read
+    /// with a guess.
+    #[test]
+    fn records_carry_their_format_and_a_newer_one_is_refused() {
+        let r = PidRecord {
+            pid: 0,
+            start_time: 0,
+            boot_id: "b".into(),
+            cgroup: None,
+            marker: "np1.2".into(),
+            owner: Owner::apply("abc"),
+            command: "sh".into(),
+        };
+        let line = record_line(&r).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(v["nodeplanFormat"], crate::formats::PID_RECORD);
+        assert_eq!(PidRecord::parse(&line).unwrap(), r);
+        let mut newer = v.clone();
+        newer["nodeplanFormat"] = 2.into();
+        let e = PidRecord::parse(&serde_json::to_vec(&newer).unwrap()).unwrap_err();
+        assert!(e.contains("PID record written by a newer nodeplan (format 2"), "{e}");
+    }
 
     #[test]
     fn bad_records_give_one_clear_error() {
