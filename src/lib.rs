@@ -19,6 +19,7 @@
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
+//! - [`fleet`]: many nodes' plan Secrets as rows (state, progress, probes) for status and fan-out.
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`cli`]: commands, progress display, logging, exit codes.
@@ -29,6 +30,7 @@ pub mod cli;
 pub mod config;
 pub mod duration;
 pub mod events;
+pub mod fleet;
 pub mod flow;
 pub mod formats;
 pub mod image;

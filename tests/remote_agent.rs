@@ -904,6 +904,106 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
     rival.wait().unwrap();
 }
 
+/// Many nodes at once (issue 14): four agents, each with its plan Secret labelled `pool=workers`
+/// (and one `pool=db` Secret the selector must not touch). `plan status --selector --watch
+/// --output json` reports every node's transitions, each once; `plan cancel --selector` reaches
+/// every running node in one pass; `plan status --selector` shows them, as a table (failures
+/// first) and as JSON.
+#[tokio::test]
+async fn fleet_status_and_cancel_fan_out_by_selector() {
+    let cp = control_plane!();
+    let ns = cp.new_namespace("fleet").await;
+    let kubeconfig_path = cp.kubeconfig_path();
+    let kubeconfig = kubeconfig_path.to_string_lossy().to_string();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["-n", &ns, "--kubeconfig", &kubeconfig])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let names = ["w1", "w2", "w3", "w4"];
+    let mut nodes = Vec::new();
+    for (name, pool) in names.iter().map(|n| (*n, "workers")).chain([("d1", "db")]) {
+        let node = ClusterNode::for_secret("remoteEnabled: true\n", &cp.kubeconfig_yaml(), &ns, name);
+        let ready = node.fifo("ready");
+        let plan = json!({"instructions": [sh("long", &format!("echo > {ready}; exec sleep 300"))]});
+        let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: name.into() });
+        let raw = serde_json::to_vec(&plan).unwrap();
+        c.create(BTreeMap::from([("plan".into(), raw), ("plan-state".into(), b"pending".to_vec())]), BTreeMap::new())
+            .await
+            .unwrap();
+        c.orchestrator_patch(json!({"metadata": {"labels": {"pool": pool}}})).await.unwrap();
+        nodes.push((name, node, ready, c));
+    }
+    // The watch starts with every selected node's row (a handshake: nothing runs before it).
+    let mut watch = std::process::Command::new(NODEPLAN)
+        .args(["plan", "status", "-l", "pool=workers", "--watch", "-o", "json", "-n", &ns, "--kubeconfig", &kubeconfig])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(watch.stdout.take().unwrap());
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut last: BTreeMap<String, String> = BTreeMap::new();
+    let mut note = |line: String, seen: &mut BTreeMap<String, Vec<String>>| {
+        let row: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let node = row["node"].as_str().unwrap().to_string();
+        assert_ne!(last.insert(node.clone(), line.clone()).as_deref(), Some(line.as_str()), "a row reported twice");
+        let states = seen.entry(node).or_default();
+        let st = row["state"].as_str().unwrap().to_string();
+        if states.last() != Some(&st) {
+            states.push(st);
+        }
+    };
+    for _ in 0..4 {
+        note(lines.recv_timeout(GUARD).expect("the watch lists the selected nodes"), &mut seen);
+    }
+    assert!(seen.values().all(|s| s == &["pending"]) && seen.len() == 4, "{seen:?}");
+    let mut agents: Vec<AgentProc> = nodes.iter().map(|(_, n, _, _)| n.agent()).collect();
+    for (_, _, ready, _) in &nodes {
+        read_fifo(ready);
+    }
+    let out = cli(&["plan", "cancel", "-l", "pool=workers"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("canceled 4 plan Secrets"), "{stdout}");
+    for (name, _, _, c) in &nodes[..4] {
+        let deadline = Instant::now() + GUARD;
+        while state(&c.get().await.unwrap().unwrap()) != "canceled" {
+            assert!(Instant::now() < deadline, "{name} never canceled");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+    let db = nodes[4].3.get().await.unwrap().unwrap();
+    assert!(!db.annotations.contains_key(plan::ANNOTATION_CANCELED), "the selector picked db");
+    assert_eq!(state(&db), "in-progress");
+
+    let out = cli(&["plan", "status", "-l", "pool=workers"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.starts_with("NODE") && table.contains("4 nodes: 4 canceled") && !table.contains("d1"), "{table}");
+    let out = cli(&["plan", "status", "-l", "pool=workers", "-o", "json"]);
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|r| r["state"] == "canceled" && r["total"] == 1), "{rows:?}");
+
+    // The watch saw each worker go pending → in-progress → canceled, each transition once.
+    while seen.values().filter(|s| s.last().map(String::as_str) == Some("canceled")).count() < 4 {
+        note(lines.recv_timeout(GUARD).expect("the watch reported every node canceled"), &mut seen);
+    }
+    for name in &names[..] {
+        assert_eq!(seen[*name], ["pending", "in-progress", "canceled"], "{name}");
+    }
+    assert!(!seen.contains_key("d1"));
+    unsafe { libc::kill(watch.id() as i32, libc::SIGINT) };
+    assert_eq!(watch.wait().unwrap().code(), Some(0));
+    for a in &mut agents {
+        a.stop();
+    }
+}
+
 #[tokio::test]
 async fn checksum_flow_stops_at_max_failures() {
     let cp = control_plane!();

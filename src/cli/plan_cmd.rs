@@ -10,6 +10,7 @@
 //! Every request to the API server is bounded by `--request-timeout`: kube has no read timeout of
 //! its own, and a command must not hang on a server that accepts and never answers.
 
+mod fleet;
 mod nodeplan;
 
 use super::exit;
@@ -50,18 +51,54 @@ pub struct RemoteTarget {
     pub request_timeout: Duration,
 }
 
-/// `plan status --node`: a node's NodePlans instead of one plan.
+/// `plan status --node` (a node's NodePlans) or `--selector` (many nodes' plan Secrets) instead
+/// of one plan.
 #[derive(Args, Debug)]
 pub struct NodeList {
     /// List this node's NodePlans, in the order its agent runs them (instead of one plan).
-    #[arg(long, value_name = "NODE", value_parser = nodeplan::parse_node, conflicts_with_all = ["file", "secret", "nodeplan"])]
+    #[arg(long, value_name = "NODE", value_parser = nodeplan::parse_node, conflicts_with_all = ["file", "secret", "nodeplan", "selector"])]
     pub node: Option<String>,
-    /// With --node: the namespace to list [default: the kubeconfig context's namespace, else default].
-    #[arg(long, short = 'n', value_name = "NAMESPACE", requires = "node", value_parser = nodeplan::parse_namespace)]
+    /// Every node's plan Secret that this label selector picks (kubectl's syntax, e.g.
+    /// `pool=workers,tier!=db`): one row per node, failures first.
+    #[arg(long, short = 'l', value_name = "SELECTOR", conflicts_with_all = ["file", "secret", "nodeplan"])]
+    pub selector: Option<String>,
+    /// With --node or --selector: the namespace [default: the kubeconfig context's namespace,
+    /// else default].
+    #[arg(long, short = 'n', value_name = "NAMESPACE", value_parser = nodeplan::parse_namespace)]
     pub namespace: Option<String>,
     /// With --node: list every namespace.
     #[arg(long, short = 'A', requires = "node", conflicts_with = "namespace")]
     pub all_namespaces: bool,
+    /// With --selector: keep going, showing every change as the API server reports it (a watch,
+    /// not polling) until Ctrl-C.
+    #[arg(long, short = 'w', requires = "selector")]
+    pub watch: bool,
+    /// With --selector: `table` (redrawn in a terminal) or `json` (one object per node, and per
+    /// change with --watch).
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table, requires = "selector")]
+    pub output: Output,
+}
+
+/// How `status --selector` prints.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// A command that acts on a plan: one (`PLANFILE`, `--secret`, `--nodeplan`) or, with
+/// `--selector`, every node's plan Secret the selector picks.
+#[derive(Args, Debug)]
+pub struct Acting {
+    #[command(flatten)]
+    pub target: Target,
+    /// Every node's plan Secret that this label selector picks (kubectl's syntax), written with
+    /// bounded parallelism.
+    #[arg(long, short = 'l', value_name = "SELECTOR", conflicts_with_all = ["file", "secret", "nodeplan"])]
+    pub selector: Option<String>,
+    /// With --selector: the namespace [default: the kubeconfig context's namespace, else default].
+    #[arg(long, short = 'n', value_name = "NAMESPACE", requires = "selector", value_parser = nodeplan::parse_namespace)]
+    pub namespace: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -91,14 +128,15 @@ pub enum PlanAction {
         show_secrets: bool,
     },
     /// Pause at the next instruction boundary (NAME.paused, the paused annotation, spec.paused).
-    Pause(Target),
+    Pause(Acting),
     /// Resume a paused plan without re-running finished instructions.
-    Resume(Target),
+    Resume(Acting),
     /// Cancel: stop the running instruction's whole tree now; terminal until reset.
-    Cancel(Target),
+    Cancel(Acting),
     /// Run the plan again from its first instruction (clears the cancel; not for NodePlans yet).
-    Reset(Target),
-    /// Show the plan's state, progress and probe health, or with --node a node's NodePlans.
+    Reset(Acting),
+    /// Show the plan's state, progress and probe health; with --node a node's NodePlans; with
+    /// --selector many nodes' plan Secrets.
     Status {
         #[command(flatten)]
         target: Target,
@@ -112,7 +150,9 @@ impl PlanAction {
     fn target(&self) -> Option<&Target> {
         match self {
             PlanAction::Push { .. } => None,
-            PlanAction::Pause(t) | PlanAction::Resume(t) | PlanAction::Cancel(t) | PlanAction::Reset(t) => Some(t),
+            PlanAction::Pause(a) | PlanAction::Resume(a) | PlanAction::Cancel(a) | PlanAction::Reset(a) => {
+                Some(&a.target)
+            }
             PlanAction::Status { target, .. } => Some(target),
         }
     }
@@ -265,6 +305,17 @@ pub async fn run(args: PlanArgs) -> u8 {
         PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::Failed),
         PlanAction::Status { target, list: list @ NodeList { node: Some(node), .. } } => {
             nodeplan::list(node, list, &target.remote).await
+        }
+        PlanAction::Status { target, list: list @ NodeList { selector: Some(selector), .. } } => {
+            fleet::status(selector, list, &target.remote).await
+        }
+        PlanAction::Status { list: NodeList { namespace: Some(_), .. }, .. } => {
+            Err(Failure::Usage("--namespace goes with --node or --selector".into()))
+        }
+        PlanAction::Pause(a) | PlanAction::Resume(a) | PlanAction::Cancel(a) | PlanAction::Reset(a)
+            if a.selector.is_some() =>
+        {
+            fleet::fan_out(&args.action, a).await
         }
         action => match action.target() {
             Some(t) => match (&t.file, &t.remote.secret, &t.remote.nodeplan) {
@@ -442,36 +493,17 @@ mod remote {
                 }
                 crate::cli::out!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
             }
-            PlanAction::Pause(_) => {
-                super::bounded(
-                    t,
-                    "patch the secret",
-                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, Some("true"))),
-                )
-                .await?;
-                crate::cli::out!("paused {secret}: set {}=true", plan::ANNOTATION_PAUSED);
-            }
-            PlanAction::Resume(_) => {
-                super::bounded(
-                    t,
-                    "patch the secret",
-                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_PAUSED, None)),
-                )
-                .await?;
-                crate::cli::out!("resumed {secret}: removed {}", plan::ANNOTATION_PAUSED);
-            }
-            PlanAction::Cancel(_) => {
-                super::bounded(
-                    t,
-                    "patch the secret",
-                    c.orchestrator_patch(wire::annotation_patch(plan::ANNOTATION_CANCELED, Some("true"))),
-                )
-                .await?;
-                crate::cli::out!("canceled {secret}: set {}=true", plan::ANNOTATION_CANCELED);
-            }
-            PlanAction::Reset(_) => {
-                super::bounded(t, "patch the secret", c.orchestrator_patch(wire::reset_patch())).await?;
-                crate::cli::out!("reset {secret}: plan-state=pending, {} removed", plan::ANNOTATION_CANCELED);
+            PlanAction::Pause(_) | PlanAction::Resume(_) | PlanAction::Cancel(_) | PlanAction::Reset(_) => {
+                if let Some((patch, done)) = super::fleet::action_patch(action) {
+                    super::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await?;
+                    let what = match action {
+                        PlanAction::Pause(_) => format!("set {}=true", plan::ANNOTATION_PAUSED),
+                        PlanAction::Resume(_) => format!("removed {}", plan::ANNOTATION_PAUSED),
+                        PlanAction::Cancel(_) => format!("set {}=true", plan::ANNOTATION_CANCELED),
+                        _ => format!("plan-state=pending, {} removed", plan::ANNOTATION_CANCELED),
+                    };
+                    crate::cli::out!("{done} {secret}: {what}");
+                }
             }
             PlanAction::Status { .. } => {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;

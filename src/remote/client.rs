@@ -13,7 +13,10 @@
 //! The orchestrator's side (what Rancher does: writing `plan`, `plan-state` and the annotations,
 //! creating the Secret) lives here too, so `nodeplan plan` and the tests take the same wire path:
 //! [`SecretClient::orchestrator_patch`] and [`SecretClient::create`] serve `nodeplan plan`, the
-//! tests and the cancel-latency benchmark; [`SecretClient::delete`] serves only the tests.
+//! tests and the cancel-latency benchmark; [`SecretClient::delete`] serves only the tests. For
+//! many nodes at once (`nodeplan plan status|pause|resume|cancel|reset --selector`), [`list_selected`]
+//! and [`watch_selected`] read the Secrets a label selector picks; each is then written through its
+//! own [`SecretClient`].
 
 use std::collections::BTreeMap;
 
@@ -59,6 +62,61 @@ impl SecretSnapshot {
         let annotations = meta.annotations.unwrap_or_default();
         Ok(SecretSnapshot { uid, resource_version, data, annotations })
     }
+}
+
+/// The Secrets of `namespace` that the label selector `selector` picks, by name.
+pub async fn list_selected(
+    client: kube::Client,
+    namespace: &str,
+    selector: &str,
+) -> Result<Vec<(String, SecretSnapshot)>, String> {
+    let api: Api<Secret> = Api::namespaced(client, namespace);
+    let list = api
+        .list(&ListParams::default().labels(selector))
+        .await
+        .map_err(|e| format!("list secrets in {namespace} matching {selector:?}: {}", kube_error_line(&e)))?;
+    Ok(list.items.into_iter().filter_map(named_snapshot).collect())
+}
+
+fn named_snapshot(s: Secret) -> Option<(String, SecretSnapshot)> {
+    let name = s.metadata.name.clone()?;
+    SecretSnapshot::from_secret(s).ok().map(|snap| (name, snap))
+}
+
+/// A change among the selected Secrets.
+#[derive(Debug)]
+pub enum Selected {
+    /// A Secret as it is now (at the start, and after every change).
+    Is(String, SecretSnapshot),
+    /// It was deleted (or no longer matches).
+    Gone(String),
+    /// The initial list (and every relist after the watch broke) is complete.
+    Listed,
+    /// The watch failed; it starts again by itself (with back-off).
+    Failed(String),
+}
+
+/// Watch the Secrets of `namespace` that `selector` picks: every Secret at the start, then every
+/// change, relisting (with kube's back-off) whenever the watch breaks.
+pub fn watch_selected(
+    client: kube::Client,
+    namespace: &str,
+    selector: &str,
+) -> impl Stream<Item = Selected> + Send + 'static {
+    use kube::runtime::WatchStreamExt as _;
+    let api: Api<Secret> = Api::namespaced(client, namespace);
+    watcher(api, watcher::Config::default().labels(selector)).default_backoff().filter_map(|e| async move {
+        Some(match e {
+            Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
+                let (name, snap) = named_snapshot(s)?;
+                Selected::Is(name, snap)
+            }
+            Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
+            Ok(watcher::Event::Init) => return None,
+            Ok(watcher::Event::InitDone) => Selected::Listed,
+            Err(e) => Selected::Failed(crate::error_line(&e)),
+        })
+    })
 }
 
 /// Why a precondition-guarded write failed.

@@ -340,11 +340,15 @@ pub struct ClusterNode {
 
 impl ClusterNode {
     pub fn new(mode: &str, kubeconfig: &str, namespace: &str) -> ClusterNode {
+        ClusterNode::for_secret(mode, kubeconfig, namespace, "machine-plan")
+    }
+
+    /// A node whose plan Secret is `secret` (several nodes in one namespace).
+    pub fn for_secret(mode: &str, kubeconfig: &str, namespace: &str, secret: &str) -> ClusterNode {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display().to_string();
         let conn = dir.path().join("conn.json");
-        let conn_json =
-            serde_json::json!({"kubeConfig": kubeconfig, "namespace": namespace, "secretName": "machine-plan"});
+        let conn_json = serde_json::json!({"kubeConfig": kubeconfig, "namespace": namespace, "secretName": secret});
         std::fs::write(&conn, serde_json::to_vec(&conn_json).unwrap()).unwrap();
         let config = dir.path().join("config.yaml");
         std::fs::write(
