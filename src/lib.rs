@@ -18,6 +18,7 @@
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
+//! - [`rollout`]: the rules of a rollout over many nodes' plan Secrets (who starts, when it stops).
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`fleet`]: many nodes' plan Secrets as rows (state, progress, probes) for status and fan-out.
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
@@ -42,6 +43,7 @@ pub mod probe;
 pub mod process;
 pub mod reconcile;
 pub mod remote;
+pub mod rollout;
 pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not

@@ -1004,6 +1004,183 @@ async fn fleet_status_and_cancel_fan_out_by_selector() {
     }
 }
 
+/// Nodes for a rollout: one agent each, its plan Secret `NAME` (no plan yet) labelled `pool`.
+async fn fleet_of(cp: &ControlPlane, ns: &str, names: &[String], pool: &str) -> Vec<(ClusterNode, AgentProc)> {
+    let mut out = Vec::new();
+    for name in names {
+        let node = ClusterNode::for_secret("remoteEnabled: true\n", &cp.kubeconfig_yaml(), ns, name);
+        let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.to_string(), name: name.clone() });
+        c.create(BTreeMap::new(), BTreeMap::new()).await.unwrap();
+        c.orchestrator_patch(json!({"metadata": {"labels": {"pool": pool}}})).await.unwrap();
+        let agent = node.agent();
+        out.push((node, agent));
+    }
+    out
+}
+
+/// `nodeplan rollout` with the test's kubeconfig and namespace.
+fn rollout_cmd(cp: &ControlPlane, ns: &str, plan: &str, extra: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(NODEPLAN);
+    c.args(["rollout", plan, "-n", ns, "--kubeconfig"]).arg(cp.kubeconfig_path()).args(extra);
+    c.stdin(std::process::Stdio::null());
+    c
+}
+
+/// Issue 14: 20 agents, `--max-concurrent 5`. Each node's instruction waits on a gate of its own
+/// (a FIFO beside its work directory) that the test opens. The rollout is interrupted with five
+/// nodes in flight (exit 8; they finish without it), and the same command continues without
+/// running any node twice (exit 0). A watch of the test's own checks from the Secrets' state
+/// history that never more than 5 nodes were in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
+    let cp = control_plane!();
+    let ns = cp.new_namespace("rollout").await;
+    let names: Vec<String> = (0..20).map(|i| format!("r{i:02}")).collect();
+    let mut fleet = fleet_of(cp, &ns, &names, "roll").await;
+    let gates: Vec<String> = fleet.iter().map(|(n, _)| n.fifo("gate")).collect();
+    let runs: Vec<String> = fleet.iter().map(|(n, _)| n.p("runs")).collect();
+    let plan_file = fleet[0].0.p("rollout.plan");
+    let script = r#"d="$CATTLE_AGENT_EXECUTION_PWD/../../.."; echo run >> "$d/runs"; cat "$d/gate" > /dev/null"#;
+    std::fs::write(&plan_file, serde_json::to_vec(&json!({"instructions": [sh("gated", script)]})).unwrap()).unwrap();
+    let raw = std::fs::read(&plan_file).unwrap();
+    let checksum = plan::checksum(&raw);
+
+    // The state history, from a watch of the test's own: nodes in flight after every event.
+    let (listed_tx, listed) = std::sync::mpsc::channel();
+    let history = {
+        let client = cp.client().await;
+        let (ns, checksum) = (ns.clone(), checksum.clone());
+        tokio::spawn(async move {
+            use futures::StreamExt as _;
+            let mut stream = std::pin::pin!(nodeplan::remote::client::watch_selected(client, &ns, "pool=roll"));
+            let mut flying: BTreeMap<String, bool> = BTreeMap::new();
+            let mut most = 0;
+            while let Some(e) = stream.next().await {
+                if let nodeplan::remote::client::Selected::Listed = e {
+                    let _ = listed_tx.send(());
+                }
+                if let nodeplan::remote::client::Selected::Is(name, s) = e {
+                    let ours = s.data.get("plan").is_some_and(|p| plan::checksum(p) == checksum);
+                    flying.insert(name, ours && matches!(state(&s).as_str(), "pending" | "in-progress"));
+                    most = most.max(flying.values().filter(|f| **f).count());
+                    if flying.len() == 20 && flying.values().all(|f| !f) && most > 0 {
+                        return most;
+                    }
+                }
+            }
+            most
+        })
+    };
+
+    listed.recv_timeout(GUARD).expect("the history watch listed the nodes");
+    let mut first = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=roll", "--max-concurrent", "5"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(first.stdout.take().unwrap());
+    let mut printed = Vec::new();
+    let mut wait_line = |needle: &str| loop {
+        let l =
+            lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("the rollout never printed {needle:?}: {printed:#?}"));
+        printed.push(l.clone());
+        if l.contains(needle) {
+            return l;
+        }
+    };
+    // The first five start (by name); releasing them lets the next five start.
+    for gate in &gates[..5] {
+        release_fifo(gate);
+    }
+    wait_line("r09: starting");
+    for i in 5..10 {
+        read_fifo_started(&fleet[i].0.p("runs"));
+    }
+    unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
+    assert_eq!(exit_code(&mut first, "the interrupted rollout"), Some(8), "interrupted");
+    // The nodes in flight finish without the rollout.
+    for gate in &gates[5..10] {
+        release_fifo(gate);
+    }
+    let mut second = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=roll", "--max-concurrent", "5"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = lines_of(second.stdout.take().unwrap());
+    for gate in &gates[10..] {
+        release_fifo(gate);
+    }
+    let _ = &out;
+    assert_eq!(exit_code(&mut second, "the continued rollout"), Some(0), "every node succeeded");
+    for (name, r) in names.iter().zip(&runs) {
+        assert_eq!(std::fs::read_to_string(r).unwrap(), "run\n", "{name} ran once");
+    }
+    let most = tokio::time::timeout(GUARD, history).await.expect("the history watch ended").unwrap();
+    assert_eq!(most, 5, "never more than 5 in flight, and 5 at some point");
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
+}
+
+/// The exit code of `child`, which must end within the hang guard.
+fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} never ended");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Wait until an instruction noted its start in `runs` (it then blocks on its gate).
+fn read_fifo_started(runs: &str) {
+    let deadline = Instant::now() + GUARD;
+    while std::fs::read_to_string(runs).map_or(true, |r| r.is_empty()) {
+        assert!(Instant::now() < deadline, "{runs}: the instruction never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 14: `--max-errors 2` with one node at a time: the first three nodes fail, and after the
+/// third failure no new node starts; the rollout exits 7 (the error budget), the other nodes never
+/// got the plan.
+#[tokio::test]
+async fn rollout_stops_at_the_error_budget() {
+    let cp = control_plane!();
+    let ns = cp.new_namespace("budget").await;
+    let names: Vec<String> = (0..8).map(|i| format!("b{i:02}")).collect();
+    let mut fleet = fleet_of(cp, &ns, &names, "budget").await;
+    for (node, _) in &fleet[..4] {
+        std::fs::write(node.p("fail"), b"").unwrap();
+    }
+    let plan_file = fleet[0].0.p("rollout.plan");
+    let script = r#"test ! -e "$CATTLE_AGENT_EXECUTION_PWD/../../../fail""#;
+    std::fs::write(&plan_file, serde_json::to_vec(&json!({"instructions": [sh("check", script)]})).unwrap()).unwrap();
+    let out = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=budget", "--max-concurrent", "1", "--max-errors", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(7), "{stdout}");
+    assert!(stdout.contains("stopped by the error budget (more than 2 failed)"), "{stdout}");
+    let mut with_plan = Vec::new();
+    for name in &names {
+        let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: name.clone() });
+        let s = c.get().await.unwrap().unwrap();
+        if s.data.contains_key("plan") {
+            with_plan.push((name.clone(), state(&s)));
+        }
+    }
+    let failed: Vec<(String, String)> = names[..3].iter().map(|n| (n.clone(), "failed".to_string())).collect();
+    assert_eq!(with_plan, failed, "three failures, then nothing new started");
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
+}
+
 #[tokio::test]
 async fn checksum_flow_stops_at_max_failures() {
     let cp = control_plane!();

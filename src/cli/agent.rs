@@ -286,12 +286,14 @@ where
     let displaced: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
     let (mut outer, lost, why) = (shutdown, held.as_ref().map(|h| h.lost()), displaced.clone());
     let relay = tokio::spawn(async move {
+        // Only a Lease that was held can be lost (a closed channel is no loss: no Lease was held).
         let lease_lost = async {
-            match lost {
-                Some(mut l) => {
-                    let _ = l.wait_for(|l| *l).await;
-                }
-                None => std::future::pending().await,
+            let held = match lost {
+                Some(mut l) => l.wait_for(|l| *l).await.is_ok(),
+                None => false,
+            };
+            if !held {
+                std::future::pending::<()>().await;
             }
         };
         let rival_started = async {

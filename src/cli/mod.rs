@@ -10,6 +10,7 @@ mod apply;
 mod dry_run;
 mod output;
 mod plan_cmd;
+mod rollout;
 mod supervise;
 
 use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
@@ -33,6 +34,24 @@ pub mod exit {
     pub const ALREADY_RUNNING: u8 = 5;
     /// `apply --dry-run`: applying the plan would change something (files, instructions to run).
     pub const CHANGES_PENDING: u8 = 6;
+    /// `rollout`: more nodes failed than `--max-errors`; no new node was started.
+    pub const ERROR_BUDGET: u8 = 7;
+    /// `rollout`: interrupted (Ctrl-C, SIGTERM); the same command continues it.
+    pub const INTERRUPTED: u8 = 8;
+}
+
+/// The first SIGINT or SIGTERM (never, if the handlers cannot be installed).
+pub(crate) async fn interrupted() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+        (Ok(mut i), Ok(mut t)) => {
+            tokio::select! {
+                _ = i.recv() => {}
+                _ = t.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
 }
 
 /// `nodeplan --version`: the release, the commit it was built from and that commit's date.
@@ -91,6 +110,10 @@ enum Command {
     /// Secret or a NodePlan), or list a node's NodePlans.
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
+    /// Push one plan to many nodes' plan Secrets (a label selector), a few at a time, stopping by
+    /// itself when too many fail; a rerun continues where it stopped.
+    #[command(after_help = rollout::EXIT_CODES)]
+    Rollout(rollout::RolloutArgs),
     /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
     Crd,
     /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
@@ -123,7 +146,8 @@ const SUPERVISE_EXIT_CODES: &str = "Exit codes:
 
 const AGENT_EXIT_CODES: &str = "Exit codes:
   0  stopped by SIGTERM/SIGINT
-  1  a process could not be stopped on the way out
+  1  a process could not be stopped on the way out, or another agent took a plan source's Lease,
+     or rancher-system-agent started on this node
   2  bad arguments, an invalid config or connection-info file";
 
 const VALIDATE_EXIT_CODES: &str = "Exit codes:
@@ -215,6 +239,7 @@ pub fn main() -> ExitCode {
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
             Command::Plan(p) => plan_cmd::run(p).await,
+            Command::Rollout(r) => rollout::run(r).await,
             Command::Crd => {
                 out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
                 exit::OK

@@ -364,7 +364,7 @@ fn kubeconfig_yaml(t: &RemoteTarget) -> Result<String, String> {
 }
 
 /// One request to the API server, bounded by `--request-timeout`.
-async fn bounded<T>(
+pub(super) async fn bounded<T>(
     t: &RemoteTarget,
     what: &str,
     request: impl std::future::Future<Output = Result<T, String>>,
@@ -379,7 +379,7 @@ async fn bounded<T>(
 }
 
 /// A client for the kubeconfig's current context.
-async fn kube_client(t: &RemoteTarget) -> Result<kube::Client, String> {
+pub(super) async fn kube_client(t: &RemoteTarget) -> Result<kube::Client, String> {
     let yaml = kubeconfig_yaml(t)?;
     bounded(t, "load the kubeconfig", crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&yaml)).await
 }

@@ -55,18 +55,7 @@ async fn watch(kube: kube::Client, ns: &str, selector: &str, json: bool) -> Resu
     let mut failing = false;
     let stream = client::watch_selected(kube, ns, selector);
     let mut stream = std::pin::pin!(stream);
-    let stop = async {
-        use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
-            (Ok(mut i), Ok(mut t)) => {
-                tokio::select! {
-                    _ = i.recv() => {}
-                    _ = t.recv() => {}
-                }
-            }
-            _ => std::future::pending().await,
-        }
-    };
+    let stop = crate::cli::interrupted();
     let mut stop = std::pin::pin!(stop);
     loop {
         let event = tokio::select! {

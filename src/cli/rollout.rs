@@ -1,0 +1,213 @@
+//! `nodeplan rollout PLAN --selector S`: push one plan to every node's plan Secret the selector
+//! picks, `--max-concurrent` at a time, stopping when more than `--max-errors` fail. The rules
+//! are [`crate::rollout`]'s; this is the loop around them: a watch on the selected Secrets (every
+//! change decides again at once), a tick for the per-node timeout, the writes, and a line per node
+//! transition with the overall counts.
+
+use super::exit;
+use super::plan_cmd::RemoteTarget;
+use crate::remote::client::{self, SecretClient, SecretRef, Selected};
+use crate::rollout::{self, Amount, Finish, Limits, Place};
+use clap::Args;
+use futures::StreamExt as _;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct RolloutArgs {
+    /// The plan file (validated before anything is written).
+    pub plan: PathBuf,
+    /// The nodes: every plan Secret this label selector picks (kubectl's syntax).
+    #[arg(long, short = 'l', value_name = "SELECTOR")]
+    pub selector: String,
+    /// The namespace of the plan Secrets [default: the kubeconfig context's namespace, else
+    /// default].
+    #[arg(long, short = 'n', value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Nodes in flight at once: a count or a percentage of the selected nodes (rounded up).
+    #[arg(long, value_name = "N|P%", default_value = "1", value_parser = Amount::parse)]
+    pub max_concurrent: Amount,
+    /// Failures tolerated: one more and no new node starts (those in flight finish). A count or a
+    /// percentage of the selected nodes (rounded down).
+    #[arg(long, value_name = "N|P%", default_value = "0", value_parser = Amount::parse)]
+    pub max_errors: Amount,
+    /// Count a node done only once every probe of the plan passes there.
+    #[arg(long)]
+    pub wait_healthy: bool,
+    /// Give up on a node in flight this long (its plan is canceled and it counts as failed).
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_positive)]
+    pub timeout: Option<Duration>,
+    #[command(flatten)]
+    pub remote: RemoteTarget,
+}
+
+/// `rollout --help`'s exit codes.
+pub const EXIT_CODES: &str = "Exit codes:
+  0  every selected node succeeded (nodes already at the plan and succeeded count, untouched)
+  1  every node was tried and some failed, within --max-errors; or the API server could not be
+     read or written
+  2  bad arguments or plan file
+  7  stopped by the error budget: more than --max-errors failed, no new node was started
+  8  interrupted (Ctrl-C, SIGTERM): nodes in flight go on; the same command continues";
+
+pub async fn run(args: RolloutArgs) -> u8 {
+    match rollout(&args).await {
+        Ok(code) => code,
+        Err((code, e)) => {
+            super::say(&format!("nodeplan: {e}"));
+            code
+        }
+    }
+}
+
+async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
+    let raw = crate::safefs::read_named(&args.plan, 16 << 20)
+        .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", args.plan.display())))?;
+    crate::plan::parse(&raw).map_err(|e| (exit::BAD_INPUT, format!("{}: {e}", args.plan.display())))?;
+    let checksum = crate::plan::checksum(&raw);
+    let t = &args.remote;
+    let kube = super::plan_cmd::kube_client(t).await.map_err(|e| (exit::FAILED, e))?;
+    let ns = args.namespace.clone().unwrap_or_else(|| kube.default_namespace().to_string());
+    let mut stream = std::pin::pin!(client::watch_selected(kube.clone(), &ns, &args.selector));
+    let mut stop = std::pin::pin!(super::interrupted());
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut snaps: BTreeMap<String, client::SecretSnapshot> = BTreeMap::new();
+    let mut shown: BTreeMap<String, Place> = BTreeMap::new();
+    let (mut listed, mut failing) = (false, false);
+    // Written by this run and not seen back from the watch yet: the write's answer stands in for
+    // it (a decision from the older snapshot would start or give up on the node again).
+    let mut written: BTreeMap<String, client::SecretSnapshot> = BTreeMap::new();
+    crate::cli::out!(
+        "rollout of plan {} to the plan Secrets matching {:?} in namespace {ns}",
+        &checksum[..12],
+        args.selector
+    );
+    loop {
+        tokio::select! {
+            () = &mut stop => {
+                crate::cli::out!("interrupted: the nodes in flight go on; run the same command to continue");
+                return Ok(exit::INTERRUPTED);
+            }
+            _ = tick.tick() => {}
+            e = stream.next() => match e {
+                Some(Selected::Is(name, s)) => {
+                    failing = false;
+                    if written.get(&name).is_some_and(|w| w.resource_version == s.resource_version) {
+                        written.remove(&name);
+                    }
+                    snaps.insert(name, s);
+                }
+                Some(Selected::Gone(name)) => {
+                    snaps.remove(&name);
+                }
+                Some(Selected::Listed) => listed = true,
+                Some(Selected::Failed(e)) => {
+                    if !failing {
+                        super::say(&format!("nodeplan: watching the plan Secrets: {e}; trying again"));
+                    }
+                    failing = true;
+                }
+                None => return Err((exit::FAILED, "the watch ended".into())),
+            },
+        }
+        if !listed {
+            continue;
+        }
+        let places: BTreeMap<String, Place> = snaps
+            .iter()
+            .map(|(n, s)| (n.clone(), rollout::classify(written.get(n).unwrap_or(s), &checksum, args.wait_healthy)))
+            .collect();
+        let total = places.len();
+        let limits = Limits {
+            max_concurrent: args.max_concurrent.of(total, true),
+            max_errors: args.max_errors.of(total, false),
+            wait_healthy: args.wait_healthy,
+            timeout: args.timeout,
+        };
+        report(&places, &mut shown, &limits);
+        let step = rollout::decide(&places, &limits, chrono::Utc::now());
+        for name in &step.give_up {
+            crate::cli::out!("{name}: in flight longer than {}: canceled, counted failed", show_timeout(&limits));
+            let s = write(&kube, &ns, name, rollout::give_up_patch(), t).await.map_err(|e| (exit::FAILED, e))?;
+            written.insert(name.clone(), s);
+        }
+        for name in &step.start {
+            crate::cli::out!("{name}: starting");
+            let s = write(&kube, &ns, name, rollout::start_patch(&raw, chrono::Utc::now()), t)
+                .await
+                .map_err(|e| (exit::FAILED, e))?;
+            written.insert(name.clone(), s);
+        }
+        if let Some(f) = step.finish {
+            let c = rollout::counts(&places);
+            let summary = format!("{} of {total} nodes succeeded, {} failed", c.done, c.failed + step.give_up.len());
+            return Ok(match f {
+                Finish::AllSucceeded => {
+                    crate::cli::out!("done: {summary}");
+                    exit::OK
+                }
+                Finish::SomeFailed => {
+                    crate::cli::out!("done with failures within --max-errors: {summary}");
+                    exit::FAILED
+                }
+                Finish::ErrorBudget => {
+                    crate::cli::out!(
+                        "stopped by the error budget (more than {} failed): {summary}; {} not started",
+                        limits.max_errors,
+                        c.to_start
+                    );
+                    exit::ERROR_BUDGET
+                }
+            });
+        }
+    }
+}
+
+fn show_timeout(l: &Limits) -> String {
+    l.timeout.map(crate::duration::show).unwrap_or_default()
+}
+
+/// A line per node whose place changed since the last report, with the overall counts.
+fn report(places: &BTreeMap<String, Place>, shown: &mut BTreeMap<String, Place>, limits: &Limits) {
+    let mut changed = false;
+    for (name, p) in places {
+        if shown.get(name) == Some(p) {
+            continue;
+        }
+        changed = true;
+        let what = match p {
+            Place::Done => "succeeded".to_string(),
+            Place::Failed(why) => format!("FAILED: {why}"),
+            Place::InFlight { .. } => "in flight".to_string(),
+            Place::ToStart => "waiting".to_string(),
+        };
+        crate::cli::out!("{name}: {what}");
+        shown.insert(name.clone(), p.clone());
+    }
+    if changed {
+        let c = rollout::counts(places);
+        crate::cli::out!(
+            "[{}/{} done, {} in flight (at most {}), {} failed (at most {} tolerated), {} waiting]",
+            c.done,
+            places.len(),
+            c.in_flight,
+            limits.max_concurrent,
+            c.failed,
+            limits.max_errors,
+            c.to_start
+        );
+    }
+}
+
+/// Write one node's Secret; its answer (the Secret as written).
+async fn write(
+    kube: &kube::Client,
+    ns: &str,
+    name: &str,
+    patch: serde_json::Value,
+    t: &RemoteTarget,
+) -> Result<client::SecretSnapshot, String> {
+    let c = SecretClient::new(kube.clone(), SecretRef { namespace: ns.to_string(), name: name.to_string() });
+    super::plan_cmd::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await
+}
