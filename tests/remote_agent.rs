@@ -1092,8 +1092,8 @@ async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
         release_fifo(gate);
     }
     wait_line("r09: starting");
-    for i in 5..10 {
-        read_fifo_started(&fleet[i].0.p("runs"));
+    for (node, _) in &fleet[5..10] {
+        read_fifo_started(&node.p("runs"));
     }
     unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
     assert_eq!(exit_code(&mut first, "the interrupted rollout"), Some(8), "interrupted");
