@@ -14,6 +14,7 @@ use super::wire::{self, Policy, PreflightResult, Target};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
+use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
@@ -238,6 +239,7 @@ impl NodePlanSource {
                                 return Written::Abandoned;
                             }
                             base = fresh;
+                            metrics::write_retried(WriteTarget::NodePlan, RetryReason::Conflict);
                         }
                         Ok(Ok(None)) => return Written::Abandoned,
                         Ok(Err(e)) => return Written::failed(crate::error_line(&e)),
@@ -548,6 +550,7 @@ impl PlanSource for NodePlanSource {
 
     async fn flush(&mut self, name: &String) -> Written {
         let Some(p) = self.pending.remove(name) else { return Written::Done };
+        metrics::write_retried(WriteTarget::NodePlan, RetryReason::Error);
         self.write_outcome(name, &p.checksum, p.status).await
     }
 

@@ -20,6 +20,7 @@ use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::Commit;
+use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{self, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
@@ -189,6 +190,7 @@ impl SecretSource {
                                 return Written::Abandoned;
                             }
                             base = fresh;
+                            metrics::write_retried(WriteTarget::Secret, RetryReason::Conflict);
                         }
                         Ok(Ok(None)) => return Written::Abandoned,
                         Ok(Err(e)) => return Written::failed(e),
@@ -352,6 +354,7 @@ impl PlanSource for SecretSource {
             tracing::warn!("dropping an unwritten outcome: the secret now carries another plan");
             return Written::Abandoned;
         }
+        metrics::write_retried(WriteTarget::Secret, RetryReason::Error);
         self.write_outcome(&p.checksum, p.keys).await
     }
 
