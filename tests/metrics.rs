@@ -30,7 +30,7 @@ impl Setup {
         std::fs::create_dir_all(s.p("plans")).unwrap();
         let cfg = format!(
             "localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
-             interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nimagesDirectory: {d}/images\nstopTimeout: 5s\n\
+             interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nimagesDirectory: {d}/images\nstopTimeout: 1s\n\
              killTimeout: 5s\nrescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n\
              metricsAddress: 127.0.0.1:{port}\n",
             d = s.dir.path().display(),
@@ -217,6 +217,111 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
     for target in ["/", "/metrics/extra", "/debug/pprof", "/api/v1/query"] {
         assert_eq!(http_get(s.port, target, None).0, 404, "{target}");
     }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// An agent killed while its instruction ignores SIGTERM leaves it running; the next agent finds
+/// it through its PID record and stops it (SIGTERM is ignored, so SIGKILL after `stopTimeout`):
+/// one record recovered as `stopped`, one ladder run that `killed`.
+#[test]
+fn a_leftover_stopped_at_restart_is_counted() {
+    let s = Setup::new();
+    s.plan(
+        "stuck",
+        serde_json::json!({"instructions": [{"name": "stuck", "command": HELPER, "args": ["term-ignore"]}]}),
+    );
+    let mut first = s.start();
+    let leftover: i32 = first.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
+    first.crash();
+    assert!(alive(leftover));
+    let mut second = s.start();
+    second.wait_log("stopped leftover");
+    let gone = !alive(leftover);
+    kill_all(&[leftover]);
+    assert!(gone, "the leftover was not stopped");
+    let t = wait_metrics(s.port, "the recovery", |t| {
+        value(t, "nodeplan_pid_record_recoveries_total{result=\"stopped\"}") == Some(1.0)
+    });
+    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"killed\"}"), Some(1.0), "{t}");
+    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"exited_on_term\"}"), None, "{t}");
+    assert_eq!(second.stop(), 0);
+}
+
+fn sha256(b: &[u8]) -> String {
+    use sha2::Digest;
+    format!("sha256:{:x}", sha2::Sha256::digest(b))
+}
+
+/// A registry without authentication serving one image `test/img:v1` whose single layer holds
+/// an executable `run.sh`; returns its port and the layer's size in bytes.
+fn tiny_registry() -> (u16, usize) {
+    let mut tar = tar::Builder::new(Vec::new());
+    let script = b"#!/bin/sh\nexit 0\n";
+    let mut h = tar::Header::new_gnu();
+    h.set_size(script.len() as u64);
+    h.set_mode(0o755);
+    h.set_cksum();
+    tar.append_data(&mut h, "run.sh", &script[..]).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&tar.into_inner().unwrap()).unwrap();
+    let layer = gz.finish().unwrap();
+    let config = br#"{"architecture":"amd64","os":"linux"}"#.to_vec();
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha256(&config), "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": sha256(&layer), "size": layer.len()}],
+    }))
+    .unwrap();
+    let size = layer.len();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && c.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let head = String::from_utf8_lossy(&head).into_owned();
+            let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+            let (status, ct, body): (&str, &str, &[u8]) = if path == "/v2/test/img/manifests/v1" {
+                ("200 OK", "application/vnd.oci.image.manifest.v1+json", &manifest)
+            } else if path == format!("/v2/test/img/blobs/{}", sha256(&layer)) {
+                ("200 OK", "application/octet-stream", &layer)
+            } else {
+                ("404 Not Found", "text/plain", b"")
+            };
+            let _ = write!(
+                c,
+                "HTTP/1.1 {status}\r\nContent-Type: {ct}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = c.write_all(body);
+        }
+    });
+    (port, size)
+}
+
+/// An `image` instruction pulled from a registry: its layer bytes and one successful pull.
+#[test]
+fn an_image_pull_is_counted() {
+    let s = Setup::new();
+    let (port, layer_bytes) = tiny_registry();
+    let host = format!("127.0.0.1:{port}");
+    let registries = s.p("registries.yaml");
+    std::fs::write(&registries, format!("mirrors:\n  \"{host}\":\n    endpoint: [\"http://{host}\"]\n")).unwrap();
+    let config = s.p("config.yaml");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("agentRegistriesFile: {registries}\n"));
+    std::fs::write(&config, text).unwrap();
+    s.plan("img", serde_json::json!({"instructions": [{"name": "install", "image": format!("{host}/test/img:v1")}]}));
+    let mut agent = s.start();
+    s.wait_pos("img", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    let t = wait_metrics(s.port, "the pull", |t| {
+        value(t, "nodeplan_image_pull_duration_seconds_count{result=\"ok\"}") == Some(1.0)
+    });
+    assert_eq!(value(&t, "nodeplan_image_pull_bytes_total"), Some(layer_bytes as f64), "{t}");
+    assert_eq!(value(&t, "nodeplan_image_pull_duration_seconds_count{result=\"error\"}"), None, "{t}");
     assert_eq!(agent.stop(), 0);
 }
 

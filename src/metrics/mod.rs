@@ -455,5 +455,15 @@ impl Drop for ProbeHealth {
     }
 }
 
+/// For tests of the modules that report: the process's metrics (installed on first use), and the
+/// value of one series (`name{labels}` as exposed; 0 when absent). Counts only grow, so tests
+/// compare before and after.
+#[cfg(test)]
+pub(crate) fn sample(series: &str) -> f64 {
+    let m = install(Metrics::new(Directories::default()));
+    let text = m.encode(server::Format::Text);
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests;
