@@ -325,6 +325,25 @@ fn an_image_pull_is_counted() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// Without `metricsAddress` nothing listens: the agent runs, the port stays closed.
+#[test]
+fn off_by_default() {
+    let s = Setup::new();
+    let config = s.p("config.yaml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let without: String = text.lines().filter(|l| !l.starts_with("metricsAddress")).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&config, without).unwrap();
+    s.plan("ok", serde_json::json!({"instructions": [sh("works", "true")]}));
+    let mut agent = AgentProc::start(Path::new(&config));
+    // The endpoint is bound before this line is logged.
+    agent.wait_log("nodeplan agent starting");
+    s.wait_pos("ok", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert!(!agent.seen.iter().any(|l| l.contains("metrics")), "{}", agent.seen.join("\n"));
+    let refused = std::net::TcpStream::connect(("127.0.0.1", s.port));
+    assert!(refused.is_err(), "something listens on the metrics port");
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn a_bad_or_busy_metrics_address_is_one_line_and_exit_2() {
     let s = Setup::new();

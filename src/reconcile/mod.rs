@@ -610,7 +610,10 @@ impl<S: PlanSource> Reconciler<S> {
             }
         }
         let look = match self.source.look(key).await {
-            Seen::Nothing => return Action::Wait,
+            Seen::Nothing => {
+                self.mem(key).probe_health.clear();
+                return Action::Wait;
+            }
             Seen::Held(why) => {
                 let mem = self.mem(key);
                 mem.warn_once(why);
