@@ -2,8 +2,9 @@
 //! path is 404). It owns the listening socket and its connections, and must never hold up the
 //! reconcile loop: it runs as its own task, encodes on the blocking pool, and bounds what a slow
 //! or hostile client can hold: at most [`MAX_CONNECTIONS`] connections at once (more are closed
-//! at once), [`HEADER_TIMEOUT`] to send a request's head, [`MAX_HEAD_BYTES`] of it buffered, and
-//! [`CONNECTION_TIMEOUT`] for a whole connection, keep-alive included.
+//! at once), [`HEADER_TIMEOUT`] to send a request's head (an idle keep-alive connection is
+//! closed after as long), [`MAX_HEAD_BYTES`] of it buffered, and [`CONNECTION_TIMEOUT`] for a
+//! whole connection, however busy.
 //!
 //! The answer is the Prometheus text format (0.0.4), or OpenMetrics 1.0 when the client's
 //! `Accept` asks for it (Prometheus does), chosen by [`negotiate`].
@@ -261,6 +262,36 @@ mod tests {
             }
             assert!(tokio::time::Instant::now() < deadline, "the endpoint never served again");
             tokio::task::yield_now().await;
+        }
+    }
+
+    /// A client that sends nothing, half a request head, or keeps its connection open after an
+    /// answer is dropped by the header timeout. On a paused clock: the times are exact and the
+    /// test takes no wall time.
+    #[tokio::test(start_paused = true)]
+    async fn slow_clients_are_dropped_on_time() {
+        let m = Arc::new(Metrics::new(super::super::Directories::default()));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (_tx, rx) = watch::channel(false);
+        tokio::spawn(serve(listener, m, rx));
+        let cases: [(&str, &[u8], Duration); 3] = [
+            ("nothing", b"", HEADER_TIMEOUT),
+            ("half a head", b"GET /metrics HTTP/1.1\r\nHost: x\r\n", HEADER_TIMEOUT),
+            ("an idle keep-alive connection", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", HEADER_TIMEOUT),
+        ];
+        for (what, sent, deadline) in cases {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+            let start = tokio::time::Instant::now();
+            s.write_all(sent).await.unwrap();
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out).await;
+            let took = start.elapsed();
+            assert_eq!(out.starts_with(b"HTTP/1.1 200"), !sent.is_empty() && sent.ends_with(b"\r\n\r\n"), "{what}");
+            assert!(
+                took >= deadline.saturating_sub(Duration::from_secs(1)) && took <= deadline + Duration::from_secs(1),
+                "{what}: closed after {took:?}, expected {deadline:?}"
+            );
         }
     }
 
