@@ -1,8 +1,10 @@
 //! The disk space used under the agent's directories (the applied-plan archive, the images
 //! directory, the work directory), for `nodeplan_directory_size_bytes`. This module only reads
-//! metadata: it never opens a file, never follows a symbolic link (every entry is looked at with
-//! `AT_SYMLINK_NOFOLLOW`, every directory opened with `O_NOFOLLOW` relative to its parent's
-//! descriptor), never leaves the filesystem the directory is on, and stops at [`MAX_ENTRIES`]
+//! metadata: it never opens a file; the measured directory is opened by [`crate::safefs::open_dir`]
+//! (a link on its path is followed only under the project's symlink rule), and below it nothing
+//! is followed (every entry is looked at with `AT_SYMLINK_NOFOLLOW`, every directory opened with
+//! `O_NOFOLLOW` relative to its parent's descriptor); it never leaves the filesystem the directory
+//! is on, and stops at [`MAX_ENTRIES`]
 //! entries and [`MAX_DEPTH`] levels, so a hostile tree (millions of files, a link loop, a mount)
 //! costs a bounded amount of work. A measurement is reused for [`MIN_INTERVAL`], so scrapes in a
 //! burst walk nothing.
@@ -38,10 +40,9 @@ pub struct Usage {
 
 /// The space used under `dir`, within the bounds. A directory that does not exist uses nothing.
 pub fn measure(dir: &Path, max_entries: u64) -> Usage {
-    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let fd = match rustix::fs::open(dir, flags, Mode::empty()) {
+    let fd = match crate::safefs::open_dir(dir, None) {
         Ok(fd) => fd,
-        Err(rustix::io::Errno::NOENT) => return Usage { complete: true, ..Usage::default() },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Usage { complete: true, ..Usage::default() },
         Err(_) => return Usage::default(),
     };
     let Ok(st) = rustix::fs::fstat(&fd) else { return Usage::default() };
@@ -182,13 +183,27 @@ mod tests {
         assert!(u.bytes < 1024 * 1024, "the link's target was counted: {u:?}");
     }
 
+    /// The directory itself is opened under safefs's rule: a link its owner may follow anyway is
+    /// followed (an administrator's `/var/lib/rancher` → `/data`), one another user planted to
+    /// point elsewhere is not.
     #[test]
-    fn the_root_itself_as_a_link_is_not_followed() {
+    fn the_directory_named_through_a_link_follows_the_symlink_rule() {
         let t = tempfile::tempdir().unwrap();
         std::fs::create_dir(t.path().join("real")).unwrap();
         std::fs::write(t.path().join("real/f"), vec![1u8; 64 * 1024]).unwrap();
         symlink(t.path().join("real"), t.path().join("work")).unwrap();
         let u = measure(&t.path().join("work"), MAX_ENTRIES);
+        assert!(u.complete && u.entries == 2 && u.bytes >= 64 * 1024, "{u:?}");
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("not root: the planted link's owner cannot be changed; that half is skipped");
+            return;
+        }
+        // A link owned by nobody, pointing into root's directory: refused, nothing measured.
+        let planted = t.path().join("planted");
+        symlink(t.path().join("real"), &planted).unwrap();
+        let nobody = Some(rustix::fs::Uid::from_raw(65534));
+        rustix::fs::chownat(rustix::fs::CWD, &planted, nobody, None, AtFlags::SYMLINK_NOFOLLOW).unwrap();
+        let u = measure(&planted, MAX_ENTRIES);
         assert_eq!((u.bytes, u.entries, u.complete), (0, 0, false));
     }
 
