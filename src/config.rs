@@ -28,7 +28,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 27] = [
+pub const KEYS: [&str; 28] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -56,6 +56,7 @@ pub const KEYS: [&str; 27] = [
     "probePeriodSeconds",
     "rescanSeconds",
     "localRetrySeconds",
+    "metricsAddress",
 ];
 
 const WHAT_CONFIG: &str = "config file";
@@ -124,6 +125,9 @@ pub struct AgentConfig {
     /// `localRetrySeconds`: local mode retries a failed plan after this, doubling per failure up
     /// to 5 minutes.
     pub local_retry_seconds: u64,
+    /// `metricsAddress`: where `GET /metrics` is served (`IP:PORT`, or `:PORT` for every
+    /// interface); empty = no metrics endpoint. See [`AgentConfig::metrics_address`].
+    pub metrics_address: String,
     /// Keys of the file that nodeplan does not know (ignored, as in system-agent; [`validate`]
     /// warns about them). Empty for [`AgentConfig::default`].
     pub unknown_keys: Vec<String>,
@@ -164,6 +168,7 @@ impl Default for AgentConfig {
             probe_period_seconds: 5,
             rescan_seconds: 5,
             local_retry_seconds: 30,
+            metrics_address: String::new(),
             unknown_keys: Vec::new(),
         }
     }
@@ -198,6 +203,13 @@ impl AgentConfig {
                 )],
             }),
         }
+    }
+
+    /// `metricsAddress` parsed: `None` when empty; `IP:PORT` (`[::1]:9100` for IPv6) or `:PORT`
+    /// (every interface, as Go writes it). Host names are not accepted: the address is bound as
+    /// given, never looked up.
+    pub fn metrics_address(&self) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+        parse_metrics_address(&self.metrics_address).map_err(|problem| ConfigError::Invalid { problems: vec![problem] })
     }
 
     /// `probePeriodSeconds` as a duration.
@@ -327,6 +339,11 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "localRetrySeconds",
             d.local_retry_seconds.to_string(),
             "local mode: a failed plan is retried after this many seconds, doubling per failure up to 5 minutes",
+        ),
+        (
+            "metricsAddress",
+            "\"\"".to_string(),
+            "serve Prometheus metrics (`GET /metrics`) on this `IP:PORT` (or `:PORT`, every interface); empty = off; `--metrics-address` overrides it (see [Metrics](#metrics))",
         ),
     ]
 }
@@ -465,6 +482,9 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     if let Some(n) = doc.uint("localRetrySeconds")? {
         c.local_retry_seconds = n;
     }
+    if let Some(a) = doc.string("metricsAddress")? {
+        c.metrics_address = a;
+    }
     c.unknown_keys =
         doc.map.keys().filter(|k| !KEYS.iter().any(|known| known.eq_ignore_ascii_case(k))).cloned().collect();
     tracing::debug!(path = %path.display(), unknown_keys = ?c.unknown_keys, "config file read");
@@ -510,6 +530,9 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         }
     }
     if let Err(ConfigError::Invalid { problems: p }) = cfg.cgroup_root() {
+        problems.extend(p);
+    }
+    if let Err(ConfigError::Invalid { problems: p }) = cfg.metrics_address() {
         problems.extend(p);
     }
     for (key, d) in [("stopTimeout", cfg.stop_timeout), ("killTimeout", cfg.kill_timeout)] {
@@ -581,6 +604,31 @@ pub fn load_connection(path: &Path) -> Result<ConnectionInfo, ConfigError> {
         return Err(doc.value_err("kubeConfig", format!("invalid YAML {}", yaml_location(&e))));
     }
     Ok(ConnectionInfo { kube_config, namespace: field("namespace")?, secret_name: field("secretName")? })
+}
+
+/// A `metricsAddress` value (see [`AgentConfig::metrics_address`]); the error is one line naming
+/// the key.
+pub fn parse_metrics_address(s: &str) -> Result<Option<std::net::SocketAddr>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let bad = || {
+        format!(
+            "metricsAddress: {} must be IP:PORT (such as \"127.0.0.1:9100\" or \"[::1]:9100\") or :PORT, with a port from 1 to 65535",
+            quoted(s)
+        )
+    };
+    let addr = match s.strip_prefix(':') {
+        Some(port) if port.bytes().all(|b| b.is_ascii_digit()) => {
+            let port: u16 = port.parse().map_err(|_| bad())?;
+            std::net::SocketAddr::from(([0, 0, 0, 0], port))
+        }
+        _ => s.parse::<std::net::SocketAddr>().map_err(|_| bad())?,
+    };
+    if addr.port() == 0 {
+        return Err(bad());
+    }
+    Ok(Some(addr))
 }
 
 /// A path for a one-line message: control characters escaped.
@@ -910,6 +958,42 @@ mod tests {
             let e = c.cgroup_root().expect_err(bad).to_string();
             assert!(e.contains("cgroupRoot"), "{e}");
         }
+    }
+
+    #[test]
+    fn metrics_addresses() {
+        use std::net::SocketAddr;
+        let ok: [(&str, Option<SocketAddr>); 5] = [
+            ("", None),
+            ("127.0.0.1:9100", Some(SocketAddr::from(([127, 0, 0, 1], 9100)))),
+            (":9100", Some(SocketAddr::from(([0, 0, 0, 0], 9100)))),
+            ("[::1]:9100", Some("[::1]:9100".parse().unwrap())),
+            ("0.0.0.0:65535", Some(SocketAddr::from(([0, 0, 0, 0], 65535)))),
+        ];
+        for (s, want) in ok {
+            assert_eq!(parse_metrics_address(s), Ok(want), "{s:?}");
+        }
+        for bad in [
+            "9100",
+            "localhost:9100",
+            "127.0.0.1",
+            "127.0.0.1:",
+            "127.0.0.1:0",
+            ":0",
+            ":70000",
+            ":-1",
+            "::1:9100",
+            "127.0.0.1:9100 ",
+            "http://127.0.0.1:9100",
+            "256.0.0.1:80",
+        ] {
+            let e = parse_metrics_address(bad).expect_err(bad);
+            assert!(e.starts_with("metricsAddress: ") && !e.contains('\n'), "{e}");
+        }
+        let mut c = AgentConfig { local_enabled: true, local_plan_directory: "/".into(), ..AgentConfig::default() };
+        c.metrics_address = "nonsense".into();
+        let e = validate(&c).expect_err("invalid").to_string();
+        assert!(e.contains("metricsAddress: \"nonsense\""), "{e}");
     }
 
     #[test]

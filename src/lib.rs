@@ -16,6 +16,7 @@
 //! - [`image`]: images for `image` instructions: tarballs, registries, pulls, layer extraction.
 //! - [`probe`]: health probes (HTTP(S) and file existence), thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
+//! - [`metrics`]: Prometheus metrics: the registry, the hooks that feed it, the `/metrics` endpoint.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`rollout`]: the rules of a rollout over many nodes' plan Secrets (who starts, when it stops).
@@ -37,6 +38,7 @@ pub mod formats;
 pub mod image;
 pub mod lease;
 pub mod local;
+pub mod metrics;
 pub mod nodeplan;
 pub mod plan;
 pub mod probe;

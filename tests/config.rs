@@ -59,6 +59,7 @@ pidDirectory: /w/pids
 probePeriodSeconds: 7
 rescanSeconds: 9
 localRetrySeconds: 11
+metricsAddress: 127.0.0.1:9100
 "#;
 
 const FULL_JSON: &str = r#"{
@@ -88,7 +89,8 @@ const FULL_JSON: &str = r#"{
   "pidDirectory": "/w/pids",
   "probePeriodSeconds": 7,
   "rescanSeconds": 9,
-  "localRetrySeconds": 11
+  "localRetrySeconds": 11,
+  "metricsAddress": "127.0.0.1:9100"
 }"#;
 
 fn full() -> AgentConfig {
@@ -120,6 +122,7 @@ fn full() -> AgentConfig {
         probe_period_seconds: 7,
         rescan_seconds: 9,
         local_retry_seconds: 11,
+        metrics_address: "127.0.0.1:9100".into(),
         unknown_keys: vec![],
     }
 }
@@ -590,6 +593,27 @@ fn connection_info() {
 }
 
 /// The README (or, in the development crate, CONFIG.md) shows exactly the table the code has.
+/// A malformed `metricsAddress` is one problem line naming the key and the value; a number is a
+/// wrong type; empty means off.
+#[test]
+fn metrics_address_values() {
+    let dir = TempDir::new().unwrap();
+    let base = format!("localEnabled: true\nlocalPlanDirectory: {}\n", dir.path().display());
+    for bad in ["localhost:9100", "9100x", ":0", "127.0.0.1:99999", "[::1]"] {
+        let p = write(&dir, "config.yaml", &format!("{base}metricsAddress: \"{bad}\"\n"));
+        let c = load(&p).unwrap();
+        let e = validate(&c).expect_err(bad).to_string();
+        assert!(e.contains("metricsAddress") && e.contains(bad) && !e.contains('\n'), "{e}");
+    }
+    let p = write(&dir, "config.yaml", &format!("{base}metricsAddress: 9100\n"));
+    let e = err_line(load(&p).expect_err("a number"), &p);
+    assert!(e.contains("metricsAddress: expected a string"), "{e}");
+    let p = write(&dir, "config.yaml", &format!("{base}metricsAddress: \"\"\n"));
+    let c = load(&p).unwrap();
+    assert!(validate(&c).is_ok());
+    assert_eq!(c.metrics_address().unwrap(), None);
+}
+
 #[test]
 fn docs_show_the_defaults_table() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -11,6 +11,11 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages for: ${need[*]}" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl coreutils >/dev/null
 fi
+# promtool and a real Prometheus server for tests/metrics.rs (Debian's `prometheus` package).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "installing Debian packages for: prometheus promtool" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
 
 # The real kube-apiserver, kubectl and etcd for remote-mode and custom-resource tests (about 9

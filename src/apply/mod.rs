@@ -622,6 +622,7 @@ impl Applyinator {
             save_output(&mut result.one_time_output, ins, &report);
             let outcome = report.outcome.clone();
             input.observer.instruction_finished(&report);
+            crate::metrics::instruction_finished(&report);
             result.reports.push(report);
             if outcome.success() {
                 result.completed = index + 1;
@@ -679,6 +680,7 @@ impl Applyinator {
             let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
             let report = self.run_one(input, &dir, index, periodic.len(), &p.common, attempt, true).await;
             input.observer.instruction_finished(&report);
+            crate::metrics::instruction_finished(&report);
             result.termination_incomplete |= report.outcome.termination_incomplete();
             let outcome = report.outcome.clone();
             let stopped = outcome.stop_reason().and_then(interruption_of_stop);

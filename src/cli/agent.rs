@@ -19,6 +19,11 @@ pub struct AgentArgs {
     /// /etc/rancher/agent/config.yaml].
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics) on this IP:PORT (or :PORT for every interface);
+    /// overrides the config's metricsAddress, an empty value turns them off [default: the
+    /// config's metricsAddress, empty = off].
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_address: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -68,13 +73,16 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
 
 pub async fn run(args: AgentArgs) -> u8 {
     let path = config::config_path(args.config.as_deref());
-    let cfg = match config::load(&path) {
+    let mut cfg = match config::load(&path) {
         Ok(c) => c,
         Err(e) => {
             super::say(&format!("nodeplan: {e}"));
             return exit::BAD_INPUT;
         }
     };
+    if let Some(a) = args.metrics_address {
+        cfg.metrics_address = a;
+    }
     match config::validate(&cfg) {
         Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
         Err(e) => {
@@ -92,6 +100,10 @@ pub async fn run(args: AgentArgs) -> u8 {
     let (sd_tx, sd_rx) = watch::channel(false);
     let sd_tx = Arc::new(sd_tx);
     let signals = sd_tx.clone();
+    if let Err(e) = start_metrics(&cfg, sd_rx.clone()).await {
+        super::say(&format!("nodeplan: {e}"));
+        return exit::BAD_INPUT;
+    }
     tokio::spawn(async move {
         let sd_tx = signals;
         use tokio::signal::unix::{SignalKind, signal};
@@ -331,6 +343,22 @@ where
         (AgentExit::Clean, Some(why)) => AgentExit::Displaced(why),
         (other, _) => other,
     }
+}
+
+/// Bind the metrics endpoint when `metricsAddress` is set, and serve it until shutdown. Nothing
+/// at all (no registry, no socket) when it is empty.
+async fn start_metrics(cfg: &AgentConfig, shutdown: watch::Receiver<bool>) -> Result<(), String> {
+    let Some(addr) = cfg.metrics_address().map_err(|e| e.to_string())? else { return Ok(()) };
+    let listener = crate::metrics::server::bind(addr).await?;
+    let shown = listener.local_addr().map_or_else(|_| addr.to_string(), |a| a.to_string());
+    let metrics = crate::metrics::install(crate::metrics::Metrics::new(crate::metrics::Directories {
+        applied: non_empty(&cfg.applied_plan_directory),
+        images: non_empty(&cfg.images_directory),
+        work: non_empty(&cfg.work_directory),
+    }));
+    tokio::spawn(crate::metrics::server::serve(listener, metrics, shutdown));
+    tracing::info!("metrics: serving GET /metrics on http://{shown}/metrics");
+    Ok(())
 }
 
 /// A mode that cannot start: say why and stop the tasks already started (nothing ran yet at this

@@ -150,14 +150,19 @@ impl Stager {
             None => Registries::default(),
         };
         let mut tried = Vec::new();
+        let pulling = std::time::Instant::now();
         for ep in regs.endpoints(&r.registry) {
             // What a failed endpoint left half-extracted must not mix with the next attempt.
             let _ = layers::empty_dir(dest);
             match registry::pull(&ep, &r, dest, &scratch, &cancel, self.cfg.limits).await {
-                Ok(()) => return Ok(format!("pulled from {}", ep.shown())),
+                Ok(()) => {
+                    crate::metrics::image_pulled(true, pulling.elapsed());
+                    return Ok(format!("pulled from {}", ep.shown()));
+                }
                 Err(e) => tried.push(format!("{}: {e}", ep.shown())),
             }
         }
+        crate::metrics::image_pulled(false, pulling.elapsed());
         let _ = layers::empty_dir(dest);
         Err(StageError::Pull { image: r.to_string(), tried })
     }

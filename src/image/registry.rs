@@ -282,6 +282,7 @@ impl Session<'_> {
         let mut got_bytes = 0u64;
         while let Some(chunk) = resp.chunk().await.map_err(|e| format!("layer {digest}: {}", chain(&e)))? {
             got_bytes += chunk.len() as u64;
+            crate::metrics::image_pull_bytes(chunk.len());
             if size > 0 && got_bytes > size {
                 return Err(format!("layer {digest}: the registry sent more than the {size} bytes the manifest gives"));
             }

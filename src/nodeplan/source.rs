@@ -14,6 +14,7 @@ use super::wire::{self, Policy, PreflightResult, Target};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
+use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
@@ -238,6 +239,7 @@ impl NodePlanSource {
                                 return Written::Abandoned;
                             }
                             base = fresh;
+                            metrics::write_retried(WriteTarget::NodePlan, RetryReason::Conflict);
                         }
                         Ok(Ok(None)) => return Written::Abandoned,
                         Ok(Err(e)) => return Written::failed(crate::error_line(&e)),
@@ -548,6 +550,7 @@ impl PlanSource for NodePlanSource {
 
     async fn flush(&mut self, name: &String) -> Written {
         let Some(p) = self.pending.remove(name) else { return Written::Done };
+        metrics::write_retried(WriteTarget::NodePlan, RetryReason::Error);
         self.write_outcome(name, &p.checksum, p.status).await
     }
 
@@ -639,6 +642,79 @@ impl PlanSource for NodePlanSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    /// A NodePlan of node `node-a` whose status belongs to the run `abc`, at `rv`.
+    fn nodeplan_json(rv: &str) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+            "metadata": {"name": "np", "namespace": "ns", "resourceVersion": rv, "labels": {NODE_LABEL: "node-a"}},
+            "spec": {"plan": {"instructions": []}},
+            "status": {"planChecksum": "abc"}
+        })
+    }
+
+    fn respond(code: u16, v: &serde_json::Value) -> Response<Body> {
+        Response::builder().status(code).body(Body::from(serde_json::to_vec(v).unwrap_or_default())).unwrap()
+    }
+
+    /// A status write that conflicts is written again on the fresh object (counted as a conflict
+    /// retry); one that fails is kept and written again by `flush` (counted as an error retry).
+    #[tokio::test]
+    async fn status_writes_tried_again_are_counted() {
+        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let dir = tempfile::tempdir().unwrap();
+        let app = Arc::new(Applyinator::new(
+            crate::apply::ApplyConfig::new(dir.path().join("work")),
+            crate::process::Supervisor::new(crate::process::SupervisorConfig::default()),
+        ));
+        let agent = NodePlanAgent::new(
+            kube::Client::new(svc, "ns"),
+            "ns",
+            "node-a",
+            app,
+            Arc::new(Prober::new()),
+            Duration::from_secs(5),
+            None,
+        );
+        let mut source = agent.source;
+        let object: DynamicObject = serde_json::from_value(nodeplan_json("5")).unwrap();
+        let (_tx, rx) = watch::channel::<Latest>((1, BTreeMap::from([("np".to_string(), object)])));
+        source.latest = Some(rx);
+        let series = |reason: &str| format!("nodeplan_write_retries_total{{target=\"nodeplan\",reason=\"{reason}\"}}");
+        let (conflicts, errors) =
+            (crate::metrics::sample(&series("conflict")), crate::metrics::sample(&series("error")));
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "conflict"});
+            let (req, send) = handle.as_mut().next_request().await.expect("a first PUT");
+            assert_eq!(req.method(), http::Method::PUT);
+            send.send_response(respond(409, &conflict));
+            let (req, send) = handle.as_mut().next_request().await.expect("a GET after the conflict");
+            assert_eq!(req.method(), http::Method::GET);
+            send.send_response(respond(200, &nodeplan_json("7")));
+            let (req, send) = handle.as_mut().next_request().await.expect("the PUT on the fresh object");
+            assert_eq!(req.method(), http::Method::PUT);
+            send.send_response(respond(200, &nodeplan_json("8")));
+            // The next outcome fails, then lands when flushed.
+            let (_, send) = handle.as_mut().next_request().await.expect("a PUT");
+            send.send_response(respond(500, &serde_json::json!({"kind": "Status", "code": 500, "message": "down"})));
+            let (_, send) = handle.as_mut().next_request().await.expect("the kept PUT");
+            send.send_response(respond(200, &nodeplan_json("9")));
+        };
+        let status = NodePlanStatus { plan_checksum: "abc".into(), ..NodePlanStatus::default() };
+        let client = async {
+            assert_eq!(source.write_outcome("np", "abc", status.clone()).await, Written::Done);
+            assert!(crate::metrics::sample(&series("conflict")) > conflicts);
+            let failed = source.write_outcome("np", "abc", status.clone()).await;
+            assert!(matches!(failed, Written::Failed { .. }), "{failed:?}");
+            assert_eq!(crate::metrics::sample(&series("error")), errors, "a first attempt is no retry");
+            assert_eq!(source.flush(&"np".to_string()).await, Written::Done);
+            assert!(crate::metrics::sample(&series("error")) > errors);
+        };
+        tokio::join!(client, server);
+    }
 
     #[test]
     fn node_label_values() {

@@ -510,6 +510,7 @@ impl Supervisor {
             }
         })
         .await;
+        crate::metrics::stop_ladder(&outcome);
         // After a successful stop the pipes are at EOF or were closed; never wait long on them.
         self.drain(&mut readers, Duration::from_millis(100)).await;
         if !outcome.termination_incomplete() {
@@ -668,12 +669,16 @@ impl Supervisor {
                     let kept = path.with_extension("invalid");
                     tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
                     let _ = std::fs::rename(&path, &kept);
-                    out.push(Recovered { path, record: None, result: RecoveryResult::Invalid(e) });
+                    let result = RecoveryResult::Invalid(e);
+                    crate::metrics::pid_record_recovered(&result);
+                    out.push(Recovered { path, record: None, result });
                     continue;
                 }
                 record::Entry::Untrusted(why) => {
                     tracing::error!("{why}");
-                    out.push(Recovered { path, record: None, result: RecoveryResult::Refused(why) });
+                    let result = RecoveryResult::Refused(why);
+                    crate::metrics::pid_record_recovered(&result);
+                    out.push(Recovered { path, record: None, result });
                     continue;
                 }
             };
@@ -688,6 +693,7 @@ impl Supervisor {
                 )),
                 r => r,
             };
+            crate::metrics::pid_record_recovered(&result);
             match &result {
                 RecoveryResult::Stopped(o) => {
                     tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner.short())
@@ -770,6 +776,7 @@ impl Supervisor {
             );
         }
         let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
+        crate::metrics::stop_ladder(&outcome);
         if outcome.termination_incomplete() {
             RecoveryResult::NotStopped(outcome)
         } else {

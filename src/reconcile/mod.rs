@@ -226,6 +226,18 @@ fn outcome_reason(state: &crate::plan::PlanState, survivors: bool) -> Option<Rea
     }
 }
 
+/// What a run of the legacy checksum flow (no plan state) amounts to, for
+/// `nodeplan_plans_total`: a one-time pass that was not interrupted succeeded or failed.
+fn legacy_state(view: &View, run: &RunPlan, result: &ApplyResult) -> Option<crate::plan::PlanState> {
+    use crate::plan::PlanState;
+    match view {
+        View::Legacy { .. } if run.one_time() && result.interruption.is_none() => {
+            Some(if result.one_time_succeeded { PlanState::Succeeded } else { PlanState::Failed })
+        }
+        _ => None,
+    }
+}
+
 /// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
 /// same millisecond.
 pub fn jittered(d: Duration) -> Duration {
@@ -289,6 +301,8 @@ struct Memory {
     /// The plan's probes as last seen (not while an invalid value holds it): they keep running
     /// while another plan applies.
     probes: Option<Probes>,
+    /// The plan's `nodeplan_probe_healthy` gauges (removed when the plan is forgotten).
+    probe_health: crate::metrics::ProbeHealth,
 }
 
 /// What probing a plan needs, kept between looks (small: not the plan).
@@ -316,6 +330,7 @@ impl Default for Memory {
             blocked: None,
             next_probe: None,
             probes: None,
+            probe_health: crate::metrics::ProbeHealth::default(),
         }
     }
 }
@@ -354,6 +369,8 @@ pub struct Reconciler<S: PlanSource> {
     /// tried again at once. A pass that only follows the period (or another plan's timer) leaves
     /// it to its back-off.
     by_change: bool,
+    /// When the running plan first saw a cancel (for `nodeplan_cancel_latency_seconds`).
+    cancel_seen: Option<Instant>,
 }
 
 /// What recovery found: the plans whose leftovers could not be stopped (or whose records are
@@ -412,6 +429,7 @@ impl<S: PlanSource> Reconciler<S> {
             shutdown,
             dirty: false,
             by_change: true,
+            cancel_seen: None,
         }
     }
 
@@ -592,7 +610,10 @@ impl<S: PlanSource> Reconciler<S> {
             }
         }
         let look = match self.source.look(key).await {
-            Seen::Nothing => return Action::Wait,
+            Seen::Nothing => {
+                self.mem(key).probe_health.clear();
+                return Action::Wait;
+            }
             Seen::Held(why) => {
                 let mem = self.mem(key);
                 mem.warn_once(why);
@@ -637,6 +658,9 @@ impl<S: PlanSource> Reconciler<S> {
                 probes: look.plan.plan.probes.clone(),
                 statuses: look.probe_statuses.clone(),
             });
+            if look.plan.plan.probes.is_empty() {
+                mem.probe_health.clear();
+            }
         }
         // A blocked plan (its leftovers could not be stopped) is looked at again: recovery runs
         // for it once more. Not while a value is invalid: then nothing is written (R3).
@@ -664,6 +688,7 @@ impl<S: PlanSource> Reconciler<S> {
                 match self.source.commit(key, &look, &Commit::Record(transition)).await {
                     Written::Done => {
                         self.wrote(key);
+                        crate::metrics::plan_recorded(&state);
                         if let Some(reason) = outcome_reason(&state, false) {
                             self.source.event(key, reason, &format!("{} before it ran", state));
                         }
@@ -701,6 +726,7 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// Write probe statuses when they changed.
     async fn store_probes(&mut self, key: &S::Key, p: Probes, statuses: BTreeMap<String, ProbeStatus>) -> Action {
+        self.mem(key).probe_health.set(&p.checksum, &statuses);
         if statuses == p.statuses {
             return Action::Wait;
         }
@@ -830,13 +856,23 @@ impl<S: PlanSource> Reconciler<S> {
         } else {
             None
         };
+        if let Some(statuses) = &probes {
+            self.mem(key).probe_health.set(&look.checksum, statuses);
+        }
         let state = record.as_ref().and_then(|r| r.state.clone());
         if result.restart_requested {
             self.restart_after_write = Some(key.clone());
         }
+        // Counted once, when the run ends (a write that fails is kept and retried, not rerun).
+        if let Some(s) = state.clone().or_else(|| legacy_state(&look.view, &run, &result)) {
+            crate::metrics::plan_recorded(&s);
+        }
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
             Written::Done => {
                 self.wrote(key);
+                if let (Some(crate::plan::PlanState::Canceled), Some(seen)) = (&state, self.cancel_seen.take()) {
+                    crate::metrics::cancel_recorded(seen.elapsed());
+                }
                 if let Some(s) = &state
                     && let Some(reason) = outcome_reason(s, result.termination_incomplete)
                 {
@@ -867,6 +903,7 @@ impl<S: PlanSource> Reconciler<S> {
     /// and shutdown.
     async fn apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
         let first = self.source.interrupt(key, look);
+        self.cancel_seen = first.interrupt.cancel.then(Instant::now);
         let mut notes = HashSet::new();
         let note = |notes: &mut HashSet<String>, o: &Observed| {
             if let Some(n) = &o.note
@@ -946,6 +983,9 @@ impl<S: PlanSource> Reconciler<S> {
             };
             if deliver {
                 let o = self.source.interrupt(key, look);
+                if o.interrupt.cancel && self.cancel_seen.is_none() {
+                    self.cancel_seen = Some(Instant::now());
+                }
                 note(&mut notes, &o);
                 crate::apply::update_interrupt(&tx, o.interrupt, &look.label);
             }

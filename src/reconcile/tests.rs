@@ -851,3 +851,27 @@ async fn a_deadline_served_by_a_pass_does_not_keep_the_loop_awake() {
     stop.send(true).unwrap();
     agent.await.unwrap();
 }
+
+/// The legacy checksum flow has no plan state: a one-time pass that was not interrupted counts as
+/// succeeded or failed for `nodeplan_plans_total`; periodic-only runs, interrupted runs and the
+/// plan-state flow (which records its own state) count nothing here.
+#[test]
+fn legacy_runs_count_as_succeeded_or_failed() {
+    use crate::plan::Interruption;
+    let result = |ok: bool, interruption: Option<Interruption>| ApplyResult {
+        one_time_succeeded: ok,
+        interruption,
+        ..ApplyResult::default()
+    };
+    let legacy = View::Legacy { one_time: true };
+    let table = [
+        (&legacy, RunPlan::Legacy { one_time: true }, result(true, None), Some(PlanState::Succeeded)),
+        (&legacy, RunPlan::Legacy { one_time: true }, result(false, None), Some(PlanState::Failed)),
+        (&legacy, RunPlan::Legacy { one_time: true }, result(false, Some(Interruption::Canceled)), None),
+        (&legacy, RunPlan::Legacy { one_time: true }, result(false, Some(Interruption::Shutdown)), None),
+        (&legacy, RunPlan::Legacy { one_time: false }, result(false, None), None),
+    ];
+    for (view, run, r, want) in table {
+        assert_eq!(legacy_state(view, &run, &r), want, "{run:?} {r:?}");
+    }
+}

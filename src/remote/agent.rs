@@ -20,6 +20,7 @@ use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::Commit;
+use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{self, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
@@ -189,6 +190,7 @@ impl SecretSource {
                                 return Written::Abandoned;
                             }
                             base = fresh;
+                            metrics::write_retried(WriteTarget::Secret, RetryReason::Conflict);
                         }
                         Ok(Ok(None)) => return Written::Abandoned,
                         Ok(Err(e)) => return Written::failed(e),
@@ -352,6 +354,7 @@ impl PlanSource for SecretSource {
             tracing::warn!("dropping an unwritten outcome: the secret now carries another plan");
             return Written::Abandoned;
         }
+        metrics::write_retried(WriteTarget::Secret, RetryReason::Error);
         self.write_outcome(&p.checksum, p.keys).await
     }
 
@@ -470,7 +473,12 @@ mod tests {
                 patches.len()
             };
             source.remember(base, 0, "4");
+            let conflicts = "nodeplan_write_retries_total{target=\"secret\",reason=\"conflict\"}";
+            let before = crate::metrics::sample(conflicts);
             let (written, _) = tokio::join!(source.write(&checksum, keys, reapply), server);
+            if reapply {
+                assert!(crate::metrics::sample(conflicts) > before, "the write on the fresh object is counted");
+            }
             match (reapply, written) {
                 (false, Written::Abandoned) => {
                     let rv = source.current().map(|s| s.resource_version);
@@ -618,6 +626,32 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(source.pending.is_some(), "the outcome is kept for the retry");
+    }
+
+    /// A kept outcome written again (by the loop's flush) counts as a retry after an error.
+    #[tokio::test]
+    async fn a_kept_outcome_written_again_is_counted_as_a_retry() {
+        let (mut source, handle) = mock_source();
+        source.remember(snap("5", "in-progress"), 0, "4");
+        let errors = "nodeplan_write_retries_total{target=\"secret\",reason=\"error\"}";
+        let before = crate::metrics::sample(errors);
+        let server = async move {
+            let mut handle = std::pin::pin!(handle);
+            let (_, send) = next_patch(&mut handle).await;
+            send.send_response(respond(500, &serde_json::json!({"kind": "Status", "code": 500, "message": "down"})));
+            let (_, send) = next_patch(&mut handle).await;
+            send.send_response(respond(200, &secret_json("6", "succeeded")));
+        };
+        let checksum = plan::checksum(PLAN);
+        let client = async {
+            let first = source.write_outcome(&checksum, state_keys("succeeded")).await;
+            assert!(matches!(first, Written::Failed { .. }), "{first:?}");
+            assert_eq!(crate::metrics::sample(errors), before, "a first attempt is no retry");
+            source.flush(&()).await
+        };
+        let (w, ()) = tokio::join!(client, server);
+        assert_eq!(w, Written::Done);
+        assert!(crate::metrics::sample(errors) > before);
     }
 
     /// The API server's own throttling (max-in-flight, priority and fairness) answers 429 with a

@@ -1,0 +1,469 @@
+//! Prometheus metrics: this module owns the registry, every metric family, the facts the rest of
+//! the agent reports to it (one-line hooks such as [`plan_recorded`] and [`stop_ladder`]), the
+//! sizes of the agent's directories ([`disk`]) and the HTTP endpoint that serves them
+//! ([`server`]). It decides nothing about plans or processes and never writes a file: callers
+//! report what they already know, and a hook never blocks or fails.
+//!
+//! Metrics are opt-in (`metricsAddress` in the config, `--metrics-address` on `nodeplan agent`).
+//! Until [`install`] is called every hook is one atomic load that finds nothing and returns, so a
+//! node without metrics pays nothing measurable, and `nodeplan apply` never reports anything.
+//!
+//! Labels are bounded: plans are named by their 12-character id (the start of the checksum),
+//! probes by their name in the plan; every other label takes a fixed set of values.
+//!
+//! | metric | type | labels | meaning |
+//! |---|---|---|---|
+//! | `nodeplan_plans_total` | counter | `result`: `succeeded`, `failed`, `paused`, `canceled` | plan runs (or pauses and cancels recorded before a run) by the state recorded for them |
+//! | `nodeplan_instruction_duration_seconds` | histogram | `kind`: `one_time`, `periodic`; `result`: `ok`, `failed`, `canceled`, `stopped` | how long each instruction took, image staging included |
+//! | `nodeplan_stop_ladder_total` | counter | `outcome`: `exited_on_term`, `killed`, `survivors`, `error` | stop-ladder runs (cancel, timeout, shutdown, leftovers of a previous agent): the tree was gone within the grace after SIGTERM, needed SIGKILL, left processes behind, or could not be signalled or waited for |
+//! | `nodeplan_stop_survivors_total` | counter | | processes the stop ladder left running (`survivors` outcomes) |
+//! | `nodeplan_cancel_latency_seconds` | histogram | | from a cancel reaching a running plan to the plan being recorded canceled |
+//! | `nodeplan_probe_healthy` | gauge | `plan`, `probe` | 1 while the probe is healthy, 0 while not; gone with the probe or its plan |
+//! | `nodeplan_pid_record_recoveries_total` | counter | `result`: `stopped`, `not_stopped`, `gone`, `mismatch`, `refused`, `owner_alive`, `invalid` | PID records of a previous agent looked at by crash recovery, by what became of them |
+//! | `nodeplan_write_retries_total` | counter | `target`: `secret`, `nodeplan`; `reason`: `conflict`, `error` | writes of plan state tried again: after a 409 conflict (at once, on the fresh object) or after a write that failed (a kept outcome written again) |
+//! | `nodeplan_image_pull_bytes_total` | counter | | layer bytes downloaded from registries |
+//! | `nodeplan_image_pull_duration_seconds` | histogram | `result`: `ok`, `error` | how long pulling one image from its registries took (every endpoint tried) |
+//! | `nodeplan_directory_size_bytes` | gauge | `directory`: `applied`, `images`, `work` | disk space used under the applied-plan archive, the images directory and the work directory (measured at scrape time, at most every 10 s) |
+//! | `nodeplan_directory_size_complete` | gauge | `directory` | 1 when the last measurement saw the whole directory, 0 when it stopped at its bound (the size is then a lower bound) |
+
+pub mod disk;
+pub mod server;
+
+use crate::apply::InstructionReport;
+use crate::plan::{PlanState, ProbeStatus};
+use crate::process::{Outcome, RecoveryResult};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// Buckets of instruction durations: from a `true` (a few ms) to an hour-long install.
+const INSTRUCTION_BUCKETS: [f64; 12] = [0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0];
+/// Buckets of cancel latency: event-driven delivery takes milliseconds, the stop ladder's grace
+/// (10 s by default) and kill timeout bound the rest.
+const CANCEL_BUCKETS: [f64; 11] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+/// Buckets of image pulls: a cached small image to a multi-GB installer on a slow link.
+const PULL_BUCKETS: [f64; 10] = [0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0];
+/// Probe names longer than this are cut in labels (a plan is trusted, but a label is no place for
+/// a paragraph).
+const MAX_LABEL_CHARS: usize = 64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstructionLabels {
+    kind: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WriteLabels {
+    target: &'static str,
+    reason: &'static str,
+}
+
+/// One probe of one plan.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProbeLabels {
+    plan: String,
+    probe: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirLabel {
+    directory: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn instruction_histogram() -> Histogram {
+    Histogram::new(INSTRUCTION_BUCKETS)
+}
+
+fn pull_histogram() -> Histogram {
+    Histogram::new(PULL_BUCKETS)
+}
+
+/// Which of the agent's directories are measured, by their `directory` label.
+#[derive(Debug, Clone, Default)]
+pub struct Directories {
+    /// `appliedPlanDirectory` (`applied`).
+    pub applied: Option<PathBuf>,
+    /// `imagesDirectory` (`images`).
+    pub images: Option<PathBuf>,
+    /// `workDirectory` (`work`): the execution directories.
+    pub work: Option<PathBuf>,
+}
+
+/// The registry and every family. One per agent ([`install`]); tests make their own.
+pub struct Metrics {
+    registry: Registry,
+    plans: Family<ResultLabel, Counter>,
+    instruction_seconds: HistogramFamily<InstructionLabels>,
+    stop_ladder: Family<OutcomeLabel, Counter>,
+    stop_survivors: Counter,
+    cancel_seconds: Histogram,
+    probe_healthy: Family<ProbeLabels, Gauge>,
+    pid_recoveries: Family<ResultLabel, Counter>,
+    write_retries: Family<WriteLabels, Counter>,
+    pull_bytes: Counter,
+    pull_seconds: HistogramFamily<ResultLabel>,
+    disk: disk::DiskGauges,
+}
+
+impl Metrics {
+    pub fn new(dirs: Directories) -> Metrics {
+        let mut registry = Registry::default();
+        let plans = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "nodeplan_plans",
+            "Plan runs (and pauses or cancels recorded before a run) by the state recorded for them",
+            plans.clone(),
+        );
+        let instruction_seconds = HistogramFamily::<InstructionLabels>::new_with_constructor(instruction_histogram);
+        registry.register(
+            "nodeplan_instruction_duration_seconds",
+            "How long each instruction took, image staging included, by kind and result",
+            instruction_seconds.clone(),
+        );
+        let stop_ladder = Family::<OutcomeLabel, Counter>::default();
+        registry.register("nodeplan_stop_ladder", "Stop-ladder runs by outcome", stop_ladder.clone());
+        let stop_survivors = Counter::default();
+        registry.register("nodeplan_stop_survivors", "Processes the stop ladder left running", stop_survivors.clone());
+        let cancel_seconds = Histogram::new(CANCEL_BUCKETS);
+        registry.register(
+            "nodeplan_cancel_latency_seconds",
+            "From a cancel reaching a running plan to the plan being recorded canceled",
+            cancel_seconds.clone(),
+        );
+        let probe_healthy = Family::<ProbeLabels, Gauge>::default();
+        registry.register(
+            "nodeplan_probe_healthy",
+            "1 while a plan's probe is healthy, 0 while it is not",
+            probe_healthy.clone(),
+        );
+        let pid_recoveries = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "nodeplan_pid_record_recoveries",
+            "PID records of a previous agent looked at by crash recovery, by what became of them",
+            pid_recoveries.clone(),
+        );
+        let write_retries = Family::<WriteLabels, Counter>::default();
+        registry.register(
+            "nodeplan_write_retries",
+            "Writes of plan state to the Secret or a NodePlan tried again after a conflict or an error",
+            write_retries.clone(),
+        );
+        let pull_bytes = Counter::default();
+        registry.register("nodeplan_image_pull_bytes", "Layer bytes downloaded from registries", pull_bytes.clone());
+        let pull_seconds = HistogramFamily::<ResultLabel>::new_with_constructor(pull_histogram);
+        registry.register(
+            "nodeplan_image_pull_duration_seconds",
+            "How long pulling one image from its registries took",
+            pull_seconds.clone(),
+        );
+        let disk = disk::DiskGauges::new(dirs);
+        disk.register(&mut registry);
+        Metrics {
+            registry,
+            plans,
+            instruction_seconds,
+            stop_ladder,
+            stop_survivors,
+            cancel_seconds,
+            probe_healthy,
+            pid_recoveries,
+            write_retries,
+            pull_bytes,
+            pull_seconds,
+            disk,
+        }
+    }
+
+    /// The registry encoded in `format`, the directory sizes measured first when they are stale.
+    /// Blocking (it may walk directories): call it off the runtime's threads.
+    pub fn encode(&self, format: server::Format) -> String {
+        self.disk.refresh();
+        let mut out = String::new();
+        let r = match format {
+            server::Format::Text => prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry),
+            server::Format::OpenMetrics => prometheus_client::encoding::text::encode(&mut out, &self.registry),
+        };
+        if let Err(e) = r {
+            tracing::warn!("cannot encode the metrics: {e}");
+        }
+        out
+    }
+
+    fn plan_recorded(&self, state: &PlanState) {
+        if let Some(result) = plan_result(state) {
+            self.plans.get_or_create(&ResultLabel { result }).inc();
+        }
+    }
+
+    fn instruction_finished(&self, periodic: bool, outcome: &Outcome, elapsed: Duration) {
+        let labels = InstructionLabels {
+            kind: if periodic { "periodic" } else { "one_time" },
+            result: instruction_result(outcome),
+        };
+        self.instruction_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
+    }
+
+    fn stop_ladder(&self, outcome: &Outcome) {
+        let Some(label) = ladder_outcome(outcome) else { return };
+        self.stop_ladder.get_or_create(&OutcomeLabel { outcome: label }).inc();
+        if let Outcome::GaveUp { survivors, .. } | Outcome::Incomplete { survivors, .. } = outcome {
+            self.stop_survivors.inc_by(*survivors as u64);
+        }
+    }
+
+    fn pid_record_recovered(&self, result: &RecoveryResult) {
+        self.pid_recoveries.get_or_create(&ResultLabel { result: recovery_result(result) }).inc();
+    }
+
+    fn write_retried(&self, target: WriteTarget, reason: RetryReason) {
+        let labels = WriteLabels { target: target.label(), reason: reason.label() };
+        self.write_retries.get_or_create(&labels).inc();
+    }
+
+    fn set_probe(&self, labels: &ProbeLabels, healthy: bool) {
+        self.probe_healthy.get_or_create(labels).set(i64::from(healthy));
+    }
+
+    fn remove_probe(&self, labels: &ProbeLabels) {
+        self.probe_healthy.remove(labels);
+    }
+}
+
+static METRICS: OnceLock<Arc<Metrics>> = OnceLock::new();
+
+/// Make `m` the agent's metrics: from now on the hooks report to it. Only the first call counts
+/// (a process has one registry); returns the installed one.
+pub fn install(m: Metrics) -> Arc<Metrics> {
+    METRICS.get_or_init(|| Arc::new(m)).clone()
+}
+
+fn get() -> Option<&'static Metrics> {
+    METRICS.get().map(|m| &**m)
+}
+
+/// The `result` label of a recorded plan state; `None` for states that are not an outcome.
+pub fn plan_result(state: &PlanState) -> Option<&'static str> {
+    match state {
+        PlanState::Succeeded => Some("succeeded"),
+        PlanState::Failed => Some("failed"),
+        PlanState::Paused => Some("paused"),
+        PlanState::Canceled => Some("canceled"),
+        PlanState::Pending | PlanState::InProgress | PlanState::Other(_) => None,
+    }
+}
+
+/// The `result` label of an instruction: what [`crate::apply::result_word`] says, in lower case.
+pub fn instruction_result(outcome: &Outcome) -> &'static str {
+    match crate::apply::result_word(outcome) {
+        "ok" => "ok",
+        "canceled" => "canceled",
+        "stopped" => "stopped",
+        _ => "failed",
+    }
+}
+
+/// The `outcome` label of a stop-ladder run; `None` for outcomes the ladder does not produce.
+pub fn ladder_outcome(outcome: &Outcome) -> Option<&'static str> {
+    match outcome {
+        Outcome::ExitedAfterStop { .. } => Some("exited_on_term"),
+        Outcome::Killed { .. } => Some("killed"),
+        Outcome::GaveUp { .. } | Outcome::Incomplete { .. } => Some("survivors"),
+        Outcome::SignalFailed { .. } | Outcome::WaitFailed(_) => Some("error"),
+        Outcome::Exited(_) | Outcome::NotStarted(_) | Outcome::StartFailed(_) => None,
+    }
+}
+
+/// The `result` label of a PID record seen by crash recovery.
+pub fn recovery_result(result: &RecoveryResult) -> &'static str {
+    match result {
+        RecoveryResult::Invalid(_) => "invalid",
+        RecoveryResult::Gone => "gone",
+        RecoveryResult::Mismatch(_) => "mismatch",
+        RecoveryResult::Stopped(_) => "stopped",
+        RecoveryResult::NotStopped(_) => "not_stopped",
+        RecoveryResult::Refused(_) => "refused",
+        RecoveryResult::OwnerAlive(_) => "owner_alive",
+    }
+}
+
+/// Where a plan-state write goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteTarget {
+    Secret,
+    NodePlan,
+}
+
+impl WriteTarget {
+    fn label(self) -> &'static str {
+        match self {
+            WriteTarget::Secret => "secret",
+            WriteTarget::NodePlan => "nodeplan",
+        }
+    }
+}
+
+/// Why a write is tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// The object changed since it was read (409): written again on the fresh object.
+    Conflict,
+    /// The previous attempt failed (API server slow, down, throttling): a kept write again.
+    Error,
+}
+
+impl RetryReason {
+    fn label(self) -> &'static str {
+        match self {
+            RetryReason::Conflict => "conflict",
+            RetryReason::Error => "error",
+        }
+    }
+}
+
+/// The 12-character plan id of a checksum (the whole of a shorter one).
+pub fn plan_id(checksum: &str) -> String {
+    checksum.chars().take(12).collect()
+}
+
+// ---- hooks: one line at the place that knows the fact; nothing happens without `install` ----
+
+/// A plan state was recorded for a plan (after a run, or a pause or cancel before one).
+pub fn plan_recorded(state: &PlanState) {
+    if let Some(m) = get() {
+        m.plan_recorded(state);
+    }
+}
+
+/// An instruction finished.
+pub fn instruction_finished(report: &InstructionReport) {
+    if let Some(m) = get() {
+        m.instruction_finished(report.periodic, &report.outcome, report.elapsed);
+    }
+}
+
+/// The stop ladder ended with `outcome`.
+pub fn stop_ladder(outcome: &Outcome) {
+    if let Some(m) = get() {
+        m.stop_ladder(outcome);
+    }
+}
+
+/// A cancel reached a running plan `latency` before the plan was recorded canceled.
+pub fn cancel_recorded(latency: Duration) {
+    if let Some(m) = get() {
+        m.cancel_seconds.observe(latency.as_secs_f64());
+    }
+}
+
+/// Crash recovery is done with one PID record.
+pub fn pid_record_recovered(result: &RecoveryResult) {
+    if let Some(m) = get() {
+        m.pid_record_recovered(result);
+    }
+}
+
+/// A write of plan state is tried again.
+pub fn write_retried(target: WriteTarget, reason: RetryReason) {
+    if let Some(m) = get() {
+        m.write_retried(target, reason);
+    }
+}
+
+/// `n` layer bytes came from a registry.
+pub fn image_pull_bytes(n: usize) {
+    if let Some(m) = get() {
+        m.pull_bytes.inc_by(n as u64);
+    }
+}
+
+/// Pulling one image from its registries took `elapsed` and succeeded (`ok`) or not.
+pub fn image_pulled(ok: bool, elapsed: Duration) {
+    if let Some(m) = get() {
+        let result = if ok { "ok" } else { "error" };
+        m.pull_seconds.get_or_create(&ResultLabel { result }).observe(elapsed.as_secs_f64());
+    }
+}
+
+/// The probe gauges of one plan: [`ProbeHealth::set`] shows the latest statuses (removing probes
+/// that are gone), and dropping it (the plan is gone) removes them all.
+#[derive(Debug, Default)]
+pub struct ProbeHealth {
+    shown: Vec<ProbeLabels>,
+}
+
+impl ProbeHealth {
+    /// Show the statuses of the probes of the plan with `checksum`.
+    pub fn set(&mut self, checksum: &str, statuses: &BTreeMap<String, ProbeStatus>) {
+        let Some(m) = get() else { return };
+        self.set_in(m, checksum, statuses);
+    }
+
+    /// Remove every gauge of the plan (its probes are gone).
+    pub fn clear(&mut self) {
+        if let Some(m) = get() {
+            self.clear_in(m);
+        }
+    }
+
+    fn set_in(&mut self, m: &Metrics, checksum: &str, statuses: &BTreeMap<String, ProbeStatus>) {
+        let plan = plan_id(checksum);
+        let now: Vec<(ProbeLabels, bool)> = statuses
+            .iter()
+            .map(|(name, s)| {
+                (ProbeLabels { plan: plan.clone(), probe: name.chars().take(MAX_LABEL_CHARS).collect() }, s.healthy)
+            })
+            .collect();
+        for old in self.shown.iter().filter(|o| !now.iter().any(|(l, _)| l == *o)) {
+            m.remove_probe(old);
+        }
+        for (labels, healthy) in &now {
+            m.set_probe(labels, *healthy);
+        }
+        self.shown = now.into_iter().map(|(l, _)| l).collect();
+    }
+
+    fn clear_in(&mut self, m: &Metrics) {
+        for l in self.shown.drain(..) {
+            m.remove_probe(&l);
+        }
+    }
+}
+
+impl Drop for ProbeHealth {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// For tests of the modules that report: the process's metrics (installed on first use), and the
+/// value of one series (`name{labels}` as exposed; 0 when absent). Counts only grow, so tests
+/// compare before and after.
+#[cfg(test)]
+pub(crate) fn sample(series: &str) -> f64 {
+    let m = install(Metrics::new(Directories::default()));
+    let text = m.encode(server::Format::Text);
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests;

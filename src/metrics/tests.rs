@@ -1,0 +1,167 @@
+use super::*;
+use crate::process::{ExitKind, StopReason};
+
+fn text(m: &Metrics) -> String {
+    m.encode(server::Format::Text)
+}
+
+#[test]
+fn plan_states_and_their_labels() {
+    let table = [
+        (PlanState::Succeeded, Some("succeeded")),
+        (PlanState::Failed, Some("failed")),
+        (PlanState::Paused, Some("paused")),
+        (PlanState::Canceled, Some("canceled")),
+        (PlanState::Pending, None),
+        (PlanState::InProgress, None),
+        (PlanState::Other("weird".into()), None),
+    ];
+    for (state, want) in table {
+        assert_eq!(plan_result(&state), want, "{state:?}");
+    }
+}
+
+#[test]
+fn ladder_outcomes_and_their_labels() {
+    let r = StopReason::Cancel;
+    let g = Duration::from_secs(1);
+    let table = [
+        (Outcome::ExitedAfterStop { reason: r, status: ExitKind::Signal(15) }, Some("exited_on_term")),
+        (Outcome::Killed { reason: r, grace: g }, Some("killed")),
+        (Outcome::GaveUp { reason: r, grace: g, survivors: 2 }, Some("survivors")),
+        (Outcome::Incomplete { reason: r, survivors: 1 }, Some("survivors")),
+        (Outcome::SignalFailed { reason: r, error: "EPERM".into() }, Some("error")),
+        (Outcome::WaitFailed("x".into()), Some("error")),
+        (Outcome::Exited(ExitKind::Code(0)), None),
+        (Outcome::NotStarted(r), None),
+        (Outcome::StartFailed("no such file".into()), None),
+    ];
+    for (o, want) in table {
+        assert_eq!(ladder_outcome(&o), want, "{o:?}");
+    }
+}
+
+#[test]
+fn instruction_results_and_their_labels() {
+    let g = Duration::from_secs(1);
+    let table = [
+        (Outcome::Exited(ExitKind::Code(0)), "ok"),
+        (Outcome::Exited(ExitKind::Code(3)), "failed"),
+        (Outcome::StartFailed("x".into()), "failed"),
+        (Outcome::Killed { reason: StopReason::Timeout(g), grace: g }, "failed"),
+        (Outcome::Killed { reason: StopReason::Cancel, grace: g }, "canceled"),
+        (Outcome::NotStarted(StopReason::Cancel), "canceled"),
+        (Outcome::ExitedAfterStop { reason: StopReason::Shutdown, status: ExitKind::Code(0) }, "stopped"),
+    ];
+    for (o, want) in table {
+        assert_eq!(instruction_result(&o), want, "{o:?}");
+    }
+}
+
+#[test]
+fn recovery_results_and_their_labels() {
+    let o = || Outcome::Killed { reason: StopReason::Shutdown, grace: Duration::from_secs(1) };
+    let table = [
+        (RecoveryResult::Invalid("x".into()), "invalid"),
+        (RecoveryResult::Gone, "gone"),
+        (RecoveryResult::Mismatch("x".into()), "mismatch"),
+        (RecoveryResult::Stopped(o()), "stopped"),
+        (RecoveryResult::NotStopped(o()), "not_stopped"),
+        (RecoveryResult::Refused("x".into()), "refused"),
+        (RecoveryResult::OwnerAlive(1), "owner_alive"),
+    ];
+    for (r, want) in table {
+        assert_eq!(recovery_result(&r), want, "{r:?}");
+    }
+}
+
+#[test]
+fn plan_ids_are_twelve_characters() {
+    assert_eq!(plan_id(&"0123456789abcdef".repeat(4)), "0123456789ab");
+    assert_eq!(plan_id("abc"), "abc");
+}
+
+#[test]
+fn counters_show_under_their_documented_names() {
+    let m = Metrics::new(Directories::default());
+    m.plan_recorded(&PlanState::Succeeded);
+    m.plan_recorded(&PlanState::Succeeded);
+    m.plan_recorded(&PlanState::Canceled);
+    m.plan_recorded(&PlanState::InProgress);
+    m.stop_ladder(&Outcome::Incomplete { reason: StopReason::Cancel, survivors: 3 });
+    m.stop_ladder(&Outcome::Exited(ExitKind::Code(0)));
+    m.write_retried(WriteTarget::NodePlan, RetryReason::Conflict);
+    m.pid_record_recovered(&RecoveryResult::Gone);
+    m.instruction_finished(true, &Outcome::Exited(ExitKind::Code(0)), Duration::from_millis(20));
+    let t = text(&m);
+    for line in [
+        "nodeplan_plans_total{result=\"succeeded\"} 2",
+        "nodeplan_plans_total{result=\"canceled\"} 1",
+        "nodeplan_stop_ladder_total{outcome=\"survivors\"} 1",
+        "nodeplan_stop_survivors_total 3",
+        "nodeplan_write_retries_total{target=\"nodeplan\",reason=\"conflict\"} 1",
+        "nodeplan_pid_record_recoveries_total{result=\"gone\"} 1",
+        "nodeplan_instruction_duration_seconds_bucket{kind=\"periodic\",result=\"ok\",le=\"0.05\"} 1",
+        "nodeplan_instruction_duration_seconds_bucket{kind=\"periodic\",result=\"ok\",le=\"0.01\"} 0",
+        "nodeplan_instruction_duration_seconds_count{kind=\"periodic\",result=\"ok\"} 1",
+        "# TYPE nodeplan_cancel_latency_seconds histogram",
+        "# TYPE nodeplan_image_pull_bytes_total counter",
+    ] {
+        assert!(t.lines().any(|l| l == line), "no line {line:?} in:\n{t}");
+    }
+    assert!(!t.contains("in_progress") && !t.contains("pending"), "{t}");
+}
+
+#[test]
+fn probe_gauges_follow_the_plans_probes() {
+    let m = Metrics::new(Directories::default());
+    let status = |healthy| ProbeStatus { healthy, ..ProbeStatus::default() };
+    let checksum = "0123456789abcdef0123";
+    let mut h = ProbeHealth::default();
+    h.set_in(&m, checksum, &BTreeMap::from([("web".to_string(), status(true)), ("db".to_string(), status(false))]));
+    let t = text(&m);
+    assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 1"), "{t}");
+    assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"db\"} 0"), "{t}");
+    // `db` went away, `web` turned unhealthy.
+    h.set_in(&m, checksum, &BTreeMap::from([("web".to_string(), status(false))]));
+    let t = text(&m);
+    assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 0"), "{t}");
+    assert!(!t.contains("probe=\"db\""), "{t}");
+    // The plan changed: the old plan's gauges go.
+    h.set_in(&m, "fedcba9876543210", &BTreeMap::from([("web".to_string(), status(true))]));
+    let t = text(&m);
+    assert!(!t.contains("0123456789ab"), "{t}");
+    assert!(t.contains("nodeplan_probe_healthy{plan=\"fedcba987654\",probe=\"web\"} 1"), "{t}");
+    h.clear_in(&m);
+    assert!(!text(&m).contains("nodeplan_probe_healthy{"), "{}", text(&m));
+}
+
+#[test]
+fn long_probe_names_are_cut() {
+    let m = Metrics::new(Directories::default());
+    let mut h = ProbeHealth::default();
+    h.set_in(&m, "abc", &BTreeMap::from([("p".repeat(500), ProbeStatus::default())]));
+    let t = text(&m);
+    assert!(t.contains(&format!("probe=\"{}\"", "p".repeat(MAX_LABEL_CHARS))), "{t}");
+    assert!(!t.contains(&"p".repeat(MAX_LABEL_CHARS + 1)), "{t}");
+    h.clear_in(&m);
+}
+
+#[test]
+fn directory_sizes_are_measured_at_scrape_time() {
+    let t = tempfile::tempdir().unwrap();
+    let work = t.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    std::fs::write(work.join("f"), vec![7u8; 256 * 1024]).unwrap();
+    let m = Metrics::new(Directories { work: Some(work), applied: Some(t.path().join("missing")), images: None });
+    let text = text(&m);
+    let bytes = text
+        .lines()
+        .find_map(|l| l.strip_prefix("nodeplan_directory_size_bytes{directory=\"work\"} "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no work size in:\n{text}"));
+    assert!(bytes >= 256 * 1024, "{bytes}");
+    assert!(text.contains("nodeplan_directory_size_bytes{directory=\"applied\"} 0"), "{text}");
+    assert!(text.contains("nodeplan_directory_size_complete{directory=\"work\"} 1"), "{text}");
+    assert!(!text.contains("directory=\"images\""), "not configured, not shown: {text}");
+}
