@@ -19,6 +19,7 @@
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`duration`]: durations as people write and read them (parse, show, human).
+//! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
 
@@ -29,6 +30,7 @@ pub mod duration;
 pub mod events;
 pub mod flow;
 pub mod image;
+pub mod install;
 pub mod local;
 pub mod nodeplan;
 pub mod plan;

@@ -8,6 +8,7 @@
 mod agent;
 mod apply;
 mod dry_run;
+mod install;
 mod output;
 mod plan_cmd;
 mod supervise;
@@ -33,6 +34,8 @@ pub mod exit {
     pub const ALREADY_RUNNING: u8 = 5;
     /// `apply --dry-run`: applying the plan would change something (files, instructions to run).
     pub const CHANGES_PENDING: u8 = 6;
+    /// `install`: a file nodeplan install did not write is in the way (nothing was written).
+    pub const REFUSED: u8 = 3;
 }
 
 /// `nodeplan --version`: the release, the commit it was built from and that commit's date.
@@ -91,6 +94,13 @@ enum Command {
     /// Secret or a NodePlan), or list a node's NodePlans.
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
+    /// Install the agent on this machine (or into --root DIR) as system-agent's installer does:
+    /// connection info from Rancher (or a kubeconfig given), config, binary, systemd unit, enabled.
+    #[command(after_help = install::INSTALL_EXIT_CODES)]
+    Install(install::InstallArgs),
+    /// Remove what `nodeplan install` wrote (files changed since are kept and named).
+    #[command(after_help = install::UNINSTALL_EXIT_CODES)]
+    Uninstall(install::UninstallArgs),
     /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
     Crd,
     /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
@@ -214,6 +224,8 @@ pub fn main() -> ExitCode {
             Command::Apply(a) => apply::run(a).await,
             Command::Supervise(s) => supervise::run(s).await,
             Command::Plan(p) => plan_cmd::run(p).await,
+            Command::Install(a) => install::install(a).await,
+            Command::Uninstall(a) => install::uninstall(a),
             Command::Crd => {
                 out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
                 exit::OK

@@ -1,0 +1,208 @@
+//! The filesystem the installer works on: this machine (`/`) or a directory tree given as
+//! `--root`. Paths are given as the agent will see them (`/etc/rancher/agent/config.yaml`) and
+//! resolved beneath the root here.
+//!
+//! On this machine directories are walked with [`crate::safefs`]'s rule (only root's links are
+//! followed). Inside a tree no symlink is followed at all ([`crate::safefs::open_dir_beneath`]),
+//! so a link planted in the tree can never send a write outside it. The last component of a path
+//! is never followed either way: files are replaced by rename, links are read as links.
+//!
+//! Owns only file access; it must not decide what to write.
+
+use crate::safefs;
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
+use std::ffi::OsStr;
+use std::io::{self, Read};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+/// What is at a path before the installer writes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Existing {
+    Absent,
+    /// A regular file with this SHA-256 (lowercase hex).
+    File {
+        sha256: String,
+    },
+    /// Something else, named for people ("a symlink", "a directory", "a FIFO").
+    Other(&'static str),
+}
+
+pub struct Tree {
+    root: PathBuf,
+    fd: Option<OwnedFd>,
+}
+
+/// The largest file the installer reads back (the binary is the largest it writes).
+pub const READ_CAP: u64 = 1 << 30;
+
+impl Tree {
+    /// `root` must be an existing directory; `/` is this machine.
+    pub fn open(root: &Path) -> io::Result<Tree> {
+        if root == Path::new("/") {
+            return Ok(Tree { root: root.into(), fd: None });
+        }
+        let fd = safefs::open_dir(root, None).map_err(|e| with_path(e, root))?;
+        Ok(Tree { root: root.into(), fd: Some(fd) })
+    }
+
+    pub fn is_host(&self) -> bool {
+        self.fd.is_none()
+    }
+
+    /// `p` as it is on this machine (under the root), for messages.
+    pub fn shown(&self, p: &Path) -> PathBuf {
+        match &self.fd {
+            None => p.into(),
+            Some(_) => self.root.join(p.strip_prefix("/").unwrap_or(p)),
+        }
+    }
+
+    /// The directory `p`, made (with `mode`) where missing when `create`.
+    fn dir(&self, p: &Path, create: Option<u32>) -> io::Result<OwnedFd> {
+        let shown = self.shown(p);
+        let r = match &self.fd {
+            None => safefs::open_dir(p, create),
+            Some(root) => safefs::open_dir_beneath(root.as_fd(), p, create, &shown),
+        };
+        r.map_err(|e| with_path(e, &shown))
+    }
+
+    /// The parent directory's fd (`None` when it does not exist) and the last component.
+    fn parent<'p>(&self, p: &'p Path, create: bool) -> io::Result<(Option<OwnedFd>, &'p OsStr)> {
+        let (Some(parent), Some(Component::Normal(name))) = (p.parent(), p.components().next_back()) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} does not name a file", p.display())));
+        };
+        match self.dir(parent, create.then_some(0o755)) {
+            Ok(fd) => Ok((Some(fd), name)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !create => Ok((None, name)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// What is at `p` now, without following a link there.
+    pub fn existing(&self, p: &Path) -> io::Result<Existing> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(Existing::Absent) };
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+        let fd = match rustix::fs::openat(&dir, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return Ok(Existing::Absent),
+            Err(Errno::LOOP) => return Ok(Existing::Other("a symlink")),
+            Err(Errno::NXIO) => return Ok(Existing::Other("a socket")),
+            Err(e) => return Err(with_path(e.into(), &self.shown(p))),
+        };
+        let st = rustix::fs::fstat(&fd)?;
+        let kind = FileType::from_raw_mode(st.st_mode);
+        if kind != FileType::RegularFile {
+            return Ok(Existing::Other(safefs::kind_name(kind)));
+        }
+        use sha2::Digest as _;
+        let mut h = sha2::Sha256::new();
+        let mut f = std::fs::File::from(fd).take(READ_CAP);
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = f.read(&mut buf).map_err(|e| with_path(e, &self.shown(p)))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(Existing::File { sha256: h.finalize().iter().map(|b| format!("{b:02x}")).collect() })
+    }
+
+    /// The content of the regular file `p` (at most `cap` bytes); `None` when absent.
+    pub fn read(&self, p: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(None) };
+        safefs::read_small_in(dir.as_fd(), name, cap).map_err(|e| with_path(e, &self.shown(p)))
+    }
+
+    /// Replace `p` with `data` (atomically, mode `mode`, owned by root); missing parents are made
+    /// 0755. Returns whether the content changed.
+    pub fn write(&self, p: &Path, data: &[u8], mode: u32) -> io::Result<bool> {
+        let (dir, name) = self.parent(p, true)?;
+        let dir = dir.ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        safefs::write_file_in(dir.as_fd(), name, data, mode, None).map_err(|e| with_path(e, &self.shown(p)))
+    }
+
+    /// Make the directories of `p` that are missing, each with `mode`; returns those it made,
+    /// outermost first.
+    pub fn ensure_dir(&self, p: &Path, mode: u32) -> io::Result<Vec<PathBuf>> {
+        let mut made = Vec::new();
+        let mut cur = PathBuf::from("/");
+        for comp in p.components() {
+            let Component::Normal(name) = comp else { continue };
+            let parent = self.dir(&cur, None)?;
+            cur.push(name);
+            match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(mode)) {
+                Ok(()) => {
+                    // mkdir is subject to the umask: set the mode asked for on the new directory.
+                    let fd = self.dir(&cur, None)?;
+                    rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+                    made.push(cur.clone());
+                }
+                Err(Errno::EXIST) => {}
+                Err(e) => return Err(with_path(e.into(), &self.shown(&cur))),
+            }
+        }
+        // Walk it once more: whatever was there must be a directory reached without a refused link.
+        self.dir(p, None)?;
+        Ok(made)
+    }
+
+    /// Whether the filesystem holding the directory `p` is mounted read-only (`p` must exist).
+    pub fn read_only(&self, p: &Path) -> io::Result<bool> {
+        let fd = self.dir(p, None)?;
+        let st = rustix::fs::fstatvfs(&fd).map_err(|e| with_path(e.into(), &self.shown(p)))?;
+        Ok(st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY))
+    }
+
+    /// The target of the symlink `p`; `None` when `p` is absent or not a link.
+    pub fn link_target(&self, p: &Path) -> io::Result<Option<PathBuf>> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(None) };
+        match rustix::fs::readlinkat(&dir, name, Vec::new()) {
+            Ok(t) => Ok(Some(PathBuf::from(OsStr::from_bytes(t.as_bytes())))),
+            Err(Errno::NOENT | Errno::INVAL) => Ok(None),
+            Err(e) => Err(with_path(e.into(), &self.shown(p))),
+        }
+    }
+
+    /// Make `p` a symlink to `target`, replacing a link already there (never anything else).
+    pub fn symlink(&self, p: &Path, target: &Path) -> io::Result<()> {
+        let (dir, name) = self.parent(p, true)?;
+        let dir = dir.ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let tmp = safefs::temp_name(name)?;
+        rustix::fs::symlinkat(target, &dir, tmp.as_slice()).map_err(|e| with_path(e.into(), &self.shown(p)))?;
+        let r = rustix::fs::renameat(&dir, tmp.as_slice(), &dir, name);
+        if r.is_err() {
+            let _ = rustix::fs::unlinkat(&dir, tmp.as_slice(), AtFlags::empty());
+        }
+        r.map_err(|e| with_path(e.into(), &self.shown(p)))
+    }
+
+    /// Remove the file or link `p` (never a directory); absent is fine.
+    pub fn remove_file(&self, p: &Path) -> io::Result<()> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(()) };
+        match rustix::fs::unlinkat(&dir, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(()),
+            Err(e) => Err(with_path(e.into(), &self.shown(p))),
+        }
+    }
+
+    /// Remove the directory `p` if it is empty; returns whether it was removed (absent: true).
+    pub fn remove_empty_dir(&self, p: &Path) -> io::Result<bool> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(true) };
+        match rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR) {
+            Ok(()) | Err(Errno::NOENT) => Ok(true),
+            Err(Errno::NOTEMPTY | Errno::EXIST | Errno::BUSY | Errno::NOTDIR) => Ok(false),
+            Err(e) => Err(with_path(e.into(), &self.shown(p))),
+        }
+    }
+}
+
+fn with_path(e: io::Error, p: &Path) -> io::Error {
+    let text = e.to_string();
+    let shown = p.display().to_string();
+    if text.contains(&shown) { e } else { io::Error::new(e.kind(), format!("{shown}: {text}")) }
+}
