@@ -70,7 +70,7 @@ fn random_id() -> Result<String, Error> {
 
 /// Install as `s` says.
 pub async fn install(s: &Settings) -> Result<Outcome, Error> {
-    let tree = Tree::open(&s.root).map_err(|e| Error::Bad(format!("--root: {e}")))?;
+    let tree = Tree::open(&s.root, true).map_err(|e| Error::Bad(format!("--root: {e}")))?;
     let mut out = Outcome::default();
     let old = read_manifest(&tree, &s.config_dir)?.unwrap_or_default();
 
@@ -322,7 +322,7 @@ fn systemctl(args: &[&str]) -> Result<(), Error> {
 /// Remove what the manifest in `config_dir` lists, file by file, keeping (and naming) every file
 /// changed since install wrote it.
 pub fn uninstall(root: &Path, config_dir: &Path) -> Result<Outcome, Error> {
-    let tree = Tree::open(root).map_err(|e| Error::Bad(format!("--root: {e}")))?;
+    let tree = Tree::open(root, false).map_err(|e| Error::Bad(format!("--root: {e}")))?;
     let mut out = Outcome::default();
     let mpath = config_dir.join(super::MANIFEST_NAME);
     let Some(m) = read_manifest(&tree, config_dir)? else {

@@ -39,12 +39,12 @@ pub struct Tree {
 pub const READ_CAP: u64 = 1 << 30;
 
 impl Tree {
-    /// `root` must be an existing directory; `/` is this machine.
-    pub fn open(root: &Path) -> io::Result<Tree> {
+    /// `root` is the tree (`/` is this machine); with `create` a missing one is made (0755).
+    pub fn open(root: &Path, create: bool) -> io::Result<Tree> {
         if root == Path::new("/") {
             return Ok(Tree { root: root.into(), fd: None });
         }
-        let fd = safefs::open_dir(root, None).map_err(|e| with_path(e, root))?;
+        let fd = safefs::open_dir(root, create.then_some(0o755)).map_err(|e| with_path(e, root))?;
         Ok(Tree { root: root.into(), fd: Some(fd) })
     }
 
