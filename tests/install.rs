@@ -666,6 +666,59 @@ async fn no_rancher_a_kubeconfig_with_a_secret_or_nodeplans() {
             .namespace,
         "fleet"
     );
+
+    // Local mode now: the connection info an earlier install wrote stays listed, and uninstall
+    // removes it with the rest.
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists());
+    let o = uninstall(&t).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(!t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists(), "{:?}", text(&o));
+    assert!(!t.at("/etc/rancher/agent/config.yaml").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_files_in_the_tree_give_one_line_and_no_hang() {
+    let mkfifo = |p: &Path| {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let s = std::process::Command::new("mkfifo").arg(p).status().unwrap();
+        assert!(s.success());
+    };
+    // A FIFO where the config goes: refused like any file install did not write.
+    let t = Tree::new();
+    mkfifo(&t.at("/etc/rancher/agent/config.yaml"));
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 3, "{out}\n{err}");
+    assert!(err.contains("a FIFO"), "{err}");
+    assert!(!t.at("/usr/local/bin/nodeplan").exists(), "nothing written");
+
+    // A FIFO as the environment file: one line, nothing written.
+    let t = Tree::new();
+    mkfifo(&t.at("/etc/systemd/system/nodeplan.env"));
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("nodeplan.env") && err.contains("not a regular file"), "{err}");
+    assert!(!t.at("/etc/rancher/agent/config.yaml").exists(), "nothing written");
+
+    // A manifest that is not one: one line naming it, for install and uninstall alike.
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    t.write(
+        "/etc/rancher/agent/nodeplan-install.json",
+        r#"{"version": 1, "files": [{"path": "../../etc/passwd", "sha256": "x"}]}"#,
+    );
+    for o in [install_local(&t, &[], &[]).await, uninstall(&t).await] {
+        let (out, err) = text(&o);
+        assert_eq!(code(&o), 1, "{out}\n{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains("nodeplan-install.json") && err.contains("not absolute"), "{err}");
+    }
+    assert!(t.at("/usr/local/bin/nodeplan").exists(), "nothing removed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

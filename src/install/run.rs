@@ -156,6 +156,15 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
     if !refused.is_empty() {
         return Err(Error::Refused(refused));
     }
+    // The environment file is read now too: one that cannot be read (a FIFO, a link, too large)
+    // stops the install before anything is written.
+    let mut env_now = None;
+    for step in &steps {
+        if let Step::EnvFile { path, .. } = step {
+            let bytes = tree.read(path, ENV_CAP).map_err(failed)?;
+            env_now = Some(bytes.map(|b| String::from_utf8_lossy(&b).into_owned()));
+        }
+    }
     let anything_to_write = actions.iter().any(|(_, a, _)| *a != Action::Unchanged);
     let _pending = if anything_to_write {
         interlock(&tree, &s.var_dir.join("interlock"), s.interlock_timeout).await?
@@ -201,8 +210,7 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
                 manifest.files.push(plan::FileEntry { path: path.clone(), sha256: sha });
             }
             Step::EnvFile { path, vars } => {
-                let existing = tree.read(path, ENV_CAP).map_err(failed)?;
-                let text = existing.as_deref().map(String::from_utf8_lossy);
+                let text = env_now.take().flatten();
                 let m = plan::merge_env(text.as_deref(), vars);
                 for k in &m.kept_users {
                     out.lines
@@ -237,6 +245,18 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
                 }
                 manifest.links.push(plan::LinkEntry { path: path.clone(), target: target.clone() });
             }
+        }
+    }
+    // What an earlier install wrote and this one did not (the connection info of a mode left
+    // behind) stays listed, so uninstall still removes it.
+    for f in &old.files {
+        if manifest.recorded(&f.path).is_none() {
+            manifest.files.push(f.clone());
+        }
+    }
+    for l in &old.links {
+        if !manifest.links.iter().any(|m| m.path == l.path) {
+            manifest.links.push(l.clone());
         }
     }
     let mpath = s.config_dir.join(super::MANIFEST_NAME);
