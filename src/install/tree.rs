@@ -206,3 +206,63 @@ fn with_path(e: io::Error, p: &Path) -> io::Error {
     let shown = p.display().to_string();
     if text.contains(&shown) { e } else { io::Error::new(e.kind(), format!("{shown}: {text}")) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tree_follows_no_link_and_never_leaves_the_root() {
+        let outside = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let t = Tree::open(dir.path(), false).unwrap();
+        assert!(!t.is_host());
+        assert_eq!(t.shown(Path::new("/etc/x")), dir.path().join("etc/x"));
+
+        // Directories made are reported outermost first, with the mode asked for.
+        let made = t.ensure_dir(Path::new("/a/b/c"), 0o700).unwrap();
+        assert_eq!(made, vec![PathBuf::from("/a"), PathBuf::from("/a/b"), PathBuf::from("/a/b/c")]);
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(dir.path().join("a/b")).unwrap().permissions().mode() & 0o777, 0o700);
+        assert!(t.ensure_dir(Path::new("/a/b/c"), 0o700).unwrap().is_empty());
+
+        // A link on the way (absolute, pointing out of the tree) is refused, never followed.
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("etc")).unwrap();
+        let e = t.write(Path::new("/etc/rancher/config.yaml"), b"x", 0o600).unwrap_err();
+        assert!(e.to_string().contains("symlink"), "{e}");
+        assert!(t.ensure_dir(Path::new("/etc/rancher"), 0o755).is_err());
+        assert_eq!(
+            t.existing(Path::new("/etc/rancher/config.yaml")).map_err(|e| e.kind()),
+            Err(io::ErrorKind::PermissionDenied)
+        );
+        assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+        assert!(t.write(Path::new("/a/../etc/x"), b"x", 0o600).is_err(), "no ..");
+
+        // The last component: a link is seen as a link, replaced by a write, removed as a link.
+        let victim = outside.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("a/f")).unwrap();
+        assert_eq!(t.existing(Path::new("/a/f")).unwrap(), Existing::Other("a symlink"));
+        assert_eq!(t.link_target(Path::new("/a/f")).unwrap(), Some(victim.clone()));
+        assert!(t.write(Path::new("/a/f"), b"mine", 0o644).unwrap());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert_eq!(
+            t.existing(Path::new("/a/f")).unwrap(),
+            Existing::File { sha256: crate::install::sha256_hex(b"mine") }
+        );
+        assert_eq!(t.read(Path::new("/a/f"), 100).unwrap().as_deref(), Some(&b"mine"[..]));
+        assert_eq!(t.link_target(Path::new("/a/f")).unwrap(), None);
+
+        // Symlinks made, replaced and removed; directories removed only when empty.
+        t.symlink(Path::new("/a/l"), Path::new("/x")).unwrap();
+        t.symlink(Path::new("/a/l"), Path::new("/y")).unwrap();
+        assert_eq!(t.link_target(Path::new("/a/l")).unwrap(), Some(PathBuf::from("/y")));
+        t.remove_file(Path::new("/a/l")).unwrap();
+        t.remove_file(Path::new("/a/l")).unwrap();
+        assert!(!t.remove_empty_dir(Path::new("/a")).unwrap());
+        assert!(t.remove_empty_dir(Path::new("/a/b/c")).unwrap());
+        assert!(t.remove_empty_dir(Path::new("/a/b/c")).unwrap(), "absent is fine");
+        assert_eq!(t.existing(Path::new("/nope/x")).unwrap(), Existing::Absent);
+        assert!(!t.read_only(Path::new("/a")).unwrap());
+    }
+}
