@@ -28,7 +28,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 26] = [
+pub const KEYS: [&str; 27] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -38,6 +38,7 @@ pub const KEYS: [&str; 26] = [
     "nodePlanEnabled",
     "nodeName",
     "nodePlanStateDirectory",
+    "leaseDuration",
     "preserveWorkDirectory",
     "imagesDirectory",
     "agentRegistriesFile",
@@ -84,6 +85,9 @@ pub struct AgentConfig {
     /// `nodeName`: the node NodePlans are selected for; empty: `CATTLE_NODE_NAME`, else the
     /// hostname.
     pub node_name: String,
+    /// `leaseDuration`: remote and NodePlan modes hold a Kubernetes Lease per plan source for this
+    /// long, renewed every quarter of it, so two agents never act on one source; 0 turns it off.
+    pub lease_duration: Duration,
     /// `preserveWorkDirectory`: do not wipe `work_directory` before an apply.
     pub preserve_work_directory: bool,
     /// `imagesDirectory`: image tarballs (an empty value means the default, as in system-agent).
@@ -142,6 +146,7 @@ impl Default for AgentConfig {
             node_plan_enabled: false,
             node_plan_state_directory: "/var/lib/rancher/agent/nodeplans".into(),
             node_name: String::new(),
+            lease_duration: Duration::from_secs(40),
             preserve_work_directory: false,
             images_directory: DEFAULT_IMAGES_DIRECTORY.into(),
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
@@ -244,6 +249,11 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "nodePlanStateDirectory",
             p(&d.node_plan_state_directory),
             "NodePlan mode: the runs in progress, so a restarted agent recovers the plan it was running",
+        ),
+        (
+            "leaseDuration",
+            crate::duration::show(d.lease_duration),
+            "remote and NodePlan modes: the Lease that keeps a second agent off the same plan source (renewed every quarter of it; 0 = no Lease)",
         ),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (
@@ -422,6 +432,7 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     if let Some(n) = doc.string("nodeName")? {
         c.node_name = n;
     }
+    doc.duration_into("leaseDuration", &mut c.lease_duration)?;
     doc.bool_into("preserveWorkDirectory", &mut c.preserve_work_directory)?;
     doc.path_into("imagesDirectory", &mut c.images_directory, true)?;
     doc.path_into("agentRegistriesFile", &mut c.agent_registries_file, true)?;
@@ -505,6 +516,15 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         if d.is_zero() {
             problems.push(format!("{key} must be positive, found 0"));
         }
+    }
+    let lease = cfg.lease_duration;
+    if !lease.is_zero() && !(crate::lease::MIN_DURATION..=crate::lease::MAX_DURATION).contains(&lease) {
+        problems.push(format!(
+            "leaseDuration must be 0 (no Lease) or between {} and {}, found {}",
+            crate::duration::show(crate::lease::MIN_DURATION),
+            crate::duration::show(crate::lease::MAX_DURATION),
+            crate::duration::show(lease)
+        ));
     }
     for (key, n) in [
         ("probePeriodSeconds", cfg.probe_period_seconds),

@@ -173,7 +173,18 @@ async fn publish_all(client: kube::Client, instance: String, mut rx: mpsc::Recei
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         match tokio::time::timeout(REQUEST_TIMEOUT, publish(&api, &p, &instance, &now)).await {
             Ok(Ok(())) => warned_failure = false,
-            Ok(Err(e)) if !warned_failure => {
+            Ok(Err(Refused::Forbidden(e))) => {
+                // The account may not publish events here (Rancher's per-machine role grants the
+                // plan Secret only): say so once and stop asking.
+                tracing::warn!(
+                    "Kubernetes events are off: the agent may not create events in namespace {} ({e}); \
+                     grant create/get/patch on events.k8s.io events to turn them on",
+                    p.regarding.namespace
+                );
+                while rx.recv().await.is_some() {}
+                return;
+            }
+            Ok(Err(Refused::Other(e))) if !warned_failure => {
                 warned_failure = true;
                 tracing::warn!("cannot publish a Kubernetes event ({e}); events are best effort");
             }
@@ -186,19 +197,34 @@ async fn publish_all(client: kube::Client, instance: String, mut rx: mpsc::Recei
     }
 }
 
+/// Why an event was not published.
+enum Refused {
+    /// 403: the account may not write events (no use asking again).
+    Forbidden(String),
+    Other(String),
+}
+
+fn refused(e: kube::Error) -> Refused {
+    match &e {
+        kube::Error::Api(s) if s.code == 403 => Refused::Forbidden(crate::error_line(&e)),
+        _ => Refused::Other(crate::error_line(&e)),
+    }
+}
+
 /// Create the event, or (it exists: the same event again) count one more in its series.
-async fn publish(api: &Api<DynamicObject>, p: &Pending, instance: &str, now: &str) -> Result<(), String> {
-    let obj: DynamicObject = serde_json::from_value(event_object(p, instance, now)).map_err(|e| e.to_string())?;
+async fn publish(api: &Api<DynamicObject>, p: &Pending, instance: &str, now: &str) -> Result<(), Refused> {
+    let obj: DynamicObject =
+        serde_json::from_value(event_object(p, instance, now)).map_err(|e| Refused::Other(e.to_string()))?;
     match api.create(&PostParams::default(), &obj).await {
         Ok(_) => return Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => return Err(crate::error_line(&e)),
+        Err(e) => return Err(refused(e)),
     }
     let name = event_name(&p.regarding, p.reason, &p.note);
-    let old = api.get(&name).await.map_err(|e| crate::error_line(&e))?;
+    let old = api.get(&name).await.map_err(refused)?;
     let count = old.data.pointer("/series/count").and_then(Value::as_i64).unwrap_or(1) + 1;
     let patch = json!({"series": {"count": count, "lastObservedTime": now}});
-    api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(|e| crate::error_line(&e))?;
+    api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(refused)?;
     Ok(())
 }
 

@@ -17,6 +17,7 @@
 //! - [`probe`]: health probes (HTTP(S) and file existence), thresholds and statuses.
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
+//! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
@@ -31,6 +32,7 @@ pub mod events;
 pub mod flow;
 pub mod image;
 pub mod install;
+pub mod lease;
 pub mod local;
 pub mod nodeplan;
 pub mod plan;

@@ -41,6 +41,7 @@ connectionInfoFile: /w/conn.json
 nodePlanEnabled: true
 nodeName: worker-7
 nodePlanStateDirectory: /w/nodeplans
+leaseDuration: 1m
 preserveWorkDirectory: true
 imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
@@ -70,6 +71,7 @@ const FULL_JSON: &str = r#"{
   "nodePlanEnabled": true,
   "nodeName": "worker-7",
   "nodePlanStateDirectory": "/w/nodeplans",
+  "leaseDuration": "1m",
   "preserveWorkDirectory": true,
   "imagesDirectory": "/w/images",
   "agentRegistriesFile": "/w/registries.yaml",
@@ -100,6 +102,7 @@ fn full() -> AgentConfig {
         node_plan_enabled: true,
         node_name: "worker-7".into(),
         node_plan_state_directory: "/w/nodeplans".into(),
+        lease_duration: Duration::from_secs(60),
         preserve_work_directory: true,
         images_directory: "/w/images".into(),
         agent_registries_file: "/w/registries.yaml".into(),
@@ -467,6 +470,8 @@ fn validate_rules() {
         (AgentConfig { output_cap: 1023, ..local.clone() }, "outputCap"),
         (AgentConfig { work_directory: "".into(), ..local.clone() }, "workDirectory"),
         (AgentConfig { pid_directory: "".into(), ..local.clone() }, "pidDirectory"),
+        (AgentConfig { lease_duration: Duration::from_secs(3), ..local.clone() }, "leaseDuration"),
+        (AgentConfig { lease_duration: Duration::from_secs(3601), ..local.clone() }, "leaseDuration"),
     ];
     for (c, key) in rows {
         let e = problems(&c);
@@ -474,6 +479,9 @@ fn validate_rules() {
     }
     assert!(validate(&AgentConfig { output_cap: 1024, cgroup_root: "off".into(), ..local.clone() }).is_ok());
     assert!(validate(&AgentConfig { cgroup_root: "/sys/fs/cgroup/x".into(), ..local.clone() }).is_ok());
+    for ok in [0, 4, 3600] {
+        assert!(validate(&AgentConfig { lease_duration: Duration::from_secs(ok), ..local.clone() }).is_ok(), "{ok}");
+    }
 
     // Every problem is in the one error.
     let e = problems(&AgentConfig { output_cap: 10, stop_timeout: Duration::ZERO, ..AgentConfig::default() });

@@ -103,6 +103,42 @@ fn applies_a_plan_and_records_the_pos_file() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// R23: a plan that upgrades nodeplan itself. Instruction 1 replaces the agent's program (here a
+/// copy the test started, replaced by a wrapper that notes each start) and asks for a restart;
+/// the agent records its progress and executes the new program in the same process; the
+/// restarted agent goes on at instruction 2. Nothing runs twice, the agent restarts once, and its
+/// pid (a systemd unit's main process) stays.
+#[test]
+fn a_plan_that_upgrades_the_agent_restarts_it_once_and_never_runs_again() {
+    let s = Setup::new();
+    let bin = s.p("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let program = format!("{bin}/nodeplan");
+    std::fs::copy(NODEPLAN, &program).unwrap();
+    let (runs, starts) = (s.p("runs"), s.p("starts"));
+    let upgrade = format!(
+        "echo upgrade >> {runs}; cp {program} {program}.real; \
+         printf '#!/bin/sh\necho started >> {starts}\nexec {program}.real \"$@\"\n' > {program}.new; \
+         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
+    );
+    s.plan(
+        "upgrade",
+        serde_json::json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]}),
+    );
+    let mut agent = AgentProc::start_program(Path::new(&program), Path::new(&s.p("config.yaml")), &[]);
+    let pid = agent.child.id();
+    agent.wait_log("asked for the agent to restart");
+    agent.wait_log("starting again as an instruction asked");
+    agent.wait_log("resuming at instruction 2/2");
+    let pos = s.wait_pos("upgrade", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(pos.success_count, 1);
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "upgrade\nafter\n", "nothing ran twice");
+    assert_eq!(std::fs::read_to_string(&starts).unwrap(), "started\n", "one restart, by the new program");
+    assert_eq!(agent.child.try_wait().unwrap(), None, "the same process goes on");
+    assert_eq!(agent.child.id(), pid);
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
     let s = Setup::new();

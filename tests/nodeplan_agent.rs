@@ -7,7 +7,7 @@ mod common;
 mod k8s_support;
 
 use common::*;
-use k8s_support::ControlPlane;
+use k8s_support::{ControlPlane, wait_events};
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use nodeplan::nodeplan::resource::NodePlanStatus;
 use nodeplan::nodeplan::source::api_resource;
@@ -113,13 +113,21 @@ async fn a_nodeplan_is_applied_with_its_results_readable_in_status() {
     agent.wait_log("succeeded (2/2 instructions)");
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\n", "another node's plan never runs here");
     // Events regarding the NodePlan, readable with kubectl.
-    wait_events(&n, "install", "Started and Succeeded", |ev| {
+    wait_events(&n.api.clone().into_client(), &n.namespace, "install", "Started and Succeeded", |ev| {
         ev.iter().any(|e| e.0 == "Started") && ev.iter().any(|e| e.0 == "Succeeded" && e.1.contains("2/2"))
     })
     .await;
     let out = cp.kubectl().args(["get", "events", "-n", &n.namespace]).output().unwrap();
     let events = String::from_utf8_lossy(&out.stdout);
     assert!(events.contains("Succeeded") && events.contains("nodeplan/install"), "{events}");
+    // The node's Lease, held by this agent while it runs.
+    let out = cp
+        .kubectl()
+        .args(["get", "lease", "nodeplan-node-node-a", "-n", &n.namespace, "-o", "jsonpath={.spec.holderIdentity}"])
+        .output()
+        .unwrap();
+    let holder = String::from_utf8_lossy(&out.stdout);
+    assert!(holder.starts_with("node-a/") && holder.ends_with(&format!("/{}", agent.child.id())), "{holder:?}");
     assert_eq!(n.status("elsewhere").await.phase, "", "and its status is not touched");
     // `kubectl get nodeplans` (built from the apiserver's source) shows the printer columns.
     let out = cp.kubectl().args(["get", "nodeplans", "-n", &n.namespace]).output().unwrap();
@@ -318,41 +326,6 @@ fn run_of(spec: &serde_json::Value) -> String {
     nodeplan::nodeplan::wire::plan_checksum(&spec).unwrap()
 }
 
-/// The Events (`events.k8s.io/v1`) regarding NodePlan `name`: (reason, note, series count).
-async fn events_of(n: &Node, name: &str) -> Vec<(String, String, i64)> {
-    let gvk = kube::core::GroupVersionKind::gvk("events.k8s.io", "v1", "Event");
-    let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, "events");
-    let api: Api<DynamicObject> = Api::namespaced_with(n.api.clone().into_client(), &n.namespace, &ar);
-    let list = api.list(&Default::default()).await.unwrap();
-    list.items
-        .iter()
-        .filter(|e| e.data.pointer("/regarding/name").and_then(|v| v.as_str()) == Some(name))
-        .map(|e| {
-            let text = |p: &str| e.data.pointer(p).and_then(|v| v.as_str()).unwrap_or_default().to_string();
-            let count = e.data.pointer("/series/count").and_then(|v| v.as_i64()).unwrap_or(1);
-            (text("/reason"), text("/note"), count)
-        })
-        .collect()
-}
-
-/// Wait until the events of `name` satisfy `pred`.
-async fn wait_events(
-    n: &Node,
-    name: &str,
-    what: &str,
-    pred: impl Fn(&[(String, String, i64)]) -> bool,
-) -> Vec<(String, String, i64)> {
-    let deadline = Instant::now() + GUARD;
-    loop {
-        let ev = events_of(n, name).await;
-        if pred(&ev) {
-            return ev;
-        }
-        assert!(Instant::now() < deadline, "nodeplan {name} never got events {what}: {ev:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn condition<'a>(s: &'a NodePlanStatus, type_: &str) -> Option<&'a nodeplan::nodeplan::resource::Condition> {
     s.conditions.iter().find(|c| c.type_ == type_)
 }
@@ -375,7 +348,7 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     agent.wait_log("failed (0/1 instructions)");
     // Events: one per attempt started, and the same failure three times is one event counted 3
     // times (what keeps a crash loop from flooding the API server).
-    let ev = wait_events(&n, "r", "Failed counted 3 times", |ev| {
+    let ev = wait_events(&n.api.clone().into_client(), &n.namespace, "r", "Failed counted 3 times", |ev| {
         ev.iter().any(|(reason, _, count)| reason == "Failed" && *count == 3)
     })
     .await;

@@ -7,7 +7,7 @@ mod common;
 mod k8s_support;
 
 use common::*;
-use k8s_support::ControlPlane;
+use k8s_support::{ControlPlane, wait_events};
 use nodeplan::plan::{self, Checkpoint, PlanState};
 use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
 use serde_json::json;
@@ -90,6 +90,11 @@ impl Remote {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 fn val(s: &SecretSnapshot, key: &str) -> String {
@@ -762,6 +767,141 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     assert!(status.contains(&format!("paused={}", plan::shown_value(&long))), "{status}");
     assert!(status.contains("(500 bytes)") && !status.contains(&long), "{status}");
     assert_eq!(agent.stop(), 0);
+}
+
+/// Remote mode publishes Events regarding the plan Secret: a plan held paused, then released and
+/// succeeding, shows Paused and Succeeded on `secret/machine-plan` (`kubectl get events`). An agent
+/// that may not create events nor use Leases (Rancher's per-machine role grants the Secret only)
+/// says so once for each and applies all the same.
+#[tokio::test]
+async fn events_regarding_the_secret_and_an_agent_forbidden_to_publish_them() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "events").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let plan = json!({"instructions": [sh("one", "echo one")]});
+    r.create(&plan, Some("pending"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
+    let mut agent = r.agent();
+    r.wait("paused", |s| state(s) == "paused").await;
+    r.annotate(plan::ANNOTATION_PAUSED, None).await;
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let client = cp.client().await;
+    wait_events(&client, &ns, "machine-plan", "Paused and Succeeded", |ev| {
+        ev.iter().any(|e| e.0 == "Paused") && ev.iter().any(|e| e.0 == "Succeeded" && e.1.contains("1/1"))
+    })
+    .await;
+    let out = cp.kubectl().args(["get", "events", "-n", &ns]).output().unwrap();
+    let events = String::from_utf8_lossy(&out.stdout);
+    assert!(events.contains("Succeeded") && events.contains("secret/machine-plan"), "{events}");
+    assert_eq!(agent.stop(), 0);
+
+    let r = Remote::new_with(cp, "events-forbidden", &cp.kubeconfig_yaml_as_agent()).await;
+    let ns = r.client.secret_ref().namespace.clone();
+    cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    agent.wait_log("running without the Lease");
+    agent.wait_log("Kubernetes events are off");
+    assert!(k8s_support::events_regarding(&client, &ns, "machine-plan").await.is_empty());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Two agents given one plan Secret (a cloned machine image carries the same connection info):
+/// the first holds the Secret's Lease and applies; the second waits, saying who holds it, and
+/// runs nothing. A clean stop releases the Lease and the waiting agent takes it at once and acts;
+/// an agent whose Lease another writer takes stops (exit 1) instead of acting beside it.
+#[tokio::test]
+async fn a_second_agent_on_one_secret_waits_for_the_lease() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cp = control_plane!();
+    let r = Remote::new(cp, "lease").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 4s\n", &cp.kubeconfig_yaml(), &ns);
+    let (runs, ready, go) = (r.p("runs"), r.fifo("ready"), r.fifo("go"));
+    let plan =
+        json!({"instructions": [sh("one", &format!("echo first >> {runs}; echo > {ready}; cat {go} > /dev/null"))]});
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut first = r.agent();
+    first.wait_log("holding the Lease");
+    read_fifo(&ready);
+    let mut second = twin.agent();
+    let line = second.wait_log("waiting for the Lease");
+    assert!(line.contains(&format!("/{}", first.child.id())) && line.contains("machine-plan"), "{line}");
+    release_fifo(&go);
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(first.stop(), 0);
+    second.wait_log("holding the Lease");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "first\n", "the waiting agent ran nothing");
+
+    // The second agent now acts on the Secret.
+    let plan = json!({"instructions": [sh("two", &format!("echo second >> {runs}"))]});
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("the new plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "first\nsecond\n");
+
+    // Another writer takes the Lease: the holder stops rather than act beside it.
+    let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &ns);
+    let mut l = leases.get("nodeplan-machine-plan").await.unwrap();
+    l.spec.as_mut().unwrap().holder_identity = Some("elsewhere/boot/1".into());
+    leases.replace("nodeplan-machine-plan", &Default::default(), &l).await.unwrap();
+    second.wait_log("lost the Lease");
+    assert_eq!(second.child.wait().unwrap().code(), Some(1));
+}
+
+/// R23 in remote mode: an upgrade instruction that asks for a restart has its progress written
+/// to the Secret (in-progress, a suspended checkpoint) before the agent executes its new program;
+/// the restarted agent goes on at the next instruction and the plan succeeds, nothing run twice.
+#[tokio::test]
+async fn a_plan_that_upgrades_the_agent_goes_on_after_the_restart() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "upgrade").await;
+    let program = r.p("nodeplan");
+    std::fs::copy(NODEPLAN, &program).unwrap();
+    let (runs, starts) = (r.p("runs"), r.p("starts"));
+    let upgrade = format!(
+        "echo upgrade >> {runs}; cp {program} {program}.real; \
+         printf '#!/bin/sh\necho started >> {starts}\nexec {program}.real \"$@\"\n' > {program}.new; \
+         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
+    );
+    let plan = json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = AgentProc::start_program(Path::new(&program), &r.config, &[]);
+    agent.wait_log("starting again as an instruction asked");
+    agent.wait_log("resuming at instruction 2/2");
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "success-count"), "1");
+    assert!(checkpoint(&s, &checksum).is_none(), "a finished plan has no checkpoint");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "upgrade\nafter\n", "nothing ran twice");
+    assert_eq!(std::fs::read_to_string(&starts).unwrap(), "started\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Rancher's `system-agent-upgrader` starts `rancher-system-agent` on the node, which takes no
+/// Lease: remote mode waits while it runs (saying so, acting on nothing), applies once it is gone,
+/// and stops (exit 1) when it starts again, so the two never act on one Secret. The program looked
+/// for is given a name of this test's own, so that no other test's agent sees the stand-in.
+#[tokio::test]
+async fn remote_mode_never_acts_beside_rancher_system_agent() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "rival").await;
+    let name = format!("rsa{}", std::process::id());
+    let stand_in = r.p(&name);
+    std::fs::copy("/bin/sleep", &stand_in).unwrap();
+    let start_rival = || std::process::Command::new(&stand_in).arg("300").spawn().unwrap();
+    let mut rival = start_rival();
+    r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
+    let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
+    let line = agent.wait_log("acts on the same plan Secret");
+    assert!(line.contains(&format!("pid {}", rival.id())), "{line}");
+    assert_eq!(state(&r.get().await), "pending", "nothing is done while it runs");
+    rival.kill().unwrap();
+    rival.wait().unwrap();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let mut rival = start_rival();
+    agent.wait_log("started on this node");
+    assert_eq!(agent.child.wait().unwrap().code(), Some(1));
+    rival.kill().unwrap();
+    rival.wait().unwrap();
 }
 
 #[tokio::test]

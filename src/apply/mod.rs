@@ -43,7 +43,16 @@ pub struct ApplyConfig {
     pub base_env: Vec<(OsString, OsString)>,
     /// Where `image` instructions get their images.
     pub images: crate::image::ImageConfig,
+    /// Offer one-time instructions a restart request ([`RESTART_REQUEST_ENV`]): the agent sets
+    /// this; `nodeplan apply` (which has nothing to restart) does not.
+    pub restart_requests: bool,
 }
+
+/// The variable naming the file a one-time instruction creates to have the agent restart (re-exec
+/// its binary) once the instruction has succeeded and its progress is recorded: how a plan that
+/// upgrades nodeplan itself finishes without running its upgrade again (R23).
+pub const RESTART_REQUEST_ENV: &str = "NODEPLAN_RESTART_REQUEST";
+const RESTART_REQUEST_FILE: &str = ".nodeplan-restart";
 
 impl ApplyConfig {
     pub fn new(work_dir: impl Into<PathBuf>) -> ApplyConfig {
@@ -54,6 +63,7 @@ impl ApplyConfig {
             interlock_dir: None,
             base_env: std::env::vars_os().collect(),
             images: crate::image::ImageConfig::default(),
+            restart_requests: false,
         }
     }
 }
@@ -97,6 +107,11 @@ pub enum AgentExit {
     Clean,
     /// A process could not be stopped on the way out.
     Incomplete(String),
+    /// Stopped so that another agent acts on the plan source alone (it took the Lease, or Rancher's
+    /// own agent started on this node): why.
+    Displaced(String),
+    /// Stopped because an instruction asked for the agent to restart (R23), its progress recorded.
+    Restart,
 }
 
 pub use crate::plan::Interruption;
@@ -231,6 +246,9 @@ pub struct ApplyResult {
     pub one_time_output: BTreeMap<String, Vec<u8>>,
     pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
     pub reports: Vec<InstructionReport>,
+    /// The last instruction run (one-time, succeeded) asked for the agent to restart (R23); the
+    /// pass stopped after it.
+    pub restart_requested: bool,
 }
 
 impl ApplyResult {
@@ -243,6 +261,7 @@ impl ApplyResult {
             termination_incomplete: self.termination_incomplete,
             one_time_output: self.one_time_output.clone(),
             periodic_output: self.periodic_output.clone(),
+            restart: self.restart_requested,
         }
     }
 
@@ -453,6 +472,10 @@ impl Applyinator {
                 return Ok(result);
             }
             result.one_time_succeeded = result.completed == total;
+            if result.restart_requested {
+                // The periodic instructions run after the restart.
+                return Ok(result);
+            }
         }
 
         // After a genuine one-time failure nothing may turn the result into an interruption: the
@@ -588,6 +611,14 @@ impl Applyinator {
             result.reports.push(report);
             if outcome.success() {
                 result.completed = index + 1;
+                if self.config.restart_requests && restart_requested(&dir).await {
+                    tracing::info!(
+                        "{} asked for the agent to restart: stopping after it",
+                        instruction_label(index, total, &ins.common.name, false)
+                    );
+                    result.restart_requested = true;
+                    break;
+                }
                 continue;
             }
             // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
@@ -740,10 +771,15 @@ impl Applyinator {
         }
         let program: OsString =
             if ins.command.is_empty() { dir.join("run.sh").into_os_string() } else { OsString::from(&ins.command) };
+        let mut env = instruction_env(&self.config.base_env, &ins.env, dir, attempt);
+        env.retain(|(k, _)| k != RESTART_REQUEST_ENV);
+        if self.config.restart_requests && !periodic {
+            env.push((RESTART_REQUEST_ENV.into(), dir.join(RESTART_REQUEST_FILE).into_os_string()));
+        }
         let spec = SpawnSpec {
             program,
             args: ins.args.iter().map(OsString::from).collect(),
-            env: instruction_env(&self.config.base_env, &ins.env, dir, attempt),
+            env,
             cwd: Some(dir.to_path_buf()),
             owner: input.owner.with_slot(Slot::new(index, periodic)),
             timeout: remaining,
@@ -765,6 +801,22 @@ impl Applyinator {
         r.elapsed = run.elapsed;
         r
     }
+}
+
+/// Whether the instruction that ran in `dir` (its own execution directory, made by the agent)
+/// left a restart request; the request is consumed. Anything at the name counts (it is removed,
+/// never followed).
+async fn restart_requested(dir: &Path) -> bool {
+    let path = dir.join(RESTART_REQUEST_FILE);
+    tokio::task::spawn_blocking(move || {
+        let found = std::fs::symlink_metadata(&path).is_ok();
+        if found && let Err(e) = std::fs::remove_file(&path) {
+            tracing::warn!("cannot remove the restart request {}: {e}", path.display());
+        }
+        found
+    })
+    .await
+    .unwrap_or(false)
 }
 
 /// A pause that arrives once every one-time instruction has succeeded interrupts nothing of the

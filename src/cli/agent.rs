@@ -57,6 +57,7 @@ pub fn build(cfg: &AgentConfig) -> Result<Parts, String> {
     ac.preserve_work_dir = cfg.preserve_work_directory;
     ac.applied_plan_dir = non_empty(&cfg.applied_plan_directory);
     ac.interlock_dir = non_empty(&cfg.interlock_directory);
+    ac.restart_requests = true;
     ac.images = crate::image::ImageConfig {
         images_dir: non_empty(&cfg.images_directory),
         registries_file: non_empty(&cfg.agent_registries_file),
@@ -89,7 +90,10 @@ pub async fn run(args: AgentArgs) -> u8 {
         }
     };
     let (sd_tx, sd_rx) = watch::channel(false);
+    let sd_tx = Arc::new(sd_tx);
+    let signals = sd_tx.clone();
     tokio::spawn(async move {
+        let sd_tx = signals;
         use tokio::signal::unix::{SignalKind, signal};
         let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
             tracing::warn!("cannot install signal handlers");
@@ -118,30 +122,42 @@ pub async fn run(args: AgentArgs) -> u8 {
         lc.inotify = std::env::var_os("NODEPLAN_NO_INOTIFY").is_none_or(|v| v != "1");
         let agent = LocalAgent::new(lc, parts.app.clone(), parts.prober.clone());
         let rx = sd_rx.clone();
-        tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+        tasks.push(tokio::spawn(stopping_all(sd_tx.clone(), agent.run(rx))));
     }
     if cfg.remote_enabled {
         match remote_agent(&cfg, &parts).await {
-            Ok(agent) => {
+            Ok((agent, lease)) => {
                 let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+                tasks.push(tokio::spawn(stopping_all(
+                    sd_tx.clone(),
+                    under_lease(lease, true, rx, move |rx| agent.run(rx)),
+                )));
             }
             Err(e) => return refuse(&tasks, &e),
         }
     }
     if cfg.node_plan_enabled {
         match node_plan_agent(&cfg, &parts).await {
-            Ok(agent) => {
+            Ok((agent, lease)) => {
                 let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(async move { agent.run(rx).await }));
+                tasks.push(tokio::spawn(stopping_all(
+                    sd_tx.clone(),
+                    under_lease(lease, false, rx, move |rx| agent.run(rx)),
+                )));
             }
             Err(e) => return refuse(&tasks, &e),
         }
     }
     let mut code = exit::OK;
+    let mut restart = false;
     for t in tasks {
         match t.await {
             Ok(AgentExit::Clean) => {}
+            Ok(AgentExit::Restart) => restart = true,
+            Ok(AgentExit::Displaced(why)) => {
+                super::say(&format!("nodeplan: {why}; stopped (a restart waits until it may act again)"));
+                code = exit::FAILED;
+            }
             Ok(AgentExit::Incomplete(e)) => {
                 super::say(&format!("nodeplan: a process could not be stopped: {e}"));
                 code = exit::FAILED;
@@ -152,8 +168,167 @@ pub async fn run(args: AgentArgs) -> u8 {
             }
         }
     }
-    tracing::info!("nodeplan agent stopped");
+    if restart && code == exit::OK {
+        tracing::info!("nodeplan agent stopped; starting again as an instruction asked");
+        RESTART.store(true, std::sync::atomic::Ordering::SeqCst);
+    } else {
+        tracing::info!("nodeplan agent stopped");
+    }
     code
+}
+
+/// Set when the agent stopped because an instruction asked for a restart (R23): the binary's
+/// `main` then executes the agent's program again, with the same arguments, in the same process
+/// (the pid, and with it the systemd unit's main process, stays).
+pub(crate) static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The program the agent was started as, noted at start-up (before a plan can replace it): the
+/// path it was invoked by when that names a file (so a symlink that an upgrade points elsewhere is
+/// followed again), else `/proc/self/exe` as it was then.
+static PROGRAM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+pub(crate) fn note_program() {
+    let invoked =
+        std::env::args_os().next().map(PathBuf::from).filter(|p| p.as_os_str().as_encoded_bytes().contains(&b'/'));
+    if let Some(p) = invoked.or_else(|| std::env::current_exe().ok()) {
+        let _ = PROGRAM.set(p);
+    }
+}
+
+/// Execute the agent's program again with the same arguments and environment; returns only on
+/// failure (the error line, for the exit).
+pub(crate) fn exec_again() -> String {
+    use std::os::unix::process::CommandExt as _;
+    let Some(program) = PROGRAM.get() else { return "the agent's program is not known".into() };
+    let e = std::process::Command::new(program).args(std::env::args_os().skip(1)).exec();
+    format!("cannot start {} again: {e}", program.display())
+}
+
+/// Run one source's task; when it stops for a restart request or a lost Lease, stop the others
+/// too (the agent restarts as a whole).
+async fn stopping_all(
+    stop_all: Arc<watch::Sender<bool>>,
+    task: impl std::future::Future<Output = AgentExit>,
+) -> AgentExit {
+    let exit = task.await;
+    if matches!(exit, AgentExit::Restart | AgentExit::Displaced(_)) {
+        let _ = stop_all.send(true);
+    }
+    exit
+}
+
+/// The Lease of a remote or NodePlan source: where, and the client to take it with (`None`: no
+/// Lease, `leaseDuration: 0`).
+type SourceLease = Option<(kube::Client, crate::lease::LeaseRef)>;
+
+fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, source: &str, what: String) -> SourceLease {
+    use crate::lease::{LeaseRef, identity, lease_name};
+    (!cfg.lease_duration.is_zero()).then(|| {
+        let r = LeaseRef {
+            namespace: namespace.to_string(),
+            name: lease_name(source),
+            identity: identity(&node_name(cfg)),
+            duration: cfg.lease_duration,
+            what,
+        };
+        (client.clone(), r)
+    })
+}
+
+/// How often remote mode looks for Rancher's own agent on the node.
+const RIVAL_PERIOD: Duration = Duration::from_secs(5);
+
+/// Run a source's loop while it may act alone on its plan source: with `rival` (remote mode), not
+/// while Rancher's own agent runs on this node (waiting for it to go before starting, saying so
+/// once); then holding the source's Lease (waiting for it first; a shutdown meanwhile ends
+/// cleanly). If another agent takes the Lease, or Rancher's agent starts, the loop is stopped (the
+/// running plan gets the stop ladder and resumes later) and [`AgentExit::Displaced`] stops the
+/// whole agent: its exit code makes systemd restart it, and it then waits again. The Lease is
+/// given up when the loop ends.
+async fn under_lease<F, Fut>(lease: SourceLease, rival: bool, mut shutdown: watch::Receiver<bool>, run: F) -> AgentExit
+where
+    F: FnOnce(watch::Receiver<bool>) -> Fut,
+    Fut: std::future::Future<Output = AgentExit>,
+{
+    let program = crate::remote::rival::program();
+    let rival_pid = {
+        let program = program.clone();
+        move || {
+            let program = program.clone();
+            async move {
+                tokio::task::spawn_blocking(move || crate::remote::rival::running(Path::new("/proc"), &program))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        }
+    };
+    let mut told = false;
+    while rival && let Some(pid) = rival_pid().await {
+        if !told {
+            tracing::warn!(
+                "waiting: {program} (pid {pid}) runs on this node and acts on the same plan Secret; stop and disable it (systemctl disable --now {program}) to let nodeplan act"
+            );
+            told = true;
+        }
+        if tokio::time::timeout(RIVAL_PERIOD, shutdown.wait_for(|s| *s)).await.is_ok() {
+            return AgentExit::Clean;
+        }
+    }
+    let held = match lease {
+        Some((client, r)) => match crate::lease::hold(client, r, shutdown.clone()).await {
+            Some(h) => Some(h),
+            None => return AgentExit::Clean,
+        },
+        None => None,
+    };
+    let (tx, rx) = watch::channel(false);
+    let displaced: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let (mut outer, lost, why) = (shutdown, held.as_ref().map(|h| h.lost()), displaced.clone());
+    let relay = tokio::spawn(async move {
+        let lease_lost = async {
+            match lost {
+                Some(mut l) => {
+                    let _ = l.wait_for(|l| *l).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let rival_started = async {
+            if !rival {
+                return std::future::pending().await;
+            }
+            loop {
+                tokio::time::sleep(RIVAL_PERIOD).await;
+                if let Some(pid) = rival_pid().await {
+                    return pid;
+                }
+            }
+        };
+        let reason = tokio::select! {
+            _ = outer.wait_for(|s| *s) => None,
+            () = lease_lost => Some("another agent took the plan source's Lease".to_string()),
+            pid = rival_started => {
+                let what = format!("{program} (pid {pid}) started on this node");
+                tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
+                Some(what)
+            }
+        };
+        if let Ok(mut w) = why.lock() {
+            *w = reason;
+        }
+        let _ = tx.send(true);
+    });
+    let exit = run(rx).await;
+    relay.abort();
+    if let Some(h) = held {
+        h.release().await;
+    }
+    let reason = displaced.lock().ok().and_then(|mut w| w.take());
+    match (exit, reason) {
+        (AgentExit::Clean, Some(why)) => AgentExit::Displaced(why),
+        (other, _) => other,
+    }
 }
 
 /// A mode that cannot start: say why and stop the tasks already started (nothing ran yet at this
@@ -166,7 +341,10 @@ fn refuse(tasks: &[tokio::task::JoinHandle<AgentExit>], why: &str) -> u8 {
     exit::BAD_INPUT
 }
 
-async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote::agent::RemoteAgent, String> {
+async fn remote_agent(
+    cfg: &AgentConfig,
+    parts: &Parts,
+) -> Result<(crate::remote::agent::RemoteAgent, SourceLease), String> {
     use crate::remote::client::{SecretClient, SecretRef};
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
@@ -175,12 +353,21 @@ async fn remote_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::remote:
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
     let secret = SecretRef { namespace: conn.namespace.clone(), name: conn.secret_name.clone() };
     tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
-    Ok(crate::remote::agent::RemoteAgent::new(
+    let lease = source_lease(
+        cfg,
+        &client,
+        &secret.namespace,
+        &secret.name,
+        format!("secret {}/{}", secret.namespace, secret.name),
+    );
+    let agent = crate::remote::agent::RemoteAgent::new(
         SecretClient::new(client, secret),
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),
-    ))
+    )
+    .with_events(&node_name(cfg));
+    Ok((agent, lease))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.
@@ -194,21 +381,28 @@ fn node_name(cfg: &AgentConfig) -> String {
     }
 }
 
-async fn node_plan_agent(cfg: &AgentConfig, parts: &Parts) -> Result<crate::nodeplan::source::NodePlanAgent, String> {
+async fn node_plan_agent(
+    cfg: &AgentConfig,
+    parts: &Parts,
+) -> Result<(crate::nodeplan::source::NodePlanAgent, SourceLease), String> {
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
     let client = crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&conn.kube_config)
         .await
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
-    Ok(crate::nodeplan::source::NodePlanAgent::new(
+    let node = node_name(cfg);
+    let lease =
+        source_lease(cfg, &client, &conn.namespace, &format!("node-{node}"), format!("the NodePlans of node {node}"));
+    let agent = crate::nodeplan::source::NodePlanAgent::new(
         client,
         &conn.namespace,
-        &node_name(cfg),
+        &node,
         parts.app.clone(),
         parts.prober.clone(),
         Duration::from_secs(5),
         crate::nodeplan::runs::dir_of(&cfg.node_plan_state_directory),
-    ))
+    );
+    Ok((agent, lease))
 }
 
 pub fn validate_config(args: ValidateArgs) -> u8 {

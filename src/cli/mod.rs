@@ -185,6 +185,7 @@ fn cloexec_inherited_fds() {
 pub fn main() -> ExitCode {
     ensure_std_fds();
     cloexec_inherited_fds();
+    agent::note_program();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if e.use_stderr() => {
@@ -242,6 +243,11 @@ pub fn main() -> ExitCode {
     // The last lines (the plan's result) get a bounded time to reach stderr; a stderr nobody
     // reads does not hold the exit code back for longer.
     output::flush(STDERR_DRAIN);
+    if agent::RESTART.load(std::sync::atomic::Ordering::SeqCst) {
+        say(&format!("nodeplan: {}", agent::exec_again()));
+        output::flush(STDERR_DRAIN);
+        return ExitCode::from(exit::FAILED);
+    }
     ExitCode::from(code)
 }
 

@@ -233,6 +233,8 @@ pub struct Ran {
     pub termination_incomplete: bool,
     pub one_time_output: BTreeMap<String, Vec<u8>>,
     pub periodic_output: BTreeMap<String, PeriodicInstructionOutput>,
+    /// The pass stopped after an instruction that asked for the agent to restart (R23).
+    pub restart: bool,
 }
 
 /// What to do with the stored checkpoint.
@@ -259,7 +261,10 @@ pub struct Record {
 }
 
 /// Map a finished run to what must be written. A shutdown writes nothing: the plan stays
-/// `in-progress` and a restarted agent re-runs it from its first instruction (R17).
+/// `in-progress` and a restarted agent re-runs it from its first instruction (R17). A restart
+/// request before the last instruction (R23) keeps the plan `in-progress` with a suspended
+/// checkpoint (as a pause's, resuming into `in-progress`), so the restarted agent goes on after
+/// the instruction that asked, never running it again.
 pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
     let nonempty_outputs = |r: &mut Record| {
         if !result.one_time_output.is_empty() {
@@ -274,6 +279,22 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
     let (completed, total) = if one_time { (result.completed, snap.total) } else { (0, 0) };
     match result.interruption {
         Some(Interruption::Shutdown) => Record::default(),
+        None if one_time && result.restart && !result.one_time_succeeded => {
+            let mut r = Record {
+                state: Some(PlanState::InProgress),
+                checkpoint: CheckpointWrite::Set(Checkpoint {
+                    checksum: snap.checksum.clone(),
+                    completed_instructions: completed,
+                    total_instructions: total,
+                    resume_state: Some(PlanState::InProgress),
+                    paused: true,
+                    termination_incomplete: incomplete,
+                }),
+                ..Default::default()
+            };
+            nonempty_outputs(&mut r);
+            r
+        }
         Some(i @ (Interruption::Paused | Interruption::Canceled)) => {
             let paused = i == Interruption::Paused;
             let resume_state = match (paused, one_time) {

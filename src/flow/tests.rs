@@ -227,4 +227,26 @@ fn record_table() {
     let periodic = Ran { one_time_succeeded: false, ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic);
     assert_eq!((r.state, r.succeeded), (None, None), "a periodic-only pass never changes the plan state");
+
+    // R23: a restart request after instruction 2 of 3 records progress, still in-progress, and
+    // the restarted agent (deciding from scratch) goes on at instruction 3, committing the resume.
+    let restart = Ran { completed: 2, restart: true, ..base.clone() };
+    let r = record(&s, &run_plan(true), &restart);
+    assert_eq!((r.state.clone(), r.succeeded), (Some(PlanState::InProgress), None), "never the counters");
+    assert_eq!(r.one_time_output, Some(outputs.clone()), "saved outputs kept for the rest of the run");
+    let CheckpointWrite::Set(c) = r.checkpoint else { panic!("a checkpoint") };
+    let after = snap("in-progress", None, None, Some(c.clone()));
+    let Decision::Run(RunPlan::Continue { resume_from, resume: Some(t) }) = decide(&after) else {
+        panic!("the restarted agent continues: {:?}", decide(&after))
+    };
+    assert_eq!((resume_from, t.state, t.checkpoint.paused), (2, PlanState::InProgress, false));
+    // A pause meanwhile holds it there; a cancel cancels it.
+    assert_eq!(decide(&snap("in-progress", Some("true"), None, Some(c.clone()))), Decision::Observe);
+    assert!(matches!(
+        decide(&snap("in-progress", None, Some("true"), Some(c))),
+        Decision::Record { transition: Transition { state: PlanState::Canceled, .. }, .. }
+    ));
+    // After the last instruction it is simply the success.
+    let last = Ran { one_time_succeeded: true, completed: 3, restart: true, ..base.clone() };
+    assert_eq!(record(&s, &run_plan(true), &last).state, Some(PlanState::Succeeded));
 }

@@ -17,6 +17,7 @@ mod outcome;
 mod owner;
 pub mod owner_lock;
 mod procfs;
+pub(crate) use procfs::boot_id;
 mod record;
 mod spawn;
 pub mod supervise;

@@ -341,6 +341,11 @@ pub struct Reconciler<S: PlanSource> {
     /// the source is held, as any of them may still be running.
     blocked_all: Option<String>,
     incomplete: Option<String>,
+    /// An instruction asked for the agent to restart (R23) and its progress is recorded: the loop
+    /// ends with [`AgentExit::Restart`].
+    restart: bool,
+    /// ... once the outcome of this plan, kept after a failed write, lands.
+    restart_after_write: Option<S::Key>,
     shutdown: watch::Receiver<bool>,
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
@@ -402,6 +407,8 @@ impl<S: PlanSource> Reconciler<S> {
             memory: HashMap::new(),
             blocked_all: None,
             incomplete: None,
+            restart: false,
+            restart_after_write: None,
             shutdown,
             dirty: false,
             by_change: true,
@@ -421,7 +428,7 @@ impl<S: PlanSource> Reconciler<S> {
             // A plan that is gone is forgotten, unless it is blocked: its leftovers still run.
             self.memory.retain(|k, m| keys.contains(k) || m.blocked.is_some());
             for key in keys {
-                if *shutdown.borrow() {
+                if *shutdown.borrow() || self.restart {
                     break 'outer;
                 }
                 let action = self.reconcile(&key).await;
@@ -465,6 +472,7 @@ impl<S: PlanSource> Reconciler<S> {
         }
         let exit = match self.incomplete.take() {
             Some(e) => AgentExit::Incomplete(e),
+            None if self.restart => AgentExit::Restart,
             None => AgentExit::Clean,
         };
         (exit, self.source)
@@ -533,6 +541,9 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     fn wrote(&mut self, key: &S::Key) {
+        if self.restart_after_write.as_ref() == Some(key) {
+            self.restart = true;
+        }
         let mem = self.mem(key);
         mem.write.reset(Duration::from_secs(1));
         mem.retry_at = None;
@@ -563,7 +574,12 @@ impl<S: PlanSource> Reconciler<S> {
         match self.source.flush(key).await {
             Written::Done => {}
             Written::Abandoned => {
-                tracing::info!("the plan changed before its outcome could be written; reconciling the new plan")
+                tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
+                // The restart asked for is still due (the binary it was for is in place).
+                if self.restart_after_write.as_ref() == Some(key) {
+                    self.restart = true;
+                    return Action::Stop;
+                }
             }
             Written::Failed { error, retry_after } => {
                 return self.outcome_failed(key, "the outcome", &error, retry_after);
@@ -571,6 +587,9 @@ impl<S: PlanSource> Reconciler<S> {
         }
         if self.mem(key).kept {
             self.wrote(key);
+            if self.restart {
+                return Action::Stop;
+            }
         }
         let look = match self.source.look(key).await {
             Seen::Nothing => return Action::Wait,
@@ -778,6 +797,16 @@ impl<S: PlanSource> Reconciler<S> {
             self.source.set_blocked(key, Some(&why)).await;
             self.incomplete = Some(why);
         }
+        if result.restart_requested && matches!(look.view, View::Legacy { .. }) && !result.one_time_succeeded {
+            // The legacy checksum flow has no checkpoint: the restarted agent runs the plan again
+            // from its first instruction (put the request in the last instruction there).
+            tracing::warn!(
+                "{}: restarting before the plan's last instruction; without a plan state (legacy flow) it runs again from its first",
+                look.label
+            );
+            self.restart = true;
+            return Action::Stop;
+        }
         if result.interruption == Some(Interruption::Shutdown) {
             tracing::info!(
                 "{}: stopped for shutdown; it runs again from its first instruction at the next start",
@@ -802,6 +831,9 @@ impl<S: PlanSource> Reconciler<S> {
             None
         };
         let state = record.as_ref().and_then(|r| r.state.clone());
+        if result.restart_requested {
+            self.restart_after_write = Some(key.clone());
+        }
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
             Written::Done => {
                 self.wrote(key);
@@ -811,10 +843,18 @@ impl<S: PlanSource> Reconciler<S> {
                     let note = format!("{s} ({}/{total} instructions)", result.completed);
                     self.source.event(key, reason, &note);
                 }
+                if self.restart {
+                    tracing::info!("{}: restarting the agent as asked, its progress recorded", look.label);
+                    return Action::Stop;
+                }
                 Action::Wait
             }
             Written::Abandoned => {
                 tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
+                if result.restart_requested {
+                    self.restart = true;
+                    return Action::Stop;
+                }
                 Action::After(Duration::ZERO)
             }
             Written::Failed { error, retry_after } => {

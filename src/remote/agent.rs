@@ -18,6 +18,7 @@ use super::base::WriteBase;
 use super::client::{SecretClient, SecretSnapshot, WriteError};
 use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
+use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::Commit;
 use crate::plan::{self, ProbeStatus};
 use crate::probe::Prober;
@@ -58,6 +59,12 @@ impl RemoteAgent {
         RemoteAgent { source: SecretSource::new(client, probe_period), app, prober }
     }
 
+    /// Publish Kubernetes Events regarding the Secret, reported as coming from `node`.
+    pub fn with_events(mut self, node: &str) -> RemoteAgent {
+        self.source.events = Some(EventSink::start(self.source.client.kube_client(), node));
+        self
+    }
+
     pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
         let (tx, rx) = watch::channel::<Latest>((0, None));
         let stream = self.source.client.watch();
@@ -96,6 +103,8 @@ pub struct SecretSource {
     /// The last pause/cancel values the running plan saw (kept while the Secret carries another
     /// plan or none: never a change on a guess).
     last_interrupt: Interrupt,
+    /// Kubernetes Events regarding the Secret (off in tests that do not ask for them).
+    events: Option<EventSink>,
 }
 
 /// The pause/cancel values from the annotations: only valid values count (an invalid value in
@@ -126,6 +135,7 @@ impl SecretSource {
             noted_legacy: None,
             pending: None,
             last_interrupt: Interrupt::default(),
+            events: None,
         }
     }
 
@@ -368,6 +378,19 @@ impl PlanSource for SecretSource {
 
     fn claim(&self, owner: &Owner) -> Claim<()> {
         if owner.belongs_to(Source::Remote) { Claim::Plan(()) } else { Claim::NotMine }
+    }
+
+    fn event(&mut self, _: &(), reason: Reason, note: &str) {
+        let (Some(sink), Some(uid)) = (&self.events, &self.uid) else { return };
+        let secret = self.client.secret_ref();
+        let regarding = Regarding {
+            api_version: "v1".into(),
+            kind: "Secret".into(),
+            namespace: secret.namespace.clone(),
+            name: secret.name.clone(),
+            uid: uid.clone(),
+        };
+        sink.emit(regarding, reason, note);
     }
 
     fn period(&self) -> Duration {

@@ -142,6 +142,11 @@ impl SecretClient {
         SecretClient { api, secret }
     }
 
+    /// The client underneath (for requests about other objects: Events, the Lease).
+    pub fn kube_client(&self) -> kube::Client {
+        self.api.clone().into_client()
+    }
+
     /// The Secret this client is bound to.
     pub fn secret_ref(&self) -> &SecretRef {
         &self.secret

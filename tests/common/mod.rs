@@ -190,7 +190,12 @@ impl AgentProc {
     }
 
     pub fn start_with(config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
-        let mut child = std::process::Command::new(NODEPLAN)
+        AgentProc::start_program(std::path::Path::new(NODEPLAN), config, env)
+    }
+
+    /// The agent started as `program` (a copy of the binary, which a plan may replace).
+    pub fn start_program(program: &std::path::Path, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
+        let mut child = std::process::Command::new(program)
             .args(["agent", "--config"])
             .arg(config)
             .env("NODEPLAN_LOG", "info")

@@ -731,6 +731,44 @@ async fn client_from_yaml(yaml: &str) -> Result<kube::Client, String> {
 
 /// A fresh self-signed CA certificate (PEM) that signed nothing the apiserver serves; written
 /// under `dir`.
+/// The Events (`events.k8s.io/v1`) in `namespace` regarding the object `name`: (reason, note,
+/// series count).
+pub async fn events_regarding(client: &kube::Client, namespace: &str, name: &str) -> Vec<(String, String, i64)> {
+    use kube::api::DynamicObject;
+    let gvk = kube::core::GroupVersionKind::gvk("events.k8s.io", "v1", "Event");
+    let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, "events");
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
+    let list = api.list(&Default::default()).await.unwrap_or_else(|e| panic!("list events in {namespace}: {e}"));
+    list.items
+        .iter()
+        .filter(|e| e.data.pointer("/regarding/name").and_then(|v| v.as_str()) == Some(name))
+        .map(|e| {
+            let text = |p: &str| e.data.pointer(p).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+            let count = e.data.pointer("/series/count").and_then(|v| v.as_i64()).unwrap_or(1);
+            (text("/reason"), text("/note"), count)
+        })
+        .collect()
+}
+
+/// Poll the events regarding `name` until `pred` holds (panics after 30 s, naming `what`).
+pub async fn wait_events(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&[(String, String, i64)]) -> bool,
+) -> Vec<(String, String, i64)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ev = events_regarding(client, namespace, name).await;
+        if pred(&ev) {
+            return ev;
+        }
+        assert!(Instant::now() < deadline, "{name} never got events {what}: {ev:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub fn throwaway_ca_pem(dir: &Path) -> String {
     let n = NS_COUNTER.fetch_add(1, Ordering::Relaxed);
     let (key, crt) = (dir.join(format!("other-ca-{n}.key")), dir.join(format!("other-ca-{n}.crt")));
