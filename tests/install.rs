@@ -454,10 +454,13 @@ async fn reinstall_changes_nothing_and_a_foreign_config_needs_force() {
     let files = ["/etc/rancher/agent/config.yaml", "/usr/local/bin/nodeplan", "/etc/systemd/system/nodeplan.service"];
     let before: Vec<_> = files.iter().map(|p| meta(p)).collect();
 
+    t.write("/etc/systemd/system/rancher-system-agent.service", "[Service]\n");
     let o = install_local(&t, &[], &[]).await;
     let (out, err) = text(&o);
     assert_eq!(code(&o), 0, "{out}\n{err}");
     assert!(out.contains("nothing changed") && !out.contains("created") && !out.contains("updated"), "{out}");
+    assert!(out.contains("warning: ") && out.contains("rancher-system-agent.service is installed too"), "{out}");
+    assert_eq!(t.read("/etc/systemd/system/rancher-system-agent.service"), "[Service]\n", "Rancher's is left alone");
     assert_eq!(files.iter().map(|p| meta(p)).collect::<Vec<_>>(), before, "not rewritten");
 
     // A config somebody else wrote: refused (exit 3), nothing written, not even the new binary.

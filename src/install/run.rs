@@ -273,6 +273,16 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
         systemctl(&[verb, "nodeplan.service"])?;
         out.lines.push(format!("systemctl {verb} nodeplan.service: done"));
     }
+    // Both agents on one plan source never act at once (remote mode waits while Rancher's runs):
+    // say so when Rancher's is installed here.
+    let rancher_unit = Path::new("/etc/systemd/system/rancher-system-agent.service");
+    if tree.existing(rancher_unit).map_err(failed)? != Existing::Absent {
+        out.lines.push(format!(
+            "warning: {} is installed too: nodeplan's remote mode waits while rancher-system-agent runs; \
+             disable it (systemctl disable --now rancher-system-agent) to hand the node to nodeplan",
+            tree.shown(rancher_unit).display()
+        ));
+    }
     if !out.changed {
         out.lines.push("nothing changed: everything was already installed as asked".into());
     }
