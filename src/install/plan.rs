@@ -66,6 +66,8 @@ pub enum IdOrigin {
     Env,
     Kept,
     MachineId,
+    /// No machine id to derive one from: random (and kept like a derived one).
+    Random,
 }
 
 /// The Cattle id: `CATTLE_ID`, else the one kept in the config directory by an earlier install,

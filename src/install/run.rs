@@ -99,15 +99,15 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
             let machine = tree.read(Path::new("/etc/machine-id"), 4096).map_err(failed)?;
             let (id, origin) = match plan::cattle_id(r.id.as_deref(), kept.as_deref(), machine.as_deref()) {
                 Some(x) => x,
-                None => (random_id()?, IdOrigin::MachineId),
+                None => (random_id()?, IdOrigin::Random),
             };
             out.lines.push(format!(
                 "Cattle id {id} ({})",
                 match origin {
                     IdOrigin::Env => "CATTLE_ID",
                     IdOrigin::Kept => "kept from an earlier install",
-                    IdOrigin::MachineId if machine.is_some() => "derived from /etc/machine-id",
-                    IdOrigin::MachineId => "random: no /etc/machine-id",
+                    IdOrigin::MachineId => "derived from /etc/machine-id",
+                    IdOrigin::Random => "random: no /etc/machine-id to derive it from",
                 }
             ));
             let bounds = Bounds { retries: s.retries, interval: s.retry_interval, timeout: s.request_timeout };
