@@ -91,7 +91,7 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
         None => std::env::current_exe().map_err(|e| Error::Bad(format!("cannot find the running binary: {e}")))?,
     };
     let binary = crate::safefs::read_named(&source, READ_CAP)
-        .map_err(|e| Error::Bad(format!("binary {}: {e}", source.display())))?;
+        .map_err(|e| Error::Bad(format!("binary {}: {e}", shown(&source))))?;
 
     let (connection, cattle_id) = match &s.source {
         Source::Rancher(r) => {
@@ -117,9 +117,9 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
         }
         Source::Kubeconfig { kubeconfig, namespace, name, .. } => {
             let kc = crate::safefs::read_named(kubeconfig, crate::config::MAX_FILE_BYTES)
-                .map_err(|e| Error::Bad(format!("--kubeconfig {}: {e}", kubeconfig.display())))?;
+                .map_err(|e| Error::Bad(format!("--kubeconfig {}: {e}", shown(kubeconfig))))?;
             let kc = String::from_utf8(kc)
-                .map_err(|_| Error::Bad(format!("--kubeconfig {}: not UTF-8 text", kubeconfig.display())))?;
+                .map_err(|_| Error::Bad(format!("--kubeconfig {}: not UTF-8 text", shown(kubeconfig))))?;
             let info = crate::config::ConnectionInfo {
                 kube_config: kc,
                 namespace: namespace.clone(),
@@ -127,7 +127,7 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
             };
             let json = serde_json::to_vec(&info).map_err(failed)?;
             let bad = |e: String| {
-                Error::Bad(format!("--kubeconfig {}: {}", kubeconfig.display(), e.replace("the answer's ", "")))
+                Error::Bad(format!("--kubeconfig {}: {}", shown(kubeconfig), e.replace("the answer's ", "")))
             };
             fetch::parse_connection(&json).map_err(bad)?;
             fetch::check_client(&info).await.map_err(bad)?;
@@ -433,4 +433,9 @@ pub fn uninstall(root: &Path, config_dir: &Path) -> Result<Outcome, Error> {
     }
     out.lines.push("uninstalled".into());
     Ok(out)
+}
+
+/// A path typed by the operator, for a one-line message (control characters escaped).
+fn shown(p: &Path) -> String {
+    p.display().to_string().escape_debug().to_string()
 }

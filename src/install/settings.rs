@@ -136,8 +136,15 @@ impl Settings {
         let mut problems = Vec::new();
         let dir = |flag: Option<&PathBuf>, var: &str, default: &str, problems: &mut Vec<String>| -> PathBuf {
             let p = flag.cloned().or_else(|| get(var).map(PathBuf::from)).unwrap_or_else(|| default.into());
-            if !p.is_absolute() || p.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
-                problems.push(format!("{var}: {} must be an absolute path without \"..\"", p.display()));
+            let text = p.to_string_lossy();
+            if !p.is_absolute()
+                || p.components().any(|c| matches!(c, std::path::Component::ParentDir))
+                || text.chars().any(char::is_control)
+            {
+                problems.push(format!(
+                    "{var}: {} must be an absolute path without \"..\" or control characters",
+                    crate::quoted(&text)
+                ));
             }
             p
         };
