@@ -857,3 +857,30 @@ async fn help_lists_the_exit_codes_and_the_variables() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.contains("https://"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_fails_midway_leaves_a_manifest_of_what_was_written() {
+    let t = Tree::new();
+    // A file where the enable link goes: the last step fails, after the files were written.
+    t.write("/etc/systemd/system/multi-user.target.wants/nodeplan.service", "not a link");
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains("in the way of the unit's enable link"), "{err}");
+    let m = nodeplan::install::plan::Manifest::parse(t.read("/etc/rancher/agent/nodeplan-install.json").as_bytes())
+        .unwrap();
+    let listed: Vec<_> = m.files.iter().map(|f| f.path.display().to_string()).collect();
+    assert_eq!(
+        listed,
+        ["/etc/rancher/agent/config.yaml", "/usr/local/bin/nodeplan", "/etc/systemd/system/nodeplan.service"]
+    );
+    // Once the way is clear the install completes, and uninstall removes everything it wrote.
+    std::fs::remove_file(t.at("/etc/systemd/system/multi-user.target.wants/nodeplan.service")).unwrap();
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("unchanged config") && out.contains("enabled: link"), "{out}");
+    let o = uninstall(&t).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(!t.at("/etc/systemd/system/nodeplan.service").exists() && !t.at("/usr/local/bin/nodeplan").exists());
+}

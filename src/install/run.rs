@@ -174,9 +174,65 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
 
     let mut manifest = Manifest { version: 1, ..Manifest::default() };
     manifest.dirs = old.dirs.clone();
+    let written = write_steps(&tree, &steps, actions, env_now, &mut manifest, &mut out);
+    // What an earlier install wrote and this one did not (the connection info of a mode left
+    // behind) stays listed, so uninstall still removes it.
+    for f in &old.files {
+        if manifest.recorded(&f.path).is_none() {
+            manifest.files.push(f.clone());
+        }
+    }
+    for l in &old.links {
+        if !manifest.links.iter().any(|m| m.path == l.path) {
+            manifest.links.push(l.clone());
+        }
+    }
+    let mpath = s.config_dir.join(super::MANIFEST_NAME);
+    let mut text = serde_json::to_vec_pretty(&manifest).map_err(failed)?;
+    text.push(b'\n');
+    // The manifest is written even when a step failed, so what was written is known next time.
+    let saved = tree.write(&mpath, &text, 0o600);
+    let unit_changed = written?;
+    saved.map_err(failed)?;
+
+    if tree.is_host() {
+        if unit_changed {
+            systemctl(&["daemon-reload"])?;
+        }
+        systemctl(&["enable", "nodeplan.service"])?;
+        let verb = if out.changed { "restart" } else { "start" };
+        systemctl(&[verb, "nodeplan.service"])?;
+        out.lines.push(format!("systemctl {verb} nodeplan.service: done"));
+    }
+    // Both agents on one plan source never act at once (remote mode waits while Rancher's runs):
+    // say so when Rancher's is installed here.
+    let rancher_unit = Path::new("/etc/systemd/system/rancher-system-agent.service");
+    if tree.existing(rancher_unit).map_err(failed)? != Existing::Absent {
+        out.lines.push(format!(
+            "warning: {} is installed too: nodeplan's remote mode waits while rancher-system-agent runs; \
+             disable it (systemctl disable --now rancher-system-agent) to hand the node to nodeplan",
+            tree.shown(rancher_unit).display()
+        ));
+    }
+    if !out.changed {
+        out.lines.push("nothing changed: everything was already installed as asked".into());
+    }
+    Ok(out)
+}
+
+/// Carries out `steps` (with the [`Action`]s decided for their files, in order), recording in
+/// `manifest` what it wrote; returns whether the unit or its environment changed.
+fn write_steps(
+    tree: &Tree,
+    steps: &[Step],
+    actions: Vec<(PathBuf, Action, String)>,
+    mut env_now: Option<Option<String>>,
+    manifest: &mut Manifest,
+    out: &mut Outcome,
+) -> Result<bool, Error> {
     let mut actions = actions.into_iter();
     let mut unit_changed = false;
-    for step in &steps {
+    for step in steps {
         match step {
             Step::Dir { path, mode } => {
                 for d in tree.ensure_dir(path, *mode).map_err(failed)? {
@@ -247,46 +303,7 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
             }
         }
     }
-    // What an earlier install wrote and this one did not (the connection info of a mode left
-    // behind) stays listed, so uninstall still removes it.
-    for f in &old.files {
-        if manifest.recorded(&f.path).is_none() {
-            manifest.files.push(f.clone());
-        }
-    }
-    for l in &old.links {
-        if !manifest.links.iter().any(|m| m.path == l.path) {
-            manifest.links.push(l.clone());
-        }
-    }
-    let mpath = s.config_dir.join(super::MANIFEST_NAME);
-    let mut text = serde_json::to_vec_pretty(&manifest).map_err(failed)?;
-    text.push(b'\n');
-    tree.write(&mpath, &text, 0o600).map_err(failed)?;
-
-    if tree.is_host() {
-        if unit_changed {
-            systemctl(&["daemon-reload"])?;
-        }
-        systemctl(&["enable", "nodeplan.service"])?;
-        let verb = if out.changed { "restart" } else { "start" };
-        systemctl(&[verb, "nodeplan.service"])?;
-        out.lines.push(format!("systemctl {verb} nodeplan.service: done"));
-    }
-    // Both agents on one plan source never act at once (remote mode waits while Rancher's runs):
-    // say so when Rancher's is installed here.
-    let rancher_unit = Path::new("/etc/systemd/system/rancher-system-agent.service");
-    if tree.existing(rancher_unit).map_err(failed)? != Existing::Absent {
-        out.lines.push(format!(
-            "warning: {} is installed too: nodeplan's remote mode waits while rancher-system-agent runs; \
-             disable it (systemctl disable --now rancher-system-agent) to hand the node to nodeplan",
-            tree.shown(rancher_unit).display()
-        ));
-    }
-    if !out.changed {
-        out.lines.push("nothing changed: everything was already installed as asked".into());
-    }
-    Ok(out)
+    Ok(unit_changed)
 }
 
 fn unreachable_refusal() -> Result<(), Error> {
