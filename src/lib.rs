@@ -24,6 +24,7 @@
 //! - [`fleet`]: many nodes' plan Secrets as rows (state, progress, probes) for status and fan-out.
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
+//! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
 
@@ -36,6 +37,7 @@ pub mod fleet;
 pub mod flow;
 pub mod formats;
 pub mod image;
+pub mod install;
 pub mod lease;
 pub mod local;
 pub mod metrics;

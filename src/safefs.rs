@@ -65,6 +65,9 @@ fn planted_flags() -> OFlags {
 struct Walk<'a> {
     shown: &'a Path,
     links_left: u32,
+    /// Whether a symlink met on the way may be followed at all (under the rule above); false
+    /// inside an install tree ([`open_dir_beneath`]), where any link is refused.
+    follow: bool,
 }
 
 impl Walk<'_> {
@@ -99,6 +102,16 @@ impl Walk<'_> {
                     let st = rustix::fs::statat(cur, name, AtFlags::SYMLINK_NOFOLLOW)?;
                     if FileType::from_raw_mode(st.st_mode) != FileType::Symlink {
                         return Err(e.into());
+                    }
+                    if !self.follow {
+                        return Err(err(
+                            io::ErrorKind::PermissionDenied,
+                            format!(
+                                "refusing to follow the symlink {:?} in {} (no link is followed inside this tree)",
+                                name,
+                                self.shown.display()
+                            ),
+                        ));
                     }
                     return self.follow(cur, name, st.st_uid);
                 }
@@ -145,8 +158,28 @@ fn start_fd(path: &Path) -> io::Result<OwnedFd> {
 /// Open the directory `path`, walking it under the module's rules; with `create`, missing
 /// directories are made with that mode (as `mkdir -p` would, less the umask).
 pub fn open_dir(path: &Path, create: Option<u32>) -> io::Result<OwnedFd> {
-    let mut walk = Walk { shown: path, links_left: MAX_LINKS };
+    let mut walk = Walk { shown: path, links_left: MAX_LINKS, follow: true };
     walk.dir(start_fd(path)?, path, create.map(Mode::from_raw_mode))
+}
+
+/// Open the directory `rel` beneath the directory `start` (an install tree given as `--root`),
+/// one component at a time, following no symlink at all (a link anywhere on the way is an error
+/// naming it) and never leaving `start`: `rel` may be written absolute (`/etc/x` means
+/// `<start>/etc/x`) but must not hold `..`. With `create`, missing directories are made with that
+/// mode. `shown` is the path errors name.
+pub fn open_dir_beneath(start: BorrowedFd<'_>, rel: &Path, create: Option<u32>, shown: &Path) -> io::Result<OwnedFd> {
+    let mut clean = PathBuf::new();
+    for comp in rel.components() {
+        match comp {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(n) => clean.push(n),
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(err(io::ErrorKind::InvalidInput, format!("{}: \"..\" is not allowed", shown.display())));
+            }
+        }
+    }
+    let mut walk = Walk { shown, links_left: 0, follow: false };
+    walk.dir(rustix::io::dup(start)?, &clean, create.map(Mode::from_raw_mode))
 }
 
 /// Split `path` into its directory and last component; the last one must be a plain name.
@@ -215,7 +248,19 @@ fn same_content(fd: &OwnedFd, st: &rustix::fs::Stat, data: &[u8]) -> io::Result<
 pub fn write_file(path: &Path, data: &[u8], mode: u32, owner: Option<Owner>) -> io::Result<bool> {
     let (parent, name) = split(path)?;
     let dir = open_dir(parent, Some(0o755))?;
-    if let Some((fd, st)) = open_regular(dir.as_fd(), name)? {
+    write_file_in(dir.as_fd(), name, data, mode, owner)
+}
+
+/// [`write_file`] of the plain name `name` in the open directory `dir` (which the caller walked
+/// under this module's rules). What is at `name` is replaced by the rename, never followed.
+pub fn write_file_in(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    data: &[u8],
+    mode: u32,
+    owner: Option<Owner>,
+) -> io::Result<bool> {
+    if let Some((fd, st)) = open_regular(dir, name)? {
         // A file with other hard links is replaced, never chmod-ed in place: the other name may
         // be a file somebody linked here to have root change it.
         if st.st_nlink == 1 && same_content(&fd, &st, data)? {
@@ -225,7 +270,7 @@ pub fn write_file(path: &Path, data: &[u8], mode: u32, owner: Option<Owner>) -> 
     }
     let tmp = temp_name(name)?;
     let fd = rustix::fs::openat(
-        &dir,
+        dir,
         tmp.as_slice(),
         OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::from_raw_mode(0o600),
@@ -235,12 +280,12 @@ pub fn write_file(path: &Path, data: &[u8], mode: u32, owner: Option<Owner>) -> 
         f.write_all(data)?;
         set_owner_mode(f.as_fd(), mode, owner)?;
         f.sync_all()?;
-        rustix::fs::renameat(&dir, tmp.as_slice(), &dir, name)?;
-        rustix::fs::fsync(&dir)?;
+        rustix::fs::renameat(dir, tmp.as_slice(), dir, name)?;
+        rustix::fs::fsync(dir)?;
         Ok(())
     })();
     if result.is_err() {
-        let _ = rustix::fs::unlinkat(&dir, tmp.as_slice(), AtFlags::empty());
+        let _ = rustix::fs::unlinkat(dir, tmp.as_slice(), AtFlags::empty());
     }
     result.map(|()| true)
 }
@@ -494,7 +539,12 @@ pub fn read_small(path: &Path, cap: u64) -> io::Result<Option<Vec<u8>>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    let fd = match rustix::fs::openat(&dir, name, planted_flags(), Mode::empty()) {
+    read_small_in(dir.as_fd(), name, cap)
+}
+
+/// [`read_small`] of the plain name `name` in the open directory `dir`.
+pub fn read_small_in(dir: BorrowedFd<'_>, name: &OsStr, cap: u64) -> io::Result<Option<Vec<u8>>> {
+    let fd = match rustix::fs::openat(dir, name, planted_flags(), Mode::empty()) {
         Ok(fd) => fd,
         Err(Errno::NOENT) => return Ok(None),
         Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),

@@ -216,3 +216,57 @@ fn image_references_and_registries_files() {
         }
     }
 }
+
+#[test]
+fn install_manifests_server_answers_env_files_and_settings() {
+    use nodeplan::install::{fetch, plan, settings};
+    let manifest: &[u8] = br#"{"version":1,"files":[{"path":"/etc/rancher/agent/config.yaml","sha256":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}],"links":[{"path":"/etc/systemd/system/multi-user.target.wants/nodeplan.service","target":"/etc/systemd/system/nodeplan.service"}],"envFile":"/etc/systemd/system/nodeplan.env","dirs":["/etc/rancher"]}"#;
+    fuzz(&[manifest], "install manifest", |input| {
+        if let Err(e) = plan::Manifest::parse(input) {
+            one_line(&e, "install manifest", input);
+        }
+    });
+    let answer: &[u8] = br#"{"kubeConfig":"apiVersion: v1\nusers:\n- name: u\n  user: {token: s3cret-token}\n","namespace":"fleet-default","secretName":"m-plan"}"#;
+    fuzz(&[answer], "connection answer", |input| {
+        if let Err(e) = fetch::parse_connection(input) {
+            one_line(&e, "connection answer", input);
+            assert!(!e.contains("s3cret"), "an answer's content is never shown: {e}");
+        }
+    });
+    // The environment file: whatever is there, merging never panics, keeps a line the user wrote
+    // outside the block, and merging twice gives what merging once gave.
+    let env: &[u8] = b"# BEGIN nodeplan install (x)\nHTTPS_PROXY=\"http://old\"\n# END nodeplan install\nFOO=bar\nexport NO_PROXY=x\n";
+    let vars =
+        vec![("HTTPS_PROXY".to_string(), "http://p:3128".to_string()), ("NO_PROXY".to_string(), "y".to_string())];
+    fuzz(&[env], "environment file", |input| {
+        let text = String::from_utf8_lossy(input);
+        let once = plan::merge_env(Some(&text), &vars);
+        let twice = plan::merge_env(once.text.as_deref(), &vars);
+        assert_eq!(once.text, twice.text, "{text:?}");
+        let _ = plan::merge_env(Some(&text), &[]);
+    });
+    // Installer variables with mutated values: one-line errors, never a panic.
+    let names = [
+        "CATTLE_SERVER",
+        "CATTLE_CA_CHECKSUM",
+        "CATTLE_LABELS",
+        "CATTLE_ROLE_ETCD",
+        "CATTLE_AGENT_VAR_DIR",
+        "HTTPS_PROXY",
+    ];
+    let base: &[u8] = b"https://rancher.example:8443/sub";
+    fuzz(&[base], "installer variable", |input| {
+        let value = String::from_utf8_lossy(input).into_owned();
+        for name in names {
+            let env = |k: &str| match k {
+                "CATTLE_TOKEN" => Some("t".to_string()),
+                "CATTLE_SERVER" if name != "CATTLE_SERVER" => Some("https://r".to_string()),
+                k if k == name => Some(value.clone()),
+                _ => None,
+            };
+            if let Err(e) = settings::Settings::resolve(env, &settings::Flags::default()) {
+                one_line(&e, name, input);
+            }
+        }
+    });
+}

@@ -6,10 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-for cmd in openssl sh sleep mkfifo; do command -v "$cmd" >/dev/null || need+=("$cmd"); done
+# systemd-analyze (package systemd), unshare and mount (util-linux, mount) and curl are for
+# tests/install.rs: the unit check, the read-only /usr/local in a private mount namespace, install.sh.
+for cmd in openssl sh sleep mkfifo systemd-analyze unshare mount curl; do command -v "$cmd" >/dev/null || need+=("$cmd"); done
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages for: ${need[*]}" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl coreutils >/dev/null
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl coreutils systemd util-linux mount curl >/dev/null
 fi
 # promtool and a real Prometheus server for tests/metrics.rs (Debian's `prometheus` package).
 if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then

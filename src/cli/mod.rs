@@ -8,6 +8,7 @@
 mod agent;
 mod apply;
 mod dry_run;
+mod install;
 mod output;
 mod plan_cmd;
 mod rollout;
@@ -34,6 +35,8 @@ pub mod exit {
     pub const ALREADY_RUNNING: u8 = 5;
     /// `apply --dry-run`: applying the plan would change something (files, instructions to run).
     pub const CHANGES_PENDING: u8 = 6;
+    /// `install`: a file nodeplan install did not write is in the way (nothing was written).
+    pub const REFUSED: u8 = 3;
     /// `rollout`: more nodes failed than `--max-errors`; no new node was started.
     pub const ERROR_BUDGET: u8 = 7;
     /// `rollout`: interrupted (Ctrl-C, SIGTERM); the same command continues it.
@@ -114,6 +117,13 @@ enum Command {
     /// itself when too many fail; a rerun continues where it stopped.
     #[command(after_help = rollout::EXIT_CODES)]
     Rollout(rollout::RolloutArgs),
+    /// Install the agent on this machine (or into --root DIR) as system-agent's installer does:
+    /// connection info from Rancher (or a kubeconfig given), config, binary, systemd unit, enabled.
+    #[command(after_help = install::INSTALL_EXIT_CODES)]
+    Install(install::InstallArgs),
+    /// Remove what `nodeplan install` wrote (files changed since are kept and named).
+    #[command(after_help = install::UNINSTALL_EXIT_CODES)]
+    Uninstall(install::UninstallArgs),
     /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
     Crd,
     /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
@@ -240,6 +250,8 @@ pub fn main() -> ExitCode {
             Command::Supervise(s) => supervise::run(s).await,
             Command::Plan(p) => plan_cmd::run(p).await,
             Command::Rollout(r) => rollout::run(r).await,
+            Command::Install(a) => install::install(a).await,
+            Command::Uninstall(a) => install::uninstall(a),
             Command::Crd => {
                 out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
                 exit::OK

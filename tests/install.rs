@@ -1,0 +1,886 @@
+//! `nodeplan install` / `uninstall` and `install.sh` end to end, always into a temporary `--root`
+//! tree (never the machine's /etc, /usr or /var): the Rancher exchange against a local HTTPS
+//! server that checks the token and every X-Cattle-* header, the CA checksum, retries, the
+//! read-only /usr/local fallback (in a private mount namespace), re-install, refusal of foreign
+//! files, uninstall, the environment file, the Cattle id, a planted symlink, the interlock, and
+//! `systemd-analyze verify` on the unit.
+
+mod common;
+
+use common::{NODEPLAN, require};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use rustls::ServerConfig;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+// ---------------------------------------------------------------------------------------------
+// A minimal HTTP(S) server: one request per connection, the handler sees the method, path and
+// headers and answers a status and a body; every request is recorded.
+
+#[derive(Debug, Clone)]
+struct Request {
+    path: String,
+    headers: Vec<(String, String)>,
+}
+
+impl Request {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+type Handler = Arc<dyn Fn(&Request) -> (u16, Vec<u8>) + Send + Sync>;
+
+struct Server {
+    addr: std::net::SocketAddr,
+    requests: Arc<Mutex<Vec<Request>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Server {
+    async fn start(tls: Option<Arc<ServerConfig>>, handler: Handler) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let log = requests.clone();
+        let acceptor = tls.map(TlsAcceptor::from);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let (h, log, acceptor) = (handler.clone(), log.clone(), acceptor.clone());
+                conns.spawn(async move {
+                    match acceptor {
+                        None => serve_one(stream, &h, &log).await,
+                        Some(a) => {
+                            if let Ok(s) = a.accept(stream).await {
+                                serve_one(s, &h, &log).await
+                            }
+                        }
+                    }
+                });
+                while conns.try_join_next().is_some() {}
+            }
+        });
+        Server { addr, requests, task }
+    }
+
+    fn url(&self, scheme: &str) -> String {
+        format!("{scheme}://{}", self.addr)
+    }
+
+    fn requests(&self) -> Vec<Request> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    fn count(&self, path: &str) -> usize {
+        self.requests().iter().filter(|r| r.path == path).count()
+    }
+}
+
+async fn serve_one<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, h: &Handler, log: &Mutex<Vec<Request>>) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let mut lines = text.split("\r\n");
+    let path = lines.next().unwrap_or("").split(' ').nth(1).unwrap_or("/").to_string();
+    let headers =
+        lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))).collect();
+    let req = Request { path, headers };
+    log.lock().unwrap().push(req.clone());
+    let (status, body) = h(&req);
+    let mut resp =
+        format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).into_bytes();
+    resp.extend_from_slice(&body);
+    let _ = s.write_all(&resp).await;
+    let _ = s.shutdown().await;
+}
+
+/// A throw-away CA and a server certificate for 127.0.0.1 it signed.
+struct Pki {
+    ca_pem: String,
+    tls: Arc<ServerConfig>,
+}
+
+fn pki() -> Pki {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(DnType::CommonName, "nodeplan install test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &ca).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let der: CertificateDer<'static> = cert.der().clone();
+    let tls = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![der], PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())))
+        .unwrap();
+    Pki { ca_pem: ca.pem(), tls: Arc::new(tls) }
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    nodeplan::install::sha256_hex(data)
+}
+
+const TOKEN: &str = "tok-0123456789";
+/// A kubeconfig a client can be made from (the agent's check), trusting the test CA.
+fn kubeconfig(ca_pem: &str) -> String {
+    use base64::Engine as _;
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: c
+  cluster:
+    server: https://127.0.0.1:6443
+    certificate-authority-data: {ca}
+users:
+- name: u
+  user:
+    token: secret-agent-token
+contexts:
+- name: ctx
+  context:
+    cluster: c
+    user: u
+current-context: ctx
+"
+    )
+}
+
+fn connection_json(ca_pem: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "kubeConfig": kubeconfig(ca_pem), "namespace": "fleet-default", "secretName": "custom-abc-machine-plan"
+    }))
+    .unwrap()
+}
+
+/// The Rancher side: `/cacerts` answers the CA; `/v3/connect/agent` answers 503 `fail_first`
+/// times, then checks the token (401) and every X-Cattle-* header against `want` (400 naming
+/// the header), then answers the connection info.
+fn rancher_handler(ca_pem: String, want: Vec<(&'static str, String)>, fail_first: usize) -> Handler {
+    let seen = Arc::new(Mutex::new(0usize));
+    Arc::new(move |r: &Request| match r.path.as_str() {
+        "/cacerts" => (200, ca_pem.clone().into_bytes()),
+        "/v3/connect/agent" => {
+            let n = {
+                let mut s = seen.lock().unwrap();
+                *s += 1;
+                *s
+            };
+            if n <= fail_first {
+                return (503, b"starting".to_vec());
+            }
+            if r.header("Authorization") != Some(&format!("Bearer {TOKEN}")) {
+                return (401, b"Unauthorized".to_vec());
+            }
+            for (k, v) in &want {
+                if r.header(k) != Some(v.as_str()) {
+                    return (400, format!("bad {k}: {:?}", r.header(k)).into_bytes());
+                }
+            }
+            (200, connection_json(&ca_pem))
+        }
+        _ => (404, Vec::new()),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the installer.
+
+/// A temporary tree plus a small stand-in binary (a shell script) for tests that do not need the
+/// real one.
+struct Tree {
+    dir: tempfile::TempDir,
+}
+
+impl Tree {
+    fn new() -> Tree {
+        let t = Tree { dir: tempfile::tempdir().unwrap() };
+        std::fs::create_dir(t.root()).unwrap();
+        std::fs::write(t.bin(), "#!/bin/sh\necho stand-in nodeplan\n").unwrap();
+        std::fs::set_permissions(t.bin(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        t
+    }
+    fn root(&self) -> PathBuf {
+        self.dir.path().join("root")
+    }
+    fn bin(&self) -> PathBuf {
+        self.dir.path().join("stand-in")
+    }
+    /// A path of the tree, written as the agent sees it (`/etc/…`).
+    fn at(&self, p: &str) -> PathBuf {
+        self.root().join(p.trim_start_matches('/'))
+    }
+    fn read(&self, p: &str) -> String {
+        std::fs::read_to_string(self.at(p)).unwrap_or_else(|e| panic!("{p}: {e}"))
+    }
+    fn write(&self, p: &str, content: &str) {
+        let p = self.at(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, content).unwrap();
+    }
+    fn mode(&self, p: &str) -> u32 {
+        std::fs::metadata(self.at(p)).unwrap().permissions().mode() & 0o7777
+    }
+}
+
+/// `nodeplan ARGS` with only `env` (and PATH) in its environment.
+async fn nodeplan(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = tokio::process::Command::new(NODEPLAN);
+    c.args(args).env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    tokio::time::timeout(Duration::from_secs(120), c.output()).await.expect("nodeplan install hung").unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap_or(-1)
+}
+
+/// `install --root T --local --binary <stand-in>` plus `more`.
+async fn install_local(t: &Tree, more: &[&str], env: &[(&str, &str)]) -> Output {
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let mut args = vec!["install", "--root", &root, "--local", "--binary", &bin];
+    args.extend_from_slice(more);
+    nodeplan(&args, env).await
+}
+
+async fn uninstall(t: &Tree) -> Output {
+    nodeplan(&["uninstall", "--root", &t.root().display().to_string()], &[]).await
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rancher_exchange_with_retries_headers_and_a_kept_cattle_id() {
+    let pki = pki();
+    let t = Tree::new();
+    let machine_id = "0123456789abcdef0123456789abcdef\n";
+    t.write("/etc/machine-id", machine_id);
+    let id = sha256_hex(machine_id.as_bytes());
+    let want = vec![
+        ("X-Cattle-Id", id.clone()),
+        ("X-Cattle-Role-Etcd", "true".to_string()),
+        ("X-Cattle-Role-Control-Plane", "false".to_string()),
+        ("X-Cattle-Role-Worker", "true".to_string()),
+        ("X-Cattle-Labels", "zone=a,disk=ssd".to_string()),
+        ("X-Cattle-Taints", "dedicated=infra:NoSchedule".to_string()),
+        ("X-Cattle-Node-Name", "node-1".to_string()),
+    ];
+    let server = Server::start(Some(pki.tls.clone()), rancher_handler(pki.ca_pem.clone(), want, 2)).await;
+    let url = server.url("https");
+    let sum = sha256_hex(pki.ca_pem.as_bytes());
+    let env = [
+        ("CATTLE_SERVER", url.as_str()),
+        ("CATTLE_TOKEN", TOKEN),
+        ("CATTLE_CA_CHECKSUM", sum.as_str()),
+        ("CATTLE_ROLE_ETCD", "true"),
+        ("CATTLE_ROLE_WORKER", "true"),
+        ("CATTLE_LABELS", "zone=a,disk=ssd"),
+        ("CATTLE_TAINTS", "dedicated=infra:NoSchedule"),
+        ("CATTLE_NODE_NAME", "node-1"),
+        ("CATTLE_AGENT_LOGLEVEL", "debug"),
+    ];
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let args = ["install", "--root", &root, "--binary", &bin, "--retry-interval", "10ms"];
+    let o = nodeplan(&args, &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    // 503 twice (each retry said why), then 200: three requests counted by the server.
+    assert_eq!(server.count("/v3/connect/agent"), 3, "{err}");
+    assert!(err.contains("HTTP 503") && err.contains("retry 1/10") && err.contains("retry 2/10"), "{err}");
+    // /cacerts was fetched with no credential on it.
+    for r in server.requests().iter().filter(|r| r.path == "/cacerts") {
+        assert_eq!(r.header("Authorization"), None);
+    }
+    assert!(out.contains("derived from /etc/machine-id"), "{out}");
+
+    // The config and the connection info load and validate as the agent reads them.
+    let cfg_path = t.at("/etc/rancher/agent/config.yaml");
+    let cfg = nodeplan::config::load(&cfg_path).unwrap();
+    nodeplan::config::validate(&cfg).unwrap();
+    assert!(cfg.remote_enabled && !cfg.local_enabled);
+    assert_eq!(cfg.connection_info_file, Path::new("/var/lib/rancher/agent/rancher2_connection_info.json"));
+    assert_eq!(cfg.interlock_directory, Path::new("/var/lib/rancher/agent/interlock"));
+    let conn_path = t.at("/var/lib/rancher/agent/rancher2_connection_info.json");
+    let conn = nodeplan::config::load_connection(&conn_path).unwrap();
+    assert_eq!((conn.namespace.as_str(), conn.secret_name.as_str()), ("fleet-default", "custom-abc-machine-plan"));
+    assert_eq!(conn.kube_config, kubeconfig(&pki.ca_pem));
+    assert_eq!(
+        (t.mode("/etc/rancher/agent/config.yaml"), t.mode("/var/lib/rancher/agent/rancher2_connection_info.json")),
+        (0o600, 0o600)
+    );
+    let v = nodeplan(&["validate-connection", &conn_path.display().to_string()], &[]).await;
+    assert_eq!(code(&v), 0, "{:?}", text(&v));
+    assert_eq!(t.read("/etc/rancher/agent/cattle-id"), format!("{id}\n"));
+    assert!(t.read("/etc/systemd/system/nodeplan.env").contains("CATTLE_LOGLEVEL=\"debug\"\n"));
+
+    // A second run with another machine id keeps the id (the server checks the header again)
+    // and changes nothing.
+    t.write("/etc/machine-id", "ffffffffffffffffffffffffffffffff\n");
+    let before = server.count("/v3/connect/agent");
+    let o = nodeplan(&args, &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("kept from an earlier install"), "{out}");
+    assert!(out.contains("nothing changed"), "{out}");
+    assert!(!out.contains("created") && !out.contains("updated"), "{out}");
+    assert_eq!(server.count("/v3/connect/agent"), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_retried_then_fails_clearly_and_writes_nothing() {
+    let pki = pki();
+    let t = Tree::new();
+    let server = Server::start(Some(pki.tls.clone()), rancher_handler(pki.ca_pem.clone(), vec![], 0)).await;
+    let url = server.url("https");
+    let sum = sha256_hex(pki.ca_pem.as_bytes());
+    let env = [
+        ("CATTLE_SERVER", url.as_str()),
+        ("CATTLE_TOKEN", "wrong"),
+        ("CATTLE_CA_CHECKSUM", sum.as_str()),
+        ("CATTLE_ID", "id-1"),
+    ];
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let o =
+        nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "2", "--retry-interval", "10ms"], &env)
+            .await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert_eq!(server.count("/v3/connect/agent"), 3);
+    let last = err.lines().last().unwrap_or("");
+    assert!(
+        last.contains("401") && last.contains("CATTLE_TOKEN") && last.contains("gave up after 3 attempts"),
+        "{err}"
+    );
+    assert!(!err.contains("wrong"), "the token is never shown: {err}");
+    assert_eq!(std::fs::read_dir(t.root()).unwrap().count(), 0, "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_checksum_mismatch_is_refused_before_the_token_is_sent() {
+    let pki = pki();
+    let t = Tree::new();
+    let server = Server::start(Some(pki.tls.clone()), rancher_handler(pki.ca_pem.clone(), vec![], 0)).await;
+    let url = server.url("https");
+    let other = sha256_hex(b"some other CA");
+    let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", other.as_str())];
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let o = nodeplan(&["install", "--root", &root, "--binary", &bin, "--retry-interval", "10ms"], &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains(&other) && err.contains(&sha256_hex(pki.ca_pem.as_bytes())), "{err}");
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 1, "one /cacerts, no retry of a mismatch, no connect: {reqs:?}");
+    assert!(reqs.iter().all(|r| r.path == "/cacerts" && r.header("Authorization").is_none()));
+    assert_eq!(std::fs::read_dir(t.root()).unwrap().count(), 0, "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_checksum_only_the_system_roots_are_trusted() {
+    let pki = pki();
+    let t = Tree::new();
+    let server = Server::start(Some(pki.tls.clone()), rancher_handler(pki.ca_pem.clone(), vec![], 0)).await;
+    let url = server.url("https");
+    let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_ID", "id-1")];
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let o =
+        nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "1", "--retry-interval", "10ms"], &env)
+            .await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains("gave up after 2 attempts"), "{err}");
+    // The test CA is in no system store: no request ever got through the handshake.
+    assert_eq!(server.requests().len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reinstall_changes_nothing_and_a_foreign_config_needs_force() {
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("created config") && out.contains("created binary") && out.contains("created unit"), "{out}");
+    let cfg = nodeplan::config::load(&t.at("/etc/rancher/agent/config.yaml")).unwrap();
+    nodeplan::config::validate(&cfg).unwrap();
+    assert!(cfg.local_enabled && !cfg.remote_enabled);
+    assert_eq!(std::fs::read(t.at("/usr/local/bin/nodeplan")).unwrap(), std::fs::read(t.bin()).unwrap());
+    assert_eq!(t.mode("/usr/local/bin/nodeplan"), 0o755);
+    assert_eq!(t.mode("/etc/systemd/system/nodeplan.service"), 0o644);
+    assert_eq!(
+        std::fs::read_link(t.at("/etc/systemd/system/multi-user.target.wants/nodeplan.service")).unwrap(),
+        Path::new("/etc/systemd/system/nodeplan.service")
+    );
+    let meta = |p: &str| {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(t.at(p)).unwrap();
+        (m.ino(), m.mtime_nsec(), m.mtime())
+    };
+    let files = ["/etc/rancher/agent/config.yaml", "/usr/local/bin/nodeplan", "/etc/systemd/system/nodeplan.service"];
+    let before: Vec<_> = files.iter().map(|p| meta(p)).collect();
+
+    t.write("/etc/systemd/system/rancher-system-agent.service", "[Service]\n");
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("nothing changed") && !out.contains("created") && !out.contains("updated"), "{out}");
+    assert!(out.contains("warning: ") && out.contains("rancher-system-agent.service is installed too"), "{out}");
+    assert_eq!(t.read("/etc/systemd/system/rancher-system-agent.service"), "[Service]\n", "Rancher's is left alone");
+    assert_eq!(files.iter().map(|p| meta(p)).collect::<Vec<_>>(), before, "not rewritten");
+
+    // A config somebody else wrote: refused (exit 3), nothing written, not even the new binary.
+    t.write("/etc/rancher/agent/config.yaml", "localEnabled: true\n# the operator's own\n");
+    std::fs::write(t.bin(), "#!/bin/sh\necho newer\n").unwrap();
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 3, "{out}\n{err}");
+    assert!(err.contains("config.yaml") && err.contains("--force") && err.contains("nothing was written"), "{err}");
+    assert_eq!(t.read("/etc/rancher/agent/config.yaml"), "localEnabled: true\n# the operator's own\n");
+    assert_eq!(t.read("/usr/local/bin/nodeplan"), "#!/bin/sh\necho stand-in nodeplan\n");
+
+    let o = install_local(&t, &["--force"], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("updated config") && out.contains("updated binary"), "{out}");
+    assert!(t.read("/etc/rancher/agent/config.yaml").starts_with("# Written by `nodeplan install`"));
+    assert_eq!(t.read("/usr/local/bin/nodeplan"), "#!/bin/sh\necho newer\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_variables_join_the_env_file_and_uninstall_keeps_what_the_user_changed() {
+    let t = Tree::new();
+    let users = "# the operator's own settings\nFOO=bar\nNO_PROXY=10.0.0.0/8\n";
+    t.write("/etc/systemd/system/nodeplan.env", users);
+    t.write("/var/lib/rancher/agent/work/state", "the agent's, not install's");
+    let env =
+        [("HTTPS_PROXY", "http://proxy.internal:3128"), ("NO_PROXY", "127.0.0.1"), ("http_proxy", "http://p:8080")];
+    let o = install_local(&t, &[], &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    let envfile = t.read("/etc/systemd/system/nodeplan.env");
+    assert!(envfile.ends_with(users), "the user's lines survive byte for byte: {envfile}");
+    assert!(
+        envfile.contains("HTTPS_PROXY=\"http://proxy.internal:3128\"\n")
+            && envfile.contains("http_proxy=\"http://p:8080\"\n"),
+        "{envfile}"
+    );
+    assert!(!envfile.contains("127.0.0.1"), "the user's NO_PROXY wins: {envfile}");
+    assert!(out.contains("NO_PROXY is set by your own line"), "{out}");
+    // Re-install: same file.
+    let o = install_local(&t, &[], &env).await;
+    assert_eq!(code(&o), 0);
+    assert_eq!(t.read("/etc/systemd/system/nodeplan.env"), envfile);
+
+    // The user edits the config; uninstall keeps it (and says so) and removes the rest.
+    let cfg = t.read("/etc/rancher/agent/config.yaml");
+    t.write("/etc/rancher/agent/config.yaml", &format!("{cfg}# tuned by hand\n"));
+    let o = uninstall(&t).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("kept") && out.contains("config.yaml: changed since nodeplan install wrote it"), "{out}");
+    assert!(t.at("/etc/rancher/agent/config.yaml").exists());
+    for gone in [
+        "/usr/local/bin/nodeplan",
+        "/etc/systemd/system/nodeplan.service",
+        "/etc/systemd/system/multi-user.target.wants/nodeplan.service",
+        "/etc/rancher/agent/nodeplan-install.json",
+        "/usr/local",
+        "/var/lib/rancher/agent/interlock",
+        "/var/lib/rancher/agent/plans",
+    ] {
+        assert!(std::fs::symlink_metadata(t.at(gone)).is_err(), "{gone} should be gone: {out}");
+    }
+    assert_eq!(t.read("/etc/systemd/system/nodeplan.env"), users, "only the installer's block went");
+    assert_eq!(t.read("/var/lib/rancher/agent/work/state"), "the agent's, not install's");
+    // Twice is fine.
+    let o = uninstall(&t).await;
+    assert_eq!(code(&o), 0);
+    assert!(text(&o).0.contains("nothing to uninstall"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_planted_in_the_tree_is_never_followed() {
+    let t = Tree::new();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(t.at("/etc")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), t.at("/etc/rancher")).unwrap();
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_ne!(code(&o), 0, "{out}\n{err}");
+    assert!(err.contains("symlink") && err.contains("rancher"), "{err}");
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0, "nothing written through the link");
+    // A link in place of a file install writes is not followed either: without --force it is
+    // refused, with --force the link itself is replaced.
+    std::fs::remove_file(t.at("/etc/rancher")).unwrap();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, "keep me").unwrap();
+    std::fs::create_dir_all(t.at("/etc/systemd/system")).unwrap();
+    std::os::unix::fs::symlink(&victim, t.at("/etc/systemd/system/nodeplan.service")).unwrap();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 3, "{:?}", text(&o));
+    let o = install_local(&t, &["--force"], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+    assert!(std::fs::symlink_metadata(t.at("/etc/systemd/system/nodeplan.service")).unwrap().is_file());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_usr_local_falls_back_to_opt() {
+    // A read-only /usr/local inside the tree, in a private mount namespace so nothing outside
+    // this test sees the mount (the machine's own /usr/local is never touched).
+    let unshare = std::process::Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
+    if !require(unshare, "unshare -m (root, mount namespaces)") {
+        return;
+    }
+    let t = Tree::new();
+    std::fs::create_dir_all(t.at("/usr/local")).unwrap();
+    let ul = t.at("/usr/local").display().to_string();
+    let script = format!(
+        "set -e; mount --bind '{ul}' '{ul}'; mount -o remount,bind,ro '{ul}' '{ul}'; \
+         exec '{NODEPLAN}' install --root '{}' --local --binary '{}'",
+        t.root().display(),
+        t.bin().display()
+    );
+    let o = tokio::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .await
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("/usr/local is read-only"), "{out}");
+    assert!(t.at("/opt/nodeplan/bin/nodeplan").is_file());
+    assert!(!t.at("/usr/local/bin").exists());
+    assert!(t.read("/etc/systemd/system/nodeplan.service").contains("\nExecStart=/opt/nodeplan/bin/nodeplan agent\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_installed_unit_passes_systemd_analyze_verify() {
+    let have =
+        std::process::Command::new("systemd-analyze").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !require(have, "systemd-analyze (Debian package systemd)") {
+        return;
+    }
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let unit = t.read("/etc/systemd/system/nodeplan.service");
+    // The unit names host paths; for the check, ExecStart points at the binary in the tree.
+    let dir = tempfile::tempdir().unwrap();
+    let verify = |exec: &Path| {
+        let u = unit.replace("ExecStart=/usr/local/bin/nodeplan", &format!("ExecStart={}", exec.display()));
+        assert_ne!(u, unit);
+        let p = dir.path().join("nodeplan.service");
+        std::fs::write(&p, u).unwrap();
+        std::process::Command::new("systemd-analyze").arg("verify").arg(&p).output().unwrap()
+    };
+    let o = verify(&t.at("/usr/local/bin/nodeplan"));
+    assert!(o.status.success() && o.stderr.is_empty(), "{:?}", text(&o));
+    // The check does look: a binary that is not there fails it.
+    let o = verify(&t.at("/usr/local/bin/missing"));
+    assert!(!o.status.success(), "{:?}", text(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_rancher_a_kubeconfig_with_a_secret_or_nodeplans() {
+    let t = Tree::new();
+    let kc = t.dir.path().join("kubeconfig");
+    let kc_text = kubeconfig(&pki().ca_pem);
+    std::fs::write(&kc, &kc_text).unwrap();
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let kcs = kc.display().to_string();
+    let o = nodeplan(
+        &["install", "--root", &root, "--binary", &bin, "--kubeconfig", &kcs, "--secret", "default/machine-plan"],
+        &[],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let cfg = nodeplan::config::load(&t.at("/etc/rancher/agent/config.yaml")).unwrap();
+    nodeplan::config::validate(&cfg).unwrap();
+    assert!(cfg.remote_enabled && !cfg.node_plan_enabled);
+    let conn =
+        nodeplan::config::load_connection(&t.at("/var/lib/rancher/agent/rancher2_connection_info.json")).unwrap();
+    assert_eq!(
+        (conn.namespace.as_str(), conn.secret_name.as_str(), conn.kube_config.as_str()),
+        ("default", "machine-plan", kc_text.as_str())
+    );
+    assert!(!t.at("/etc/rancher/agent/cattle-id").exists());
+
+    // Switching to NodePlan mode rewrites the files install wrote (no --force needed).
+    let o = nodeplan(
+        &["install", "--root", &root, "--binary", &bin, "--kubeconfig", &kcs, "--nodeplan", "fleet"],
+        &[("CATTLE_NODE_NAME", "worker-7")],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let cfg = nodeplan::config::load(&t.at("/etc/rancher/agent/config.yaml")).unwrap();
+    nodeplan::config::validate(&cfg).unwrap();
+    assert!(cfg.node_plan_enabled && !cfg.remote_enabled);
+    assert_eq!(cfg.node_name, "worker-7");
+    let conn =
+        nodeplan::config::load_connection(&t.at("/var/lib/rancher/agent/rancher2_connection_info.json")).unwrap();
+    assert_eq!(conn.namespace, "fleet");
+
+    // A kubeconfig that makes no client is bad input (exit 2), nothing changes.
+    std::fs::write(&kc, "apiVersion: v1\nkind: Config\n").unwrap();
+    let o =
+        nodeplan(&["install", "--root", &root, "--binary", &bin, "--kubeconfig", &kcs, "--secret", "default/x"], &[])
+            .await;
+    assert_eq!(code(&o), 2, "{:?}", text(&o));
+    assert_eq!(
+        nodeplan::config::load_connection(&t.at("/var/lib/rancher/agent/rancher2_connection_info.json"))
+            .unwrap()
+            .namespace,
+        "fleet"
+    );
+
+    // Local mode now: the connection info an earlier install wrote stays listed, and uninstall
+    // removes it with the rest.
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists());
+    let o = uninstall(&t).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(!t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists(), "{:?}", text(&o));
+    assert!(!t.at("/etc/rancher/agent/config.yaml").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_files_in_the_tree_give_one_line_and_no_hang() {
+    let mkfifo = |p: &Path| {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let s = std::process::Command::new("mkfifo").arg(p).status().unwrap();
+        assert!(s.success());
+    };
+    // A FIFO where the config goes: refused like any file install did not write.
+    let t = Tree::new();
+    mkfifo(&t.at("/etc/rancher/agent/config.yaml"));
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 3, "{out}\n{err}");
+    assert!(err.contains("a FIFO"), "{err}");
+    assert!(!t.at("/usr/local/bin/nodeplan").exists(), "nothing written");
+
+    // A FIFO as the environment file: one line, nothing written.
+    let t = Tree::new();
+    mkfifo(&t.at("/etc/systemd/system/nodeplan.env"));
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("nodeplan.env") && err.contains("not a regular file"), "{err}");
+    assert!(!t.at("/etc/rancher/agent/config.yaml").exists(), "nothing written");
+
+    // A manifest that is not one: one line naming it, for install and uninstall alike.
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    t.write(
+        "/etc/rancher/agent/nodeplan-install.json",
+        r#"{"version": 1, "files": [{"path": "../../etc/passwd", "sha256": "x"}]}"#,
+    );
+    for o in [install_local(&t, &[], &[]).await, uninstall(&t).await] {
+        let (out, err) = text(&o);
+        assert_eq!(code(&o), 1, "{out}\n{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains("nodeplan-install.json") && err.contains("not absolute"), "{err}");
+    }
+    assert!(t.at("/usr/local/bin/nodeplan").exists(), "nothing removed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_waits_for_a_running_apply_through_the_interlock() {
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let active = t.at("/var/lib/rancher/agent/interlock/applyinator-active");
+    let pending = t.at("/var/lib/rancher/agent/interlock/restart-pending");
+    std::fs::write(&active, "Tue Dec  1 12:00:00 UTC 2026").unwrap();
+    std::fs::write(t.bin(), "#!/bin/sh\necho upgraded\n").unwrap();
+
+    // Gives up after --interlock-timeout: nothing installed, restart-pending taken back.
+    let o = install_local(&t, &["--interlock-timeout", "300ms"], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains("applyinator-active") && err.contains("nothing was installed"), "{err}");
+    assert!(!pending.exists());
+    assert_eq!(t.read("/usr/local/bin/nodeplan"), "#!/bin/sh\necho stand-in nodeplan\n");
+
+    // Waits while the apply runs: restart-pending appears, the binary is not replaced until the
+    // apply ends, then it is, and restart-pending goes.
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let child = tokio::process::Command::new(NODEPLAN)
+        .args(["install", "--root", &root, "--local", "--binary", &bin])
+        .env_clear()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !pending.exists() {
+        assert!(std::time::Instant::now() < deadline, "restart-pending never appeared");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t.read("/usr/local/bin/nodeplan"), "#!/bin/sh\necho stand-in nodeplan\n", "not while applying");
+    std::fs::remove_file(&active).unwrap();
+    let o = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert_eq!(t.read("/usr/local/bin/nodeplan"), "#!/bin/sh\necho upgraded\n");
+    assert!(!pending.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_sh_with_a_local_binary_and_a_download() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/install.sh");
+    let o = std::process::Command::new("sh").args(["-n", script]).output().unwrap();
+    assert!(o.status.success(), "{:?}", text(&o));
+
+    // The real binary, given locally: it is installed byte for byte and runs from the tree.
+    let t = Tree::new();
+    let root = t.root().display().to_string();
+    let o = tokio::process::Command::new("sh")
+        .args([script, "--root", &root, "--local"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CATTLE_AGENT_BINARY_LOCAL", "true")
+        .env("CATTLE_AGENT_BINARY_LOCAL_LOCATION", NODEPLAN)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let installed = t.at("/usr/local/bin/nodeplan");
+    assert!(std::fs::read(&installed).unwrap() == std::fs::read(NODEPLAN).unwrap(), "installed byte for byte");
+    let v = std::process::Command::new(&installed).arg("--version").output().unwrap();
+    assert!(v.status.success() && String::from_utf8_lossy(&v.stdout).starts_with("nodeplan "), "{:?}", text(&v));
+
+    // A download (curl or wget) checked against CATTLE_AGENT_BINARY_SHA256, run with the options.
+    let have = ["curl", "wget"]
+        .iter()
+        .any(|c| std::process::Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()));
+    if !require(have, "curl or wget") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("args");
+    let fake = format!("#!/bin/sh\necho \"$*\" > '{}'\nexit 7\n", record.display());
+    let body = fake.clone().into_bytes();
+    let server = Server::start(
+        None,
+        Arc::new(move |r: &Request| if r.path == "/nodeplan" { (200, body.clone()) } else { (404, vec![]) }),
+    )
+    .await;
+    let url = format!("{}/nodeplan", server.url("http"));
+    let run = |sum: String| {
+        let url = url.clone();
+        async move {
+            tokio::process::Command::new("sh")
+                .args([script, "--root", "/nonexistent-tree", "--local"])
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("CATTLE_AGENT_BINARY_URL", url)
+                .env("CATTLE_AGENT_BINARY_SHA256", sum)
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let o = run(sha256_hex(fake.as_bytes())).await;
+    assert_eq!(code(&o), 7, "the binary's exit code comes back: {:?}", text(&o));
+    let args = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        args.starts_with("install --binary /")
+            && args.trim_end().ends_with("nodeplan --root /nonexistent-tree --local"),
+        "{args}"
+    );
+    std::fs::remove_file(&record).unwrap();
+    let o = run(sha256_hex(b"something else")).await;
+    assert_eq!(code(&o), 2, "{:?}", text(&o));
+    assert!(text(&o).1.contains("CATTLE_AGENT_BINARY_SHA256"));
+    assert!(!record.exists(), "a download that does not match is never run");
+}
+
+#[tokio::test]
+async fn help_lists_the_exit_codes_and_the_variables() {
+    for cmd in ["install", "uninstall"] {
+        let o = nodeplan(&[cmd, "--help"], &[]).await;
+        let (out, _) = text(&o);
+        assert_eq!(code(&o), 0);
+        assert!(out.contains("Exit codes:") && out.contains("  2  bad arguments"), "{out}");
+    }
+    let (out, _) = text(&nodeplan(&["install", "--help"], &[]).await);
+    for v in
+        ["CATTLE_AGENT_BIN_PREFIX", "CATTLE_CA_CHECKSUM", "CATTLE_ROLE_CONTROLPLANE", "HTTPS_PROXY", "  3  refused"]
+    {
+        assert!(out.contains(v), "{v}: {out}");
+    }
+    // Bad settings: one line, exit 2.
+    let o = nodeplan(&["install", "--root", "/tmp"], &[("CATTLE_SERVER", "http://plain"), ("CATTLE_TOKEN", "t")]).await;
+    let (_, err) = text(&o);
+    assert_eq!(code(&o), 2, "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("https://"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_fails_midway_leaves_a_manifest_of_what_was_written() {
+    let t = Tree::new();
+    // A file where the enable link goes: the last step fails, after the files were written.
+    t.write("/etc/systemd/system/multi-user.target.wants/nodeplan.service", "not a link");
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains("in the way of the unit's enable link"), "{err}");
+    let m = nodeplan::install::plan::Manifest::parse(t.read("/etc/rancher/agent/nodeplan-install.json").as_bytes())
+        .unwrap();
+    let listed: Vec<_> = m.files.iter().map(|f| f.path.display().to_string()).collect();
+    assert_eq!(
+        listed,
+        ["/etc/rancher/agent/config.yaml", "/usr/local/bin/nodeplan", "/etc/systemd/system/nodeplan.service"]
+    );
+    // Once the way is clear the install completes, and uninstall removes everything it wrote.
+    std::fs::remove_file(t.at("/etc/systemd/system/multi-user.target.wants/nodeplan.service")).unwrap();
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("unchanged config") && out.contains("enabled: link"), "{out}");
+    let o = uninstall(&t).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    assert!(!t.at("/etc/systemd/system/nodeplan.service").exists() && !t.at("/usr/local/bin/nodeplan").exists());
+}
