@@ -305,9 +305,72 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
     }
 }
 
+/// Whether a Lease seen now is held by someone: a holder that renewed it within its duration by
+/// `now` (comparing the Lease's `renewTime` with this machine's clock: for a command run once,
+/// which cannot watch the Lease for a duration first; skew between the clocks shifts the expiry).
+fn fresh_holder(l: &Lease, now: k8s_openapi::jiff::Timestamp) -> Option<String> {
+    let spec = l.spec.as_ref()?;
+    let holder = spec.holder_identity.clone().filter(|h| !h.is_empty())?;
+    let renewed = spec.renew_time.as_ref().map(|t| t.0)?;
+    let duration = i64::from(spec.lease_duration_seconds.unwrap_or(0)) * 1000;
+    (renewed.as_millisecond() + duration > now.as_millisecond()).then_some(holder)
+}
+
+/// The holder of the Lease `name` in `namespace` if someone holds it now (see [`fresh_holder`]);
+/// `None` when it is free, stale, absent or cannot be read.
+pub async fn active_holder(client: kube::Client, namespace: &str, name: &str) -> Option<String> {
+    let api: Api<Lease> = Api::namespaced(client, namespace);
+    let l = bounded(api.get_opt(name)).await.ok()??;
+    fresh_holder(&l, k8s_openapi::jiff::Timestamp::now())
+}
+
+/// Take the Lease now or say who holds it (for a command, which refuses instead of waiting):
+/// `Ok(Some)` held (renewed until released), `Ok(None)` the account may not use Leases (one
+/// warning; go on without), `Err` the holder, or why it could not be taken.
+pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>, String> {
+    let api: Api<Lease> = Api::namespaced(client, &r.namespace);
+    for _ in 0..3 {
+        let current = match bounded(api.get_opt(&r.name)).await {
+            Ok(l) => l,
+            Err(Refusal::Forbidden(e)) => {
+                without_lease(&r, &e);
+                return Ok(None);
+            }
+            Err(Refusal::Conflict) => continue,
+            Err(Refusal::Other(e)) => return Err(format!("cannot read the Lease {}/{}: {e}", r.namespace, r.name)),
+        };
+        if let Some(holder) = current.as_ref().and_then(|l| fresh_holder(l, k8s_openapi::jiff::Timestamp::now()))
+            && holder != r.identity
+            && !previous_incarnation_gone(&holder, &r.identity, |pid| {
+                std::path::Path::new(&format!("/proc/{pid}")).exists()
+            })
+        {
+            return Err(format!("held by {holder}"));
+        }
+        let attempt = match &current {
+            None => bounded(api.create(&PostParams::default(), &taken(&r, None))).await,
+            Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
+        };
+        match attempt {
+            Ok(l) => {
+                let (tx, lost) = watch::channel(false);
+                let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
+                return Ok(Some(Held { renewer: Some(renewer), lost, release: Some((api, r)) }));
+            }
+            Err(Refusal::Forbidden(e)) => {
+                without_lease(&r, &e);
+                return Ok(None);
+            }
+            Err(Refusal::Conflict) => continue,
+            Err(Refusal::Other(e)) => return Err(format!("cannot take the Lease {}/{}: {e}", r.namespace, r.name)),
+        }
+    }
+    Err(format!("the Lease {}/{} keeps changing", r.namespace, r.name))
+}
+
 fn without_lease(r: &LeaseRef, e: &str) -> Held {
     tracing::warn!(
-        "running without the Lease {}/{} on {}: the agent may not use Leases there ({e}); nothing keeps a second agent off this plan source (grant get, create and update on coordination.k8s.io leases to turn it on)",
+        "running without the Lease {}/{} on {}: this account may not use Leases there ({e}); nothing keeps a second agent or rollout off it (grant get, create and update on coordination.k8s.io leases to turn it on)",
         r.namespace,
         r.name,
         r.what

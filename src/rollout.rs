@@ -21,6 +21,21 @@ use std::time::Duration;
 pub const ANNOTATION_STARTED: &str = "rollout.nodeplan.cattle.io/started";
 /// The rollout gave up on the node at its timeout (and canceled its plan): a failure.
 pub const ANNOTATION_TIMED_OUT: &str = "rollout.nodeplan.cattle.io/timed-out";
+/// The rollout the node belongs to: the name of its Lease. A second rollout over a node whose
+/// rollout's Lease is held is refused.
+pub const ANNOTATION_LEASE: &str = "rollout.nodeplan.cattle.io/lease";
+
+/// The Lease of the rollout over `selector` in `namespace` (the same command, run again, has the
+/// same one).
+pub fn lease_name(namespace: &str, selector: &str) -> String {
+    let id = plan::checksum(format!("{namespace}\n{selector}").as_bytes());
+    format!("nodeplan-rollout-{}", &id[..12])
+}
+
+/// The merge patch that claims a node for the rollout whose Lease is `lease`.
+pub fn claim_patch(lease: &str) -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {ANNOTATION_LEASE: lease}}})
+}
 
 /// `N` or `P%` of the selected nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

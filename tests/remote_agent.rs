@@ -1031,7 +1031,8 @@ fn rollout_cmd(cp: &ControlPlane, ns: &str, plan: &str, extra: &[&str]) -> std::
 /// (a FIFO beside its work directory) that the test opens. The rollout is interrupted with five
 /// nodes in flight (exit 8; they finish without it), and the same command continues without
 /// running any node twice (exit 0). A watch of the test's own checks from the Secrets' state
-/// history that never more than 5 nodes were in flight.
+/// history that never more than 5 nodes were in flight. While it runs, a second rollout over the
+/// same or overlapping nodes is refused (exit 5).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
     let cp = control_plane!();
@@ -1096,6 +1097,17 @@ async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
     for (node, _) in &fleet[5..10] {
         read_fifo_started(&node.p("runs"));
     }
+    // While it runs, the same rollout again, or one over a selection that shares a node with it,
+    // is refused (its Lease is held) and writes nothing.
+    let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: "r15".into() });
+    c.orchestrator_patch(json!({"metadata": {"labels": {"extra": "yes"}}})).await.unwrap();
+    for selector in ["pool=roll", "extra=yes"] {
+        let out = rollout_cmd(cp, &ns, &plan_file, &["-l", selector]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(5), "{selector}: {err}");
+        assert!(err.contains("running"), "{selector}: {err}");
+    }
+    assert!(!c.get().await.unwrap().unwrap().data.contains_key("plan"), "the refused rollout wrote nothing");
     unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
     assert_eq!(exit_code(&mut first, "the interrupted rollout"), Some(8), "interrupted");
     // The nodes in flight finish without the rollout.

@@ -48,8 +48,12 @@ pub const EXIT_CODES: &str = "Exit codes:
   1  every node was tried and some failed, within --max-errors; or the API server could not be
      read or written
   2  bad arguments or plan file
+  5  another rollout is running over these nodes (its Lease is held); nothing was written
   7  stopped by the error budget: more than --max-errors failed, no new node was started
   8  interrupted (Ctrl-C, SIGTERM): nodes in flight go on; the same command continues";
+
+/// How long a rollout's Lease lasts without renewal (renewed every quarter of it).
+const LEASE_DURATION: Duration = Duration::from_secs(30);
 
 pub async fn run(args: RolloutArgs) -> u8 {
     match rollout(&args).await {
@@ -69,6 +73,68 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
     let t = &args.remote;
     let kube = super::plan_cmd::kube_client(t).await.map_err(|e| (exit::FAILED, e))?;
     let ns = args.namespace.clone().unwrap_or_else(|| kube.default_namespace().to_string());
+    let mut held: Option<crate::lease::Held> = None;
+    let r = drive(args, &raw, &checksum, &kube, &ns, &mut held).await;
+    if let Some(h) = held {
+        h.release().await;
+    }
+    r
+}
+
+/// Take the rollout's Lease and claim its nodes, refusing when another running rollout holds
+/// them (exit 5, nothing written).
+async fn take_nodes(
+    kube: &kube::Client,
+    ns: &str,
+    selector: &str,
+    snaps: &BTreeMap<String, client::SecretSnapshot>,
+    t: &RemoteTarget,
+    held: &mut Option<crate::lease::Held>,
+    written: &mut BTreeMap<String, client::SecretSnapshot>,
+) -> Result<String, (u8, String)> {
+    let name = rollout::lease_name(ns, selector);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let r = crate::lease::LeaseRef {
+        namespace: ns.to_string(),
+        name: name.clone(),
+        identity: crate::lease::identity(&host),
+        duration: LEASE_DURATION,
+        what: format!("the rollout over {selector:?}"),
+    };
+    *held = crate::lease::take_now(kube.clone(), r).await.map_err(|e| {
+        (exit::ALREADY_RUNNING, format!("this rollout is running already: its Lease {ns}/{name} is {e}"))
+    })?;
+    for (node, s) in snaps {
+        let Some(other) = s.annotations.get(rollout::ANNOTATION_LEASE).filter(|o| **o != name) else { continue };
+        if let Some(holder) = crate::lease::active_holder(kube.clone(), ns, other).await {
+            return Err((
+                exit::ALREADY_RUNNING,
+                format!(
+                    "{node} belongs to another running rollout (Lease {ns}/{other}, held by {holder}); nothing written"
+                ),
+            ));
+        }
+    }
+    for (node, s) in snaps {
+        if s.annotations.get(rollout::ANNOTATION_LEASE) != Some(&name) {
+            let w = write(kube, ns, node, rollout::claim_patch(&name), t).await.map_err(|e| (exit::FAILED, e))?;
+            written.insert(node.clone(), w);
+        }
+    }
+    Ok(name)
+}
+
+async fn drive(
+    args: &RolloutArgs,
+    raw: &[u8],
+    checksum: &str,
+    kube: &kube::Client,
+    ns: &str,
+    held: &mut Option<crate::lease::Held>,
+) -> Result<u8, (u8, String)> {
+    let t = &args.remote;
+    let ns = ns.to_string();
+    let mut claimed: Option<String> = None;
     let mut stream = std::pin::pin!(client::watch_selected(kube.clone(), &ns, &args.selector));
     let mut stop = std::pin::pin!(super::interrupted());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -93,7 +159,7 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
             e = stream.next() => match e {
                 Some(Selected::Is(name, s)) => {
                     failing = false;
-                    if written.get(&name).is_some_and(|w| w.resource_version == s.resource_version) {
+                    if written.get(&name).is_some_and(|w| caught_up(&s.resource_version, &w.resource_version)) {
                         written.remove(&name);
                     }
                     snaps.insert(name, s);
@@ -114,9 +180,15 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
         if !listed {
             continue;
         }
+        if claimed.is_none() {
+            claimed = Some(take_nodes(kube, &ns, &args.selector, &snaps, t, held, &mut written).await?);
+        }
+        if held.as_ref().is_some_and(|h| *h.lost().borrow()) {
+            return Err((exit::FAILED, "another rollout took this rollout's Lease; stopped".into()));
+        }
         let places: BTreeMap<String, Place> = snaps
             .iter()
-            .map(|(n, s)| (n.clone(), rollout::classify(written.get(n).unwrap_or(s), &checksum, args.wait_healthy)))
+            .map(|(n, s)| (n.clone(), rollout::classify(written.get(n).unwrap_or(s), checksum, args.wait_healthy)))
             .collect();
         let total = places.len();
         let limits = Limits {
@@ -129,14 +201,16 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
         let step = rollout::decide(&places, &limits, chrono::Utc::now());
         for name in &step.give_up {
             crate::cli::out!("{name}: in flight longer than {}: canceled, counted failed", show_timeout(&limits));
-            let s = write(&kube, &ns, name, rollout::give_up_patch(), t).await.map_err(|e| (exit::FAILED, e))?;
+            let s = write(kube, &ns, name, rollout::give_up_patch(), t).await.map_err(|e| (exit::FAILED, e))?;
             written.insert(name.clone(), s);
         }
         for name in &step.start {
             crate::cli::out!("{name}: starting");
-            let s = write(&kube, &ns, name, rollout::start_patch(&raw, chrono::Utc::now()), t)
-                .await
-                .map_err(|e| (exit::FAILED, e))?;
+            let mut patch = rollout::start_patch(raw, chrono::Utc::now());
+            if let Some(lease) = &claimed {
+                patch["metadata"]["annotations"][rollout::ANNOTATION_LEASE] = lease.clone().into();
+            }
+            let s = write(kube, &ns, name, patch, t).await.map_err(|e| (exit::FAILED, e))?;
             written.insert(name.clone(), s);
         }
         if let Some(f) = step.finish {
@@ -161,6 +235,16 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
                 }
             });
         }
+    }
+}
+
+/// Whether the watch has caught up with a write: it shows the written version or a later one.
+/// resourceVersions are opaque, but every API server in use numbers them from etcd's revision; a
+/// version that is not a number only matches itself.
+fn caught_up(seen: &str, written: &str) -> bool {
+    match (seen.parse::<u64>(), written.parse::<u64>()) {
+        (Ok(a), Ok(b)) => a >= b,
+        _ => seen == written,
     }
 }
 
@@ -210,4 +294,13 @@ async fn write(
 ) -> Result<client::SecretSnapshot, String> {
     let c = SecretClient::new(kube.clone(), SecretRef { namespace: ns.to_string(), name: name.to_string() });
     super::plan_cmd::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_watch_catches_up_with_a_write() {
+        assert!(super::caught_up("10", "10") && super::caught_up("11", "10") && !super::caught_up("9", "10"));
+        assert!(super::caught_up("x", "x") && !super::caught_up("y", "x") && !super::caught_up("10", "x"));
+    }
 }
