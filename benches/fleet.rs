@@ -1,0 +1,266 @@
+//! The fleet benchmark (issue 14): one real kube-apiserver, N agents (default 200; `--agents 500`
+//! or NODEPLAN_BENCH_AGENTS), each with its own plan Secret and directories. Prints, side by side:
+//!
+//! 1. rollout time of a trivial plan to every node: `nodeplan rollout --max-concurrent 100%`
+//!    against the baseline of writing every Secret directly (16 writes in flight) and waiting for
+//!    all to succeed;
+//! 2. cancel fan-out: `nodeplan plan cancel --selector` over every node running a long
+//!    instruction, p50/p99 from the command's start to each Secret showing `canceled`;
+//! 3. idle: API writes per agent-hour (Secrets and Leases, from a watch), agent RSS (sum and per
+//!    agent) and CPU, and the API server's CPU, over a window (NODEPLAN_BENCH_IDLE_SECS, default 60).
+//!
+//! Not a test: it asserts nothing. Run: `cargo bench --bench fleet [-- --agents 500]` (needs the
+//! cache built by tools/build-kube-apiserver.sh).
+
+#[path = "../tests/k8s_support/mod.rs"]
+mod k8s_support;
+
+use futures::StreamExt as _;
+use nodeplan::remote::client::{SecretClient, SecretRef, Selected, watch_selected};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const NODEPLAN: &str = env!("CARGO_BIN_EXE_nodeplan");
+
+struct Node {
+    _dir: tempfile::TempDir,
+    agent: std::process::Child,
+}
+
+fn write_0600(path: &Path, bytes: &[u8]) {
+    std::fs::write(path, bytes).expect("write");
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+}
+
+fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str) -> Node {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path().display().to_string();
+    let conn = serde_json::json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": ns, "secretName": name});
+    write_0600(&dir.path().join("conn.json"), &serde_json::to_vec(&conn).expect("json"));
+    let cfg = format!(
+        "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\npidDirectory: {d}/pids\n\
+         appliedPlanDirectory: \"\"\ninterlockDirectory: \"\"\nstopTimeout: 1s\n"
+    );
+    write_0600(&dir.path().join("config.yaml"), cfg.as_bytes());
+    let agent = std::process::Command::new(NODEPLAN)
+        .args(["agent", "--config", &format!("{d}/config.yaml")])
+        .env("NODEPLAN_LOG", "error")
+        .env("CATTLE_NODE_NAME", name)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("agent");
+    Node { _dir: dir, agent }
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Resident KiB and CPU ticks (user + system) of a process.
+fn rss_and_ticks(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+    let tick = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (rss, tick(11) + tick(12))
+}
+
+/// The kube-apiserver process serving `cp` (found by its data directory on its command line).
+fn apiserver_pid(dir: &Path) -> Option<u32> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        (cmd.contains("kube-apiserver") && cmd.contains(&needle)).then_some(pid)
+    })
+}
+
+/// Wait (watching the selected Secrets) until every one of `n` satisfies `done`; per node, when.
+async fn wait_all(
+    client: kube::Client,
+    ns: String,
+    n: usize,
+    checksum: String,
+    state: &'static str,
+    started: Instant,
+) -> BTreeMap<String, Duration> {
+    let mut at = BTreeMap::new();
+    let mut stream = std::pin::pin!(watch_selected(client, &ns, "bench=fleet"));
+    while at.len() < n {
+        let Some(e) = tokio::time::timeout(Duration::from_secs(600), stream.next()).await.ok().flatten() else { break };
+        if let Selected::Is(name, s) = e {
+            let ours = s.data.get("plan").is_some_and(|p| nodeplan::plan::checksum(p) == checksum);
+            let st = s.data.get("plan-state").map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+            if ours && st == state {
+                at.entry(name).or_insert_with(|| started.elapsed());
+            }
+        }
+    }
+    at
+}
+
+/// The baseline orchestrator: write the plan into every Secret, 16 writes in flight.
+async fn push_all(client: &kube::Client, ns: &str, names: &[String], raw: &[u8]) {
+    futures::stream::iter(names.iter().map(|name| {
+        let c = SecretClient::new(client.clone(), SecretRef { namespace: ns.to_string(), name: name.clone() });
+        let patch = nodeplan::remote::wire::push_patch(raw);
+        async move { c.orchestrator_patch(patch).await.map(|_| ()) }
+    }))
+    .buffer_unordered(16)
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            eprintln!("fleet: {e}");
+        }
+    })
+    .await;
+}
+
+fn plan_file(dir: &Path, name: &str, plan: &serde_json::Value) -> (PathBuf, Vec<u8>) {
+    let raw = serde_json::to_vec(plan).expect("json");
+    let path = dir.join(name);
+    std::fs::write(&path, &raw).expect("write");
+    (path, raw)
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n: usize = args
+        .windows(2)
+        .find(|w| w[0] == "--agents")
+        .and_then(|w| w[1].parse().ok())
+        .or_else(|| std::env::var("NODEPLAN_BENCH_AGENTS").ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(200);
+    let idle_secs: u64 = std::env::var("NODEPLAN_BENCH_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let Some(cp) = k8s_support::ControlPlane::start().await else {
+        eprintln!("fleet: no kube-apiserver cache; run tools/build-kube-apiserver.sh first");
+        return;
+    };
+    let ns = cp.new_namespace("fleet").await;
+    let client = cp.client().await;
+    let names: Vec<String> = (0..n).map(|i| format!("node-{i:04}")).collect();
+    let secret = |name: &str| SecretClient::new(client.clone(), SecretRef { namespace: ns.clone(), name: name.into() });
+    for name in &names {
+        let c = secret(name);
+        c.create(BTreeMap::new(), BTreeMap::new()).await.expect("create");
+        c.orchestrator_patch(serde_json::json!({"metadata": {"labels": {"bench": "fleet"}}})).await.expect("label");
+    }
+    let t0 = Instant::now();
+    let mut nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name)).collect();
+    println!("fleet: {n} agents on one kube-apiserver (started in {:.1}s)", t0.elapsed().as_secs_f64());
+    let work = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = cp.kubeconfig_path();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["-n", &ns, "--kubeconfig"])
+            .arg(&kubeconfig)
+            .output()
+            .expect("nodeplan");
+        if !out.status.success() {
+            eprintln!("fleet: {args:?} exited {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
+        }
+    };
+
+    // 1. Rollout of a trivial plan: directly, then through `nodeplan rollout`.
+    let direct = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["direct"]}]});
+    let (_, raw) = plan_file(work.path(), "direct.plan", &direct);
+    let sum = nodeplan::plan::checksum(&raw);
+    let started = Instant::now();
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "succeeded", started));
+    push_all(&client, &ns, &names, &raw).await;
+    let at = waiter.await.expect("waiter");
+    let direct_s = at.values().max().copied().unwrap_or_default().as_secs_f64();
+    let rolled = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["rollout"]}]});
+    let (path, _) = plan_file(work.path(), "rollout.plan", &rolled);
+    let started = Instant::now();
+    cli(&["rollout", &path.to_string_lossy(), "-l", "bench=fleet", "--max-concurrent", "100%"]);
+    let rollout_s = started.elapsed().as_secs_f64();
+    println!(
+        "rollout of a trivial plan to {n} nodes: nodeplan rollout {rollout_s:.2}s | writing the Secrets directly {direct_s:.2}s ({} of {n} succeeded) | ratio {:.2}",
+        at.len(),
+        rollout_s / direct_s
+    );
+
+    // 2. Cancel fan-out over every node running a long instruction.
+    let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600"]}]});
+    let (_, raw) = plan_file(work.path(), "long.plan", &long);
+    let sum = nodeplan::plan::checksum(&raw);
+    let running = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "in-progress", Instant::now()));
+    push_all(&client, &ns, &names, &raw).await;
+    let _ = running.await;
+    let started = Instant::now();
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "canceled", started));
+    cli(&["plan", "cancel", "-l", "bench=fleet"]);
+    let at = waiter.await.expect("waiter");
+    let mut ms: Vec<f64> = at.values().map(|d| d.as_secs_f64() * 1000.0).collect();
+    println!(
+        "cancel fan-out to {n} running nodes: p50 {:.0} ms, p99 {:.0} ms ({} of {n} canceled; system-agent polls every 2 s)",
+        pct(&mut ms, 0.5),
+        pct(&mut ms, 0.99),
+        at.len()
+    );
+
+    // 3. Idle: writes, memory, CPU.
+    let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = {
+        let (client, ns, writes) = (client.clone(), ns.clone(), writes.clone());
+        tokio::spawn(async move {
+            use kube::runtime::{WatchStreamExt as _, watcher};
+            let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> = kube::Api::namespaced(client.clone(), &ns);
+            let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(client, &ns);
+            let a = watcher(secrets, watcher::Config::default()).applied_objects().map(|_| ());
+            let b = watcher(leases, watcher::Config::default()).applied_objects().map(|_| ());
+            let mut both = std::pin::pin!(futures::stream::select(a, b));
+            let mut listed = 0usize;
+            while both.next().await.is_some() {
+                // The initial lists are not writes.
+                if listed < 2 * n {
+                    listed += 1;
+                    continue;
+                }
+                writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    writes.store(0, std::sync::atomic::Ordering::Relaxed);
+    let api = apiserver_pid(cp.dir());
+    let before: Vec<(u64, u64)> = nodes.iter().map(|nd| rss_and_ticks(nd.agent.id())).collect();
+    let api_before = api.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let after: Vec<(u64, u64)> = nodes.iter().map(|nd| rss_and_ticks(nd.agent.id())).collect();
+    let api_after = api.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+    counter.abort();
+    let hz = 100.0; // USER_HZ
+    let secs = idle_secs as f64;
+    let w = writes.load(std::sync::atomic::Ordering::Relaxed) as f64;
+    let rss_total: u64 = after.iter().map(|(r, _)| r).sum();
+    let cpu: f64 = after.iter().zip(&before).map(|(a, b)| (a.1.saturating_sub(b.1)) as f64 / hz).sum();
+    println!(
+        "idle, {secs:.0}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is 360), agents' RSS {} MiB in all ({:.1} MiB each), agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+        w / n as f64 * 3600.0 / secs,
+        rss_total / 1024,
+        rss_total as f64 / 1024.0 / n as f64,
+        cpu / secs * 100.0,
+        (api_after.saturating_sub(api_before)) as f64 / hz / secs * 100.0
+    );
+    for nd in &mut nodes {
+        unsafe { libc::kill(nd.agent.id() as i32, libc::SIGTERM) };
+    }
+    for nd in &mut nodes {
+        let _ = nd.agent.wait();
+    }
+}
