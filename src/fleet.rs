@@ -214,18 +214,7 @@ impl Rows {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn snap(plan: &serde_json::Value, keys: &[(&str, &str)], annotations: &[(&str, &str)]) -> SecretSnapshot {
-        let mut data: BTreeMap<String, Vec<u8>> =
-            keys.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
-        data.insert(wire::PLAN.into(), serde_json::to_vec(plan).unwrap_or_default());
-        SecretSnapshot {
-            uid: "u".into(),
-            resource_version: "1".into(),
-            data,
-            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        }
-    }
+    use crate::remote::client::test_snapshot as snap;
 
     #[test]
     fn rows_of_every_state() {

@@ -287,9 +287,7 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
         match attempt {
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
-                let (tx, lost) = watch::channel(false);
-                let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
-                return Some(Held { renewer: Some(renewer), lost, release: Some((api, r)) });
+                return Some(renewing(api, r, l));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
             // Another agent wrote it first: look again.
@@ -352,11 +350,7 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
             Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
         };
         match attempt {
-            Ok(l) => {
-                let (tx, lost) = watch::channel(false);
-                let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
-                return Ok(Some(Held { renewer: Some(renewer), lost, release: Some((api, r)) }));
-            }
+            Ok(l) => return Ok(Some(renewing(api, r, l))),
             Err(Refusal::Forbidden(e)) => {
                 without_lease(&r, &e);
                 return Ok(None);
@@ -366,6 +360,13 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
         }
     }
     Err(format!("the Lease {}/{} keeps changing", r.namespace, r.name))
+}
+
+/// The Lease just taken (`l`, as written), renewed in the background from now on.
+fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease) -> Held {
+    let (tx, lost) = watch::channel(false);
+    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
+    Held { renewer: Some(renewer), lost, release: Some((api, r)) }
 }
 
 fn without_lease(r: &LeaseRef, e: &str) -> Held {

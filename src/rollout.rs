@@ -217,6 +217,7 @@ pub fn give_up_patch() -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::remote::client::test_snapshot as snap;
 
     fn limits(c: usize, e: usize) -> Limits {
         Limits { max_concurrent: c, max_errors: e, wait_healthy: false, timeout: Some(Duration::from_secs(60)) }
@@ -310,18 +311,6 @@ mod tests {
         ];
         for (what, n, l, want) in rows {
             assert_eq!(decide(&n, &l, now), want, "{what}");
-        }
-    }
-
-    fn snap(plan: &serde_json::Value, keys: &[(&str, &str)], annotations: &[(&str, &str)]) -> SecretSnapshot {
-        let mut data: BTreeMap<String, Vec<u8>> =
-            keys.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
-        data.insert(wire::PLAN.into(), serde_json::to_vec(plan).unwrap_or_default());
-        SecretSnapshot {
-            uid: "u".into(),
-            resource_version: "1".into(),
-            data,
-            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         }
     }
 

@@ -119,6 +119,24 @@ pub fn watch_selected(
     })
 }
 
+/// A Secret snapshot for tables in tests: the plan's JSON, other keys as text, annotations.
+#[cfg(test)]
+pub(crate) fn test_snapshot(
+    plan: &serde_json::Value,
+    keys: &[(&str, &str)],
+    annotations: &[(&str, &str)],
+) -> SecretSnapshot {
+    let mut data: BTreeMap<String, Vec<u8>> =
+        keys.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
+    data.insert("plan".into(), serde_json::to_vec(plan).unwrap_or_default());
+    SecretSnapshot {
+        uid: "u".into(),
+        resource_version: "1".into(),
+        data,
+        annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+    }
+}
+
 /// Why a precondition-guarded write failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {
