@@ -108,6 +108,13 @@ pub fn classify(s: &SecretSnapshot, checksum: &str, wait_healthy: bool) -> Place
         Some(PlanState::Succeeded) => true,
         Some(PlanState::Failed) => return Place::Failed(format!("failed ({} failures)", wire::failure_count(s))),
         Some(PlanState::Canceled) => return Place::Failed("canceled".into()),
+        // Paused after its one-time instructions succeeded (only its periodic ones are held).
+        Some(PlanState::Paused)
+            if plan::Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), checksum)
+                .is_some_and(|c| c.resume_state == Some(PlanState::Succeeded)) =>
+        {
+            true
+        }
         Some(_) => return Place::InFlight { started },
         None if text(wire::APPLIED_CHECKSUM) == checksum => true,
         None if text(wire::FAILED_CHECKSUM) == checksum => {
@@ -322,6 +329,9 @@ mod tests {
         let healthy = r#"{"web":{"healthy":true}}"#;
         let sick = r#"{"web":{"healthy":false}}"#;
         let t0 = "2026-12-01T10:00:00Z";
+        let done_cp = format!(
+            r#"{{"checksum":"{c}","completedInstructions":0,"totalInstructions":0,"resumeState":"succeeded","paused":true}}"#
+        );
         let started = Some(DateTime::parse_from_rfc3339(t0).map(|t| t.to_utc()).unwrap_or_default());
         let rows = [
             ("another plan", snap(&other, &[("plan-state", "succeeded")], &[]), false, Place::ToStart),
@@ -333,6 +343,12 @@ mod tests {
             ),
             ("running", snap(&p, &[("plan-state", "in-progress")], &[]), false, Place::InFlight { started: None }),
             ("paused", snap(&p, &[("plan-state", "paused")], &[]), false, Place::InFlight { started: None }),
+            (
+                "paused after succeeding",
+                snap(&p, &[("plan-state", "paused"), ("plan-checkpoint", &done_cp)], &[]),
+                false,
+                Place::Done,
+            ),
             ("succeeded", snap(&p, &[("plan-state", "succeeded")], &[]), false, Place::Done),
             (
                 "succeeded, healthy",

@@ -1149,6 +1149,93 @@ fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
     }
 }
 
+/// Issue 14: `rollout pause|resume|cancel` act on a running rollout through the objects alone.
+/// Paused, the rollout starts no new node and its nodes in flight pause at their boundary (here
+/// they finish their last instruction, which is a success); resumed, it goes on; canceled, its
+/// nodes in flight are canceled and it ends with exit 4, starting nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollout_pause_resume_and_cancel() {
+    let cp = control_plane!();
+    let ns = cp.new_namespace("rollctl").await;
+    let names: Vec<String> = (0..4).map(|i| format!("p{i:02}")).collect();
+    let mut fleet = fleet_of(cp, &ns, &names, "ctl").await;
+    let gates: Vec<String> = fleet.iter().map(|(n, _)| n.fifo("gate")).collect();
+    let script = |tag: &str| {
+        format!(r#"d="$CATTLE_AGENT_EXECUTION_PWD/../../.."; echo {tag} >> "$d/runs"; cat "$d/gate" > /dev/null"#)
+    };
+    let write_plan = |file: &str, tag: &str| {
+        let path = fleet[0].0.p(file);
+        std::fs::write(&path, serde_json::to_vec(&json!({"instructions": [sh("gated", &script(tag))]})).unwrap())
+            .unwrap();
+        path
+    };
+    let (one, two) = (write_plan("one.plan", "one"), write_plan("two.plan", "two"));
+    let ctl = |verb: &str| {
+        let out = rollout_cmd(cp, &ns, verb, &["-l", "pool=ctl"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{verb}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let client = cp.client().await;
+    let secret = |name: &str| SecretClient::new(client.clone(), SecretRef { namespace: ns.clone(), name: name.into() });
+
+    let mut run = rollout_cmd(cp, &ns, &one, &["-l", "pool=ctl", "--max-concurrent", "2"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(run.stdout.take().unwrap());
+    let wait_line = |needle: &str| loop {
+        let l = lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("the rollout never printed {needle:?}"));
+        if l.contains(needle) {
+            return l;
+        }
+    };
+    wait_line("p01: starting");
+    for (node, _) in &fleet[..2] {
+        read_fifo_started(&node.p("runs"));
+    }
+    assert!(ctl("pause").contains("(2 of its nodes paused)"));
+    wait_line("paused: no new node starts");
+    for gate in &gates[..2] {
+        release_fifo(gate);
+    }
+    wait_line("[2/4 done");
+    for name in ["p02", "p03"] {
+        assert!(!secret(name).get().await.unwrap().unwrap().data.contains_key("plan"), "paused: {name} not started");
+    }
+    assert!(ctl("resume").contains("(2 of its nodes resumed)"), "the finished nodes lose their pause too");
+    for gate in &gates[2..] {
+        release_fifo(gate);
+    }
+    assert_eq!(exit_code(&mut run, "the resumed rollout"), Some(0));
+
+    let mut run = rollout_cmd(cp, &ns, &two, &["-l", "pool=ctl", "--max-concurrent", "2"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines2 = lines_of(run.stdout.take().unwrap());
+    loop {
+        let l = lines2.recv_timeout(GUARD).expect("the second rollout started two nodes");
+        if l.contains("p01: starting") {
+            break;
+        }
+    }
+    for (node, _) in &fleet[..2] {
+        let deadline = Instant::now() + GUARD;
+        while !std::fs::read_to_string(node.p("runs")).unwrap_or_default().contains("two") {
+            assert!(Instant::now() < deadline, "the second plan never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert!(ctl("cancel").contains("(2 of its nodes canceled)"));
+    assert_eq!(exit_code(&mut run, "the canceled rollout"), Some(4));
+    for (name, want) in [("p00", "canceled"), ("p01", "canceled"), ("p02", "succeeded"), ("p03", "succeeded")] {
+        assert_eq!(state(&secret(name).get().await.unwrap().unwrap()), want, "{name}");
+    }
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
+}
+
 /// Wait until an instruction noted its start in `runs` (it then blocks on its gate).
 fn read_fifo_started(runs: &str) {
     let deadline = Instant::now() + GUARD;
