@@ -168,6 +168,14 @@ pub fn counts(nodes: &BTreeMap<String, Place>) -> Counts {
     c
 }
 
+/// An overall progress bar `width` cells wide: `#` done, `x` failed, `>` in flight, `.` waiting.
+pub fn bar(c: Counts, total: usize, width: usize) -> String {
+    let cells = |n: usize| (n * width).checked_div(total).unwrap_or(0);
+    let (done, failed, flying) = (cells(c.done), cells(c.failed), cells(c.in_flight));
+    let rest = width.saturating_sub(done + failed + flying);
+    format!("[{}{}{}{}] {}/{total}", "#".repeat(done), "x".repeat(failed), ">".repeat(flying), ".".repeat(rest), c.done)
+}
+
 /// The rule: give up on nodes past their timeout; while failures are within the budget, start
 /// nodes (by name) until `max_concurrent` are in flight; the rollout is over when nothing is in
 /// flight and nothing more will start.
@@ -232,6 +240,13 @@ mod tests {
 
     fn nodes(places: &[(&str, Place)]) -> BTreeMap<String, Place> {
         places.iter().map(|(n, p)| (n.to_string(), p.clone())).collect()
+    }
+
+    #[test]
+    fn the_bar_shows_each_place() {
+        let c = Counts { done: 5, failed: 1, in_flight: 2, to_start: 2 };
+        assert_eq!(bar(c, 10, 10), "[#####x>>..] 5/10");
+        assert_eq!(bar(Counts::default(), 0, 4), "[....] 0/0");
     }
 
     #[test]

@@ -1260,12 +1260,18 @@ async fn rollout_stops_at_the_error_budget() {
     let plan_file = fleet[0].0.p("rollout.plan");
     let script = r#"test ! -e "$CATTLE_AGENT_EXECUTION_PWD/../../../fail""#;
     std::fs::write(&plan_file, serde_json::to_vec(&json!({"instructions": [sh("check", script)]})).unwrap()).unwrap();
-    let out = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=budget", "--max-concurrent", "1", "--max-errors", "2"])
-        .output()
-        .unwrap();
+    // In a terminal (script(1) gives it one), the rollout redraws the fleet table with a bar.
+    let cmd = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=budget", "--max-concurrent", "1", "--max-errors", "2"]);
+    let line: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| format!("'{}'", a.to_string_lossy()))
+        .collect();
+    let out = std::process::Command::new("script").args(["-qec", &line.join(" "), "/dev/null"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(7), "{stdout}");
     assert!(stdout.contains("stopped by the error budget (more than 2 failed)"), "{stdout}");
+    assert!(stdout.contains("NODE") && stdout.contains("b00") && stdout.contains("failed"), "the table: {stdout}");
+    assert!(stdout.contains("[") && stdout.contains("xxx") && stdout.contains("] 0/8"), "the bar: {stdout}");
     let mut with_plan = Vec::new();
     for name in &names {
         let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: name.clone() });

@@ -272,6 +272,7 @@ async fn drive(
     let lease = rollout::lease_name(&ns, selector);
     let mut controls = std::pin::pin!(control_of(kube.clone(), &ns, &lease));
     let mut control: Option<String> = None;
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut told: Option<String> = None;
     let mut stop = std::pin::pin!(super::interrupted());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -337,7 +338,7 @@ async fn drive(
             wait_healthy: args.wait_healthy,
             timeout: args.timeout,
         };
-        report(&places, &mut shown, &limits);
+        report(&places, &mut shown, &limits, terminal.then_some(&snaps));
         if told != control {
             match control.as_deref() {
                 Some("paused") => crate::cli::out!("paused: no new node starts (nodeplan rollout resume goes on)"),
@@ -430,13 +431,25 @@ fn show_timeout(l: &Limits) -> String {
 }
 
 /// A line per node whose place changed since the last report, with the overall counts.
-fn report(places: &BTreeMap<String, Place>, shown: &mut BTreeMap<String, Place>, limits: &Limits) {
+/// What changed since the last report: in a terminal, the fleet table (as `plan status
+/// --selector` shows it) redrawn with a progress bar; elsewhere a line per node transition and
+/// the counts.
+fn report(
+    places: &BTreeMap<String, Place>,
+    shown: &mut BTreeMap<String, Place>,
+    limits: &Limits,
+    terminal: Option<&BTreeMap<String, client::SecretSnapshot>>,
+) {
     let mut changed = false;
     for (name, p) in places {
         if shown.get(name) == Some(p) {
             continue;
         }
         changed = true;
+        shown.insert(name.clone(), p.clone());
+        if terminal.is_some() {
+            continue;
+        }
         let what = match p {
             Place::Done => "succeeded".to_string(),
             Place::Failed(why) => format!("FAILED: {why}"),
@@ -444,10 +457,14 @@ fn report(places: &BTreeMap<String, Place>, shown: &mut BTreeMap<String, Place>,
             Place::ToStart => "waiting".to_string(),
         };
         crate::cli::out!("{name}: {what}");
-        shown.insert(name.clone(), p.clone());
     }
     if changed {
         let c = rollout::counts(places);
+        if let Some(snaps) = terminal {
+            let rows = crate::fleet::sorted(snaps.iter().map(|(n, s)| crate::fleet::row_of(n, s)).collect());
+            crate::cli::out!("\x1b[H\x1b[2J{}", crate::fleet::table(&rows));
+            crate::cli::out!("{}", rollout::bar(c, places.len(), 40));
+        }
         crate::cli::out!(
             "[{}/{} done, {} in flight (at most {}), {} failed (at most {} tolerated), {} waiting]",
             c.done,
