@@ -20,15 +20,21 @@ pub fn program() -> String {
         .unwrap_or_else(|| PROGRAM.into())
 }
 
-/// The pid of a running `program` under `proc_root` (normally `/proc`), if any: a process whose
-/// name (`comm`, cut to 15 bytes by the kernel) is the program's and whose first argument names
-/// it. Zombies do not count.
+/// The pid of a running `program` under `proc_root` (normally `/proc`), if any: a root process
+/// whose name (`comm`, cut to 15 bytes by the kernel) is the program's and whose first argument
+/// names it. Zombies do not count, nor does a process of another user (any user can start a
+/// program of that name; only root's agent acts on the node).
 pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
     let comm_prefix = program.get(..15).unwrap_or(program);
     let entries = std::fs::read_dir(proc_root).ok()?;
     for e in entries.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
         let dir = e.path();
+        // /proc/<pid> belongs to the process's effective user.
+        let Ok(meta) = std::fs::metadata(&dir) else { continue };
+        if std::os::unix::fs::MetadataExt::uid(&meta) != 0 {
+            continue;
+        }
         let Ok(comm) = read_small(&dir.join("comm")) else { continue };
         if comm.trim_end() != comm_prefix {
             continue;
@@ -94,5 +100,9 @@ mod tests {
         assert_eq!(running(Path::new("/nonexistent/proc"), PROGRAM), None);
         let short = fake_proc(&[("11", "rsa", "/x/rsa\0", "S")]);
         assert_eq!(running(short.path(), "rsa"), Some(11), "a name shorter than 15 bytes");
+        // Another user's process of that name is no agent of the node's.
+        let theirs = fake_proc(&[("12", "rsa", "/home/u/rsa\0", "S")]);
+        std::os::unix::fs::chown(theirs.path().join("12"), Some(1000), Some(1000)).unwrap();
+        assert_eq!(running(theirs.path(), "rsa"), None);
     }
 }
