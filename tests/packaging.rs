@@ -264,13 +264,15 @@ fn packaged_binary_names_the_commit_and_generates_what_the_package_holds() {
         .and_then(|r| r.split_once(", "))
         .map(|(c, _)| c.trim_end_matches("-dirty").to_string())
         .unwrap_or_else(|| panic!("packaged --version: {version}"));
+    // In CI tools/package.sh has just built them from this checkout; a developer's may be older.
     if let Some(head) = head_commit() {
-        assert_eq!(
-            built,
-            head,
-            "the packages in {} were built from another commit: run tools/package.sh",
-            a.dir.display()
-        );
+        let what =
+            format!("packages built from this commit ({head}; target/package has {built}: run tools/package.sh)");
+        if built != head && !common::in_ci() {
+            eprintln!("\n*** NOT CHECKED: {what} ***\n");
+        } else {
+            assert_eq!(built, head, "{what}");
+        }
     }
     // The Debian changelog names the same commit.
     let changelog = gunzip(&root.path().join("usr/share/doc/nodeplan/changelog.Debian.gz"));
