@@ -344,6 +344,39 @@ fn the_binary_is_stripped_and_its_debug_file_symbolizes_it() {
     assert!(line.contains("src/main.rs:"), "0x{addr} did not resolve through nodeplan.debug: {line}");
 }
 
+/// `2.28` → (2, 28); anything unreadable sorts above every real version.
+fn version(v: &str) -> (u32, u32) {
+    let mut n = v.trim().split('.').map(|x| x.parse::<u32>().unwrap_or(u32::MAX));
+    (n.next().unwrap_or(u32::MAX), n.next().unwrap_or(0))
+}
+
+#[test]
+fn the_packaged_binary_runs_on_glibc_2_28() {
+    let Some(a) = artifacts() else { return };
+    // RHEL 8 has glibc 2.28 and SLES 15 2.31: the binary may need nothing newer.
+    let table = run("objdump", &["-T", s(&a.dir.join("nodeplan"))]);
+    let needed: std::collections::BTreeSet<(u32, u32)> = table
+        .split(|c: char| c.is_whitespace() || c == '(' || c == ')')
+        .filter_map(|w| w.strip_prefix("GLIBC_"))
+        .filter(|v| *v != "PRIVATE")
+        .map(version)
+        .collect();
+    let newest = needed.last().copied().expect("glibc symbol versions in objdump -T: a dynamic binary");
+    assert!(newest <= (2, 28), "the binary needs GLIBC_{}.{} ({needed:?})", newest.0, newest.1);
+    // The packages' dependencies say the same.
+    let requires = run("rpm", &["-qp", "--requires", s(&a.rpm)]);
+    for line in requires.lines().filter_map(|l| l.strip_prefix("libc.so.6(GLIBC_")) {
+        assert!(version(line.trim_end_matches(")(64bit)")) <= (2, 28), "the .rpm requires GLIBC_{line}");
+    }
+    let depends = run("dpkg-deb", &["-f", s(&a.deb), "Depends"]);
+    let libc = depends
+        .split(',')
+        .map(str::trim)
+        .find_map(|d| d.strip_prefix("libc6 (>= "))
+        .unwrap_or_else(|| panic!("no versioned libc6 in Depends: {depends}"));
+    assert!(version(libc.trim_end_matches(')')) <= (2, 28), "the .deb depends on libc6 (>= {libc}");
+}
+
 #[test]
 fn the_packaged_unit_and_drop_in_start_the_packaged_binary() {
     let Some(a) = artifacts() else { return };

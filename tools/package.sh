@@ -7,8 +7,8 @@
 #   nodeplan_VERSION-1_ARCH.deb (cargo-deb) and nodeplan-VERSION-1.ARCH.rpm (cargo-generate-rpm)
 # The completions, the man page and the Debian changelog are generated here from the built binary
 # (never written by hand) into target/package/stage, which Cargo.toml's package metadata names.
-# Installs cargo-deb and cargo-generate-rpm with `cargo install --locked` when they are missing.
-# Needs objcopy (binutils) and gzip.
+# Installs cargo-deb, cargo-generate-rpm and cargo-zigbuild with `cargo install --locked`, and zig
+# (the ziglang package) with pip, when they are missing. Needs objcopy (binutils), gzip, python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +17,17 @@ stage=$out/stage
 command -v cargo-deb >/dev/null || cargo install --locked cargo-deb
 command -v cargo-generate-rpm >/dev/null || cargo install --locked cargo-generate-rpm
 
-cargo build --release --locked --bin nodeplan
-built=target/release/nodeplan
+# The oldest glibc the binary runs on. Linked on this machine's glibc (2.36 on Debian 12) it would
+# need 2.34, which shuts out RHEL 8 (2.28) and SLES 15 (2.31); cargo-zigbuild links against zig's
+# stubs of the glibc named here instead. zig comes from PyPI (ziglang), cargo-zigbuild from
+# crates.io.
+glibc=2.28
+command -v cargo-zigbuild >/dev/null || cargo install --locked cargo-zigbuild
+python3 -m ziglang version >/dev/null 2>&1 || python3 -m pip install --quiet ziglang
+host=$(rustc -vV | sed -n 's/^host: //p')
+# zig's linker writes no build id unless asked; debuggers and debuginfod find nodeplan.debug by it.
+cargo-zigbuild rustc --release --locked --bin nodeplan --target "$host.$glibc" -- -C link-arg=-Wl,--build-id=sha1
+built=${CARGO_TARGET_DIR:-target}/$host/release/nodeplan
 
 rm -rf "$out"
 mkdir -p "$stage/completions"

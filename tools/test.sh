@@ -32,6 +32,7 @@ export NODEPLAN_K8S_BIN="$K8S_CACHE/bin"
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 # The release binary and the .deb/.rpm, built once here for tests/packaging.rs to check (one
-# release build, a few minutes; it also installs cargo-deb and cargo-generate-rpm if missing).
+# release build, a few minutes; it also installs cargo-deb, cargo-generate-rpm, cargo-zigbuild
+# and zig if missing).
 tools/package.sh >&2
 cargo nextest run --locked --no-fail-fast "$@"
