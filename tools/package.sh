@@ -26,8 +26,9 @@ command -v cargo-zigbuild >/dev/null || cargo install --locked cargo-zigbuild
 python3 -m ziglang version >/dev/null 2>&1 || python3 -m pip install --quiet ziglang
 host=$(rustc -vV | sed -n 's/^host: //p')
 # zig's linker writes no build id unless asked; debuggers and debuginfod find nodeplan.debug by it.
-cargo-zigbuild rustc --release --locked --bin nodeplan --target "$host.$glibc" -- -C link-arg=-Wl,--build-id=sha1
-built=${CARGO_TARGET_DIR:-target}/$host/release/nodeplan
+# The dist profile (Cargo.toml): release plus whole-program LTO.
+cargo-zigbuild rustc --profile dist --locked --bin nodeplan --target "$host.$glibc" -- -C link-arg=-Wl,--build-id=sha1
+built=${CARGO_TARGET_DIR:-target}/$host/dist/nodeplan
 
 rm -rf "$out"
 mkdir -p "$stage/completions"
