@@ -19,6 +19,16 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
+# Packaging tests (tests/packaging.rs): the tools that check the .deb and .rpm the way a
+# distribution would, and what tools/package.sh builds them with.
+pkgs=()
+for pair in dpkg-deb:dpkg lintian:lintian rpm:rpm man:man-db objcopy:binutils systemd-analyze:systemd; do
+  command -v "${pair%%:*}" >/dev/null || pkgs+=("${pair#*:}")
+done
+if [ ${#pkgs[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${pkgs[*]}" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
+fi
 
 # The real kube-apiserver, kubectl and etcd for remote-mode and custom-resource tests (about 9
 # minutes once, instant after; rebuilt once when the build script's recipe changes).
@@ -28,4 +38,8 @@ export NODEPLAN_K8S_BIN="$K8S_CACHE/bin"
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
+# The release binary and the .deb/.rpm, built once here for tests/packaging.rs to check (one
+# release build, a few minutes; it also installs cargo-deb, cargo-generate-rpm, cargo-zigbuild
+# and zig if missing).
+tools/package.sh >&2
 cargo nextest run --locked --no-fail-fast "$@"
