@@ -66,7 +66,7 @@ impl Row {
 
 /// The row of the Secret `name`.
 pub fn row_of(name: &str, s: &SecretSnapshot) -> Row {
-    let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+    let text = |k: &str| wire::text(s, k).unwrap_or_default();
     let Some(raw) = s.data.get(wire::PLAN) else {
         return Row {
             node: name.to_string(),
@@ -84,9 +84,11 @@ pub fn row_of(name: &str, s: &SecretSnapshot) -> Row {
     let total = plan::parse(raw).map(|p| p.plan.instructions.len()).unwrap_or(0);
     let state = match wire::plan_state(s) {
         Some(st) => st.as_str().to_string(),
-        None if text(wire::APPLIED_CHECKSUM) == checksum => "applied".into(),
-        None if text(wire::FAILED_CHECKSUM) == checksum => "failed".into(),
-        None => "pending".into(),
+        None => match wire::legacy_outcome(s, &checksum) {
+            Some(true) => "applied".into(),
+            Some(false) => "failed".into(),
+            None => "pending".into(),
+        },
     };
     let checkpoint = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum);
     let completed = match (&state[..], &checkpoint) {

@@ -260,9 +260,10 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                 Instant::now()
             }
         };
-        let gone = seen.as_ref().and_then(|s| s.holder.as_deref()).is_some_and(|h| {
-            previous_incarnation_gone(h, &r.identity, |pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
-        });
+        let gone = seen
+            .as_ref()
+            .and_then(|s| s.holder.as_deref())
+            .is_some_and(|h| previous_incarnation_gone(h, &r.identity, pid_exists));
         let step = decide(seen.as_ref(), &r.identity, since.elapsed(), r.duration, gone);
         let attempt = match step {
             Step::Wait { holder, remaining } => {
@@ -306,6 +307,11 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
 /// Whether a Lease seen now is held by someone: a holder that renewed it within its duration by
 /// `now` (comparing the Lease's `renewTime` with this machine's clock: for a command run once,
 /// which cannot watch the Lease for a duration first; skew between the clocks shifts the expiry).
+/// Whether a process with this pid exists on this machine.
+fn pid_exists(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
 fn fresh_holder(l: &Lease, now: k8s_openapi::jiff::Timestamp) -> Option<String> {
     let spec = l.spec.as_ref()?;
     let holder = spec.holder_identity.clone().filter(|h| !h.is_empty())?;
@@ -339,9 +345,7 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
         };
         if let Some(holder) = current.as_ref().and_then(|l| fresh_holder(l, k8s_openapi::jiff::Timestamp::now()))
             && holder != r.identity
-            && !previous_incarnation_gone(&holder, &r.identity, |pid| {
-                std::path::Path::new(&format!("/proc/{pid}")).exists()
-            })
+            && !previous_incarnation_gone(&holder, &r.identity, pid_exists)
         {
             return Err(format!("held by {holder}"));
         }

@@ -96,7 +96,6 @@ pub fn classify(s: &SecretSnapshot, checksum: &str, wait_healthy: bool) -> Place
     if s.annotations.get(ANNOTATION_TIMED_OUT).is_some_and(|v| v == "true") {
         return Place::Failed("timed out".into());
     }
-    let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
     let started =
         s.annotations.get(ANNOTATION_STARTED).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.to_utc());
     let healthy = || {
@@ -116,11 +115,11 @@ pub fn classify(s: &SecretSnapshot, checksum: &str, wait_healthy: bool) -> Place
             true
         }
         Some(_) => return Place::InFlight { started },
-        None if text(wire::APPLIED_CHECKSUM) == checksum => true,
-        None if text(wire::FAILED_CHECKSUM) == checksum => {
-            return Place::Failed(format!("failed ({} failures)", wire::failure_count(s)));
-        }
-        None => return Place::InFlight { started },
+        None => match wire::legacy_outcome(s, checksum) {
+            Some(true) => true,
+            Some(false) => return Place::Failed(format!("failed ({} failures)", wire::failure_count(s))),
+            None => return Place::InFlight { started },
+        },
     };
     if succeeded && (!wait_healthy || healthy()) { Place::Done } else { Place::InFlight { started } }
 }

@@ -18,16 +18,7 @@ struct Setup {
 impl Setup {
     fn new() -> Setup {
         let s = Setup { dir: tempfile::tempdir().unwrap() };
-        std::fs::create_dir_all(s.p("plans")).unwrap();
-        let cfg = format!(
-            "localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
-             interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n\
-             rescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n",
-            d = s.dir.path().display()
-        );
-        let path = s.p("config.yaml");
-        std::fs::write(&path, cfg).unwrap();
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        write_local_config(s.dir.path(), "");
         s
     }
     fn p(&self, name: &str) -> String {

@@ -27,18 +27,11 @@ fn free_port() -> u16 {
 impl Setup {
     fn new() -> Setup {
         let s = Setup { dir: tempfile::tempdir().unwrap(), port: free_port() };
-        std::fs::create_dir_all(s.p("plans")).unwrap();
-        let cfg = format!(
-            "localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
-             interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nimagesDirectory: {d}/images\nstopTimeout: 1s\n\
-             killTimeout: 5s\nrescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n\
-             metricsAddress: 127.0.0.1:{port}\n",
-            d = s.dir.path().display(),
-            port = s.port
+        let d = s.dir.path().display().to_string();
+        write_local_config(
+            s.dir.path(),
+            &format!("imagesDirectory: {d}/images\nmetricsAddress: 127.0.0.1:{}\n", s.port),
         );
-        let path = s.p("config.yaml");
-        std::fs::write(&path, cfg).unwrap();
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         s
     }
     fn p(&self, name: &str) -> String {

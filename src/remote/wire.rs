@@ -35,8 +35,21 @@ pub const OUTPUT_BUDGET: usize = 256 * 1024;
 /// Keys to write: `Some(bytes)` sets (an empty value clears, as system-agent does), `None` deletes.
 pub type Keys = BTreeMap<String, Option<Vec<u8>>>;
 
-fn text(s: &SecretSnapshot, key: &str) -> Option<String> {
+/// A key's value as text (lossy), `None` when absent.
+pub fn text(s: &SecretSnapshot, key: &str) -> Option<String> {
     s.data.get(key).map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// In the legacy checksum flow (no `plan-state`), how the plan with `checksum` ended:
+/// `Some(true)` applied, `Some(false)` failed, `None` neither yet.
+pub fn legacy_outcome(s: &SecretSnapshot, checksum: &str) -> Option<bool> {
+    if text(s, APPLIED_CHECKSUM).as_deref() == Some(checksum) {
+        Some(true)
+    } else if text(s, FAILED_CHECKSUM).as_deref() == Some(checksum) {
+        Some(false)
+    } else {
+        None
+    }
 }
 
 fn int(s: &SecretSnapshot, key: &str) -> Option<i64> {

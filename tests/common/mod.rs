@@ -333,6 +333,22 @@ pub fn http_server(status: std::sync::Arc<std::sync::atomic::AtomicU16>) -> u16 
 /// A node's files for an agent that talks to a cluster: a connection-info file (`kubeconfig`,
 /// `namespace`, Secret name `machine-plan`) and a config (`mode`, e.g. `remoteEnabled: true`, plus
 /// every directory under one temporary directory), both mode 0600.
+/// A local-mode agent's config under `dir` (its `plans` directory made, the file 0600), with
+/// `extra` lines appended; returns the config's path.
+pub fn write_local_config(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir.join("plans")).unwrap();
+    let cfg = format!(
+        "localEnabled: true\nlocalPlanDirectory: {d}/plans\nworkDirectory: {d}/work\nappliedPlanDirectory: {d}/applied\n\
+         interlockDirectory: {d}/interlock\npidDirectory: {d}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n\
+         rescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n{extra}",
+        d = dir.display()
+    );
+    let path = dir.join("config.yaml");
+    std::fs::write(&path, cfg).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    path
+}
+
 pub struct ClusterNode {
     pub dir: tempfile::TempDir,
     pub config: std::path::PathBuf,
