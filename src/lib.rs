@@ -19,9 +19,10 @@
 //! - [`metrics`]: Prometheus metrics: the registry, the hooks that feed it, the `/metrics` endpoint.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
-//! - [`rollout`]: the rules of a rollout over many nodes' plan Secrets (who starts, when it stops).
+//! - [`rollout`]: the rules of a rollout over many nodes' plan objects (who starts, when it stops).
 //! - [`config`]: the config and connection-info files, defaults and validation.
-//! - [`fleet`]: many nodes' plan Secrets as rows (state, progress, probes) for status and fan-out.
+//! - [`fleet`]: many nodes' plan objects (plan Secrets or NodePlans) as rows (state, progress,
+//!   probes) for status, fan-out and rollouts; `fleet::objects` reads and writes them.
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.

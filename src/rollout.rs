@@ -1,17 +1,20 @@
-//! A rollout: one plan pushed to many nodes' plan Secrets, a few at a time, stopping by itself
-//! when too many fail. Kubernetes is the engine: the rollout keeps no state of its own, so a rerun
-//! of the same command (after Ctrl-C, a lost connection, a closed laptop) sees where every node
-//! stands from the Secrets alone and goes on; failures already counted stay counted.
+//! A rollout: one plan pushed to many nodes' plan objects (their plan Secrets, or one NodePlan
+//! per node), a few at a time, stopping by itself when too many fail. Kubernetes is the engine:
+//! the rollout keeps no state of its own, so a rerun of the same command (after Ctrl-C, a lost
+//! connection, a closed laptop) sees where every node stands from the objects alone and goes on;
+//! failures already counted stay counted.
 //!
-//! A node is in one of four places ([`classify`]): done (its Secret holds this plan and it
-//! succeeded, and with `--wait-healthy` its probes pass), failed (this plan failed or was
-//! canceled there, or the rollout gave up on it at its timeout), in flight (this plan is pending,
-//! in progress or paused there), or to start (its Secret holds another plan, or none). [`decide`]
-//! turns the nodes and the limits into the next step: which nodes to start, which to give up on,
-//! and whether the rollout is over. Pure; the command (`cli::rollout`) does the I/O.
+//! A node is in one of four places ([`classify`], from the node's [`Standing`], whichever kind of
+//! object it is read from): done (its object holds this plan and it succeeded, and with
+//! `--wait-healthy` its probes pass), failed (this plan failed or was canceled or refused there,
+//! or the rollout gave up on it at its timeout), in flight (this plan is not over there yet), or
+//! to start (its object holds another plan, or none). [`decide`] turns the nodes and the limits
+//! into the next step: which nodes to start, which to give up on, and whether the rollout is
+//! over. Pure; the command (`cli::rollout`) does the I/O, through `fleet::objects`, which writes
+//! the patches made here.
 
-use crate::plan::{self, PlanState};
-use crate::remote::client::SecretSnapshot;
+use crate::fleet::{Outcome, Standing};
+use crate::plan;
 use crate::remote::wire;
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
@@ -87,10 +90,10 @@ pub enum Place {
     ToStart,
 }
 
-/// Where the node of Secret `s` stands in a rollout of the plan with `checksum`.
-pub fn classify(s: &SecretSnapshot, checksum: &str, wait_healthy: bool) -> Place {
-    let Some(raw) = s.data.get(wire::PLAN) else { return Place::ToStart };
-    if plan::checksum(raw) != checksum {
+/// Where a node stands in a rollout of the plan with `checksum` (of the plan's bytes for a plan
+/// Secret, of its canonical JSON for a NodePlan: what [`Standing::plan`] holds).
+pub fn classify(s: &Standing, checksum: &str, wait_healthy: bool) -> Place {
+    if s.plan.as_deref() != Some(checksum) {
         return Place::ToStart;
     }
     if s.annotations.get(ANNOTATION_TIMED_OUT).is_some_and(|v| v == "true") {
@@ -98,30 +101,11 @@ pub fn classify(s: &SecretSnapshot, checksum: &str, wait_healthy: bool) -> Place
     }
     let started =
         s.annotations.get(ANNOTATION_STARTED).and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.to_utc());
-    let healthy = || {
-        let probes = wire::probe_statuses(s);
-        let expected = plan::parse(raw).map(|p| p.plan.probes.len()).unwrap_or(0);
-        probes.len() >= expected && probes.values().all(|p| p.healthy)
-    };
-    let succeeded = match wire::plan_state(s) {
-        Some(PlanState::Succeeded) => true,
-        Some(PlanState::Failed) => return Place::Failed(format!("failed ({} failures)", wire::failure_count(s))),
-        Some(PlanState::Canceled) => return Place::Failed("canceled".into()),
-        // Paused after its one-time instructions succeeded (only its periodic ones are held).
-        Some(PlanState::Paused)
-            if plan::Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), checksum)
-                .is_some_and(|c| c.resume_state == Some(PlanState::Succeeded)) =>
-        {
-            true
-        }
-        Some(_) => return Place::InFlight { started },
-        None => match wire::legacy_outcome(s, checksum) {
-            Some(true) => true,
-            Some(false) => return Place::Failed(format!("failed ({} failures)", wire::failure_count(s))),
-            None => return Place::InFlight { started },
-        },
-    };
-    if succeeded && (!wait_healthy || healthy()) { Place::Done } else { Place::InFlight { started } }
+    match &s.outcome {
+        Outcome::Failed(why) => Place::Failed(why.clone()),
+        Outcome::Succeeded if !wait_healthy || s.healthy() => Place::Done,
+        Outcome::Succeeded | Outcome::Running => Place::InFlight { started },
+    }
 }
 
 /// How a rollout ended.
@@ -228,9 +212,34 @@ pub fn give_up_patch() -> serde_json::Value {
     serde_json::json!({"metadata": {"annotations": {plan::ANNOTATION_CANCELED: "true", ANNOTATION_TIMED_OUT: "true"}}})
 }
 
+/// A NodePlan's [`give_up_patch`]: `spec.canceled`, and the mark.
+pub fn give_up_nodeplan_patch() -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {ANNOTATION_TIMED_OUT: "true"}}, "spec": {"canceled": true}})
+}
+
+/// The NodePlan that starts a node (written over `existing`, on its resourceVersion): the whole
+/// `spec.plan` replaced and `spec.canceled` cleared as `plan push` does it (a pause stays), the
+/// start time, the claim (`lease`), a timeout mark from before removed.
+pub fn start_nodeplan(
+    existing: &kube::api::DynamicObject,
+    plan: serde_json::Value,
+    now: DateTime<Utc>,
+    lease: Option<&str>,
+) -> kube::api::DynamicObject {
+    let mut next = crate::nodeplan::cli_wire::replace_plan(existing, plan, None);
+    let a = next.metadata.annotations.get_or_insert_default();
+    a.insert(ANNOTATION_STARTED.into(), now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    a.remove(ANNOTATION_TIMED_OUT);
+    if let Some(l) = lease {
+        a.insert(ANNOTATION_LEASE.into(), l.into());
+    }
+    next
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::secret;
     use crate::remote::client::test_snapshot as snap;
 
     fn limits(c: usize, e: usize) -> Limits {
@@ -404,11 +413,35 @@ mod tests {
             ),
         ];
         for (what, s, wait_healthy, want) in rows {
-            assert_eq!(classify(&s, &c, wait_healthy), want, "{what}");
+            assert_eq!(classify(&secret::standing("n", &s), &c, wait_healthy), want, "{what}");
         }
         let mut none = snap(&p, &[], &[]);
         none.data.clear();
-        assert_eq!(classify(&none, &c, false), Place::ToStart);
+        assert_eq!(classify(&secret::standing("n", &none), &c, false), Place::ToStart);
+    }
+
+    #[test]
+    fn a_nodeplan_start_replaces_the_plan_and_clears_what_held_it() {
+        let now = DateTime::parse_from_rfc3339("2026-12-01T10:00:00Z").map(|t| t.to_utc()).unwrap_or_default();
+        let existing: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+            "metadata": {"name": "p", "resourceVersion": "5", "annotations": {ANNOTATION_TIMED_OUT: "true", "keep": "me"}},
+            "spec": {"canceled": true, "paused": true, "priority": 3,
+                     "plan": {"instructions": [], "probes": {"old": {"fileExists": {"path": "/x"}}}}},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let next = start_nodeplan(&existing, serde_json::json!({"instructions": []}), now, Some("ns/lease"));
+        let a = next.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(a.get(ANNOTATION_STARTED).map(String::as_str), Some("2026-12-01T10:00:00Z"));
+        assert_eq!(a.get(ANNOTATION_LEASE).map(String::as_str), Some("ns/lease"));
+        assert!(!a.contains_key(ANNOTATION_TIMED_OUT) && a.contains_key("keep"), "{a:?}");
+        assert_eq!(next.metadata.resource_version.as_deref(), Some("5"), "written on the version read");
+        let spec = &next.data["spec"];
+        assert_eq!(spec["plan"], serde_json::json!({"instructions": []}), "the plan replaced whole");
+        assert_eq!(
+            (spec["canceled"].as_bool(), spec["paused"].as_bool(), spec["priority"].as_i64()),
+            (Some(false), Some(true), Some(3))
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! its own, and a command must not hang on a server that accepts and never answers.
 
 mod fleet;
-mod nodeplan;
+pub(super) mod nodeplan;
 
 use super::exit;
 use crate::local::pos::{self, PlanFiles};
@@ -51,8 +51,8 @@ pub struct RemoteTarget {
     pub request_timeout: Duration,
 }
 
-/// `plan status --node` (a node's NodePlans) or `--selector` (many nodes' plan Secrets) instead
-/// of one plan.
+/// `plan status --node` (a node's NodePlans) or `--selector` (many nodes' plan Secrets or
+/// NodePlans) instead of one plan.
 #[derive(Args, Debug)]
 pub struct NodeList {
     /// List this node's NodePlans, in the order its agent runs them (instead of one plan).
@@ -66,8 +66,11 @@ pub struct NodeList {
     /// else default].
     #[arg(long, short = 'n', value_name = "NAMESPACE", value_parser = nodeplan::parse_namespace)]
     pub namespace: Option<String>,
-    /// With --node: list every namespace.
-    #[arg(long, short = 'A', requires = "node", conflicts_with = "namespace")]
+    /// With --selector: the selector picks NodePlans (one per node) instead of plan Secrets.
+    #[arg(long, requires = "selector")]
+    pub nodeplans: bool,
+    /// With --node, or --selector --nodeplans: every namespace.
+    #[arg(long, short = 'A', conflicts_with = "namespace")]
     pub all_namespaces: bool,
     /// With --selector: keep going, showing every change as the API server reports it (a watch,
     /// not polling) until Ctrl-C.
@@ -99,6 +102,12 @@ pub struct Acting {
     /// With --selector: the namespace [default: the kubeconfig context's namespace, else default].
     #[arg(long, short = 'n', value_name = "NAMESPACE", requires = "selector", value_parser = nodeplan::parse_namespace)]
     pub namespace: Option<String>,
+    /// With --selector: the selector picks NodePlans (one per node) instead of plan Secrets.
+    #[arg(long, requires = "selector")]
+    pub nodeplans: bool,
+    /// With --selector --nodeplans: every namespace.
+    #[arg(long, short = 'A', requires = "nodeplans", conflicts_with = "namespace")]
+    pub all_namespaces: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -303,6 +312,9 @@ pub async fn run(args: PlanArgs) -> u8 {
                 .into(),
         )),
         PlanAction::Push { remote, .. } => remote::run(&args.action, remote).await.map_err(Failure::Failed),
+        PlanAction::Status { list: NodeList { all_namespaces: true, node: None, nodeplans: false, .. }, .. } => {
+            Err(Failure::Usage("--all-namespaces goes with --node or --selector --nodeplans".into()))
+        }
         PlanAction::Status { target, list: list @ NodeList { node: Some(node), .. } } => {
             nodeplan::list(node, list, &target.remote).await
         }

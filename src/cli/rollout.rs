@@ -1,12 +1,13 @@
-//! `nodeplan rollout PLAN --selector S`: push one plan to every node's plan Secret the selector
-//! picks, `--max-concurrent` at a time, stopping when more than `--max-errors` fail. The rules
-//! are [`crate::rollout`]'s; this is the loop around them: a watch on the selected Secrets (every
-//! change decides again at once), a tick for the per-node timeout, the writes, and a line per node
-//! transition with the overall counts.
+//! `nodeplan rollout PLAN --selector S`: push one plan to every node's plan object the selector
+//! picks (plan Secrets, or with `--nodeplans` one NodePlan per node), `--max-concurrent` at a
+//! time, stopping when more than `--max-errors` fail. The rules are [`crate::rollout`]'s; this is
+//! the loop around them: a watch on the selected objects (every change decides again at once), a
+//! tick for the per-node timeout, the writes (through [`crate::fleet::objects`], at most
+//! [`objects::PARALLEL`] in flight), and a line per node transition with the overall counts.
 
 use super::exit;
 use super::plan_cmd::RemoteTarget;
-use crate::remote::client::{self, SecretClient, SecretRef, Selected};
+use crate::fleet::objects::{self, Change, Kind, Object, Scope, Tracker, Write};
 use crate::rollout::{self, Amount, Finish, Limits, Place};
 use clap::Args;
 use futures::StreamExt as _;
@@ -42,13 +43,22 @@ pub struct RolloutArgs {
 /// Which nodes (and how to reach their API server).
 #[derive(Args, Debug)]
 pub struct Nodes {
-    /// The nodes: every plan Secret this label selector picks (kubectl's syntax).
+    /// The nodes: every plan Secret (or with --nodeplans, NodePlan) this label selector picks
+    /// (kubectl's syntax).
     #[arg(long, short = 'l', value_name = "SELECTOR", required = true)]
     pub selector: Option<String>,
-    /// The namespace of the plan Secrets [default: the kubeconfig context's namespace, else
-    /// default].
-    #[arg(long, short = 'n', value_name = "NAMESPACE")]
+    /// The namespace of the plan objects, and of the rollout's Lease [default: the kubeconfig
+    /// context's namespace, else default].
+    #[arg(long, short = 'n', value_name = "NAMESPACE", value_parser = super::plan_cmd::nodeplan::parse_namespace)]
     pub namespace: Option<String>,
+    /// The selector picks NodePlans, one per node (two selected NodePlans of one node are
+    /// refused), instead of plan Secrets.
+    #[arg(long)]
+    pub nodeplans: bool,
+    /// With --nodeplans: select in every namespace (one namespace per node); the Lease stays in
+    /// the context's namespace (or -n).
+    #[arg(long, short = 'A', requires = "nodeplans")]
+    pub all_namespaces: bool,
     /// Kubeconfig [default: KUBECONFIG, else ~/.kube/config].
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
@@ -69,6 +79,44 @@ impl Nodes {
     fn selector(&self) -> &str {
         self.selector.as_deref().unwrap_or_default()
     }
+
+    /// The selected objects, and the rollout's Lease (namespace, name) and the claim a node of
+    /// the rollout carries.
+    fn scope(&self, kube: &kube::Client) -> (Scope, Lease) {
+        let ns = self.namespace.clone().unwrap_or_else(|| kube.default_namespace().to_string());
+        let kind = if self.nodeplans { Kind::NodePlans } else { Kind::Secrets };
+        let scope = Scope {
+            kind,
+            namespace: (!self.all_namespaces).then(|| ns.clone()),
+            selector: self.selector().to_string(),
+        };
+        let lease = match kind {
+            Kind::Secrets => {
+                let name = rollout::lease_name(&ns, self.selector());
+                Lease { namespace: ns, claim: name.clone(), name }
+            }
+            Kind::NodePlans => {
+                let place = if self.all_namespaces { "*" } else { ns.as_str() };
+                let name = rollout::lease_name(&format!("nodeplans/{place}"), self.selector());
+                Lease { claim: format!("{ns}/{name}"), namespace: ns, name }
+            }
+        };
+        (scope, lease)
+    }
+}
+
+/// A rollout's Lease, and the value of [`rollout::ANNOTATION_LEASE`] on its nodes: the Lease's
+/// name for a plan Secret (in the same namespace), `NAMESPACE/NAME` for a NodePlan.
+#[derive(Debug, Clone)]
+struct Lease {
+    namespace: String,
+    name: String,
+    claim: String,
+}
+
+/// The Lease a claim names (a claim without a namespace is in the object's).
+fn lease_of_claim<'a>(claim: &'a str, object_namespace: &'a str) -> (&'a str, &'a str) {
+    claim.split_once('/').unwrap_or((object_namespace, claim))
 }
 
 /// `rollout pause|resume|cancel`: act on the running (or stopped) rollout over a selection.
@@ -122,95 +170,164 @@ const ANNOTATION_CONTROL: &str = "rollout.nodeplan.cattle.io/control";
 /// `rollout pause|resume|cancel`: the control on the rollout's Lease (the running rollout watches
 /// it), and the same on every node of the rollout in flight, in one pass.
 async fn control(c: &Control) -> Result<u8, (u8, String)> {
-    use crate::plan::{ANNOTATION_CANCELED, ANNOTATION_PAUSED};
-    let (args, value, node_patch, done) = match c {
-        Control::Pause(a) => {
-            (a, Some("paused"), crate::remote::wire::annotation_patch(ANNOTATION_PAUSED, Some("true")), "paused")
-        }
-        Control::Resume(a) => (a, None, crate::remote::wire::annotation_patch(ANNOTATION_PAUSED, None), "resumed"),
-        Control::Cancel(a) => {
-            (a, Some("canceled"), crate::remote::wire::annotation_patch(ANNOTATION_CANCELED, Some("true")), "canceled")
-        }
+    let args = match c {
+        Control::Pause(a) | Control::Resume(a) | Control::Cancel(a) => a,
+    };
+    let (value, done) = match c {
+        Control::Pause(_) => (Some("paused"), "paused"),
+        Control::Resume(_) => (None, "resumed"),
+        Control::Cancel(_) => (Some("canceled"), "canceled"),
     };
     let t = args.nodes.target();
     let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
-    let ns = args.nodes.namespace.clone().unwrap_or_else(|| kube.default_namespace().to_string());
-    let selector = args.nodes.selector();
-    let name = rollout::lease_name(&ns, selector);
-    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), &ns);
+    let (scope, lease) = args.nodes.scope(&kube);
+    let node_patch = node_control_patch(scope.kind, c);
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(kube.clone(), &lease.namespace);
     let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: value}}});
     let pp = kube::api::PatchParams::default();
     match super::plan_cmd::bounded(&t, "write the rollout's Lease", async {
-        leases.patch(&name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::error_line(&e))
+        leases.patch(&lease.name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::error_line(&e))
     })
     .await
     {
         Ok(_) => {}
         Err(e) if e.contains("not found") || e.contains("NotFound") => {
-            return Err((exit::BAD_INPUT, format!("no rollout over {selector:?} in namespace {ns} (no Lease {name})")));
+            return Err((
+                exit::BAD_INPUT,
+                format!("no rollout over {} (no Lease {}/{})", scope.describe(), lease.namespace, lease.name),
+            ));
         }
         Err(e) => return Err((exit::FAILED, e)),
     }
-    let found =
-        super::plan_cmd::bounded(&t, "list the plan Secrets", client::list_selected(kube.clone(), &ns, selector))
-            .await
-            .map_err(|e| (exit::FAILED, e))?;
-    let mut n = 0;
-    for (node, s) in &found {
-        let ours = s.annotations.get(rollout::ANNOTATION_LEASE) == Some(&name);
-        let flying = matches!(
-            crate::remote::wire::plan_state(s),
-            Some(crate::plan::PlanState::Pending | crate::plan::PlanState::InProgress | crate::plan::PlanState::Paused)
-        );
-        // A resume takes the pause off every node of the rollout (one that finished while paused
-        // keeps the annotation otherwise, and would hold its next plan).
-        let resume = matches!(c, Control::Resume(_));
-        if ours && if resume { s.annotations.contains_key(ANNOTATION_PAUSED) } else { flying } {
-            write(&kube, &ns, node, node_patch.clone(), &t).await.map_err(|e| (exit::FAILED, e))?;
-            crate::cli::out!("{done} {ns}/{node}");
-            n += 1;
+    let found = objects::list(kube.clone(), &scope, t.request_timeout).await.map_err(|e| (exit::FAILED, e))?;
+    let resume = matches!(c, Control::Resume(_));
+    let writes: Vec<(String, Write)> = found
+        .iter()
+        .filter(|(key, o)| {
+            let st = o.standing(key);
+            let ours = st.annotations.get(rollout::ANNOTATION_LEASE) == Some(&lease.claim);
+            // A resume takes the pause off every node of the rollout (one that finished while
+            // paused would hold its next plan otherwise).
+            let wanted = if resume { held(o) } else { st.outcome == crate::fleet::Outcome::Running };
+            ours && st.plan.is_some() && wanted
+        })
+        .map(|(key, _)| (key.clone(), Write::Merge(node_patch.clone())))
+        .collect();
+    let n = writes.len();
+    for (key, r) in objects::write_all(&kube, &scope, writes, t.request_timeout).await {
+        let (ns, name) = scope.locate(&key);
+        match r {
+            Ok(_) => crate::cli::out!("{done} {ns}/{name}"),
+            Err(e) => return Err((exit::FAILED, format!("{ns}/{name}: {e}"))),
         }
     }
-    crate::cli::out!("{done} the rollout over {selector:?} in namespace {ns} ({n} of its nodes {done})");
+    crate::cli::out!("{done} the rollout over {} ({n} of its nodes {done})", scope.describe());
     Ok(exit::OK)
 }
 
+/// The patch that pauses, resumes or cancels one node's plan object.
+fn node_control_patch(kind: Kind, c: &Control) -> serde_json::Value {
+    use crate::nodeplan::cli_wire::Control as Spec;
+    use crate::plan::{ANNOTATION_CANCELED, ANNOTATION_PAUSED};
+    use crate::remote::wire::annotation_patch;
+    match (kind, c) {
+        (Kind::Secrets, Control::Pause(_)) => annotation_patch(ANNOTATION_PAUSED, Some("true")),
+        (Kind::Secrets, Control::Resume(_)) => annotation_patch(ANNOTATION_PAUSED, None),
+        (Kind::Secrets, Control::Cancel(_)) => annotation_patch(ANNOTATION_CANCELED, Some("true")),
+        (Kind::NodePlans, Control::Pause(_)) => Spec::Pause.patch(),
+        (Kind::NodePlans, Control::Resume(_)) => Spec::Resume.patch(),
+        (Kind::NodePlans, Control::Cancel(_)) => Spec::Cancel.patch(),
+    }
+}
+
+/// Whether the object carries a pause (the annotation, `spec.paused`).
+fn held(o: &Object) -> bool {
+    match o {
+        Object::Secret(s) => s.annotations.contains_key(crate::plan::ANNOTATION_PAUSED),
+        Object::NodePlan(o) => crate::nodeplan::cli_wire::spec_of(o).paused,
+    }
+}
+
+/// The plan a rollout pushes: its bytes (a plan Secret holds them as they are) and, for
+/// NodePlans, the object `spec.plan` holds; the checksum a node's [`crate::fleet::Standing`] is
+/// compared with.
+struct Pushed {
+    raw: Vec<u8>,
+    object: serde_json::Value,
+    checksum: String,
+}
+
+fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)> {
+    let bad = |e: String| (exit::BAD_INPUT, format!("{}: {e}", path.display()));
+    let raw = crate::safefs::read_named(path, 16 << 20)
+        .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", path.display())))?;
+    crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?;
+    let object: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| bad(e.to_string()))?;
+    let checksum = match kind {
+        Kind::Secrets => crate::plan::checksum(&raw),
+        Kind::NodePlans => {
+            crate::nodeplan::resource::check_spec(&serde_json::json!({ "plan": object }))
+                .map_err(|e| bad(format!("as a NodePlan: {e}")))?;
+            let spec = crate::nodeplan::resource::NodePlanSpec { plan: Some(object.clone()), ..Default::default() };
+            crate::nodeplan::wire::plan_bytes(&spec).map(|b| crate::plan::checksum(&b)).unwrap_or_default()
+        }
+    };
+    Ok(Pushed { raw, object, checksum })
+}
+
 async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
-    let plan = args.plan.clone().unwrap_or_default();
-    let raw = crate::safefs::read_named(&plan, 16 << 20)
-        .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", plan.display())))?;
-    crate::plan::parse(&raw).map_err(|e| (exit::BAD_INPUT, format!("{}: {e}", plan.display())))?;
-    let checksum = crate::plan::checksum(&raw);
     let t = args.nodes.target();
+    let kind = if args.nodes.nodeplans { Kind::NodePlans } else { Kind::Secrets };
+    let plan = read_plan(&args.plan.clone().unwrap_or_default(), kind)?;
     let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
-    let ns = args.nodes.namespace.clone().unwrap_or_else(|| kube.default_namespace().to_string());
     let mut held: Option<crate::lease::Held> = None;
-    let r = drive(args, &raw, &checksum, &kube, &ns, &mut held).await;
+    let r = drive(args, &plan, &kube, &mut held).await;
     if let Some(h) = held {
         h.release().await;
     }
     r
 }
 
+/// With NodePlans: the first node with two selected NodePlans (a rollout writes one per node).
+fn two_of_one_node(objects: &BTreeMap<String, Object>) -> Option<String> {
+    let mut seen: BTreeMap<String, &str> = BTreeMap::new();
+    for (key, o) in objects {
+        if let Object::NodePlan(_) = o {
+            let node = o.standing(key).node;
+            if let Some(first) = seen.insert(node.clone(), key) {
+                return Some(format!(
+                    "node {node} has two selected NodePlans ({first} and {key}); a rollout writes one per node: \
+                     narrow the selector"
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Take the rollout's Lease and claim its nodes, refusing when another running rollout holds
 /// them (exit 5, nothing written).
 async fn take_nodes(
     kube: &kube::Client,
-    ns: &str,
-    selector: &str,
-    snaps: &BTreeMap<String, client::SecretSnapshot>,
+    scope: &Scope,
+    lease: &Lease,
+    snaps: &BTreeMap<String, Object>,
     t: &RemoteTarget,
     held: &mut Option<crate::lease::Held>,
-    written: &mut BTreeMap<String, client::SecretSnapshot>,
-) -> Result<String, (u8, String)> {
-    let name = rollout::lease_name(ns, selector);
+    written: &mut BTreeMap<String, Object>,
+) -> Result<(), (u8, String)> {
+    if let Some(e) = two_of_one_node(snaps) {
+        return Err((exit::BAD_INPUT, e));
+    }
+    let (ns, name) = (&lease.namespace, &lease.name);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     let r = crate::lease::LeaseRef {
-        namespace: ns.to_string(),
+        namespace: ns.clone(),
         name: name.clone(),
         identity: crate::lease::identity(&host),
         duration: LEASE_DURATION,
-        what: format!("the rollout over {selector:?}"),
+        what: format!("the rollout over {}", scope.describe()),
     };
     *held = crate::lease::take_now(kube.clone(), r).await.map_err(|e| {
         (exit::ALREADY_RUNNING, format!("this rollout is running already: its Lease {ns}/{name} is {e}"))
@@ -218,7 +335,7 @@ async fn take_nodes(
     // A canceled rollout run again starts again; a paused one stays paused until resumed.
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), ns);
     let canceled = super::plan_cmd::bounded(t, "read the rollout's Lease", async {
-        leases.get_opt(&name).await.map_err(|e| crate::error_line(&e))
+        leases.get_opt(name).await.map_err(|e| crate::error_line(&e))
     })
     .await
     .map_err(|e| (exit::FAILED, e))?
@@ -228,7 +345,7 @@ async fn take_nodes(
         let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: null}}});
         super::plan_cmd::bounded(t, "write the rollout's Lease", async {
             leases
-                .patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+                .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
                 .await
                 .map_err(|e| crate::error_line(&e))
         })
@@ -236,57 +353,56 @@ async fn take_nodes(
         .map_err(|e| (exit::FAILED, e))?;
         crate::cli::out!("the rollout was canceled: starting it again");
     }
-    for (node, s) in snaps {
-        let Some(other) = s.annotations.get(rollout::ANNOTATION_LEASE).filter(|o| **o != name) else { continue };
-        if let Some(holder) = crate::lease::active_holder(kube.clone(), ns, other).await {
+    for (key, o) in snaps {
+        let st = o.standing(key);
+        let Some(other) = st.annotations.get(rollout::ANNOTATION_LEASE).filter(|o| **o != lease.claim) else {
+            continue;
+        };
+        let (object_ns, _) = scope.locate(key);
+        let (other_ns, other_name) = lease_of_claim(other, &object_ns);
+        if let Some(holder) = crate::lease::active_holder(kube.clone(), other_ns, other_name).await {
             return Err((
                 exit::ALREADY_RUNNING,
                 format!(
-                    "{node} belongs to another running rollout (Lease {ns}/{other}, held by {holder}); nothing written"
+                    "{key} belongs to another running rollout (Lease {other_ns}/{other_name}, held by {holder}); \
+                     nothing written"
                 ),
             ));
         }
     }
-    for (node, s) in snaps {
-        if s.annotations.get(rollout::ANNOTATION_LEASE) != Some(&name) {
-            let w = write(kube, ns, node, rollout::claim_patch(&name), t).await.map_err(|e| (exit::FAILED, e))?;
-            written.insert(node.clone(), w);
-        }
+    let claims: Vec<(String, Write)> = snaps
+        .iter()
+        .filter(|(key, o)| o.standing(key).annotations.get(rollout::ANNOTATION_LEASE) != Some(&lease.claim))
+        .map(|(key, _)| (key.clone(), Write::Merge(rollout::claim_patch(&lease.claim))))
+        .collect();
+    for (key, r) in objects::write_all(kube, scope, claims, t.request_timeout).await {
+        written.insert(key, r.map_err(|e| (exit::FAILED, e))?);
     }
-    Ok(name)
+    Ok(())
 }
 
 async fn drive(
     args: &RolloutArgs,
-    raw: &[u8],
-    checksum: &str,
+    plan: &Pushed,
     kube: &kube::Client,
-    ns: &str,
     held: &mut Option<crate::lease::Held>,
 ) -> Result<u8, (u8, String)> {
     let t = &args.nodes.target();
-    let selector = args.nodes.selector();
-    let ns = ns.to_string();
-    let mut claimed: Option<String> = None;
-    let mut stream = std::pin::pin!(client::watch_selected(kube.clone(), &ns, selector));
-    let lease = rollout::lease_name(&ns, selector);
-    let mut controls = std::pin::pin!(control_of(kube.clone(), &ns, &lease));
+    let (scope, lease) = args.nodes.scope(kube);
+    let mut claimed = false;
+    let mut stream = objects::watch(kube.clone(), &scope);
+    let mut controls = std::pin::pin!(control_of(kube.clone(), &lease.namespace, &lease.name));
     let mut control: Option<String> = None;
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut told: Option<String> = None;
     let mut stop = std::pin::pin!(super::interrupted());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut snaps: BTreeMap<String, client::SecretSnapshot> = BTreeMap::new();
+    let mut tracker = Tracker::default();
     let mut shown: BTreeMap<String, Place> = BTreeMap::new();
-    let (mut listed, mut failing) = (false, false);
     // Written by this run and not seen back from the watch yet: the write's answer stands in for
     // it (a decision from the older snapshot would start or give up on the node again).
-    let mut written: BTreeMap<String, client::SecretSnapshot> = BTreeMap::new();
-    crate::cli::out!(
-        "rollout of plan {} to the plan Secrets matching {:?} in namespace {ns}",
-        &checksum[..12],
-        selector
-    );
+    let mut written: BTreeMap<String, Object> = BTreeMap::new();
+    crate::cli::out!("rollout of plan {} to {}", &plan.checksum[..12], scope.describe());
     loop {
         tokio::select! {
             () = &mut stop => {
@@ -297,39 +413,36 @@ async fn drive(
             c = controls.next() => if let Some(c) = c {
                 control = c;
             },
-            e = stream.next() => match e {
-                Some(Selected::Is(name, s)) => {
-                    failing = false;
-                    if written.get(&name).is_some_and(|w| caught_up(&s.resource_version, &w.resource_version)) {
-                        written.remove(&name);
+            e = stream.next() => match e.map(|e| tracker.apply(e)) {
+                Some(Change::Is(key)) => {
+                    let seen = tracker.objects.get(&key).map(|o| o.resource_version().to_string()).unwrap_or_default();
+                    if written.get(&key).is_some_and(|w| caught_up(&seen, w.resource_version())) {
+                        written.remove(&key);
                     }
-                    snaps.insert(name, s);
                 }
-                Some(Selected::Gone(name)) => {
-                    snaps.remove(&name);
+                Some(Change::Failing(e)) => {
+                    super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe()));
                 }
-                Some(Selected::Listed) => listed = true,
-                Some(Selected::Failed(e)) => {
-                    if !failing {
-                        super::say(&format!("nodeplan: watching the plan Secrets: {e}; trying again"));
-                    }
-                    failing = true;
-                }
+                Some(Change::Gone(_) | Change::Listed | Change::None) => {}
                 None => return Err((exit::FAILED, "the watch ended".into())),
             },
         }
-        if !listed {
+        if !tracker.listed {
             continue;
         }
-        if claimed.is_none() {
-            claimed = Some(take_nodes(kube, &ns, selector, &snaps, t, held, &mut written).await?);
+        let snaps = &tracker.objects;
+        if !claimed {
+            take_nodes(kube, &scope, &lease, snaps, t, held, &mut written).await?;
+            claimed = true;
         }
         if held.as_ref().is_some_and(|h| *h.lost().borrow()) {
             return Err((exit::FAILED, "another rollout took this rollout's Lease; stopped".into()));
         }
-        let places: BTreeMap<String, Place> = snaps
+        let standings: BTreeMap<String, crate::fleet::Standing> =
+            snaps.iter().map(|(k, o)| (k.clone(), written.get(k).unwrap_or(o).standing(k))).collect();
+        let places: BTreeMap<String, Place> = standings
             .iter()
-            .map(|(n, s)| (n.clone(), rollout::classify(written.get(n).unwrap_or(s), checksum, args.wait_healthy)))
+            .map(|(k, st)| (k.clone(), rollout::classify(st, &plan.checksum, args.wait_healthy)))
             .collect();
         let total = places.len();
         let mut limits = Limits {
@@ -338,7 +451,7 @@ async fn drive(
             wait_healthy: args.wait_healthy,
             timeout: args.timeout,
         };
-        report(&places, &mut shown, &limits, terminal.then_some(&snaps));
+        report(&places, &mut shown, &limits, terminal.then_some(&standings));
         if told != control {
             match control.as_deref() {
                 Some("paused") => crate::cli::out!("paused: no new node starts (nodeplan rollout resume goes on)"),
@@ -361,19 +474,21 @@ async fn drive(
             _ => {}
         }
         let step = rollout::decide(&places, &limits, chrono::Utc::now());
-        for name in &step.give_up {
-            crate::cli::out!("{name}: in flight longer than {}: canceled, counted failed", show_timeout(&limits));
-            let s = write(kube, &ns, name, rollout::give_up_patch(), t).await.map_err(|e| (exit::FAILED, e))?;
-            written.insert(name.clone(), s);
+        let mut writes: Vec<(String, Write)> = Vec::new();
+        for key in &step.give_up {
+            crate::cli::out!("{key}: in flight longer than {}: canceled, counted failed", show_timeout(&limits));
+            let patch = match scope.kind {
+                Kind::Secrets => rollout::give_up_patch(),
+                Kind::NodePlans => rollout::give_up_nodeplan_patch(),
+            };
+            writes.push((key.clone(), Write::Merge(patch)));
         }
-        for name in &step.start {
-            crate::cli::out!("{name}: starting");
-            let mut patch = rollout::start_patch(raw, chrono::Utc::now());
-            if let Some(lease) = &claimed {
-                patch["metadata"]["annotations"][rollout::ANNOTATION_LEASE] = lease.clone().into();
-            }
-            let s = write(kube, &ns, name, patch, t).await.map_err(|e| (exit::FAILED, e))?;
-            written.insert(name.clone(), s);
+        for key in &step.start {
+            crate::cli::out!("{key}: starting");
+            writes.push((key.clone(), start(scope.kind, plan, &lease.claim)));
+        }
+        for (key, r) in objects::write_all(kube, &scope, writes, t.request_timeout).await {
+            written.insert(key, r.map_err(|e| (exit::FAILED, e))?);
         }
         if let Some(f) = step.finish {
             let c = rollout::counts(&places);
@@ -397,6 +512,18 @@ async fn drive(
                 }
             });
         }
+    }
+}
+
+/// The write that starts a node: the plan pushed as `pending` with the start time and the claim.
+fn start(kind: Kind, plan: &Pushed, claim: &str) -> Write {
+    match kind {
+        Kind::Secrets => {
+            let mut patch = rollout::start_patch(&plan.raw, chrono::Utc::now());
+            patch["metadata"]["annotations"][rollout::ANNOTATION_LEASE] = claim.into();
+            Write::Merge(patch)
+        }
+        Kind::NodePlans => Write::StartNodePlan { plan: plan.object.clone(), lease: Some(claim.to_string()) },
     }
 }
 
@@ -430,7 +557,6 @@ fn show_timeout(l: &Limits) -> String {
     l.timeout.map(crate::duration::show).unwrap_or_default()
 }
 
-/// A line per node whose place changed since the last report, with the overall counts.
 /// What changed since the last report: in a terminal, the fleet table (as `plan status
 /// --selector` shows it) redrawn with a progress bar; elsewhere a line per node transition and
 /// the counts.
@@ -438,7 +564,7 @@ fn report(
     places: &BTreeMap<String, Place>,
     shown: &mut BTreeMap<String, Place>,
     limits: &Limits,
-    terminal: Option<&BTreeMap<String, client::SecretSnapshot>>,
+    terminal: Option<&BTreeMap<String, crate::fleet::Standing>>,
 ) {
     let mut changed = false;
     for (name, p) in places {
@@ -460,8 +586,8 @@ fn report(
     }
     if changed {
         let c = rollout::counts(places);
-        if let Some(snaps) = terminal {
-            let rows = crate::fleet::sorted(snaps.iter().map(|(n, s)| crate::fleet::row_of(n, s)).collect());
+        if let Some(standings) = terminal {
+            let rows = crate::fleet::sorted(standings.values().map(crate::fleet::row_of).collect());
             crate::cli::out!("\x1b[H\x1b[2J{}", crate::fleet::table(&rows));
             crate::cli::out!("{}", rollout::bar(c, places.len(), 40));
         }
@@ -476,18 +602,6 @@ fn report(
             c.to_start
         );
     }
-}
-
-/// Write one node's Secret; its answer (the Secret as written).
-async fn write(
-    kube: &kube::Client,
-    ns: &str,
-    name: &str,
-    patch: serde_json::Value,
-    t: &RemoteTarget,
-) -> Result<client::SecretSnapshot, String> {
-    let c = SecretClient::new(kube.clone(), SecretRef { namespace: ns.to_string(), name: name.to_string() });
-    super::plan_cmd::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await
 }
 
 #[cfg(test)]

@@ -96,22 +96,31 @@ fn spec_node_name(o: &DynamicObject) -> Option<&str> {
     o.data.pointer("/spec/nodeName").and_then(Value::as_str).filter(|n| !n.is_empty())
 }
 
+/// The node a NodePlan is for (unescaped): its label, or `spec.nodeName` when the label is a hash;
+/// `None` without a label.
+pub fn node_name(o: &DynamicObject) -> Option<&str> {
+    match (label_of(o), spec_node_name(o)) {
+        (None, _) => None,
+        (Some(label), Some(name)) if label.starts_with("h-") => Some(name),
+        (Some(label), _) => Some(label),
+    }
+}
+
 /// The node a NodePlan is for, as people read it (for the line refusing a push for another).
 pub fn node_of(o: &DynamicObject) -> String {
-    match (label_of(o), spec_node_name(o)) {
-        (None, _) => format!("no node (it has no {NODE_LABEL} label)"),
-        (Some(label), Some(name)) if label.starts_with("h-") => format!("node {}", shown(name, 80)),
-        (Some(label), _) => format!("node {}", shown(label, 80)),
+    match node_name(o) {
+        None => format!("no node (it has no {NODE_LABEL} label)"),
+        Some(name) => format!("node {}", shown(name, 80)),
     }
 }
 
 /// The spec of an object (default when absent or unreadable: the CLI only shows it).
-fn spec_of(o: &DynamicObject) -> NodePlanSpec {
+pub fn spec_of(o: &DynamicObject) -> NodePlanSpec {
     o.data.get("spec").cloned().and_then(|s| serde_json::from_value(s).ok()).unwrap_or_default()
 }
 
 /// The status the agent wrote, or why it cannot be read.
-fn status_of(o: &DynamicObject) -> Result<NodePlanStatus, String> {
+pub fn status_of(o: &DynamicObject) -> Result<NodePlanStatus, String> {
     match o.data.get("status") {
         None | Some(Value::Null) => Ok(NodePlanStatus::default()),
         Some(s) => serde_json::from_value(s.clone()).map_err(|e| format!("unreadable status: {e}")),

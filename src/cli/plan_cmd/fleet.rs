@@ -1,36 +1,42 @@
 //! `plan status --selector` and `plan pause|resume|cancel|reset --selector`: every node's plan
-//! Secret a label selector picks, at once. Rows come from [`crate::fleet`]; the Secrets are read
-//! and watched through `remote::client`; each write is the same orchestrator patch as for one
-//! `--secret`, bounded by `--request-timeout`, at most [`PARALLEL`] at a time.
+//! object (plan Secret, or NodePlan with `--nodeplans`) a label selector picks, at once. Rows come
+//! from [`crate::fleet`]; the objects are read, watched and written through
+//! [`crate::fleet::objects`]; each write is the same patch as for one `--secret` or `--nodeplan`,
+//! bounded by `--request-timeout`, at most [`objects::PARALLEL`] at a time.
 
 use super::{Acting, Failure, NodeList, Output, PlanAction, RemoteTarget};
+use crate::fleet::objects::{self, Change, Kind, Scope, Tracker, Write};
 use crate::fleet::{self, Rows};
-use crate::remote::client::{self, SecretClient, SecretRef, Selected};
 use futures::StreamExt as _;
 
-/// Writes in flight at once in a fan-out: enough to reach 500 nodes in a few seconds, few enough
-/// not to trip the API server's own flow control.
-pub const PARALLEL: usize = 16;
-
-fn namespace_of(client: &kube::Client, given: Option<&String>) -> String {
-    given.cloned().unwrap_or_else(|| client.default_namespace().to_string())
+/// The selection: `kind`'s objects in `-n` (else the context's namespace), or in every namespace.
+pub fn scope(kube: &kube::Client, kind: Kind, selector: &str, namespace: Option<&String>, all: bool) -> Scope {
+    Scope {
+        kind,
+        namespace: (!all).then(|| namespace.cloned().unwrap_or_else(|| kube.default_namespace().to_string())),
+        selector: selector.to_string(),
+    }
 }
 
-/// `status --selector S [--watch] [--output json]`.
+fn kind(nodeplans: bool) -> Kind {
+    if nodeplans { Kind::NodePlans } else { Kind::Secrets }
+}
+
+/// `status --selector S [--nodeplans] [--watch] [--output json]`.
 pub(super) async fn status(selector: &str, l: &NodeList, t: &RemoteTarget) -> Result<(), Failure> {
     let kube = super::kube_client(t).await?;
-    let ns = namespace_of(&kube, l.namespace.as_ref());
+    let scope = scope(&kube, kind(l.nodeplans), selector, l.namespace.as_ref(), l.all_namespaces);
     let json = l.output == Output::Json;
     if !l.watch {
-        let found = super::bounded(t, "list the plan Secrets", client::list_selected(kube, &ns, selector)).await?;
-        let rows = fleet::sorted(found.iter().map(|(name, s)| fleet::row_of(name, s)).collect());
+        let found = objects::list(kube, &scope, t.request_timeout).await?;
+        let rows = fleet::sorted(found.iter().map(|(key, o)| fleet::row_of(&o.standing(key))).collect());
         if rows.is_empty() {
-            super::super::say(&format!("nodeplan: no plan Secrets in namespace {ns} match {selector:?}"));
+            super::super::say(&format!("nodeplan: no objects: {} (none)", scope.describe()));
         }
         print_rows(&rows, json);
         return Ok(());
     }
-    watch(kube, &ns, selector, json).await
+    watch(kube, &scope, json).await
 }
 
 fn print_rows(rows: &[fleet::Row], json: bool) {
@@ -44,17 +50,15 @@ fn print_rows(rows: &[fleet::Row], json: bool) {
     }
 }
 
-/// Follow the selected Secrets until Ctrl-C (or SIGTERM): JSON prints each node's row when it
+/// Follow the selected objects until Ctrl-C (or SIGTERM): JSON prints each node's row when it
 /// changes (every transition once); the table is printed again after each change (in a terminal,
 /// in place of the last one).
-async fn watch(kube: kube::Client, ns: &str, selector: &str, json: bool) -> Result<(), Failure> {
+async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Failure> {
     use std::io::IsTerminal as _;
     let redraw = std::io::stdout().is_terminal();
     let mut rows = Rows::default();
-    let mut listed = false;
-    let mut failing = false;
-    let stream = client::watch_selected(kube, ns, selector);
-    let mut stream = std::pin::pin!(stream);
+    let mut tracker = Tracker::default();
+    let mut stream = objects::watch(kube, scope);
     let stop = crate::cli::interrupted();
     let mut stop = std::pin::pin!(stop);
     loop {
@@ -63,43 +67,38 @@ async fn watch(kube: kube::Client, ns: &str, selector: &str, json: bool) -> Resu
             e = stream.next() => e,
         };
         let Some(event) = event else { return Err(Failure::Failed("the watch ended".into())) };
-        let changed = match event {
-            Selected::Is(name, snap) => {
-                failing = false;
-                let row = fleet::row_of(&name, &snap);
+        let changed = match tracker.apply(event) {
+            Change::Is(key) => {
+                let Some(o) = tracker.objects.get(&key) else { continue };
+                let row = fleet::row_of(&o.standing(&key));
                 let line = row.json();
-                let changed = rows.set(row);
+                let changed = rows.set(&key, row);
                 if changed && json {
                     crate::cli::out!("{line}");
                 }
                 changed
             }
-            Selected::Gone(name) => {
-                let changed = rows.remove(&name);
+            Change::Gone(key) => {
+                let changed = rows.remove(&key);
                 if changed && json {
-                    crate::cli::out!("{}", serde_json::json!({"node": name, "state": "deleted"}));
+                    crate::cli::out!("{}", serde_json::json!({"node": key, "state": "deleted"}));
                 }
                 changed
             }
-            Selected::Listed => {
-                listed = true;
-                true
-            }
-            Selected::Failed(e) => {
-                if !failing {
-                    super::super::say(&format!("nodeplan: watching the plan Secrets: {e}; trying again"));
-                }
-                failing = true;
+            Change::Listed => true,
+            Change::Failing(e) => {
+                super::super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe()));
                 false
             }
+            Change::None => false,
         };
-        if changed && listed && !json {
+        if changed && tracker.listed && !json {
             if redraw {
                 crate::cli::out!("\x1b[H\x1b[2J");
             }
             let all = rows.all();
             if all.is_empty() {
-                crate::cli::out!("no plan Secrets in namespace {ns} match {selector:?} (watching)");
+                crate::cli::out!("none of {} (watching)", scope.describe());
             } else {
                 crate::cli::out!("{}\n{}\n", fleet::table(&all), fleet::summary(&all));
             }
@@ -107,7 +106,7 @@ async fn watch(kube: kube::Client, ns: &str, selector: &str, json: bool) -> Resu
     }
 }
 
-/// The merge patch an orchestrator writes for `action`, and what it did, for the report.
+/// The merge patch an orchestrator writes to a plan Secret for `action`, and what it did.
 pub(super) fn action_patch(action: &PlanAction) -> Option<(serde_json::Value, &'static str)> {
     use crate::plan::{ANNOTATION_CANCELED, ANNOTATION_PAUSED};
     use crate::remote::wire;
@@ -120,47 +119,56 @@ pub(super) fn action_patch(action: &PlanAction) -> Option<(serde_json::Value, &'
     })
 }
 
-/// `pause|resume|cancel|reset --selector S`: one pass over the selected Secrets, [`PARALLEL`]
-/// writes at a time; one line per node, then a summary. Exit 1 when any write failed.
+/// The spec patch written to a NodePlan for `action` (as `--nodeplan` writes it), and what it did.
+fn nodeplan_patch(action: &PlanAction) -> Option<(serde_json::Value, &'static str)> {
+    use crate::nodeplan::cli_wire::{self, Control};
+    Some(match action {
+        PlanAction::Pause(_) => (Control::Pause.patch(), "paused"),
+        PlanAction::Resume(_) => (Control::Resume.patch(), "resumed"),
+        PlanAction::Cancel(_) => (Control::Cancel.patch(), "canceled"),
+        PlanAction::Reset(_) => {
+            let token = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
+            (cli_wire::reset_patch(&token), "reset")
+        }
+        PlanAction::Push { .. } | PlanAction::Status { .. } => return None,
+    })
+}
+
+/// `pause|resume|cancel|reset --selector S [--nodeplans]`: one pass over the selected objects,
+/// [`objects::PARALLEL`] writes at a time; one line per node, then a summary. Exit 1 when any
+/// write failed.
 pub(super) async fn fan_out(action: &PlanAction, a: &Acting) -> Result<(), Failure> {
-    let (Some(selector), Some((patch, done))) = (a.selector.as_deref(), action_patch(action)) else {
+    let patch = if a.nodeplans { nodeplan_patch(action) } else { action_patch(action) };
+    let (Some(selector), Some((patch, done))) = (a.selector.as_deref(), patch) else {
         return Err(Failure::Usage("no selector given".into()));
     };
     let t = &a.target.remote;
     let kube = super::kube_client(t).await?;
-    let ns = namespace_of(&kube, a.namespace.as_ref());
-    let found = super::bounded(t, "list the plan Secrets", client::list_selected(kube.clone(), &ns, selector)).await?;
+    let scope = scope(&kube, kind(a.nodeplans), selector, a.namespace.as_ref(), a.all_namespaces);
+    let found = objects::list(kube.clone(), &scope, t.request_timeout).await?;
     if found.is_empty() {
-        super::super::say(&format!("nodeplan: no plan Secrets in namespace {ns} match {selector:?}; nothing {done}"));
+        super::super::say(&format!("nodeplan: none of {}; nothing {done}", scope.describe()));
         return Ok(());
     }
     let total = found.len();
-    let results: Vec<(String, Result<(), String>)> = futures::stream::iter(found.into_iter().map(|(name, _)| {
-        let c = SecretClient::new(kube.clone(), SecretRef { namespace: ns.clone(), name: name.clone() });
-        let patch = patch.clone();
-        async move {
-            let r = super::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await.map(|_| ());
-            (name, r)
-        }
-    }))
-    .buffer_unordered(PARALLEL)
-    .collect()
-    .await;
+    let writes = found.into_iter().map(|(key, _)| (key, Write::Merge(patch.clone()))).collect();
+    let results = objects::write_all(&kube, &scope, writes, t.request_timeout).await;
     let mut failed = 0;
-    let mut results = results;
-    results.sort_by(|x, y| x.0.cmp(&y.0));
-    for (name, r) in &results {
+    for (key, r) in &results {
         match r {
-            Ok(()) => crate::cli::out!("{done} {ns}/{name}"),
+            Ok(_) => {
+                let (ns, name) = scope.locate(key);
+                crate::cli::out!("{done} {ns}/{name}");
+            }
             Err(e) => {
                 failed += 1;
-                super::super::say(&format!("nodeplan: {ns}/{name}: {e}"));
+                super::super::say(&format!("nodeplan: {key}: {e}"));
             }
         }
     }
     if failed > 0 {
-        return Err(Failure::Failed(format!("{failed} of {total} plan Secrets could not be {done}")));
+        return Err(Failure::Failed(format!("{failed} of {total} could not be {done}")));
     }
-    crate::cli::out!("{done} {total} plan Secrets matching {selector:?} in namespace {ns}");
+    crate::cli::out!("{done} {total} {}", scope.describe().trim_start_matches("the "));
     Ok(())
 }

@@ -1,0 +1,269 @@
+//! Many nodes at once: where each node's plan object (its plan Secret, or its NodePlan) stands,
+//! as one row per node, for `nodeplan plan status --selector` (a table sorted failures first, or
+//! one JSON object per node and per change), the fan-out commands and the rollout.
+//!
+//! Pure, except [`objects`]: a [`Standing`] is read from either kind of object ([`secret`],
+//! [`nodeplan`]) so everything above it (rows, the rollout's rules in `crate::rollout`) is written
+//! once; a [`Row`] is computed from it ([`row_of`]) and rendered ([`table`], [`Row::json`]);
+//! [`Rows`] keeps the latest row of every node and says which changed, so a watch reports every
+//! transition once. [`objects`] is the I/O edge: listing, watching and writing the selected
+//! objects of either kind. The commands are `cli`'s.
+
+pub mod nodeplan;
+pub mod objects;
+pub mod secret;
+
+use crate::plan::ProbeStatus;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// How the run of the plan an object holds ended, as far as its agent reported.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Outcome {
+    /// Not over yet: not taken up, pending, in progress, paused, or a failure to be retried.
+    #[default]
+    Running,
+    Succeeded,
+    /// Over without success: failed, canceled, or refused by the agent (why, for people).
+    Failed(String),
+}
+
+/// Where one node stands on the plan its object holds, whatever the object.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Standing {
+    /// The node as people name it: the plan Secret's name, the NodePlan's node.
+    pub node: String,
+    /// The checksum of the plan the object holds (`None`: no plan). A plan Secret's is of its
+    /// bytes, a NodePlan's of `spec.plan` in canonical JSON (what a rollout compares).
+    pub plan: Option<String>,
+    /// As shown: `no plan`, `pending`, `in-progress`, `paused`, `succeeded`, `failed`,
+    /// `canceled`; `applied` in the legacy checksum flow; `refused` for a spec the agent will
+    /// not run.
+    pub state: String,
+    pub outcome: Outcome,
+    /// One-time instructions known done (`None`: running, the agent reports no progress then).
+    pub completed: Option<usize>,
+    pub total: usize,
+    /// The probes the plan has.
+    pub probe_names: Vec<String>,
+    /// The probes the agent reports.
+    pub probes: BTreeMap<String, ProbeStatus>,
+    /// The last change as the agent wrote it.
+    pub last_change: String,
+    /// Why it needs a look: failures, an invalid pause/cancel value, a pause or cancel asked for.
+    pub notes: Vec<String>,
+    pub annotations: BTreeMap<String, String>,
+    pub resource_version: String,
+}
+
+impl Standing {
+    /// Whether every probe of the plan is reported healthy.
+    pub fn healthy(&self) -> bool {
+        self.probe_names.iter().all(|n| self.probes.get(n).is_some_and(|p| p.healthy))
+    }
+}
+
+/// Where one node's plan stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Row {
+    /// The node (one plan object per node).
+    pub node: String,
+    /// See [`Standing::state`].
+    pub state: String,
+    /// The plan's short id (12 hex digits; empty without a plan).
+    pub plan: String,
+    /// One-time instructions known done (`None`: running, the agent reports no progress then).
+    pub completed: Option<usize>,
+    pub total: usize,
+    pub probes_healthy: usize,
+    pub probes: usize,
+    /// The last change as the agent wrote it.
+    pub last_change: String,
+    /// Why it needs a look: failures, an invalid pause/cancel value, a pause or cancel asked for.
+    pub error: String,
+}
+
+impl Row {
+    /// One line of JSON.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Failures first, then what is held or running, then what waits, then what is done.
+    fn rank(&self) -> u8 {
+        match self.state.as_str() {
+            "failed" | "refused" => 0,
+            "canceled" => 1,
+            "paused" => 2,
+            "in-progress" => 3,
+            "pending" => 4,
+            "succeeded" | "applied" => 6,
+            _ => 5,
+        }
+    }
+
+    /// Whether the node is done with the plan.
+    pub fn done(&self) -> bool {
+        matches!(self.state.as_str(), "succeeded" | "applied")
+    }
+
+    /// Whether the node failed (or was canceled).
+    pub fn failed(&self) -> bool {
+        matches!(self.state.as_str(), "failed" | "canceled" | "refused")
+    }
+}
+
+/// The row of a node.
+pub fn row_of(s: &Standing) -> Row {
+    Row {
+        node: s.node.clone(),
+        state: s.state.clone(),
+        plan: s.plan.as_deref().and_then(|p| p.get(..12)).unwrap_or_default().to_string(),
+        completed: s.completed,
+        total: s.total,
+        probes_healthy: s.probes.values().filter(|p| p.healthy).count(),
+        probes: s.probes.len(),
+        last_change: s.last_change.clone(),
+        error: s.notes.join("; "),
+    }
+}
+
+/// Rows sorted as the table shows them: failures first, then by node.
+pub fn sorted(mut rows: Vec<Row>) -> Vec<Row> {
+    rows.sort_by(|a, b| (a.rank(), &a.node).cmp(&(b.rank(), &b.node)));
+    rows
+}
+
+/// The table, one line per node under a header, columns padded to their widest cell.
+pub fn table(rows: &[Row]) -> String {
+    let cells: Vec<[String; 7]> = rows
+        .iter()
+        .map(|r| {
+            [
+                r.node.clone(),
+                r.state.clone(),
+                r.plan.clone(),
+                match r.completed {
+                    Some(c) => format!("{c}/{}", r.total),
+                    None => format!("?/{}", r.total),
+                },
+                if r.probes == 0 { "-".into() } else { format!("{}/{} healthy", r.probes_healthy, r.probes) },
+                if r.last_change.is_empty() { "-".into() } else { r.last_change.clone() },
+                r.error.clone(),
+            ]
+        })
+        .collect();
+    let header = ["NODE", "STATE", "PLAN", "INSTRUCTIONS", "PROBES", "LAST CHANGE", "ERROR"].map(String::from);
+    let mut widths = header.clone().map(|h| h.chars().count());
+    for row in &cells {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |row: &[String; 7]| {
+        let mut out = String::new();
+        for (i, (c, w)) in row.iter().zip(widths).enumerate() {
+            if i + 1 == row.len() {
+                out.push_str(c);
+            } else {
+                out.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        out.trim_end().to_string()
+    };
+    let mut out = line(&header);
+    for row in &cells {
+        out.push('\n');
+        out.push_str(&line(row));
+    }
+    out
+}
+
+/// A one-line summary: how many nodes in each state.
+pub fn summary(rows: &[Row]) -> String {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in rows {
+        *counts.entry(r.state.as_str()).or_default() += 1;
+    }
+    let parts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    format!("{} nodes: {}", rows.len(), parts.join(", "))
+}
+
+/// The latest row of every node, for a watch.
+#[derive(Debug, Default)]
+pub struct Rows {
+    rows: BTreeMap<String, Row>,
+}
+
+impl Rows {
+    /// Record the row of the object `key`; `true` when it differs from the one it had (a
+    /// transition to report).
+    pub fn set(&mut self, key: &str, row: Row) -> bool {
+        if self.rows.get(key) == Some(&row) {
+            return false;
+        }
+        self.rows.insert(key.to_string(), row);
+        true
+    }
+
+    /// Forget an object (it was deleted or no longer matches); `true` if it was known.
+    pub fn remove(&mut self, key: &str) -> bool {
+        self.rows.remove(key).is_some()
+    }
+
+    pub fn all(&self) -> Vec<Row> {
+        sorted(self.rows.values().cloned().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_sort_first_and_the_table_aligns() {
+        let row = |node: &str, state: &str| Row {
+            node: node.into(),
+            state: state.into(),
+            plan: "abc".into(),
+            completed: Some(1),
+            total: 2,
+            probes_healthy: 0,
+            probes: 0,
+            last_change: String::new(),
+            error: String::new(),
+        };
+        let rows = sorted(vec![row("a", "succeeded"), row("b", "failed"), row("c", "in-progress"), row("d", "failed")]);
+        let order: Vec<&str> = rows.iter().map(|r| r.node.as_str()).collect();
+        assert_eq!(order, ["b", "d", "c", "a"]);
+        let t = table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 5);
+        assert!(lines[0].starts_with("NODE  STATE        PLAN  INSTRUCTIONS"), "{t}");
+        assert!(lines[1].starts_with("b     failed       abc   1/2"), "{t}");
+        assert_eq!(summary(&rows), "4 nodes: 2 failed, 1 in-progress, 1 succeeded");
+    }
+
+    #[test]
+    fn a_watch_reports_each_change_once() {
+        let mut rows = Rows::default();
+        let r = Row {
+            node: "a".into(),
+            state: "pending".into(),
+            plan: "x".into(),
+            completed: Some(0),
+            total: 1,
+            probes_healthy: 0,
+            probes: 0,
+            last_change: String::new(),
+            error: String::new(),
+        };
+        assert!(rows.set("a", r.clone()));
+        assert!(!rows.set("a", r.clone()), "the same row again is no transition");
+        assert!(rows.set("a", Row { state: "succeeded".into(), ..r.clone() }));
+        assert!(rows.remove("a") && !rows.remove("a"));
+        let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap_or_default();
+        assert_eq!((json["node"].as_str(), json["completed"].as_u64()), (Some("a"), Some(0)));
+    }
+}

@@ -1,0 +1,364 @@
+//! The I/O edge of the fleet commands (`plan status|pause|resume|cancel|reset --selector`,
+//! `rollout`): the plan objects a label selector picks, of either kind (plan Secrets in one
+//! namespace; NodePlans in one namespace or in all), listed, watched and written. Every request is
+//! bounded by the caller's timeout; [`write_all`] keeps at most [`PARALLEL`] writes in flight.
+//! What the objects mean is [`super::Standing`]'s; which writes to make is the commands' and
+//! `crate::rollout`'s.
+
+use super::Standing;
+use crate::nodeplan::source::api_resource;
+use crate::remote::client::{SecretClient, SecretRef, SecretSnapshot};
+use futures::{Stream, StreamExt as _};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use std::time::Duration;
+
+/// Writes in flight at once in a fan-out: enough to reach 500 nodes in a few seconds, few enough
+/// not to trip the API server's own flow control.
+pub const PARALLEL: usize = 16;
+
+/// Which kind of plan object a node has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The node's plan Secret (remote mode, Rancher's wire format).
+    Secrets,
+    /// The node's NodePlan (NodePlan mode); one selected per node.
+    NodePlans,
+}
+
+/// The selected objects: their kind, namespace (`None`: every namespace, NodePlans only) and
+/// label selector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    pub kind: Kind,
+    pub namespace: Option<String>,
+    pub selector: String,
+}
+
+impl Scope {
+    /// "the plan Secrets matching "x" in namespace ns", for messages.
+    pub fn describe(&self) -> String {
+        let what = match self.kind {
+            Kind::Secrets => "plan Secrets",
+            Kind::NodePlans => "NodePlans",
+        };
+        let place = match &self.namespace {
+            Some(ns) => format!("namespace {ns}"),
+            None => "any namespace".into(),
+        };
+        format!("the {what} matching {:?} in {place}", self.selector)
+    }
+
+    /// An object's key: its name in one namespace, `NAMESPACE/NAME` across all.
+    fn key(&self, namespace: Option<&str>, name: &str) -> String {
+        match (&self.namespace, namespace) {
+            (None, Some(ns)) => format!("{ns}/{name}"),
+            _ => name.to_string(),
+        }
+    }
+
+    /// The namespace and name of a key.
+    pub fn locate(&self, key: &str) -> (String, String) {
+        match (&self.namespace, key.split_once('/')) {
+            (Some(ns), _) => (ns.clone(), key.to_string()),
+            (None, Some((ns, name))) => (ns.to_string(), name.to_string()),
+            (None, None) => (String::new(), key.to_string()),
+        }
+    }
+
+    fn nodeplans(&self, kube: kube::Client) -> Api<DynamicObject> {
+        match &self.namespace {
+            Some(ns) => Api::namespaced_with(kube, ns, &api_resource()),
+            None => Api::all_with(kube, &api_resource()),
+        }
+    }
+}
+
+/// One selected object as read.
+#[derive(Debug, Clone)]
+pub enum Object {
+    Secret(SecretSnapshot),
+    NodePlan(Box<DynamicObject>),
+}
+
+impl Object {
+    /// Where its node stands; `key` names it when it has no node.
+    pub fn standing(&self, key: &str) -> Standing {
+        match self {
+            Object::Secret(s) => super::secret::standing(key, s),
+            Object::NodePlan(o) => super::nodeplan::standing(key, o),
+        }
+    }
+
+    pub fn resource_version(&self) -> &str {
+        match self {
+            Object::Secret(s) => &s.resource_version,
+            Object::NodePlan(o) => o.metadata.resource_version.as_deref().unwrap_or_default(),
+        }
+    }
+}
+
+/// A kube error as one line; a 404 on a list or watch of NodePlans means they are not served.
+fn error_line(kind: Kind, e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) if kind == Kind::NodePlans && s.code == 404 && s.reason != "NotFound" => {
+            "the API server does not serve NodePlans: install the CRD with `nodeplan crd | kubectl apply -f -`".into()
+        }
+        kube::Error::Api(s) => {
+            let reason = if s.reason.is_empty() { "Unknown" } else { s.reason.as_str() };
+            format!("the API server answered {} {reason}: {}", s.code, s.message).replace(['\n', '\r'], " ")
+        }
+        other => crate::error_line(other),
+    }
+}
+
+async fn bounded<T>(
+    timeout: Duration,
+    what: &str,
+    request: impl Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(r) => r.map_err(|e| format!("{what}: {e}")),
+        Err(_) => Err(format!(
+            "{what}: no answer from the API server within {} (--request-timeout)",
+            crate::duration::show(timeout)
+        )),
+    }
+}
+
+/// The selected objects, by key.
+pub async fn list(kube: kube::Client, scope: &Scope, timeout: Duration) -> Result<Vec<(String, Object)>, String> {
+    let what = format!("list {}", scope.describe());
+    match scope.kind {
+        Kind::Secrets => {
+            let ns = scope.namespace.clone().unwrap_or_default();
+            let found =
+                bounded(timeout, &what, crate::remote::client::list_selected(kube, &ns, &scope.selector)).await?;
+            Ok(found.into_iter().map(|(n, s)| (n, Object::Secret(s))).collect())
+        }
+        Kind::NodePlans => {
+            let api = scope.nodeplans(kube);
+            let lp = ListParams::default().labels(&scope.selector);
+            let list =
+                bounded(timeout, &what, async { api.list(&lp).await.map_err(|e| error_line(Kind::NodePlans, &e)) })
+                    .await?;
+            Ok(list.items.into_iter().filter_map(|o| keyed(scope, o)).collect())
+        }
+    }
+}
+
+fn keyed(scope: &Scope, o: DynamicObject) -> Option<(String, Object)> {
+    let key = scope.key(o.metadata.namespace.as_deref(), o.metadata.name.as_deref()?);
+    Some((key, Object::NodePlan(Box::new(o))))
+}
+
+/// A change among the selected objects.
+#[derive(Debug)]
+pub enum Selected {
+    /// An object as it is now (at the start, and after every change).
+    Is(String, Object),
+    /// It was deleted (or no longer matches).
+    Gone(String),
+    /// The initial list (and every relist after the watch broke) is complete.
+    Listed,
+    /// The watch failed; it starts again by itself (with back-off).
+    Failed(String),
+}
+
+/// Every selected object at the start, then every change, relisting (with kube's back-off)
+/// whenever the watch breaks.
+pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<Item = Selected> + Send>> {
+    use crate::remote::client::Selected as S;
+    use kube::runtime::{WatchStreamExt as _, watcher};
+    match scope.kind {
+        Kind::Secrets => {
+            let ns = scope.namespace.clone().unwrap_or_default();
+            Box::pin(crate::remote::client::watch_selected(kube, &ns, &scope.selector).map(|e| match e {
+                S::Is(n, s) => Selected::Is(n, Object::Secret(s)),
+                S::Gone(n) => Selected::Gone(n),
+                S::Listed => Selected::Listed,
+                S::Failed(e) => Selected::Failed(e),
+            }))
+        }
+        Kind::NodePlans => {
+            let api = scope.nodeplans(kube);
+            let scope = scope.clone();
+            let config = watcher::Config::default().labels(&scope.selector);
+            Box::pin(watcher(api, config).default_backoff().filter_map(move |e| {
+                let r = match e {
+                    Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                        keyed(&scope, o).map(|(k, o)| Selected::Is(k, o))
+                    }
+                    Ok(watcher::Event::Delete(o)) => o
+                        .metadata
+                        .name
+                        .as_deref()
+                        .map(|n| Selected::Gone(scope.key(o.metadata.namespace.as_deref(), n))),
+                    Ok(watcher::Event::Init) => None,
+                    Ok(watcher::Event::InitDone) => Some(Selected::Listed),
+                    Err(e) => Some(Selected::Failed(crate::error_line(&e))),
+                };
+                std::future::ready(r)
+            }))
+        }
+    }
+}
+
+/// The selected objects as a watch reports them: the latest of each, whether the first list is
+/// complete, and whether the watch is failing (so a failure is told once, not at every retry).
+#[derive(Debug, Default)]
+pub struct Tracker {
+    pub objects: std::collections::BTreeMap<String, Object>,
+    pub listed: bool,
+    failing: bool,
+}
+
+/// What one watch event changed, for the command to report.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Change {
+    /// This object is new or changed.
+    Is(String),
+    /// This object is gone (it was known).
+    Gone(String),
+    /// The first list is complete.
+    Listed,
+    /// The watch started failing (told once until it works again).
+    Failing(String),
+    None,
+}
+
+impl Tracker {
+    pub fn apply(&mut self, e: Selected) -> Change {
+        match e {
+            Selected::Is(key, o) => {
+                self.failing = false;
+                self.objects.insert(key.clone(), o);
+                Change::Is(key)
+            }
+            Selected::Gone(key) => match self.objects.remove(&key) {
+                Some(_) => Change::Gone(key),
+                None => Change::None,
+            },
+            Selected::Listed => {
+                self.listed = true;
+                Change::Listed
+            }
+            Selected::Failed(e) if !self.failing => {
+                self.failing = true;
+                Change::Failing(e)
+            }
+            Selected::Failed(_) => Change::None,
+        }
+    }
+}
+
+/// A write to one selected object.
+#[derive(Debug, Clone)]
+pub enum Write {
+    /// A JSON merge patch (annotations, and for NodePlans spec scalars).
+    Merge(serde_json::Value),
+    /// A rollout's start of a NodePlan: `spec.plan` replaced whole (see
+    /// `crate::rollout::start_nodeplan`), on the version just read, read again on a conflict.
+    StartNodePlan { plan: serde_json::Value, lease: Option<String> },
+}
+
+/// How often a NodePlan start reads again when its object changed between the read and the write.
+const START_ATTEMPTS: usize = 8;
+
+/// Write one object; its answer (the object as written).
+pub async fn write(
+    kube: kube::Client,
+    scope: &Scope,
+    key: &str,
+    w: Write,
+    timeout: Duration,
+) -> Result<Object, String> {
+    let (ns, name) = scope.locate(key);
+    match (scope.kind, w) {
+        (Kind::Secrets, Write::Merge(patch)) => {
+            let c = SecretClient::new(kube, SecretRef { namespace: ns, name });
+            bounded(timeout, "patch the secret", c.orchestrator_patch(patch)).await.map(Object::Secret)
+        }
+        (Kind::Secrets, Write::StartNodePlan { .. }) => Err("a NodePlan write to a plan Secret".into()),
+        (Kind::NodePlans, Write::Merge(patch)) => {
+            let api: Api<DynamicObject> = Api::namespaced_with(kube, &ns, &api_resource());
+            let what = format!("patch nodeplan {ns}/{name}");
+            bounded(timeout, &what, async {
+                api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(|e| error_line(Kind::NodePlans, &e))
+            })
+            .await
+            .map(|o| Object::NodePlan(Box::new(o)))
+        }
+        (Kind::NodePlans, Write::StartNodePlan { plan, lease }) => {
+            let api: Api<DynamicObject> = Api::namespaced_with(kube, &ns, &api_resource());
+            let what = format!("write nodeplan {ns}/{name}");
+            for _ in 0..START_ATTEMPTS {
+                let o = bounded(timeout, &what, async {
+                    api.get(&name).await.map_err(|e| error_line(Kind::NodePlans, &e))
+                })
+                .await?;
+                let next = crate::rollout::start_nodeplan(&o, plan.clone(), chrono::Utc::now(), lease.as_deref());
+                let r = tokio::time::timeout(timeout, api.replace(&name, &PostParams::default(), &next)).await;
+                match r {
+                    Ok(Ok(o)) => return Ok(Object::NodePlan(Box::new(o))),
+                    // The agent wrote its status meanwhile: read again.
+                    Ok(Err(kube::Error::Api(s))) if s.code == 409 => continue,
+                    Ok(Err(e)) => return Err(format!("{what}: {}", error_line(Kind::NodePlans, &e))),
+                    Err(_) => return bounded(timeout, &what, std::future::pending()).await,
+                }
+            }
+            Err(format!("{what}: it kept changing under every write; try again"))
+        }
+    }
+}
+
+/// Write many objects, at most [`PARALLEL`] at a time; the answers in key order.
+pub async fn write_all(
+    kube: &kube::Client,
+    scope: &Scope,
+    writes: Vec<(String, Write)>,
+    timeout: Duration,
+) -> Vec<(String, Result<Object, String>)> {
+    let mut done: Vec<(String, Result<Object, String>)> = futures::stream::iter(writes.into_iter().map(|(key, w)| {
+        let kube = kube.clone();
+        async move {
+            let r = write(kube, scope, &key, w, timeout).await;
+            (key, r)
+        }
+    }))
+    .buffer_unordered(PARALLEL)
+    .collect()
+    .await;
+    done.sort_by(|a, b| a.0.cmp(&b.0));
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_name_an_object_in_its_scope() {
+        let one = Scope { kind: Kind::NodePlans, namespace: Some("ns".into()), selector: "a=b".into() };
+        let all = Scope { namespace: None, ..one.clone() };
+        assert_eq!(one.key(Some("ns"), "p"), "p");
+        assert_eq!(all.key(Some("node-1"), "p"), "node-1/p");
+        assert_eq!(one.locate("p"), ("ns".into(), "p".into()));
+        assert_eq!(all.locate("node-1/p"), ("node-1".into(), "p".into()));
+        assert_eq!(all.describe(), "the NodePlans matching \"a=b\" in any namespace");
+    }
+
+    #[test]
+    fn a_tracker_tells_each_change_and_a_failing_watch_once() {
+        let mut t = Tracker::default();
+        let snap = crate::remote::client::test_snapshot(&serde_json::json!({}), &[], &[]);
+        assert_eq!(t.apply(Selected::Is("a".into(), Object::Secret(snap))), Change::Is("a".into()));
+        assert_eq!(t.apply(Selected::Failed("down".into())), Change::Failing("down".into()));
+        assert_eq!(t.apply(Selected::Failed("down".into())), Change::None);
+        assert_eq!(t.apply(Selected::Listed), Change::Listed);
+        assert!(t.listed);
+        assert_eq!(t.apply(Selected::Gone("a".into())), Change::Gone("a".into()));
+        assert_eq!(t.apply(Selected::Gone("a".into())), Change::None);
+    }
+}

@@ -1,0 +1,145 @@
+//! A node's plan Secret as a [`Standing`]: the plan-state flow's keys (and the legacy
+//! applied/failed checksums) read the way the agent writes them. Pure.
+
+use super::{Outcome, Standing};
+use crate::plan::{self, Checkpoint, PlanState};
+use crate::remote::client::SecretSnapshot;
+use crate::remote::wire;
+
+/// Where the node of the plan Secret `name` stands.
+pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
+    let text = |k: &str| wire::text(s, k).unwrap_or_default();
+    let mut st = Standing {
+        node: name.to_string(),
+        state: "no plan".into(),
+        last_change: text(wire::LAST_APPLY_TIME),
+        annotations: s.annotations.clone(),
+        resource_version: s.resource_version.clone(),
+        ..Standing::default()
+    };
+    let Some(raw) = s.data.get(wire::PLAN) else { return st };
+    let checksum = plan::checksum(raw);
+    if let Ok(p) = plan::parse(raw) {
+        st.total = p.plan.instructions.len();
+        st.probe_names = p.plan.probes.keys().cloned().collect();
+    }
+    let checkpoint = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum);
+    let failed = || Outcome::Failed(format!("failed ({} failures)", wire::failure_count(s)));
+    let (state, outcome) = match wire::plan_state(s) {
+        Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
+        Some(PlanState::Failed) => ("failed".into(), failed()),
+        Some(PlanState::Canceled) => ("canceled".into(), Outcome::Failed("canceled".into())),
+        // Paused after its one-time instructions succeeded (only its periodic ones are held).
+        Some(PlanState::Paused)
+            if checkpoint.as_ref().is_some_and(|c| c.resume_state == Some(PlanState::Succeeded)) =>
+        {
+            ("paused".into(), Outcome::Succeeded)
+        }
+        Some(other) => (other.as_str().to_string(), Outcome::Running),
+        None => match wire::legacy_outcome(s, &checksum) {
+            Some(true) => ("applied".into(), Outcome::Succeeded),
+            Some(false) => ("failed".into(), failed()),
+            None => ("pending".into(), Outcome::Running),
+        },
+    };
+    st.completed = match (&state[..], &checkpoint) {
+        ("succeeded" | "applied", _) => Some(st.total),
+        (_, Some(cp)) => Some(cp.completed_instructions.min(st.total)),
+        ("pending", None) => Some(0),
+        _ => None,
+    };
+    if state == "failed" {
+        st.notes.push(format!("{} failures", wire::failure_count(s)));
+    }
+    let a = wire::annotations(s);
+    match plan::resolve_annotations(&a) {
+        Err(e) => st.notes.push(e.to_string()),
+        Ok(_) => {
+            if plan::parse_annotation_value(a.canceled) == Ok(true) && state != "canceled" {
+                st.notes.push("cancel asked".into());
+            } else if plan::parse_annotation_value(a.paused) == Ok(true) && state != PlanState::Paused.as_str() {
+                st.notes.push("pause asked".into());
+            }
+        }
+    }
+    st.probes = wire::probe_statuses(s);
+    st.plan = Some(checksum);
+    st.state = state;
+    st.outcome = outcome;
+    st
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::row_of;
+    use crate::remote::client::test_snapshot as snap;
+
+    fn row_of_secret(name: &str, s: &SecretSnapshot) -> crate::fleet::Row {
+        row_of(&standing(name, s))
+    }
+
+    #[test]
+    fn rows_of_every_state() {
+        let p =
+            serde_json::json!({"instructions": [{"name": "a", "command": "true"}, {"name": "b", "command": "true"}]});
+        let sum = plan::checksum(&serde_json::to_vec(&p).unwrap_or_default());
+        let cp = format!(r#"{{"checksum":"{sum}","completedInstructions":1,"totalInstructions":2,"paused":true}}"#);
+        let probes = r#"{"web":{"healthy":true},"db":{"healthy":false}}"#;
+        let rows = [
+            (snap(&p, &[("plan-state", "pending")], &[]), "pending", Some(0), ""),
+            (snap(&p, &[("plan-state", "in-progress")], &[]), "in-progress", None, ""),
+            (snap(&p, &[("plan-state", "paused"), ("plan-checkpoint", &cp)], &[]), "paused", Some(1), ""),
+            (snap(&p, &[("plan-state", "succeeded"), ("probe-statuses", probes)], &[]), "succeeded", Some(2), ""),
+            (snap(&p, &[("plan-state", "failed"), ("failure-count", "3")], &[]), "failed", None, "3 failures"),
+            (snap(&p, &[("applied-checksum", &sum)], &[]), "applied", Some(2), ""),
+            (snap(&p, &[("failed-checksum", &sum), ("failure-count", "1")], &[]), "failed", None, "1 failures"),
+            (
+                snap(&p, &[("plan-state", "in-progress")], &[(plan::ANNOTATION_CANCELED, "true")]),
+                "in-progress",
+                None,
+                "cancel asked",
+            ),
+            (snap(&p, &[("plan-state", "pending")], &[(plan::ANNOTATION_PAUSED, "yes")]), "pending", Some(0), "paused"),
+        ];
+        for (s, state, completed, error) in rows {
+            let r = row_of_secret("n", &s);
+            assert_eq!((r.state.as_str(), r.completed, r.total), (state, completed, 2), "{r:?}");
+            assert!(r.error.contains(error), "{error:?} in {r:?}");
+            assert_eq!(r.plan, sum[..12]);
+        }
+        let r = row_of_secret("n", &snap(&p, &[("plan-state", "succeeded"), ("probe-statuses", probes)], &[]));
+        assert_eq!((r.probes_healthy, r.probes), (1, 2));
+        let mut none = snap(&p, &[], &[]);
+        none.data.clear();
+        assert_eq!(row_of_secret("n", &none).state, "no plan");
+    }
+
+    #[test]
+    fn outcomes() {
+        let p = serde_json::json!({"instructions": [{"name": "a", "command": "true"}]});
+        let sum = plan::checksum(&serde_json::to_vec(&p).unwrap_or_default());
+        let done_cp = format!(
+            r#"{{"checksum":"{sum}","completedInstructions":1,"totalInstructions":1,"resumeState":"succeeded","paused":true}}"#
+        );
+        let rows = [
+            (snap(&p, &[("plan-state", "pending")], &[]), Outcome::Running),
+            (snap(&p, &[("plan-state", "paused")], &[]), Outcome::Running),
+            (snap(&p, &[("plan-state", "paused"), ("plan-checkpoint", &done_cp)], &[]), Outcome::Succeeded),
+            (snap(&p, &[("plan-state", "succeeded")], &[]), Outcome::Succeeded),
+            (snap(&p, &[("plan-state", "canceled")], &[]), Outcome::Failed("canceled".into())),
+            (
+                snap(&p, &[("plan-state", "failed"), ("failure-count", "2")], &[]),
+                Outcome::Failed("failed (2 failures)".into()),
+            ),
+            (snap(&p, &[("applied-checksum", &sum)], &[]), Outcome::Succeeded),
+            (snap(&p, &[("failed-checksum", &sum)], &[]), Outcome::Failed("failed (0 failures)".into())),
+            (snap(&p, &[], &[]), Outcome::Running),
+        ];
+        for (s, want) in rows {
+            let st = standing("n", &s);
+            assert_eq!(st.outcome, want, "{st:?}");
+            assert_eq!(st.plan.as_deref(), Some(sum.as_str()));
+        }
+    }
+}
