@@ -43,11 +43,16 @@ impl Node {
 
     /// The agent connects with `kubeconfig` (the test's own client stays the admin's).
     async fn new_with(cp: &ControlPlane, test: &str, kubeconfig: &str) -> Node {
+        Node::named(cp, test, kubeconfig, "node-a").await
+    }
+
+    /// The node `node`, in a namespace of its own.
+    async fn named(cp: &ControlPlane, test: &str, kubeconfig: &str, node: &str) -> Node {
         cp.install_nodeplan_crd().await;
         let namespace = cp.new_namespace(test).await;
         let api = Api::namespaced_with(cp.client().await, &namespace, &api_resource());
-        let mode = "nodePlanEnabled: true\nnodeName: node-a\n";
-        Node { node: ClusterNode::new(mode, kubeconfig, &namespace), api, namespace }
+        let mode = format!("nodePlanEnabled: true\nnodeName: {node}\n");
+        Node { node: ClusterNode::new(&mode, kubeconfig, &namespace), api, namespace }
     }
 
     /// Create a NodePlan for `node` as a producer does.
@@ -553,4 +558,280 @@ async fn a_nodeplan_waiting_for_the_lock_names_the_holder() {
     assert!(condition(&s, "Waiting").is_none() && s.execution_state.lock_holder.is_empty(), "{s:?}");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "local-start\nlocal-end\nnodeplan\n");
     assert_eq!(agent.stop(), 0);
+}
+
+// ---- Fleets of NodePlans (issue 14) ----
+
+/// `count` nodes `<prefix>-<i>`, each with its agent in a namespace of its own (the layout
+/// SECURITY.md recommends), each with the NodePlan `app` labelled `pool=<pool>` holding `first`,
+/// applied.
+async fn nodeplan_fleet(cp: &ControlPlane, prefix: &str, count: usize, pool: &str) -> Vec<(Node, AgentProc)> {
+    let mut out = Vec::new();
+    let first = json!({"instructions": [sh("first", "true")]});
+    for i in 0..count {
+        let node = Node::named(cp, prefix, &cp.kubeconfig_yaml(), &format!("{prefix}-{i}")).await;
+        node.create("app", &format!("{prefix}-{i}"), json!({"plan": first})).await;
+        node.api
+            .patch("app", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"labels": {"pool": pool}}})))
+            .await
+            .unwrap();
+        let agent = node.agent();
+        out.push((node, agent));
+    }
+    for (node, _) in &out {
+        node.wait("app", "the first plan applied", phase("Applied")).await;
+    }
+    out
+}
+
+/// An instruction that notes `tag` in the node directory's `runs`, then waits for its `gate`
+/// (a FIFO the test opens), then fails when the node directory holds `fail`.
+fn gated(tag: &str) -> serde_json::Value {
+    let script = format!(
+        r#"d="$CATTLE_AGENT_EXECUTION_PWD"; while [ ! -e "$d/config.yaml" ]; do [ "$d" = / ] && exit 9; d=$(dirname "$d"); done
+echo {tag} >> "$d/runs"; cat "$d/gate" > /dev/null; test ! -e "$d/fail""#
+    );
+    sh("gated", &script)
+}
+
+fn nodeplan_cmd(cp: &ControlPlane, args: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(NODEPLAN);
+    c.args(args).arg("--kubeconfig").arg(cp.kubeconfig_path());
+    c.stdin(std::process::Stdio::null());
+    c
+}
+
+/// The exit code of `child`, which must end within the hang guard.
+fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} never ended");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The largest number of nodes with `plan` in `spec.plan` and not over yet, over every change the
+/// test's own watch of the NodePlans sees, until all `count` nodes are over with it.
+fn in_flight_history(
+    client: kube::Client,
+    selector: &str,
+    plan: &serde_json::Value,
+    count: usize,
+) -> (std::sync::mpsc::Receiver<()>, tokio::task::JoinHandle<usize>) {
+    use nodeplan::fleet::objects::{self, Kind, Scope, Selected};
+    let (listed_tx, listed) = std::sync::mpsc::channel();
+    let scope = Scope { kind: Kind::NodePlans, namespace: None, selector: selector.to_string() };
+    let spec = nodeplan::nodeplan::resource::NodePlanSpec { plan: Some(plan.clone()), ..Default::default() };
+    let checksum = nodeplan::plan::checksum(&nodeplan::nodeplan::wire::plan_bytes(&spec).unwrap());
+    let task = tokio::spawn(async move {
+        use futures::StreamExt as _;
+        let mut stream = objects::watch(client, &scope);
+        let mut flying: std::collections::BTreeMap<String, (bool, bool)> = Default::default();
+        let mut most = 0;
+        while let Some(e) = stream.next().await {
+            match e {
+                Selected::Listed => {
+                    let _ = listed_tx.send(());
+                }
+                Selected::Is(key, o) => {
+                    let st = o.standing(&key);
+                    let ours = st.plan.as_deref() == Some(checksum.as_str());
+                    let running = st.outcome == nodeplan::fleet::Outcome::Running;
+                    flying.insert(key, (ours && running, ours && !running));
+                    most = most.max(flying.values().filter(|f| f.0).count());
+                    if flying.values().filter(|f| f.1).count() == count {
+                        return most;
+                    }
+                }
+                _ => {}
+            }
+        }
+        most
+    });
+    (listed, task)
+}
+
+/// Issue 14 over NodePlans: six nodes, one namespace each, their NodePlans picked across
+/// namespaces (`--nodeplans -A`). A second NodePlan of one node in the selection is refused
+/// before anything is written (exit 2). The rollout with `--max-concurrent 2 --max-errors 1` is
+/// interrupted with two nodes in flight (exit 8), and the same command continues without running
+/// any node twice; one node fails, within the budget (exit 1). A watch of the test's own checks
+/// from the NodePlans' history that never more than two nodes were in flight, and `plan status
+/// --nodeplans -o json` shows every node's row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_over_nodeplans_one_per_node_across_namespaces() {
+    let cp = control_plane!();
+    let mut fleet = nodeplan_fleet(cp, "npr", 6, "npr").await;
+    let gates: Vec<String> = fleet.iter().map(|(n, _)| n.fifo("gate")).collect();
+    std::fs::write(fleet[4].0.p("fail"), b"").unwrap();
+    let plan = json!({"instructions": [gated("two")]});
+    let plan_file = fleet[0].0.p("two.plan");
+    std::fs::write(&plan_file, serde_json::to_vec(&plan).unwrap()).unwrap();
+    let roll = ["rollout", plan_file.as_str(), "-l", "pool=npr", "--nodeplans", "-A"];
+    let limits = ["--max-concurrent", "2", "--max-errors", "1"];
+
+    // Two selected NodePlans of one node: refused, nothing written.
+    fleet[0].0.create("extra", "npr-0", json!({"plan": {"instructions": []}})).await;
+    let label = |v: Option<&str>| Patch::Merge(json!({"metadata": {"labels": {"pool": v}}}));
+    fleet[0].0.api.patch("extra", &PatchParams::default(), &label(Some("npr"))).await.unwrap();
+    let out = nodeplan_cmd(cp, &roll).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("node npr-0 has two selected NodePlans"), "{err}");
+    fleet[0].0.api.patch("extra", &PatchParams::default(), &label(None)).await.unwrap();
+    for (node, _) in &fleet {
+        let o = node.api.get("app").await.unwrap();
+        assert_eq!(o.metadata.generation, Some(1), "the refused rollout wrote nothing");
+    }
+
+    let (listed, history) = in_flight_history(cp.client().await, "pool=npr", &plan, 6);
+    listed.recv_timeout(GUARD).expect("the history watch listed the nodes");
+    let key_of: std::collections::BTreeMap<String, usize> =
+        fleet.iter().enumerate().map(|(i, (n, _))| (format!("{}/app", n.namespace), i)).collect();
+    let started = |line: &str| line.strip_suffix(": starting").and_then(|k| key_of.get(k).copied());
+    let mut first = nodeplan_cmd(cp, &roll).args(limits).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let lines = lines_of(first.stdout.take().unwrap());
+    let mut in_flight = Vec::new();
+    while in_flight.len() < 2 {
+        let l = lines.recv_timeout(GUARD).expect("the rollout started two nodes");
+        in_flight.extend(started(&l));
+    }
+    for &i in &in_flight {
+        let runs = fleet[i].0.p("runs");
+        let deadline = Instant::now() + GUARD;
+        while std::fs::read_to_string(&runs).unwrap_or_default().is_empty() {
+            assert!(Instant::now() < deadline, "node {i} never ran the plan");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
+    assert_eq!(exit_code(&mut first, "the interrupted rollout"), Some(8));
+    for &i in &in_flight {
+        release_fifo(&gates[i]);
+    }
+
+    // The same command continues: each node it starts is released in turn (a handshake: the
+    // release returns once that node's instruction opened its gate).
+    let mut second = nodeplan_cmd(cp, &roll).args(limits).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let lines = lines_of(second.stdout.take().unwrap());
+    let mut printed = Vec::new();
+    let mut released = in_flight.clone();
+    while released.len() < 6 {
+        let l = lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("the rollout stopped starting: {printed:#?}"));
+        printed.push(l.clone());
+        if let Some(i) = started(&l) {
+            assert!(!released.contains(&i), "node {i} started twice: {printed:#?}");
+            release_fifo(&gates[i]);
+            released.push(i);
+        }
+    }
+    assert_eq!(exit_code(&mut second, "the continued rollout"), Some(1), "one failure, within the budget");
+    for (i, (node, _)) in fleet.iter().enumerate() {
+        assert_eq!(std::fs::read_to_string(node.p("runs")).unwrap(), "two\n", "node {i} ran once");
+    }
+    let most = tokio::time::timeout(GUARD, history).await.expect("the history watch ended").unwrap();
+    assert_eq!(most, 2, "never more than 2 in flight, and 2 at some point");
+
+    let out =
+        nodeplan_cmd(cp, &["plan", "status", "-l", "pool=npr", "--nodeplans", "-A", "-o", "json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let states: Vec<(String, String)> = rows
+        .iter()
+        .map(|r| (r["node"].as_str().unwrap().to_string(), r["state"].as_str().unwrap().to_string()))
+        .collect();
+    let mut want: Vec<(String, String)> =
+        (0..6).filter(|i| *i != 4).map(|i| (format!("npr-{i}"), "succeeded".to_string())).collect();
+    want.insert(0, ("npr-4".into(), "failed".into()));
+    assert_eq!(states, want, "failures first, then by node");
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
+}
+
+/// Issue 14 over NodePlans: `rollout cancel --nodeplans` cancels the nodes in flight through
+/// `spec.canceled` and the rollout ends with exit 4 starting nothing more; `plan resume|cancel
+/// -l --nodeplans` write every selected NodePlan's spec; a node past `--timeout` is given up on
+/// (canceled, counted failed: exit 7 with `--max-errors 0`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
+    let cp = control_plane!();
+    let mut fleet = nodeplan_fleet(cp, "npc", 3, "npc").await;
+    let gates: Vec<String> = fleet.iter().map(|(n, _)| n.fifo("gate")).collect();
+    let ns = fleet[0].0.namespace.clone();
+    let plan = json!({"instructions": [gated("two")]});
+    let plan_file = fleet[0].0.p("two.plan");
+    std::fs::write(&plan_file, serde_json::to_vec(&plan).unwrap()).unwrap();
+    let mut run =
+        nodeplan_cmd(cp, &["rollout", &plan_file, "-l", "pool=npc", "--nodeplans", "-A", "--max-concurrent", "2"])
+            .args(["-n", &ns])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+    let lines = lines_of(run.stdout.take().unwrap());
+    let mut started = 0;
+    while started < 2 {
+        let l = lines.recv_timeout(GUARD).expect("the rollout started two nodes");
+        started += usize::from(l.ends_with(": starting"));
+    }
+    let out =
+        nodeplan_cmd(cp, &["rollout", "cancel", "-l", "pool=npc", "--nodeplans", "-A", "-n", &ns]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("(2 of its nodes canceled)"), "{stdout}");
+    assert_eq!(exit_code(&mut run, "the canceled rollout"), Some(4));
+    let mut phases = Vec::new();
+    for (node, _) in &fleet {
+        let o = node.api.get("app").await.unwrap();
+        let canceled = o.data.pointer("/spec/canceled").and_then(serde_json::Value::as_bool) == Some(true);
+        if canceled {
+            node.wait("app", "canceled", phase("Cancelled")).await;
+        }
+        phases.push(canceled);
+    }
+    assert_eq!(phases.iter().filter(|c| **c).count(), 2, "the two in flight canceled, the third never started");
+
+    // The fan-out: resume and cancel every selected NodePlan in one pass.
+    let out = nodeplan_cmd(cp, &["plan", "pause", "-l", "pool=npc", "--nodeplans", "-A"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("paused 3 NodePlans"), "{out:?}");
+    for (node, _) in &fleet {
+        let o = node.api.get("app").await.unwrap();
+        assert_eq!(o.data.pointer("/spec/paused"), Some(&json!(true)));
+    }
+    let out = nodeplan_cmd(cp, &["plan", "resume", "-l", "pool=npc", "--nodeplans", "-A"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+
+    // A node past --timeout is given up on: canceled, counted failed.
+    let plan = json!({"instructions": [gated("three")]});
+    std::fs::write(&plan_file, serde_json::to_vec(&plan).unwrap()).unwrap();
+    let out = nodeplan_cmd(cp, &["rollout", &plan_file, "-l", "pool=npc", "--nodeplans", "-A", "-n", &ns])
+        .args(["--timeout", "2s", "--max-errors", "0"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(7), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("in flight longer than 2s: canceled, counted failed"), "{stdout}");
+    let mut timed_out = 0;
+    for (node, _) in &fleet {
+        let o = node.api.get("app").await.unwrap();
+        if o.metadata.annotations.unwrap_or_default().get("rollout.nodeplan.cattle.io/timed-out").map(String::as_str)
+            == Some("true")
+        {
+            timed_out += 1;
+            assert_eq!(o.data.pointer("/spec/canceled"), Some(&json!(true)));
+            node.wait("app", "canceled at the timeout", phase("Cancelled")).await;
+        }
+    }
+    assert_eq!(timed_out, 1, "one node at a time: the first timed out, the budget stopped the rest");
+    let _ = gates;
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
 }
