@@ -192,6 +192,9 @@ pub struct Held {
     renewer: Option<tokio::task::JoinHandle<()>>,
     lost: watch::Receiver<bool>,
     release: Option<(Api<Lease>, LeaseRef)>,
+    /// Released by a command (`take_now`), whose output is its own: the release is logged at
+    /// debug, not info.
+    quiet: bool,
 }
 
 impl Held {
@@ -219,6 +222,7 @@ impl Held {
             spec.renew_time = Some(now());
         }
         match bounded(api.replace(&r.name, &PostParams::default(), &l)).await {
+            Ok(_) if self.quiet => tracing::debug!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
             Ok(_) => tracing::info!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
             Err(_) => tracing::debug!("could not release the Lease {}/{}; it expires by itself", r.namespace, r.name),
         }
@@ -354,7 +358,7 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
             Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
         };
         match attempt {
-            Ok(l) => return Ok(Some(renewing(api, r, l))),
+            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l) })),
             Err(Refusal::Forbidden(e)) => {
                 without_lease(&r, &e);
                 return Ok(None);
@@ -370,7 +374,7 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
 fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease) -> Held {
     let (tx, lost) = watch::channel(false);
     let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
-    Held { renewer: Some(renewer), lost, release: Some((api, r)) }
+    Held { renewer: Some(renewer), lost, release: Some((api, r)), quiet: false }
 }
 
 fn without_lease(r: &LeaseRef, e: &str) -> Held {
@@ -381,7 +385,7 @@ fn without_lease(r: &LeaseRef, e: &str) -> Held {
         r.what
     );
     let (_, lost) = watch::channel(false);
-    Held { renewer: None, lost, release: None }
+    Held { renewer: None, lost, release: None, quiet: false }
 }
 
 async fn wait(shutdown: &mut watch::Receiver<bool>, d: Duration) {
