@@ -289,35 +289,43 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
     r
 }
 
-/// With NodePlans: the first node with two selected NodePlans (a rollout writes one per node).
-fn two_of_one_node(objects: &BTreeMap<String, Object>) -> Option<String> {
-    let mut seen: BTreeMap<String, &str> = BTreeMap::new();
+/// With NodePlans: why the selection is not one NodePlan per node (a NodePlan of no node, which
+/// no agent runs, or a node with two), if it is not.
+fn one_per_node(objects: &BTreeMap<String, Object>) -> Option<String> {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
     for (key, o) in objects {
-        if let Object::NodePlan(_) = o {
-            let node = o.standing(key).node;
-            if let Some(first) = seen.insert(node.clone(), key) {
-                return Some(format!(
-                    "node {node} has two selected NodePlans ({first} and {key}); a rollout writes one per node: \
-                     narrow the selector"
-                ));
-            }
+        let Object::NodePlan(o) = o else { continue };
+        let Some(node) = crate::nodeplan::cli_wire::node_name(o) else {
+            return Some(format!(
+                "{key} has no {} label: no agent runs it; narrow the selector",
+                crate::nodeplan::resource::NODE_LABEL
+            ));
+        };
+        if let Some(first) = seen.insert(node, key) {
+            return Some(format!(
+                "node {} has two selected NodePlans ({first} and {key}); a rollout writes one per node: narrow the \
+                 selector",
+                crate::nodeplan::cli_wire::shown(node, 80)
+            ));
         }
     }
     None
 }
 
-/// Take the rollout's Lease and claim its nodes, refusing when another running rollout holds
-/// them (exit 5, nothing written).
+/// Take the rollout's Lease and check its nodes, refusing when another running rollout holds
+/// one of them (exit 5, nothing written); the nodes to claim (not claimed by this rollout yet).
+/// The claims are written with the first step's starts (a node started carries its claim in the
+/// start), so a rollout of every node at once writes each node once.
 async fn take_nodes(
     kube: &kube::Client,
     scope: &Scope,
     lease: &Lease,
-    snaps: &BTreeMap<String, Object>,
     t: &RemoteTarget,
     held: &mut Option<crate::lease::Held>,
-    written: &mut BTreeMap<String, Object>,
-) -> Result<(), (u8, String)> {
-    if let Some(e) = two_of_one_node(snaps) {
+    view: &View,
+) -> Result<Vec<String>, (u8, String)> {
+    let snaps = &view.tracker.objects;
+    if let Some(e) = one_per_node(snaps) {
         return Err((exit::BAD_INPUT, e));
     }
     let (ns, name) = (&lease.namespace, &lease.name);
@@ -353,8 +361,7 @@ async fn take_nodes(
         .map_err(|e| (exit::FAILED, e))?;
         crate::cli::out!("the rollout was canceled: starting it again");
     }
-    for (key, o) in snaps {
-        let st = o.standing(key);
+    for (key, st) in &view.standings {
         let Some(other) = st.annotations.get(rollout::ANNOTATION_LEASE).filter(|o| **o != lease.claim) else {
             continue;
         };
@@ -370,15 +377,57 @@ async fn take_nodes(
             ));
         }
     }
-    let claims: Vec<(String, Write)> = snaps
+    Ok(view
+        .standings
         .iter()
-        .filter(|(key, o)| o.standing(key).annotations.get(rollout::ANNOTATION_LEASE) != Some(&lease.claim))
-        .map(|(key, _)| (key.clone(), Write::Merge(rollout::claim_patch(&lease.claim))))
-        .collect();
-    for (key, r) in objects::write_all(kube, scope, claims, t.request_timeout).await {
-        written.insert(key, r.map_err(|e| (exit::FAILED, e))?);
+        .filter(|(_, st)| st.annotations.get(rollout::ANNOTATION_LEASE) != Some(&lease.claim))
+        .map(|(key, _)| key.clone())
+        .collect())
+}
+
+/// The selected nodes as the rollout sees them: each object's latest version (the watch's, or
+/// this run's own write until the watch has caught up with it: a decision from the older version
+/// would start or give up on the node again) and its standing, recomputed only for the object
+/// that changed (a fleet of 500 sees thousands of changes).
+#[derive(Default)]
+struct View {
+    tracker: Tracker,
+    written: BTreeMap<String, Object>,
+    standings: BTreeMap<String, crate::fleet::Standing>,
+}
+
+impl View {
+    fn apply(&mut self, e: objects::Selected, scope: &Scope) {
+        match self.tracker.apply(e) {
+            Change::Is(key) => {
+                let seen = self.tracker.objects.get(&key).map(|o| o.resource_version().to_string());
+                if self.written.get(&key).is_some_and(|w| caught_up(&seen.unwrap_or_default(), w.resource_version())) {
+                    self.written.remove(&key);
+                }
+                self.refresh(&key);
+            }
+            Change::Gone(key) => {
+                self.written.remove(&key);
+                self.refresh(&key);
+            }
+            Change::Failing(e) => super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe())),
+            Change::Listed | Change::None => {}
+        }
     }
-    Ok(())
+
+    /// This run wrote `o` (the API server's answer).
+    fn wrote(&mut self, key: String, o: Object) {
+        self.written.insert(key.clone(), o);
+        self.refresh(&key);
+    }
+
+    fn refresh(&mut self, key: &str) {
+        let latest = self.tracker.objects.get(key).map(|o| self.written.get(key).unwrap_or(o));
+        match latest {
+            Some(o) => self.standings.insert(key.to_string(), o.standing(key)),
+            None => self.standings.remove(key),
+        };
+    }
 }
 
 async fn drive(
@@ -390,18 +439,19 @@ async fn drive(
     let t = &args.nodes.target();
     let (scope, lease) = args.nodes.scope(kube);
     let mut claimed = false;
+    let mut to_claim: Vec<String> = Vec::new();
     let mut stream = objects::watch(kube.clone(), &scope);
-    let mut controls = std::pin::pin!(control_of(kube.clone(), &lease.namespace, &lease.name));
+    // The control annotation is watched from when the Lease is this run's (and a cancel left
+    // from before is cleared): an earlier watch could still report that old cancel after it.
+    let mut controls: std::pin::Pin<Box<dyn futures::Stream<Item = Option<String>> + Send>> =
+        Box::pin(futures::stream::pending());
     let mut control: Option<String> = None;
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut told: Option<String> = None;
     let mut stop = std::pin::pin!(super::interrupted());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut tracker = Tracker::default();
+    let mut view = View::default();
     let mut shown: BTreeMap<String, Place> = BTreeMap::new();
-    // Written by this run and not seen back from the watch yet: the write's answer stands in for
-    // it (a decision from the older snapshot would start or give up on the node again).
-    let mut written: BTreeMap<String, Object> = BTreeMap::new();
     crate::cli::out!("rollout of plan {} to {}", &plan.checksum[..12], scope.describe());
     loop {
         tokio::select! {
@@ -413,33 +463,36 @@ async fn drive(
             c = controls.next() => if let Some(c) = c {
                 control = c;
             },
-            e = stream.next() => match e.map(|e| tracker.apply(e)) {
-                Some(Change::Is(key)) => {
-                    let seen = tracker.objects.get(&key).map(|o| o.resource_version().to_string()).unwrap_or_default();
-                    if written.get(&key).is_some_and(|w| caught_up(&seen, w.resource_version())) {
-                        written.remove(&key);
-                    }
+            e = stream.next() => {
+                let Some(e) = e else { return Err((exit::FAILED, "the watch ended".into())) };
+                view.apply(e, &scope);
+                // Whatever else has arrived is taken in before deciding again: one decision per
+                // burst of changes, not one per change.
+                while let Some(Some(e)) = futures::FutureExt::now_or_never(stream.next()) {
+                    view.apply(e, &scope);
                 }
-                Some(Change::Failing(e)) => {
-                    super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe()));
-                }
-                Some(Change::Gone(_) | Change::Listed | Change::None) => {}
-                None => return Err((exit::FAILED, "the watch ended".into())),
-            },
+            }
         }
-        if !tracker.listed {
+        if !view.tracker.listed {
             continue;
         }
-        let snaps = &tracker.objects;
         if !claimed {
-            take_nodes(kube, &scope, &lease, snaps, t, held, &mut written).await?;
+            to_claim = take_nodes(kube, &scope, &lease, t, held, &view).await?;
             claimed = true;
+            // Without a Lease (the account may not use them: warned already) there is no control.
+            if held.is_some() {
+                controls = Box::pin(control_of(kube.clone(), &lease.namespace, &lease.name));
+                // Its first report (the Lease as it is now) decides whether to start at all.
+                match tokio::time::timeout(t.request_timeout, controls.next()).await {
+                    Ok(Some(c)) => control = c,
+                    _ => return Err((exit::FAILED, "could not watch the rollout's Lease".into())),
+                }
+            }
         }
         if held.as_ref().is_some_and(|h| *h.lost().borrow()) {
             return Err((exit::FAILED, "another rollout took this rollout's Lease; stopped".into()));
         }
-        let standings: BTreeMap<String, crate::fleet::Standing> =
-            snaps.iter().map(|(k, o)| (k.clone(), written.get(k).unwrap_or(o).standing(k))).collect();
+        let standings = &view.standings;
         let places: BTreeMap<String, Place> = standings
             .iter()
             .map(|(k, st)| (k.clone(), rollout::classify(st, &plan.checksum, args.wait_healthy)))
@@ -451,7 +504,7 @@ async fn drive(
             wait_healthy: args.wait_healthy,
             timeout: args.timeout,
         };
-        report(&places, &mut shown, &limits, terminal.then_some(&standings));
+        report(&places, &mut shown, &limits, terminal.then_some(standings));
         if told != control {
             match control.as_deref() {
                 Some("paused") => crate::cli::out!("paused: no new node starts (nodeplan rollout resume goes on)"),
@@ -487,8 +540,11 @@ async fn drive(
             crate::cli::out!("{key}: starting");
             writes.push((key.clone(), start(scope.kind, plan, &lease.claim)));
         }
+        for key in to_claim.drain(..).filter(|k| !step.start.contains(k) && !step.give_up.contains(k)) {
+            writes.push((key, Write::Merge(rollout::claim_patch(&lease.claim))));
+        }
         for (key, r) in objects::write_all(kube, &scope, writes, t.request_timeout).await {
-            written.insert(key, r.map_err(|e| (exit::FAILED, e))?);
+            view.wrote(key, r.map_err(|e| (exit::FAILED, e))?);
         }
         if let Some(f) = step.finish {
             let c = rollout::counts(&places);
@@ -606,6 +662,27 @@ fn report(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nodeplan_rollout_needs_one_nodeplan_per_node() {
+        let np = |name: &str, labels: serde_json::Value| {
+            let o: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+                "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+                "metadata": {"name": name, "labels": labels}, "spec": {},
+            }))
+            .unwrap_or_else(|e| panic!("{e}"));
+            (name.to_string(), Object::NodePlan(Box::new(o)))
+        };
+        let node = |n: &str| serde_json::json!({"cattle.io/node": n});
+        let ok: BTreeMap<String, Object> = [np("a", node("n1")), np("b", node("n2"))].into_iter().collect();
+        assert_eq!(one_per_node(&ok), None);
+        let two: BTreeMap<String, Object> = [np("a", node("n1")), np("b", node("n1"))].into_iter().collect();
+        assert!(one_per_node(&two).is_some_and(|e| e.contains("node n1 has two selected NodePlans (a and b)")));
+        let none: BTreeMap<String, Object> = [np("a", serde_json::json!({}))].into_iter().collect();
+        assert!(one_per_node(&none).is_some_and(|e| e.contains("a has no cattle.io/node label")));
+    }
+
     #[test]
     fn the_watch_catches_up_with_a_write() {
         assert!(super::caught_up("10", "10") && super::caught_up("11", "10") && !super::caught_up("9", "10"));

@@ -207,9 +207,9 @@ impl Rows {
         true
     }
 
-    /// Forget an object (it was deleted or no longer matches); `true` if it was known.
-    pub fn remove(&mut self, key: &str) -> bool {
-        self.rows.remove(key).is_some()
+    /// Forget an object (it was deleted or no longer matches); its last row if it was known.
+    pub fn remove(&mut self, key: &str) -> Option<Row> {
+        self.rows.remove(key)
     }
 
     pub fn all(&self) -> Vec<Row> {
@@ -262,7 +262,7 @@ mod tests {
         assert!(rows.set("a", r.clone()));
         assert!(!rows.set("a", r.clone()), "the same row again is no transition");
         assert!(rows.set("a", Row { state: "succeeded".into(), ..r.clone() }));
-        assert!(rows.remove("a") && !rows.remove("a"));
+        assert!(rows.remove("a").is_some() && rows.remove("a").is_none());
         let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap_or_default();
         assert_eq!((json["node"].as_str(), json["completed"].as_u64()), (Some("a"), Some(0)));
     }

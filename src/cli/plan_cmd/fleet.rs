@@ -79,11 +79,13 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
                 changed
             }
             Change::Gone(key) => {
-                let changed = rows.remove(&key);
-                if changed && json {
-                    crate::cli::out!("{}", serde_json::json!({"node": key, "state": "deleted"}));
+                let gone = rows.remove(&key);
+                if let Some(row) = &gone
+                    && json
+                {
+                    crate::cli::out!("{}", serde_json::json!({"node": row.node, "state": "deleted"}));
                 }
-                changed
+                gone.is_some()
             }
             Change::Listed => true,
             Change::Failing(e) => {
