@@ -2,8 +2,8 @@
 //! or NODEPLAN_BENCH_AGENTS), each with its own plan Secret and directories. Prints, side by side:
 //!
 //! 1. rollout time of a trivial plan to every node: `nodeplan rollout --max-concurrent 100%`
-//!    against the baseline of writing every Secret directly (16 writes in flight) and waiting for
-//!    all to succeed;
+//!    against the baseline of writing every Secret directly (as many writes in flight as the
+//!    CLI's fan-out, `fleet::objects::PARALLEL`) and waiting for all to succeed;
 //! 2. cancel fan-out: `nodeplan plan cancel --selector` over every node running a long
 //!    instruction, p50/p99 from the command's start to each Secret showing `canceled`;
 //! 3. idle: API writes per agent-hour (Secrets and Leases, from a watch), agent RSS (sum and per
@@ -111,14 +111,15 @@ async fn wait_all(
     at
 }
 
-/// The baseline orchestrator: write the plan into every Secret, 16 writes in flight.
+/// The baseline orchestrator: write the plan into every Secret, as many writes in flight as the
+/// CLI's fan-out.
 async fn push_all(client: &kube::Client, ns: &str, names: &[String], raw: &[u8]) {
     futures::stream::iter(names.iter().map(|name| {
         let c = SecretClient::new(client.clone(), SecretRef { namespace: ns.to_string(), name: name.clone() });
         let patch = nodeplan::remote::wire::push_patch(raw);
         async move { c.orchestrator_patch(patch).await.map(|_| ()) }
     }))
-    .buffer_unordered(16)
+    .buffer_unordered(nodeplan::fleet::objects::PARALLEL)
     .for_each(|r| async move {
         if let Err(e) = r {
             eprintln!("fleet: {e}");
