@@ -141,7 +141,8 @@ pub const EXIT_CODES: &str = "Exit codes:
   0  every selected node succeeded (nodes already at the plan and succeeded count, untouched)
   1  every node was tried and some failed, within --max-errors; or the API server could not be
      read or written
-  2  bad arguments or plan file (pause|resume|cancel: no rollout over the selection)
+  2  bad arguments or plan file; with --nodeplans, a selection that is not one NodePlan per node
+     (pause|resume|cancel: no rollout over the selection)
   4  canceled (nodeplan rollout cancel): no new node started, the nodes in flight canceled
   5  another rollout is running over these nodes (its Lease is held); nothing was written
   7  stopped by the error budget: more than --max-errors failed, no new node was started
