@@ -601,21 +601,6 @@ fn nodeplan_cmd(cp: &ControlPlane, args: &[&str]) -> std::process::Command {
     c
 }
 
-/// The exit code of `child`, which must end within the hang guard.
-fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
-    let deadline = Instant::now() + GUARD;
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{what} never ended");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The largest number of nodes with `plan` in `spec.plan` and not over yet, over every change the
 /// test's own watch of the NodePlans sees, until all `count` nodes are over with it.
 fn in_flight_history(

@@ -1134,21 +1134,6 @@ async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
     }
 }
 
-/// The exit code of `child`, which must end within the hang guard.
-fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
-    let deadline = Instant::now() + GUARD;
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{what} never ended");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Issue 14: `rollout pause|resume|cancel` act on a running rollout through the objects alone.
 /// Paused, the rollout starts no new node and its nodes in flight pause at their boundary (here
 /// they finish their last instruction, which is a success); resumed, it goes on; canceled, its

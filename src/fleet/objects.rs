@@ -117,12 +117,13 @@ async fn bounded<T>(
     request: impl Future<Output = Result<T, String>>,
 ) -> Result<T, String> {
     match tokio::time::timeout(timeout, request).await {
-        Ok(r) => r.map_err(|e| format!("{what}: {e}")),
-        Err(_) => Err(format!(
-            "{what}: no answer from the API server within {} (--request-timeout)",
-            crate::duration::show(timeout)
-        )),
+        Ok(r) => r,
+        Err(_) => Err(no_answer(what, timeout)),
     }
+}
+
+fn no_answer(what: &str, timeout: Duration) -> String {
+    format!("{what}: no answer from the API server within {} (--request-timeout)", crate::duration::show(timeout))
 }
 
 /// The selected objects, by key.
@@ -138,9 +139,10 @@ pub async fn list(kube: kube::Client, scope: &Scope, timeout: Duration) -> Resul
         Kind::NodePlans => {
             let api = scope.nodeplans(kube);
             let lp = ListParams::default().labels(&scope.selector);
-            let list =
-                bounded(timeout, &what, async { api.list(&lp).await.map_err(|e| error_line(Kind::NodePlans, &e)) })
-                    .await?;
+            let list = bounded(timeout, &what, async {
+                api.list(&lp).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
+            })
+            .await?;
             Ok(list.items.into_iter().filter_map(|o| keyed(scope, o)).collect())
         }
     }
@@ -285,7 +287,7 @@ pub async fn write(
             bounded(timeout, &what, async {
                 api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .map_err(|e| error_line(Kind::NodePlans, &e))
+                    .map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
             })
             .await
             .map(|o| Object::NodePlan(Box::new(o)))
@@ -295,7 +297,7 @@ pub async fn write(
             let what = format!("write nodeplan {ns}/{name}");
             for _ in 0..START_ATTEMPTS {
                 let o = bounded(timeout, &what, async {
-                    api.get(&name).await.map_err(|e| error_line(Kind::NodePlans, &e))
+                    api.get(&name).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
                 })
                 .await?;
                 let next = crate::rollout::start_nodeplan(&o, plan.clone(), chrono::Utc::now(), lease.as_deref());
@@ -305,7 +307,7 @@ pub async fn write(
                     // The agent wrote its status meanwhile: read again.
                     Ok(Err(kube::Error::Api(s))) if s.code == 409 => continue,
                     Ok(Err(e)) => return Err(format!("{what}: {}", error_line(Kind::NodePlans, &e))),
-                    Err(_) => return bounded(timeout, &what, std::future::pending()).await,
+                    Err(_) => return Err(no_answer(&what, timeout)),
                 }
             }
             Err(format!("{what}: it kept changing under every write; try again"))

@@ -418,3 +418,18 @@ pub fn next_failure(agent: &mut AgentProc) -> (std::time::Instant, Duration) {
         }
     }
 }
+
+/// The exit code of `child`, which must end within the hang guard.
+pub fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} never ended");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
