@@ -876,6 +876,40 @@ async fn a_plan_that_upgrades_the_agent_goes_on_after_the_restart() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// R23 with R4: a pause asked while the agent restarts (its Secret holds the restart's suspended
+/// checkpoint, still `in-progress`) is recorded by the restarted agent at that boundary: the plan
+/// shows `paused` with one instruction done, runs nothing more, and once resumed goes on at the
+/// next instruction, nothing run twice. The new program waits on a gate (a FIFO) so the pause is
+/// written before it starts.
+#[tokio::test]
+async fn a_pause_during_the_agents_restart_is_recorded_at_the_restart_point() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "upgrade-pause").await;
+    let program = r.p("nodeplan");
+    std::fs::copy(NODEPLAN, &program).unwrap();
+    let (runs, gate) = (r.p("runs"), r.fifo("gate"));
+    let upgrade = format!(
+        "echo upgrade >> {runs}; cp {program} {program}.real; \
+         printf '#!/bin/sh\ncat {gate} > /dev/null\nexec {program}.real \"$@\"\n' > {program}.new; \
+         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
+    );
+    let plan = json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = AgentProc::start_program(Path::new(&program), &r.config, &[]);
+    let s = r.wait("the restart's checkpoint", |s| checkpoint(s, &checksum).is_some_and(|c| c.paused)).await;
+    assert_eq!(state(&s), "in-progress");
+    r.annotate(plan::ANNOTATION_PAUSED, Some("true")).await;
+    release_fifo(&gate);
+    let s = r.wait("paused at the restart point", |s| state(s) == "paused").await;
+    let c = checkpoint(&s, &checksum).expect("a checkpoint");
+    assert_eq!((c.completed_instructions, c.resume_state, c.paused), (1, Some(plan::PlanState::InProgress), true));
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "upgrade\n", "nothing more runs while paused");
+    r.annotate(plan::ANNOTATION_PAUSED, None).await;
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "upgrade\nafter\n", "nothing ran twice");
+    assert_eq!(agent.stop(), 0);
+}
+
 /// Rancher's `system-agent-upgrader` starts `rancher-system-agent` on the node, which takes no
 /// Lease: remote mode waits while it runs (saying so, acting on nothing), applies once it is gone,
 /// and stops (exit 1) when it starts again, so the two never act on one Secret. The program looked

@@ -172,7 +172,11 @@ pub fn decide(s: &Snapshot) -> Decision {
             }
         }
         Hold::Pause => {
-            if s.checkpoint.as_ref().is_some_and(|c| c.paused) {
+            // A suspended checkpoint under `in-progress` is a restart's (R23), not a pause: the
+            // pause is still to be recorded there (at the restart's boundary), or the plan would
+            // show `in-progress` while held. Under any other state it is the pause already made.
+            let restart_point = s.state == PlanState::InProgress;
+            if s.checkpoint.as_ref().is_some_and(|c| c.paused) && !restart_point {
                 return Decision::Observe;
             }
             let resume_state = (s.state != PlanState::Paused).then(|| s.state.clone());

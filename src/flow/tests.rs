@@ -60,7 +60,7 @@ fn suppression_matrix() {
                         assert!(matches!(d, Decision::Invalid(_)), "R3 writes nothing: {what}");
                     } else if paused == Some("true") {
                         assert!(!matches!(d, Decision::Run(_)), "a paused plan never executes: {what}");
-                        if checkpoint.as_ref().is_some_and(|c| c.paused) {
+                        if checkpoint.as_ref().is_some_and(|c| c.paused) && state != "in-progress" {
                             assert_eq!(d, Decision::Observe, "a second pause writes nothing: {what}");
                         } else {
                             let Decision::Record { transition, .. } = &d else { panic!("{what}") };
@@ -240,8 +240,24 @@ fn record_table() {
         panic!("the restarted agent continues: {:?}", decide(&after))
     };
     assert_eq!((resume_from, t.state, t.checkpoint.paused), (2, PlanState::InProgress, false));
-    // A pause meanwhile holds it there; a cancel cancels it.
-    assert_eq!(decide(&snap("in-progress", Some("true"), None, Some(c.clone()))), Decision::Observe);
+    // A pause meanwhile is recorded there (the plan shows `paused`, not `in-progress`), and the
+    // resume goes on at instruction 3; a cancel cancels it.
+    let Decision::Record { transition: paused, .. } = decide(&snap("in-progress", Some("true"), None, Some(c.clone())))
+    else {
+        panic!("a pause at the restart point is recorded")
+    };
+    assert_eq!(paused.state, PlanState::Paused);
+    assert_eq!(
+        (paused.checkpoint.completed_instructions, paused.checkpoint.resume_state.clone(), paused.checkpoint.paused),
+        (2, Some(PlanState::InProgress), true)
+    );
+    let held = snap("paused", Some("true"), None, Some(paused.checkpoint.clone()));
+    assert_eq!(decide(&held), Decision::Observe, "recorded once");
+    let Decision::Run(RunPlan::Continue { resume_from: 2, .. }) =
+        decide(&snap("paused", None, None, Some(paused.checkpoint)))
+    else {
+        panic!("the resume goes on after the restart point")
+    };
     assert!(matches!(
         decide(&snap("in-progress", None, Some("true"), Some(c))),
         Decision::Record { transition: Transition { state: PlanState::Canceled, .. }, .. }
