@@ -17,18 +17,17 @@ fn main() {
     let commit = if dirty && commit != "unknown" { format!("{commit}-dirty") } else { commit };
     println!("cargo:rustc-env=NODEPLAN_COMMIT={commit}");
     println!("cargo:rustc-env=NODEPLAN_COMMIT_DATE={date}");
-    // Again when HEAD moves (a commit, a checkout) or the index changes (dirty or not).
-    for f in [".git/HEAD", ".git/index"] {
-        if std::path::Path::new(f).exists() {
-            println!("cargo:rerun-if-changed={f}");
-        }
+    // Again when HEAD moves (a commit, a checkout) or the index changes (dirty or not). Paths
+    // come from git, so a linked worktree (whose `.git` is a file) is followed too.
+    let git_path = |p: &str| git(&["rev-parse", "--git-path", p]).filter(|f| std::path::Path::new(f).exists());
+    let head = git_path("HEAD");
+    for f in [head.clone(), git_path("index"), git_path("packed-refs")].into_iter().flatten() {
+        println!("cargo:rerun-if-changed={f}");
     }
-    if let Some(head) =
-        std::fs::read_to_string(".git/HEAD").ok().and_then(|h| h.strip_prefix("ref: ").map(str::trim).map(String::from))
-    {
-        let r = format!(".git/{head}");
-        if std::path::Path::new(&r).exists() {
-            println!("cargo:rerun-if-changed={r}");
-        }
+    let branch = head
+        .and_then(|h| std::fs::read_to_string(h).ok())
+        .and_then(|h| h.strip_prefix("ref: ").map(|r| r.trim().to_string()));
+    if let Some(f) = branch.and_then(|b| git_path(&b)) {
+        println!("cargo:rerun-if-changed={f}");
     }
 }
