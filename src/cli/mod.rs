@@ -113,8 +113,8 @@ enum Command {
     /// Secret or a NodePlan), or list a node's NodePlans.
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
-    /// Push one plan to many nodes' plan Secrets (a label selector), a few at a time, stopping by
-    /// itself when too many fail; a rerun continues where it stopped.
+    /// Push one plan to many nodes' plan Secrets or NodePlans (a label selector), a few at a
+    /// time, stopping by itself when too many fail; a rerun continues where it stopped.
     #[command(after_help = rollout::EXIT_CODES)]
     Rollout(rollout::RolloutArgs),
     /// Install the agent on this machine (or into --root DIR) as system-agent's installer does:

@@ -58,8 +58,8 @@ pub struct NodeList {
     /// List this node's NodePlans, in the order its agent runs them (instead of one plan).
     #[arg(long, value_name = "NODE", value_parser = nodeplan::parse_node, conflicts_with_all = ["file", "secret", "nodeplan", "selector"])]
     pub node: Option<String>,
-    /// Every node's plan Secret that this label selector picks (kubectl's syntax, e.g.
-    /// `pool=workers,tier!=db`): one row per node, failures first.
+    /// Every node's plan Secret (NodePlan with --nodeplans) that this label selector picks
+    /// (kubectl's syntax, e.g. `pool=workers,tier!=db`): one row per node, failures first.
     #[arg(long, short = 'l', value_name = "SELECTOR", conflicts_with_all = ["file", "secret", "nodeplan"])]
     pub selector: Option<String>,
     /// With --node or --selector: the namespace [default: the kubeconfig context's namespace,
@@ -95,8 +95,8 @@ pub enum Output {
 pub struct Acting {
     #[command(flatten)]
     pub target: Target,
-    /// Every node's plan Secret that this label selector picks (kubectl's syntax), written with
-    /// bounded parallelism.
+    /// Every node's plan Secret (NodePlan with --nodeplans) that this label selector picks
+    /// (kubectl's syntax), written with bounded parallelism.
     #[arg(long, short = 'l', value_name = "SELECTOR", conflicts_with_all = ["file", "secret", "nodeplan"])]
     pub selector: Option<String>,
     /// With --selector: the namespace [default: the kubeconfig context's namespace, else default].
