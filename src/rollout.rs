@@ -218,8 +218,10 @@ pub fn give_up_nodeplan_patch() -> serde_json::Value {
 }
 
 /// The NodePlan that starts a node (written over `existing`, on its resourceVersion): the whole
-/// `spec.plan` replaced and `spec.canceled` cleared as `plan push` does it (a pause stays), the
-/// start time, the claim (`lease`), a timeout mark from before removed.
+/// `spec.plan` replaced and `spec.canceled` cleared as `plan push` does it (a pause stays), a new
+/// `spec.runToken` (the start time: the run is a new one, so no status of an earlier run of the
+/// same plan, failed or applied, is taken for it), the start time, the claim (`lease`), a timeout
+/// mark from before removed.
 pub fn start_nodeplan(
     existing: &kube::api::DynamicObject,
     plan: serde_json::Value,
@@ -227,6 +229,7 @@ pub fn start_nodeplan(
     lease: Option<&str>,
 ) -> kube::api::DynamicObject {
     let mut next = crate::nodeplan::cli_wire::replace_plan(existing, plan, None);
+    next.data["spec"]["runToken"] = now.to_rfc3339_opts(chrono::SecondsFormat::Nanos, true).into();
     let a = next.metadata.annotations.get_or_insert_default();
     a.insert(ANNOTATION_STARTED.into(), now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
     a.remove(ANNOTATION_TIMED_OUT);
@@ -438,6 +441,7 @@ mod tests {
         assert_eq!(next.metadata.resource_version.as_deref(), Some("5"), "written on the version read");
         let spec = &next.data["spec"];
         assert_eq!(spec["plan"], serde_json::json!({"instructions": []}), "the plan replaced whole");
+        assert_eq!(spec["runToken"], "2026-12-01T10:00:00.000000000Z", "a new run");
         assert_eq!(
             (spec["canceled"].as_bool(), spec["paused"].as_bool(), spec["priority"].as_i64()),
             (Some(false), Some(true), Some(3))

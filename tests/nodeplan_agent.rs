@@ -742,16 +742,19 @@ async fn a_rollout_over_nodeplans_one_per_node_across_namespaces() {
 }
 
 /// Issue 14 over NodePlans: `rollout cancel --nodeplans` cancels the nodes in flight through
-/// `spec.canceled` and the rollout ends with exit 4 starting nothing more; `plan resume|cancel
-/// -l --nodeplans` write every selected NodePlan's spec; a node past `--timeout` is given up on
-/// (canceled, counted failed: exit 7 with `--max-errors 0`).
+/// `spec.canceled` and the rollout ends with exit 4 starting nothing more; run again, it starts
+/// anew, its canceled nodes too; `plan pause|resume -l --nodeplans` write every selected
+/// NodePlan's spec; a node past `--timeout` is given up on (canceled, counted failed: exit 7 with
+/// `--max-errors 0`). The plan holds a null the API server drops: the rollout compares the plan as
+/// stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
     let cp = control_plane!();
     let mut fleet = nodeplan_fleet(cp, "npc", 3, "npc").await;
     let gates: Vec<String> = fleet.iter().map(|(n, _)| n.fifo("gate")).collect();
     let ns = fleet[0].0.namespace.clone();
-    let plan = json!({"instructions": [gated("two")]});
+    // A null the API server drops from what it stores: the rollout compares the stored plan.
+    let plan = json!({"files": null, "instructions": [gated("two")]});
     let plan_file = fleet[0].0.p("two.plan");
     std::fs::write(&plan_file, serde_json::to_vec(&plan).unwrap()).unwrap();
     let mut run =
@@ -782,6 +785,32 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
         phases.push(canceled);
     }
     assert_eq!(phases.iter().filter(|c| **c).count(), 2, "the two in flight canceled, the third never started");
+
+    // The canceled rollout run again starts anew, its canceled nodes too (released as they start).
+    let key_of: std::collections::BTreeMap<String, usize> =
+        fleet.iter().enumerate().map(|(i, (n, _))| (format!("{}/app", n.namespace), i)).collect();
+    let mut again =
+        nodeplan_cmd(cp, &["rollout", &plan_file, "-l", "pool=npc", "--nodeplans", "-A", "--max-concurrent", "2"])
+            .args(["-n", &ns])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+    let lines = lines_of(again.stdout.take().unwrap());
+    let mut printed = Vec::new();
+    let mut released = 0;
+    while released < 3 {
+        let l = lines.recv_timeout(GUARD).unwrap_or_else(|_| panic!("the rerun stopped starting: {printed:#?}"));
+        printed.push(l.clone());
+        if let Some(i) = l.strip_suffix(": starting").and_then(|k| key_of.get(k)) {
+            release_fifo(&gates[*i]);
+            released += 1;
+        }
+    }
+    assert_eq!(exit_code(&mut again, "the rerun"), Some(0), "{printed:#?}");
+    assert!(printed.iter().any(|l| l.contains("(2 canceled nodes start anew)")), "{printed:#?}");
+    let mut runs: Vec<String> = fleet.iter().map(|(n, _)| std::fs::read_to_string(n.p("runs")).unwrap()).collect();
+    runs.sort();
+    assert_eq!(runs, ["two\n", "two\ntwo\n", "two\ntwo\n"], "the canceled nodes ran again, the other once");
 
     // The fan-out: resume and cancel every selected NodePlan in one pass.
     let out = nodeplan_cmd(cp, &["plan", "pause", "-l", "pool=npc", "--nodeplans", "-A"]).output().unwrap();
@@ -815,7 +844,6 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
         }
     }
     assert_eq!(timed_out, 1, "one node at a time: the first timed out, the budget stopped the rest");
-    let _ = gates;
     for (_, a) in &mut fleet {
         a.stop();
     }

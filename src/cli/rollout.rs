@@ -11,7 +11,7 @@ use crate::fleet::objects::{self, Change, Kind, Object, Scope, Tracker, Write};
 use crate::rollout::{self, Amount, Finish, Limits, Place};
 use clap::Args;
 use futures::StreamExt as _;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -167,6 +167,9 @@ pub async fn run(args: RolloutArgs) -> u8 {
 
 /// The annotation on a rollout's Lease that pauses or cancels it (`paused`, `canceled`).
 const ANNOTATION_CONTROL: &str = "rollout.nodeplan.cattle.io/control";
+/// The annotation on a rollout's Lease naming the plan it pushes (its checksum, as a node's
+/// [`crate::fleet::Standing::plan`]).
+const ANNOTATION_PLAN: &str = "rollout.nodeplan.cattle.io/plan";
 
 /// `rollout pause|resume|cancel`: the control on the rollout's Lease (the running rollout watches
 /// it), and the same on every node of the rollout in flight, in one pass.
@@ -187,12 +190,12 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
         kube::Api::namespaced(kube.clone(), &lease.namespace);
     let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: value}}});
     let pp = kube::api::PatchParams::default();
-    match super::plan_cmd::bounded(&t, "write the rollout's Lease", async {
+    let plan = match super::plan_cmd::bounded(&t, "write the rollout's Lease", async {
         leases.patch(&lease.name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::error_line(&e))
     })
     .await
     {
-        Ok(_) => {}
+        Ok(l) => l.metadata.annotations.and_then(|mut a| a.remove(ANNOTATION_PLAN)),
         Err(e) if e.contains("not found") || e.contains("NotFound") => {
             return Err((
                 exit::BAD_INPUT,
@@ -200,7 +203,7 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
             ));
         }
         Err(e) => return Err((exit::FAILED, e)),
-    }
+    };
     let found = objects::list(kube.clone(), &scope, t.request_timeout).await.map_err(|e| (exit::FAILED, e))?;
     let resume = matches!(c, Control::Resume(_));
     let writes: Vec<(String, Write)> = found
@@ -211,17 +214,27 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
             // A resume takes the pause off every node of the rollout (one that finished while
             // paused would hold its next plan otherwise).
             let wanted = if resume { held(o) } else { st.outcome == crate::fleet::Outcome::Running };
-            ours && st.plan.is_some() && wanted
+            // Only the nodes running the rollout's plan (a node claimed but not started yet may
+            // be running another one); a Lease of an older rollout names none.
+            let its_plan = plan.as_ref().is_none_or(|p| st.plan.as_ref() == Some(p));
+            ours && st.plan.is_some() && its_plan && wanted
         })
         .map(|(key, _)| (key.clone(), Write::Merge(node_patch.clone())))
         .collect();
     let n = writes.len();
+    let mut failed = 0;
     for (key, r) in objects::write_all(&kube, &scope, writes, t.request_timeout).await {
         let (ns, name) = scope.locate(&key);
         match r {
             Ok(_) => crate::cli::out!("{done} {ns}/{name}"),
-            Err(e) => return Err((exit::FAILED, format!("{ns}/{name}: {e}"))),
+            Err(e) => {
+                failed += 1;
+                super::say(&format!("nodeplan: {ns}/{name}: {e}"));
+            }
         }
+    }
+    if failed > 0 {
+        return Err((exit::FAILED, format!("{failed} of {n} nodes could not be {done}")));
     }
     crate::cli::out!("{done} the rollout over {} ({n} of its nodes {done})", scope.describe());
     Ok(exit::OK)
@@ -264,7 +277,11 @@ fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)>
     let raw = crate::safefs::read_named(path, 16 << 20)
         .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", path.display())))?;
     crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?;
-    let object: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| bad(e.to_string()))?;
+    let mut object: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| bad(e.to_string()))?;
+    if kind == Kind::NodePlans {
+        // As the API server stores it (it drops nulls), so the checksum compared is the stored one.
+        crate::nodeplan::cli_wire::drop_nulls(&mut object);
+    }
     let checksum = match kind {
         Kind::Secrets => crate::plan::checksum(&raw),
         Kind::NodePlans => {
@@ -314,9 +331,9 @@ fn one_per_node(objects: &BTreeMap<String, Object>) -> Option<String> {
 }
 
 /// Take the rollout's Lease and check its nodes, refusing when another running rollout holds
-/// one of them (exit 5, nothing written); the nodes to claim (not claimed by this rollout yet).
-/// The claims are written with the first step's starts (a node started carries its claim in the
-/// start), so a rollout of every node at once writes each node once.
+/// one of them (exit 5, nothing written). The nodes to claim (not claimed by this rollout yet)
+/// are claimed with the first step's starts (a node started carries its claim in the start), so
+/// a rollout of every node at once writes each node once.
 async fn take_nodes(
     kube: &kube::Client,
     scope: &Scope,
@@ -324,7 +341,8 @@ async fn take_nodes(
     t: &RemoteTarget,
     held: &mut Option<crate::lease::Held>,
     view: &View,
-) -> Result<Vec<String>, (u8, String)> {
+    checksum: &str,
+) -> Result<Taken, (u8, String)> {
     let snaps = &view.tracker.objects;
     if let Some(e) = one_per_node(snaps) {
         return Err((exit::BAD_INPUT, e));
@@ -341,27 +359,6 @@ async fn take_nodes(
     *held = crate::lease::take_now(kube.clone(), r).await.map_err(|e| {
         (exit::ALREADY_RUNNING, format!("this rollout is running already: its Lease {ns}/{name} is {e}"))
     })?;
-    // A canceled rollout run again starts again; a paused one stays paused until resumed.
-    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), ns);
-    let canceled = super::plan_cmd::bounded(t, "read the rollout's Lease", async {
-        leases.get_opt(name).await.map_err(|e| crate::error_line(&e))
-    })
-    .await
-    .map_err(|e| (exit::FAILED, e))?
-    .and_then(|l| l.metadata.annotations)
-    .is_some_and(|a| a.get(ANNOTATION_CONTROL).is_some_and(|v| v == "canceled"));
-    if canceled {
-        let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: null}}});
-        super::plan_cmd::bounded(t, "write the rollout's Lease", async {
-            leases
-                .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
-                .await
-                .map_err(|e| crate::error_line(&e))
-        })
-        .await
-        .map_err(|e| (exit::FAILED, e))?;
-        crate::cli::out!("the rollout was canceled: starting it again");
-    }
     for (key, st) in &view.standings {
         let Some(other) = st.annotations.get(rollout::ANNOTATION_LEASE).filter(|o| **o != lease.claim) else {
             continue;
@@ -378,12 +375,61 @@ async fn take_nodes(
             ));
         }
     }
-    Ok(view
+    // The Lease names the plan (so `rollout pause|cancel` act on the nodes running it only). A
+    // canceled rollout run again starts again, its canceled nodes too; a paused one stays paused
+    // until resumed.
+    let mut anew = BTreeSet::new();
+    if held.is_some() {
+        let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), ns);
+        let canceled = super::plan_cmd::bounded(t, "read the rollout's Lease", async {
+            leases.get_opt(name).await.map_err(|e| crate::error_line(&e))
+        })
+        .await
+        .map_err(|e| (exit::FAILED, e))?
+        .and_then(|l| l.metadata.annotations)
+        .is_some_and(|a| a.get(ANNOTATION_CONTROL).is_some_and(|v| v == "canceled"));
+        let mut annotations = serde_json::json!({ANNOTATION_PLAN: checksum});
+        if canceled {
+            annotations[ANNOTATION_CONTROL] = serde_json::Value::Null;
+            anew = view
+                .standings
+                .iter()
+                .filter(|(_, st)| {
+                    st.annotations.get(rollout::ANNOTATION_LEASE) == Some(&lease.claim)
+                        && rollout::classify(st, checksum, false) == Place::Failed("canceled".into())
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+        }
+        let patch = serde_json::json!({"metadata": {"annotations": annotations}});
+        super::plan_cmd::bounded(t, "write the rollout's Lease", async {
+            leases
+                .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+                .await
+                .map_err(|e| crate::error_line(&e))
+        })
+        .await
+        .map_err(|e| (exit::FAILED, e))?;
+        if canceled {
+            crate::cli::out!("the rollout was canceled: starting it again ({} canceled nodes start anew)", anew.len());
+        }
+    }
+    let to_claim = view
         .standings
         .iter()
         .filter(|(_, st)| st.annotations.get(rollout::ANNOTATION_LEASE) != Some(&lease.claim))
         .map(|(key, _)| key.clone())
-        .collect())
+        .collect();
+    Ok(Taken { to_claim, anew })
+}
+
+/// What taking the nodes left to do.
+struct Taken {
+    /// Nodes not claimed by this rollout yet: claimed with the first step's writes.
+    to_claim: Vec<String>,
+    /// Nodes a cancel of this rollout stopped: started again (not counted failed) when the
+    /// canceled rollout is run again.
+    anew: BTreeSet<String>,
 }
 
 /// The selected nodes as the rollout sees them: each object's latest version (the watch's, or
@@ -411,8 +457,14 @@ impl View {
                 self.written.remove(&key);
                 self.refresh(&key);
             }
+            Change::Listed(gone) => {
+                for key in gone {
+                    self.written.remove(&key);
+                    self.refresh(&key);
+                }
+            }
             Change::Failing(e) => super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe())),
-            Change::Listed | Change::None => {}
+            Change::None => {}
         }
     }
 
@@ -441,6 +493,7 @@ async fn drive(
     let (scope, lease) = args.nodes.scope(kube);
     let mut claimed = false;
     let mut to_claim: Vec<String> = Vec::new();
+    let mut anew: BTreeSet<String> = BTreeSet::new();
     let mut stream = objects::watch(kube.clone(), &scope);
     // The control annotation is watched from when the Lease is this run's (and a cancel left
     // from before is cleared): an earlier watch could still report that old cancel after it.
@@ -478,25 +531,47 @@ async fn drive(
             continue;
         }
         if !claimed {
-            to_claim = take_nodes(kube, &scope, &lease, t, held, &view).await?;
+            let taken = take_nodes(kube, &scope, &lease, t, held, &view, &plan.checksum).await?;
+            (to_claim, anew) = (taken.to_claim, taken.anew);
             claimed = true;
             // Without a Lease (the account may not use them: warned already) there is no control.
             if held.is_some() {
-                controls = Box::pin(control_of(kube.clone(), &lease.namespace, &lease.name));
-                // Its first report (the Lease as it is now) decides whether to start at all.
-                match tokio::time::timeout(t.request_timeout, controls.next()).await {
-                    Ok(Some(c)) => control = c,
-                    _ => return Err((exit::FAILED, "could not watch the rollout's Lease".into())),
+                let mut watch = control_of(kube.clone(), &lease.namespace, &lease.name);
+                // Its first report (the Lease as it is now) decides whether to start at all; a
+                // Lease that cannot be watched leaves the rollout without pause and cancel.
+                match tokio::time::timeout(t.request_timeout, watch.next()).await {
+                    Ok(Some(Ok(c))) => {
+                        control = c;
+                        controls = Box::pin(watch.filter_map(|c| std::future::ready(c.ok())));
+                    }
+                    Ok(Some(Err(e))) => super::say(&format!(
+                        "nodeplan: cannot watch the rollout's Lease ({e}): `nodeplan rollout pause|resume|cancel` will not \
+                         reach this run"
+                    )),
+                    Ok(None) | Err(_) => super::say(
+                        "nodeplan: no answer watching the rollout's Lease: `nodeplan rollout pause|resume|cancel` will \
+                         not reach this run",
+                    ),
                 }
             }
         }
         if held.as_ref().is_some_and(|h| *h.lost().borrow()) {
             return Err((exit::FAILED, "another rollout took this rollout's Lease; stopped".into()));
         }
+        // The selection may change while the rollout runs (a NodePlan labelled in).
+        if let Some(e) = one_per_node(&view.tracker.objects) {
+            return Err((exit::BAD_INPUT, format!("{e}; nothing more started")));
+        }
         let standings = &view.standings;
         let places: BTreeMap<String, Place> = standings
             .iter()
-            .map(|(k, st)| (k.clone(), rollout::classify(st, &plan.checksum, args.wait_healthy)))
+            .map(|(k, st)| {
+                let p = match rollout::classify(st, &plan.checksum, args.wait_healthy) {
+                    Place::Failed(_) if anew.contains(k) => Place::ToStart,
+                    p => p,
+                };
+                (k.clone(), p)
+            })
             .collect();
         let total = places.len();
         let mut limits = Limits {
@@ -538,14 +613,25 @@ async fn drive(
             writes.push((key.clone(), Write::Merge(patch)));
         }
         for key in &step.start {
+            anew.remove(key);
             crate::cli::out!("{key}: starting");
             writes.push((key.clone(), start(scope.kind, plan, &lease.claim)));
         }
         for key in to_claim.drain(..).filter(|k| !step.start.contains(k) && !step.give_up.contains(k)) {
             writes.push((key, Write::Merge(rollout::claim_patch(&lease.claim))));
         }
-        for (key, r) in objects::write_all(kube, &scope, writes, t.request_timeout).await {
-            view.wrote(key, r.map_err(|e| (exit::FAILED, e))?);
+        take_answers(&mut view, objects::write_all(kube, &scope, writes, t.request_timeout).await)?;
+        // A node just started that does not hold the plan as sent was changed by the API server
+        // (a schema that rewrites it): starting it again would loop, so stop here.
+        for key in &step.start {
+            if view.standings.get(key).is_some_and(|st| st.plan.as_deref() != Some(plan.checksum.as_str())) {
+                return Err((
+                    exit::FAILED,
+                    format!(
+                        "{key}: the API server stored the plan differently from the one sent; nothing more started"
+                    ),
+                ));
+            }
         }
         if let Some(f) = step.finish {
             let c = rollout::counts(&places);
@@ -572,6 +658,29 @@ async fn drive(
     }
 }
 
+/// Take in a batch's answers: every write that landed is recorded (so no decision is made from
+/// the version before it); the ones that failed are each told, and end the rollout (exit 1; the
+/// same command continues).
+fn take_answers(view: &mut View, answers: Vec<(String, Result<Object, String>)>) -> Result<(), (u8, String)> {
+    let mut failed = Vec::new();
+    for (key, r) in answers {
+        match r {
+            Ok(o) => view.wrote(key, o),
+            Err(e) => {
+                super::say(&format!("nodeplan: {key}: {e}"));
+                failed.push(key);
+            }
+        }
+    }
+    match failed.len() {
+        0 => Ok(()),
+        n => Err((
+            exit::FAILED,
+            format!("{n} write(s) failed ({}); run the same command to continue", failed.join(", ")),
+        )),
+    }
+}
+
 /// The write that starts a node: the plan pushed as `pending` with the start time and the claim.
 fn start(kind: Kind, plan: &Pushed, claim: &str) -> Write {
     match kind {
@@ -584,20 +693,26 @@ fn start(kind: Kind, plan: &Pushed, claim: &str) -> Write {
     }
 }
 
-/// The control annotation of the rollout's Lease as it changes (`None`: none, or no Lease).
-fn control_of(kube: kube::Client, ns: &str, name: &str) -> impl futures::Stream<Item = Option<String>> + Send {
+/// The control annotation of the rollout's Lease as it changes (`None`: none, or no Lease), and
+/// the watch's failures (it goes on by itself after one).
+fn control_of(
+    kube: kube::Client,
+    ns: &str,
+    name: &str,
+) -> std::pin::Pin<Box<dyn futures::Stream<Item = Result<Option<String>, String>> + Send>> {
     use kube::runtime::{WatchStreamExt as _, watcher};
     let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube, ns);
     let fields = format!("metadata.name={name}");
-    watcher(api, watcher::Config::default().fields(&fields)).default_backoff().filter_map(|e| async move {
+    Box::pin(watcher(api, watcher::Config::default().fields(&fields)).default_backoff().filter_map(|e| async move {
         match e {
             Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
-                Some(l.metadata.annotations.and_then(|a| a.get(ANNOTATION_CONTROL).cloned()))
+                Some(Ok(l.metadata.annotations.and_then(|a| a.get(ANNOTATION_CONTROL).cloned())))
             }
-            Ok(watcher::Event::Delete(_)) => Some(None),
-            _ => None,
+            Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(e) => Some(Err(crate::error_line(&e))),
         }
-    })
+    }))
 }
 
 /// Whether the watch has caught up with a write: it shows the written version or a later one.

@@ -97,10 +97,10 @@ impl Object {
     }
 }
 
-/// A kube error as one line; a 404 on a list or watch of NodePlans means they are not served.
-fn error_line(kind: Kind, e: &kube::Error) -> String {
+/// A kube error as one line. A 404 on a list names no object: NodePlans are not served.
+fn error_line(kind: Kind, e: &kube::Error, listing: bool) -> String {
     match e {
-        kube::Error::Api(s) if kind == Kind::NodePlans && s.code == 404 && s.reason != "NotFound" => {
+        kube::Error::Api(s) if kind == Kind::NodePlans && s.code == 404 && listing => {
             "the API server does not serve NodePlans: install the CRD with `nodeplan crd | kubectl apply -f -`".into()
         }
         kube::Error::Api(s) => {
@@ -140,7 +140,7 @@ pub async fn list(kube: kube::Client, scope: &Scope, timeout: Duration) -> Resul
             let api = scope.nodeplans(kube);
             let lp = ListParams::default().labels(&scope.selector);
             let list = bounded(timeout, &what, async {
-                api.list(&lp).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
+                api.list(&lp).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, true)))
             })
             .await?;
             Ok(list.items.into_iter().filter_map(|o| keyed(scope, o)).collect())
@@ -160,6 +160,8 @@ pub enum Selected {
     Is(String, Object),
     /// It was deleted (or no longer matches).
     Gone(String),
+    /// A list begins (at the start, and after the watch broke): what it does not list is gone.
+    Relisting,
     /// The initial list (and every relist after the watch broke) is complete.
     Listed,
     /// The watch failed; it starts again by itself (with back-off).
@@ -177,6 +179,7 @@ pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<
             Box::pin(crate::remote::client::watch_selected(kube, &ns, &scope.selector).map(|e| match e {
                 S::Is(n, s) => Selected::Is(n, Object::Secret(s)),
                 S::Gone(n) => Selected::Gone(n),
+                S::Relisting => Selected::Relisting,
                 S::Listed => Selected::Listed,
                 S::Failed(e) => Selected::Failed(e),
             }))
@@ -195,7 +198,7 @@ pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<
                         .name
                         .as_deref()
                         .map(|n| Selected::Gone(scope.key(o.metadata.namespace.as_deref(), n))),
-                    Ok(watcher::Event::Init) => None,
+                    Ok(watcher::Event::Init) => Some(Selected::Relisting),
                     Ok(watcher::Event::InitDone) => Some(Selected::Listed),
                     Err(e) => Some(Selected::Failed(crate::error_line(&e))),
                 };
@@ -212,6 +215,8 @@ pub struct Tracker {
     pub objects: std::collections::BTreeMap<String, Object>,
     pub listed: bool,
     failing: bool,
+    /// During a relist: the objects listed so far (the others are gone when it completes).
+    relisting: Option<std::collections::BTreeSet<String>>,
 }
 
 /// What one watch event changed, for the command to report.
@@ -221,8 +226,8 @@ pub enum Change {
     Is(String),
     /// This object is gone (it was known).
     Gone(String),
-    /// The first list is complete.
-    Listed,
+    /// A list is complete; these objects were not in it (deleted while the watch was down).
+    Listed(Vec<String>),
     /// The watch started failing (told once until it works again).
     Failing(String),
     None,
@@ -233,8 +238,15 @@ impl Tracker {
         match e {
             Selected::Is(key, o) => {
                 self.failing = false;
+                if let Some(seen) = &mut self.relisting {
+                    seen.insert(key.clone());
+                }
                 self.objects.insert(key.clone(), o);
                 Change::Is(key)
+            }
+            Selected::Relisting => {
+                self.relisting = Some(Default::default());
+                Change::None
             }
             Selected::Gone(key) => match self.objects.remove(&key) {
                 Some(_) => Change::Gone(key),
@@ -242,7 +254,12 @@ impl Tracker {
             },
             Selected::Listed => {
                 self.listed = true;
-                Change::Listed
+                let Some(seen) = self.relisting.take() else { return Change::Listed(Vec::new()) };
+                let gone: Vec<String> = self.objects.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+                for k in &gone {
+                    self.objects.remove(k);
+                }
+                Change::Listed(gone)
             }
             Selected::Failed(e) if !self.failing => {
                 self.failing = true;
@@ -277,8 +294,9 @@ pub async fn write(
     let (ns, name) = scope.locate(key);
     match (scope.kind, w) {
         (Kind::Secrets, Write::Merge(patch)) => {
+            let what = format!("patch secret {ns}/{name}");
             let c = SecretClient::new(kube, SecretRef { namespace: ns, name });
-            bounded(timeout, "patch the secret", c.orchestrator_patch(patch)).await.map(Object::Secret)
+            bounded(timeout, &what, c.orchestrator_patch(patch)).await.map(Object::Secret)
         }
         (Kind::Secrets, Write::StartNodePlan { .. }) => Err("a NodePlan write to a plan Secret".into()),
         (Kind::NodePlans, Write::Merge(patch)) => {
@@ -287,7 +305,7 @@ pub async fn write(
             bounded(timeout, &what, async {
                 api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
+                    .map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, false)))
             })
             .await
             .map(|o| Object::NodePlan(Box::new(o)))
@@ -297,7 +315,7 @@ pub async fn write(
             let what = format!("write nodeplan {ns}/{name}");
             for _ in 0..START_ATTEMPTS {
                 let o = bounded(timeout, &what, async {
-                    api.get(&name).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e)))
+                    api.get(&name).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, false)))
                 })
                 .await?;
                 let next = crate::rollout::start_nodeplan(&o, plan.clone(), chrono::Utc::now(), lease.as_deref());
@@ -306,7 +324,7 @@ pub async fn write(
                     Ok(Ok(o)) => return Ok(Object::NodePlan(Box::new(o))),
                     // The agent wrote its status meanwhile: read again.
                     Ok(Err(kube::Error::Api(s))) if s.code == 409 => continue,
-                    Ok(Err(e)) => return Err(format!("{what}: {}", error_line(Kind::NodePlans, &e))),
+                    Ok(Err(e)) => return Err(format!("{what}: {}", error_line(Kind::NodePlans, &e, false))),
                     Err(_) => return Err(no_answer(&what, timeout)),
                 }
             }
@@ -354,13 +372,22 @@ mod tests {
     #[test]
     fn a_tracker_tells_each_change_and_a_failing_watch_once() {
         let mut t = Tracker::default();
-        let snap = crate::remote::client::test_snapshot(&serde_json::json!({}), &[], &[]);
-        assert_eq!(t.apply(Selected::Is("a".into(), Object::Secret(snap))), Change::Is("a".into()));
+        let one = crate::remote::client::test_snapshot(&serde_json::json!({}), &[], &[]);
+        assert_eq!(t.apply(Selected::Is("a".into(), Object::Secret(one))), Change::Is("a".into()));
         assert_eq!(t.apply(Selected::Failed("down".into())), Change::Failing("down".into()));
         assert_eq!(t.apply(Selected::Failed("down".into())), Change::None);
-        assert_eq!(t.apply(Selected::Listed), Change::Listed);
+        assert_eq!(t.apply(Selected::Listed), Change::Listed(vec![]));
         assert!(t.listed);
         assert_eq!(t.apply(Selected::Gone("a".into())), Change::Gone("a".into()));
         assert_eq!(t.apply(Selected::Gone("a".into())), Change::None);
+        // A relist after the watch broke: what it does not list again was deleted meanwhile.
+        let snap = || Object::Secret(crate::remote::client::test_snapshot(&serde_json::json!({}), &[], &[]));
+        for k in ["b", "c"] {
+            t.apply(Selected::Is(k.into(), snap()));
+        }
+        assert_eq!(t.apply(Selected::Relisting), Change::None);
+        assert_eq!(t.apply(Selected::Is("c".into(), snap())), Change::Is("c".into()));
+        assert_eq!(t.apply(Selected::Listed), Change::Listed(vec!["b".into()]));
+        assert_eq!(t.objects.keys().collect::<Vec<_>>(), ["c"]);
     }
 }

@@ -87,6 +87,20 @@ pub fn replace_plan(existing: &DynamicObject, plan: Value, priority: Option<i32>
     next
 }
 
+/// The plan as the API server stores it: object members whose value is null removed, at every
+/// depth (the server drops them from fields its schema does not mark nullable; the agent reads a
+/// null as absent anyway), so what a producer compares is what it will read back.
+pub fn drop_nulls(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            m.retain(|_, x| !x.is_null());
+            m.values_mut().for_each(drop_nulls);
+        }
+        Value::Array(a) => a.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
 /// The node label of an object.
 fn label_of(o: &DynamicObject) -> Option<&str> {
     o.metadata.labels.as_ref()?.get(NODE_LABEL).map(String::as_str)
@@ -362,6 +376,14 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn nulls_are_dropped_at_every_depth_as_the_api_server_stores_a_plan() {
+        let mut p =
+            json!({"files": null, "instructions": [{"name": "a", "env": null, "args": ["x", null]}], "probes": {}});
+        drop_nulls(&mut p);
+        assert_eq!(p, json!({"instructions": [{"name": "a", "args": ["x", null]}], "probes": {}}));
+    }
+
     use super::*;
     use crate::nodeplan::wire::is_for_node;
 

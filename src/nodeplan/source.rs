@@ -482,7 +482,12 @@ impl PlanSource for NodePlanSource {
             } else {
                 BTreeMap::new()
             },
-            probe_statuses: status.probe_statuses.clone(),
+            // A probe's history belongs to its run (a new run probes from scratch).
+            probe_statuses: if status.plan_checksum == checksum {
+                status.probe_statuses.clone()
+            } else {
+                BTreeMap::new()
+            },
             retry_in,
             checksum,
             plan: vp,

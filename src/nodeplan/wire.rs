@@ -361,13 +361,13 @@ pub struct Target<'a> {
 }
 
 /// The status with a new state: phase, progress and the `Applied` condition follow it; a new
-/// plan starts its counters over.
+/// run starts its counters and its probes' history over (as a push clears a plan Secret's
+/// `probe-statuses`), so a probe's health is never carried from an earlier run into this one.
 fn with_state(prev: &NodePlanStatus, t: Target<'_>, state: PlanState, now: DateTime<Utc>) -> NodePlanStatus {
     let Target { generation, checksum, total } = t;
     let mut s = prev.clone();
     if s.plan_checksum != checksum {
-        s = NodePlanStatus { probe_statuses: prev.probe_statuses.clone(), ..NodePlanStatus::default() };
-        s.plan_checksum = checksum.to_string();
+        s = NodePlanStatus { plan_checksum: checksum.to_string(), ..NodePlanStatus::default() };
     }
     s.observed_generation = generation;
     s.phase = phase(&state).to_string();
@@ -791,10 +791,19 @@ mod tests {
             (done.conditions[0].status.as_str(), done.conditions[0].last_transition_time.as_str()),
             ("True", "2026-11-30T12:01:00Z")
         );
-        // A new plan starts over (probe statuses stay until the new plan's probes run).
-        let again =
-            commit(&done, Target { generation: 6, checksum: "new", total: 1 }, &Commit::Begin { resume: None }, later);
+        // A new run starts over, its probes' history too (an earlier run's health is not this one's).
+        let mut probed = done.clone();
+        probed.probe_statuses.insert("web".into(), crate::plan::ProbeStatus { healthy: true, ..Default::default() });
+        let again = commit(
+            &probed,
+            Target { generation: 6, checksum: "new", total: 1 },
+            &Commit::Begin { resume: None },
+            later,
+        );
         assert_eq!((again.successes, again.plan_checksum.as_str(), again.progress.as_str()), (0, "new", "0/1"));
+        assert!(again.probe_statuses.is_empty(), "{:?}", again.probe_statuses);
+        let same = commit(&probed, t(7), &Commit::Begin { resume: None }, later);
+        assert_eq!(same.probe_statuses.len(), 1, "the same run keeps its probes' history");
     }
 
     #[test]

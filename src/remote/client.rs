@@ -90,6 +90,8 @@ pub enum Selected {
     Is(String, SecretSnapshot),
     /// It was deleted (or no longer matches).
     Gone(String),
+    /// A relist begins (after the watch broke): what it does not list again is gone.
+    Relisting,
     /// The initial list (and every relist after the watch broke) is complete.
     Listed,
     /// The watch failed; it starts again by itself (with back-off).
@@ -112,7 +114,7 @@ pub fn watch_selected(
                 Selected::Is(name, snap)
             }
             Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
-            Ok(watcher::Event::Init) => return None,
+            Ok(watcher::Event::Init) => Selected::Relisting,
             Ok(watcher::Event::InitDone) => Selected::Listed,
             Err(e) => Selected::Failed(crate::error_line(&e)),
         })

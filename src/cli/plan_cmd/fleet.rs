@@ -67,6 +67,15 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
             e = stream.next() => e,
         };
         let Some(event) = event else { return Err(Failure::Failed("the watch ended".into())) };
+        let mut forget = |key: &str| {
+            let gone = rows.remove(key);
+            if let Some(row) = &gone
+                && json
+            {
+                crate::cli::out!("{}", serde_json::json!({"node": row.node, "state": "deleted"}));
+            }
+            gone.is_some()
+        };
         let changed = match tracker.apply(event) {
             Change::Is(key) => {
                 let Some(o) = tracker.objects.get(&key) else { continue };
@@ -78,16 +87,13 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
                 }
                 changed
             }
-            Change::Gone(key) => {
-                let gone = rows.remove(&key);
-                if let Some(row) = &gone
-                    && json
-                {
-                    crate::cli::out!("{}", serde_json::json!({"node": row.node, "state": "deleted"}));
+            Change::Gone(key) => forget(&key),
+            Change::Listed(gone) => {
+                for key in gone {
+                    forget(&key);
                 }
-                gone.is_some()
+                true
             }
-            Change::Listed => true,
             Change::Failing(e) => {
                 super::super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe()));
                 false
