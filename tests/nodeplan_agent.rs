@@ -594,6 +594,16 @@ echo {tag} >> "$d/runs"; cat "$d/gate" > /dev/null; test ! -e "$d/fail""#
     sh("gated", &script)
 }
 
+/// Wait until the node's `runs` holds `want` (its instruction noted its start; a bounded poll of
+/// an outcome, as `Node::wait` polls a status).
+fn wait_runs(node: &Node, want: &str) {
+    let deadline = Instant::now() + GUARD;
+    while std::fs::read_to_string(node.p("runs")).unwrap_or_default() != want {
+        assert!(Instant::now() < deadline, "{} never ran the plan", node.namespace);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn nodeplan_cmd(cp: &ControlPlane, args: &[&str]) -> std::process::Command {
     let mut c = std::process::Command::new(NODEPLAN);
     c.args(args).arg("--kubeconfig").arg(cp.kubeconfig_path());
@@ -688,12 +698,7 @@ async fn a_rollout_over_nodeplans_one_per_node_across_namespaces() {
         in_flight.extend(started(&l));
     }
     for &i in &in_flight {
-        let runs = fleet[i].0.p("runs");
-        let deadline = Instant::now() + GUARD;
-        while std::fs::read_to_string(&runs).unwrap_or_default().is_empty() {
-            assert!(Instant::now() < deadline, "node {i} never ran the plan");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_runs(&fleet[i].0, "two\n");
     }
     unsafe { libc::kill(first.id() as i32, libc::SIGINT) };
     assert_eq!(exit_code(&mut first, "the interrupted rollout"), Some(8));
@@ -764,10 +769,16 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
             .spawn()
             .unwrap();
     let lines = lines_of(run.stdout.take().unwrap());
-    let mut started = 0;
-    while started < 2 {
+    let key_of: std::collections::BTreeMap<String, usize> =
+        fleet.iter().enumerate().map(|(i, (n, _))| (format!("{}/app", n.namespace), i)).collect();
+    let mut started = Vec::new();
+    while started.len() < 2 {
         let l = lines.recv_timeout(GUARD).expect("the rollout started two nodes");
-        started += usize::from(l.ends_with(": starting"));
+        started.extend(l.strip_suffix(": starting").and_then(|k| key_of.get(k)).copied());
+    }
+    // Both run their instruction (it waits on its gate) before the cancel.
+    for &i in &started {
+        wait_runs(&fleet[i].0, "two\n");
     }
     let out =
         nodeplan_cmd(cp, &["rollout", "cancel", "-l", "pool=npc", "--nodeplans", "-A", "-n", &ns]).output().unwrap();
@@ -787,8 +798,6 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
     assert_eq!(phases.iter().filter(|c| **c).count(), 2, "the two in flight canceled, the third never started");
 
     // The canceled rollout run again starts anew, its canceled nodes too (released as they start).
-    let key_of: std::collections::BTreeMap<String, usize> =
-        fleet.iter().enumerate().map(|(i, (n, _))| (format!("{}/app", n.namespace), i)).collect();
     let mut again =
         nodeplan_cmd(cp, &["rollout", &plan_file, "-l", "pool=npc", "--nodeplans", "-A", "--max-concurrent", "2"])
             .args(["-n", &ns])
