@@ -107,11 +107,7 @@ fn a_plan_that_upgrades_the_agent_restarts_it_once_and_never_runs_again() {
     let program = format!("{bin}/nodeplan");
     std::fs::copy(NODEPLAN, &program).unwrap();
     let (runs, starts) = (s.p("runs"), s.p("starts"));
-    let upgrade = format!(
-        "echo upgrade >> {runs}; cp {program} {program}.real; \
-         printf '#!/bin/sh\necho started >> {starts}\nexec {program}.real \"$@\"\n' > {program}.new; \
-         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
-    );
+    let upgrade = upgrade_script(&program, &runs, &format!("echo started >> {starts}"));
     s.plan(
         "upgrade",
         serde_json::json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]}),

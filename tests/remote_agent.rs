@@ -858,11 +858,7 @@ async fn a_plan_that_upgrades_the_agent_goes_on_after_the_restart() {
     let program = r.p("nodeplan");
     std::fs::copy(NODEPLAN, &program).unwrap();
     let (runs, starts) = (r.p("runs"), r.p("starts"));
-    let upgrade = format!(
-        "echo upgrade >> {runs}; cp {program} {program}.real; \
-         printf '#!/bin/sh\necho started >> {starts}\nexec {program}.real \"$@\"\n' > {program}.new; \
-         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
-    );
+    let upgrade = upgrade_script(&program, &runs, &format!("echo started >> {starts}"));
     let plan = json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]});
     let checksum = r.create(&plan, Some("pending"), &[]).await;
     let mut agent = AgentProc::start_program(Path::new(&program), &r.config, &[]);
@@ -888,11 +884,7 @@ async fn a_pause_during_the_agents_restart_is_recorded_at_the_restart_point() {
     let program = r.p("nodeplan");
     std::fs::copy(NODEPLAN, &program).unwrap();
     let (runs, gate) = (r.p("runs"), r.fifo("gate"));
-    let upgrade = format!(
-        "echo upgrade >> {runs}; cp {program} {program}.real; \
-         printf '#!/bin/sh\ncat {gate} > /dev/null\nexec {program}.real \"$@\"\n' > {program}.new; \
-         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
-    );
+    let upgrade = upgrade_script(&program, &runs, &format!("cat {gate} > /dev/null"));
     let plan = json!({"instructions": [sh("upgrade", &upgrade), sh("after", &format!("echo after >> {runs}"))]});
     let checksum = r.create(&plan, Some("pending"), &[]).await;
     let mut agent = AgentProc::start_program(Path::new(&program), &r.config, &[]);

@@ -433,3 +433,13 @@ pub fn exit_code(child: &mut std::process::Child, what: &str) -> Option<i32> {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// R23's upgrade instruction: note `upgrade` in `runs`, replace `program` by a wrapper that runs
+/// the shell line `on_start` and then the real binary, and ask for a restart.
+pub fn upgrade_script(program: &str, runs: &str, on_start: &str) -> String {
+    format!(
+        "echo upgrade >> {runs}; cp {program} {program}.real; \
+         printf '#!/bin/sh\n{on_start}\nexec {program}.real \"$@\"\n' > {program}.new; \
+         chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
+    )
+}
