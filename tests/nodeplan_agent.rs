@@ -857,3 +857,44 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
         a.stop();
     }
 }
+
+/// Issue 14 over NodePlans: `--wait-healthy` counts a node done only once the probes of the run
+/// it started pass there. The first rollout's plan has a probe `ready` on a file that exists (done);
+/// the second's has a probe of the same name on a file that does not: its run succeeds, but the
+/// probe's history of the first run is not carried into it, so the node never counts done and is
+/// given up at `--timeout` (exit 7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_healthy_over_nodeplans_counts_only_this_runs_probes() {
+    let cp = control_plane!();
+    let mut fleet = nodeplan_fleet(cp, "nph", 1, "nph").await;
+    let there = fleet[0].0.p("there");
+    std::fs::write(&there, b"").unwrap();
+    let probe =
+        |path: &str| json!({"ready": {"fileExists": {"path": path}, "successThreshold": 1, "failureThreshold": 3}});
+    let plan_file = fleet[0].0.p("probed.plan");
+    let roll = |extra: &[&str]| {
+        nodeplan_cmd(cp, &["rollout", &plan_file, "-l", "pool=nph", "--nodeplans", "-A", "--wait-healthy"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let first = json!({"instructions": [sh("one", "true")], "probes": probe(&there)});
+    std::fs::write(&plan_file, serde_json::to_vec(&first).unwrap()).unwrap();
+    let out = roll(&[]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let s = fleet[0].0.status("app").await;
+    assert!(s.probe_statuses.get("ready").is_some_and(|p| p.healthy), "{s:?}");
+
+    let missing = fleet[0].0.p("missing");
+    let second = json!({"instructions": [sh("two", "true")], "probes": probe(&missing)});
+    std::fs::write(&plan_file, serde_json::to_vec(&second).unwrap()).unwrap();
+    let out = roll(&["--timeout", "3s", "--max-errors", "0"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(7), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("in flight longer than 3s"), "{stdout}");
+    let s = fleet[0].0.status("app").await;
+    assert!(s.probe_statuses.get("ready").is_some_and(|p| !p.healthy), "this run's probe failed: {s:?}");
+    for (_, a) in &mut fleet {
+        a.stop();
+    }
+}
