@@ -3,57 +3,31 @@
 mod common;
 
 use common::*;
-use nodeplan::local::pos::{Pos, read_pos};
+
 use nodeplan::plan::PlanState;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 struct Setup {
-    dir: tempfile::TempDir,
+    node: LocalNode,
+}
+
+impl std::ops::Deref for Setup {
+    type Target = LocalNode;
+    fn deref(&self) -> &LocalNode {
+        &self.node
+    }
 }
 
 impl Setup {
     fn new() -> Setup {
-        let s = Setup { dir: tempfile::tempdir().unwrap() };
-        write_local_config(s.dir.path(), "");
-        s
-    }
-    fn p(&self, name: &str) -> String {
-        self.dir.path().join(name).to_string_lossy().into_owned()
-    }
-    fn plan_path(&self, name: &str) -> PathBuf {
-        self.dir.path().join("plans").join(format!("{name}.plan"))
-    }
-    fn plan(&self, name: &str, json: serde_json::Value) -> Vec<u8> {
-        let raw = serde_json::to_vec(&json).unwrap();
-        std::fs::write(self.plan_path(name), &raw).unwrap();
-        raw
-    }
-    fn fifo(&self, name: &str) -> String {
-        let p = self.p(name);
-        mkfifo(&p);
-        p
+        Setup { node: LocalNode::new(|_| String::new()) }
     }
     fn start(&self) -> AgentProc {
-        AgentProc::start(self.dir.path().join("config.yaml").as_path())
-    }
-    fn pos(&self, name: &str) -> Pos {
-        read_pos(&self.dir.path().join("plans").join(format!("{name}.pos"))).unwrap()
-    }
-    /// Poll the observable outcome (the .pos file) until `pred` holds; a hang guard, not a sleep.
-    fn wait_pos(&self, name: &str, what: &str, pred: impl Fn(&Pos) -> bool) -> Pos {
-        let deadline = Instant::now() + GUARD;
-        loop {
-            let p = self.pos(name);
-            if pred(&p) {
-                return p;
-            }
-            assert!(Instant::now() < deadline, "{name}.pos never got {what}: {p:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        AgentProc::start(&self.config())
     }
     fn cli(&self, args: &[&str]) {
         let out = Command::new(NODEPLAN).args(args).output().unwrap();

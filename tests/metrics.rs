@@ -5,7 +5,6 @@
 mod common;
 
 use common::*;
-use nodeplan::local::pos::{Pos, read_pos};
 use nodeplan::plan::PlanState;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -15,8 +14,15 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 struct Setup {
-    dir: tempfile::TempDir,
+    node: LocalNode,
     port: u16,
+}
+
+impl std::ops::Deref for Setup {
+    type Target = LocalNode;
+    fn deref(&self) -> &LocalNode {
+        &self.node
+    }
 }
 
 /// A loopback port nobody listens on right now.
@@ -26,41 +32,16 @@ fn free_port() -> u16 {
 
 impl Setup {
     fn new() -> Setup {
-        let s = Setup { dir: tempfile::tempdir().unwrap(), port: free_port() };
-        let d = s.dir.path().display().to_string();
-        write_local_config(
-            s.dir.path(),
-            &format!("imagesDirectory: {d}/images\nmetricsAddress: 127.0.0.1:{}\n", s.port),
-        );
-        s
-    }
-    fn p(&self, name: &str) -> String {
-        self.dir.path().join(name).to_string_lossy().into_owned()
-    }
-    fn plan_path(&self, name: &str) -> PathBuf {
-        self.dir.path().join("plans").join(format!("{name}.plan"))
-    }
-    fn plan(&self, name: &str, json: serde_json::Value) -> Vec<u8> {
-        let raw = serde_json::to_vec(&json).unwrap();
-        std::fs::write(self.plan_path(name), &raw).unwrap();
-        raw
+        let port = free_port();
+        let node =
+            LocalNode::new(|d| format!("imagesDirectory: {}/images\nmetricsAddress: 127.0.0.1:{port}\n", d.display()));
+        Setup { node, port }
     }
     /// The agent, once its endpoint listens (the log line is the handshake).
     fn start(&self) -> AgentProc {
-        let mut agent = AgentProc::start(self.dir.path().join("config.yaml").as_path());
+        let mut agent = AgentProc::start(&self.config());
         agent.wait_log("metrics: serving GET /metrics");
         agent
-    }
-    fn wait_pos(&self, name: &str, what: &str, pred: impl Fn(&Pos) -> bool) -> Pos {
-        let deadline = Instant::now() + GUARD;
-        loop {
-            let p = read_pos(&self.dir.path().join("plans").join(format!("{name}.pos"))).unwrap();
-            if pred(&p) {
-                return p;
-            }
-            assert!(Instant::now() < deadline, "{name}.pos never got {what}: {p:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 }
 

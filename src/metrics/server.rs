@@ -200,14 +200,19 @@ mod tests {
         String::from_utf8_lossy(&out).into_owned()
     }
 
+    /// The endpoint serving `m` on a loopback port: the port, the shutdown switch, the task.
+    async fn serving(m: Arc<Metrics>) -> (u16, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, rx) = watch::channel(false);
+        (port, tx, tokio::spawn(serve(listener, m, rx)))
+    }
+
     #[tokio::test]
     async fn the_endpoint_serves_metrics_and_404s_everything_else() {
         let m = Arc::new(Metrics::new(super::super::Directories::default()));
         m.plan_recorded(&crate::plan::PlanState::Succeeded);
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (tx, rx) = watch::channel(false);
-        let server = tokio::spawn(serve(listener, m, rx));
+        let (port, tx, server) = serving(m).await;
         let ok = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
         assert!(ok.contains("content-type: text/plain; version=0.0.4"), "{ok}");
@@ -238,11 +243,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_beyond_the_limit_are_closed_and_the_endpoint_keeps_serving() {
-        let m = Arc::new(Metrics::new(super::super::Directories::default()));
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (_tx, rx) = watch::channel(false);
-        tokio::spawn(serve(listener, m, rx));
+        let (port, _tx, _server) = serving(Arc::new(Metrics::new(super::super::Directories::default()))).await;
         // Idle clients that never send a request take every slot.
         let mut idle = Vec::new();
         for _ in 0..MAX_CONNECTIONS {
@@ -270,11 +271,7 @@ mod tests {
     /// test takes no wall time.
     #[tokio::test(start_paused = true)]
     async fn slow_clients_are_dropped_on_time() {
-        let m = Arc::new(Metrics::new(super::super::Directories::default()));
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (_tx, rx) = watch::channel(false);
-        tokio::spawn(serve(listener, m, rx));
+        let (port, _tx, _server) = serving(Arc::new(Metrics::new(super::super::Directories::default()))).await;
         let cases: [(&str, &[u8], Duration); 3] = [
             ("nothing", b"", HEADER_TIMEOUT),
             ("half a head", b"GET /metrics HTTP/1.1\r\nHost: x\r\n", HEADER_TIMEOUT),

@@ -443,3 +443,57 @@ pub fn upgrade_script(program: &str, runs: &str, on_start: &str) -> String {
          chmod 755 {program}.new; mv {program}.new {program}; touch \"$NODEPLAN_RESTART_REQUEST\""
     )
 }
+
+/// A local-mode node in a temporary directory: its config (`write_local_config` with the lines
+/// `extra` gives for the directory), its plan directory, and what tests read there.
+pub struct LocalNode {
+    pub dir: tempfile::TempDir,
+}
+
+impl LocalNode {
+    pub fn new(extra: impl FnOnce(&std::path::Path) -> String) -> LocalNode {
+        let n = LocalNode { dir: tempfile::tempdir().unwrap() };
+        write_local_config(n.dir.path(), &extra(n.dir.path()));
+        n
+    }
+    pub fn p(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+    pub fn config(&self) -> std::path::PathBuf {
+        self.dir.path().join("config.yaml")
+    }
+    pub fn plan_path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join("plans").join(format!("{name}.plan"))
+    }
+    /// Write the plan `name`; its bytes.
+    pub fn plan(&self, name: &str, json: serde_json::Value) -> Vec<u8> {
+        let raw = serde_json::to_vec(&json).unwrap();
+        std::fs::write(self.plan_path(name), &raw).unwrap();
+        raw
+    }
+    pub fn fifo(&self, name: &str) -> String {
+        let p = self.p(name);
+        mkfifo(&p);
+        p
+    }
+    pub fn pos(&self, name: &str) -> nodeplan::local::pos::Pos {
+        nodeplan::local::pos::read_pos(&self.dir.path().join("plans").join(format!("{name}.pos"))).unwrap()
+    }
+    /// Poll the observable outcome (the .pos file) until `pred` holds; a hang guard, not a sleep.
+    pub fn wait_pos(
+        &self,
+        name: &str,
+        what: &str,
+        pred: impl Fn(&nodeplan::local::pos::Pos) -> bool,
+    ) -> nodeplan::local::pos::Pos {
+        let deadline = std::time::Instant::now() + GUARD;
+        loop {
+            let p = self.pos(name);
+            if pred(&p) {
+                return p;
+            }
+            assert!(std::time::Instant::now() < deadline, "{name}.pos never got {what}: {p:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
