@@ -53,7 +53,6 @@ pub struct Standing {
     /// Why it needs a look: failures, an invalid pause/cancel value, a pause or cancel asked for.
     pub notes: Vec<String>,
     pub annotations: BTreeMap<String, String>,
-    pub resource_version: String,
 }
 
 impl Standing {
@@ -101,16 +100,6 @@ impl Row {
             "succeeded" | "applied" => 6,
             _ => 5,
         }
-    }
-
-    /// Whether the node is done with the plan.
-    pub fn done(&self) -> bool {
-        matches!(self.state.as_str(), "succeeded" | "applied")
-    }
-
-    /// Whether the node failed (or was canceled).
-    pub fn failed(&self) -> bool {
-        matches!(self.state.as_str(), "failed" | "canceled" | "refused")
     }
 }
 

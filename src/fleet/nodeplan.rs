@@ -27,7 +27,6 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
         node: cli_wire::node_name(o).map_or_else(|| format!("{key} (no node label)"), |n| cli_wire::shown(n, 80)),
         state: "no plan".into(),
         annotations: o.metadata.annotations.clone().unwrap_or_default(),
-        resource_version: o.metadata.resource_version.clone().unwrap_or_default(),
         ..Standing::default()
     };
     let status = cli_wire::status_of(o).unwrap_or_else(|e| {
@@ -205,7 +204,7 @@ mod tests {
             let s = standing("p", &object(spec, status, 2));
             assert_eq!((s.state.as_str(), &s.outcome, s.completed), (state, &outcome, completed), "{what}: {s:?}");
             assert_eq!(s.plan.as_deref(), Some(sum.as_str()), "{what}: the plan's checksum, not the run's");
-            assert_eq!((s.node.as_str(), s.total, s.resource_version.as_str()), ("node-a", 2, "7"));
+            assert_eq!((s.node.as_str(), s.total), ("node-a", 2));
         }
         // A refusal of an older generation is not this spec's.
         assert_eq!(standing("p", &object(spec.clone(), refusal, 3)).outcome, Outcome::Running);

@@ -14,7 +14,6 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
         state: "no plan".into(),
         last_change: text(wire::LAST_APPLY_TIME),
         annotations: s.annotations.clone(),
-        resource_version: s.resource_version.clone(),
         ..Standing::default()
     };
     let Some(raw) = s.data.get(wire::PLAN) else { return st };
