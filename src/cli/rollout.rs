@@ -264,7 +264,7 @@ fn held(o: &Object) -> bool {
 }
 
 /// The plan a rollout pushes: its bytes (a plan Secret holds them as they are) and, for
-/// NodePlans, the object `spec.plan` holds; the checksum a node's [`crate::fleet::Standing`] is
+/// NodePlans, the object `spec.plan` holds (null for plan Secrets); the checksum a node's [`crate::fleet::Standing`] is
 /// compared with.
 struct Pushed {
     raw: Vec<u8>,
@@ -277,18 +277,15 @@ fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)>
     let raw = crate::safefs::read_named(path, 16 << 20)
         .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", path.display())))?;
     crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?;
-    let mut object: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| bad(e.to_string()))?;
-    if kind == Kind::NodePlans {
-        // As the API server stores it (it drops nulls), so the checksum compared is the stored one.
-        crate::nodeplan::cli_wire::drop_nulls(&mut object);
-    }
-    let checksum = match kind {
-        Kind::Secrets => crate::plan::checksum(&raw),
+    let (object, checksum) = match kind {
+        Kind::Secrets => (serde_json::Value::Null, crate::plan::checksum(&raw)),
         Kind::NodePlans => {
-            crate::nodeplan::resource::check_spec(&serde_json::json!({ "plan": object }))
-                .map_err(|e| bad(format!("as a NodePlan: {e}")))?;
+            // As the API server stores it (it drops nulls), so the checksum compared is the stored one.
+            let object = crate::nodeplan::cli_wire::plan_object(&raw).map_err(bad)?;
             let spec = crate::nodeplan::resource::NodePlanSpec { plan: Some(object.clone()), ..Default::default() };
-            crate::nodeplan::wire::plan_bytes(&spec).map(|b| crate::plan::checksum(&b)).unwrap_or_default()
+            let checksum =
+                crate::nodeplan::wire::plan_bytes(&spec).map(|b| crate::plan::checksum(&b)).unwrap_or_default();
+            (object, checksum)
         }
     };
     Ok(Pushed { raw, object, checksum })

@@ -101,6 +101,15 @@ pub fn drop_nulls(v: &mut Value) {
     }
 }
 
+/// A plan file's bytes (already checked as a plan) as `spec.plan` holds them: nulls dropped
+/// ([`drop_nulls`]), and refused when this agent would refuse it in a NodePlan.
+pub fn plan_object(raw: &[u8]) -> Result<Value, String> {
+    let mut plan: Value = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
+    drop_nulls(&mut plan);
+    resource::check_spec(&json!({ "plan": plan })).map_err(|e| format!("as a NodePlan: {e}"))?;
+    Ok(plan)
+}
+
 /// The node label of an object.
 fn label_of(o: &DynamicObject) -> Option<&str> {
     o.metadata.labels.as_ref()?.get(NODE_LABEL).map(String::as_str)

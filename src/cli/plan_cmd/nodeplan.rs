@@ -192,12 +192,7 @@ async fn nodeplans(t: &RemoteTarget, r: &NodePlanRef) -> Result<Api<DynamicObjec
 fn plan_object(file: &std::path::Path) -> Result<serde_json::Value, Failure> {
     let raw = super::read_plan(file).map_err(bad_input)?;
     crate::plan::parse(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
-    let mut plan: serde_json::Value =
-        serde_json::from_slice(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
-    cli_wire::drop_nulls(&mut plan);
-    resource::check_spec(&serde_json::json!({ "plan": plan }))
-        .map_err(|e| bad_input(format!("{}: as a NodePlan: {e}", file.display())))?;
-    Ok(plan)
+    cli_wire::plan_object(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))
 }
 
 /// How often a push reads again when the NodePlan changed between its read and its write (the
