@@ -10,7 +10,7 @@
 //! Every request to the API server is bounded by `--request-timeout`: kube has no read timeout of
 //! its own, and a command must not hang on a server that accepts and never answers.
 
-mod fleet;
+pub(super) mod fleet;
 pub(super) mod nodeplan;
 
 use super::exit;

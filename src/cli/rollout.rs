@@ -222,17 +222,8 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
         .map(|(key, _)| (key.clone(), Write::Merge(node_patch.clone())))
         .collect();
     let n = writes.len();
-    let mut failed = 0;
-    for (key, r) in objects::write_all(&kube, &scope, writes, t.request_timeout).await {
-        let (ns, name) = scope.locate(&key);
-        match r {
-            Ok(_) => crate::cli::out!("{done} {ns}/{name}"),
-            Err(e) => {
-                failed += 1;
-                super::say(&format!("nodeplan: {ns}/{name}: {e}"));
-            }
-        }
-    }
+    let answers = objects::write_all(&kube, &scope, writes, t.request_timeout).await;
+    let failed = super::plan_cmd::fleet::tell_writes(&scope, answers, done);
     if failed > 0 {
         return Err((exit::FAILED, format!("{failed} of {n} nodes could not be {done}")));
     }

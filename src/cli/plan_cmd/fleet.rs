@@ -161,22 +161,31 @@ pub(super) async fn fan_out(action: &PlanAction, a: &Acting) -> Result<(), Failu
     let total = found.len();
     let writes = found.into_iter().map(|(key, _)| (key, Write::Merge(patch.clone()))).collect();
     let results = objects::write_all(&kube, &scope, writes, t.request_timeout).await;
-    let mut failed = 0;
-    for (key, r) in &results {
-        match r {
-            Ok(_) => {
-                let (ns, name) = scope.locate(key);
-                crate::cli::out!("{done} {ns}/{name}");
-            }
-            Err(e) => {
-                failed += 1;
-                super::super::say(&format!("nodeplan: {key}: {e}"));
-            }
-        }
-    }
+    let failed = tell_writes(&scope, results, done);
     if failed > 0 {
         return Err(Failure::Failed(format!("{failed} of {total} could not be {done}")));
     }
     crate::cli::out!("{done} {total} {}", scope.describe().trim_start_matches("the "));
     Ok(())
+}
+
+/// A line per node written (`{done} NAMESPACE/NAME`) and an error line per node that was not;
+/// how many were not.
+pub(in crate::cli) fn tell_writes(
+    scope: &Scope,
+    answers: Vec<(String, Result<objects::Object, String>)>,
+    done: &str,
+) -> usize {
+    let mut failed = 0;
+    for (key, r) in answers {
+        let (ns, name) = scope.locate(&key);
+        match r {
+            Ok(_) => crate::cli::out!("{done} {ns}/{name}"),
+            Err(e) => {
+                failed += 1;
+                super::super::say(&format!("nodeplan: {ns}/{name}: {e}"));
+            }
+        }
+    }
+    failed
 }
