@@ -292,6 +292,59 @@ async fn a_pause_survives_an_agent_restart() {
     assert_eq!(second.stop(), 0);
 }
 
+/// Rancher's checkpoint struct leaves zero fields out: a pending plan it paused before it started
+/// carries no `completedInstructions`. The agent takes that checkpoint as it is (no rewrite
+/// without `resumeState`), and the resume starts the plan as Rancher's pending plan: at
+/// revision 1, from its first instruction.
+#[tokio::test]
+async fn a_checkpoint_without_its_zero_fields_is_taken_as_written() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "omitempty").await;
+    let marker = r.p("marker");
+    let status = Arc::new(AtomicU16::new(200));
+    let port = http_server(status.clone());
+    let plan = json!({
+        "instructions": [sh("one", &format!("echo one >> {marker}")), sh("two", &format!("echo two >> {marker}"))],
+        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}}}
+    });
+    let checksum = r.create(&plan, Some("paused"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
+    let rancher = format!(r#"{{"checksum":"{checksum}","totalInstructions":2,"resumeState":"pending","paused":true}}"#);
+    r.patch(json!({"data": {"plan-checkpoint": b64(rancher.as_bytes())}})).await;
+    let mut agent = r.agent();
+    // The probe statuses are the agent's first write: it has read the held plan by then.
+    let s = r.wait("probe statuses", |s| s.data.contains_key("probe-statuses")).await;
+    assert_eq!(state(&s), "paused");
+    assert_eq!(val(&s, "plan-checkpoint"), rancher, "Rancher's checkpoint is kept as written");
+    assert!(!Path::new(&marker).exists(), "nothing runs while the pause holds");
+    r.annotate(plan::ANNOTATION_PAUSED, None).await;
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "plan-revision"), "1", "resumed into pending: the run gets its revision");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\n");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Rancher's store deletes `probe-statuses` at every assignment and judges a plan successful
+/// only once the key is back and healthy: a plan without probes must say `{}` (system-agent
+/// does), at its first assignment and at every new one.
+#[tokio::test]
+async fn a_plan_without_probes_reports_empty_probe_statuses() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "no-probes").await;
+    let plan = json!({"instructions": [sh("one", "true")]});
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    let s = r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "probe-statuses"), "{}", "{}", describe(&s));
+    // A new assignment, as Rancher's store writes it: the plan, pending, probe statuses deleted.
+    let raw = serde_json::to_vec(&json!({"instructions": [sh("two", "true")]})).unwrap();
+    let checksum = plan::checksum(&raw);
+    r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
+    let s =
+        r.wait("the new plan succeeded", |s| val(s, "applied-checksum") == checksum && state(s) == "succeeded").await;
+    assert_eq!(val(&s, "probe-statuses"), "{}", "{}", describe(&s));
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test]
 async fn an_invalid_value_writes_nothing() {
     let cp = control_plane!();

@@ -90,12 +90,17 @@ pub enum Interruption {
 }
 
 /// `plan-checkpoint`: where a paused or canceled plan stopped. Field order and omitted empty
-/// fields match system-agent exactly.
+/// fields match system-agent exactly when written. Read, every field may be absent: Rancher's own
+/// checkpoint struct marks each one `omitempty`, so a plan paused before it started arrives
+/// without `completedInstructions` (an absent count is 0, an absent flag `false`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Checkpoint {
+    #[serde(default)]
     pub checksum: String,
+    #[serde(default)]
     pub completed_instructions: usize,
+    #[serde(default)]
     pub total_instructions: usize,
     /// The state a paused plan resumes into (none for a cancel).
     #[serde(default, skip_serializing_if = "Option::is_none", with = "optional_state")]

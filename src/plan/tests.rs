@@ -189,6 +189,37 @@ fn checkpoint_pins_field_order_and_omits_empty_fields() {
     assert_eq!(Checkpoint::read(Some(full.to_json().as_bytes()), "abc"), Some(full.clone()));
 }
 
+/// Rancher's checkpoint struct marks every field `omitempty`: what it writes leaves zero counts
+/// and `false` flags out, and each such checkpoint reads as the one it stands for.
+#[test]
+fn checkpoint_read_takes_rancher_s_omitted_zero_fields() {
+    let cp = |completed, total, resume_state, paused| Checkpoint {
+        checksum: "abc".into(),
+        completed_instructions: completed,
+        total_instructions: total,
+        resume_state,
+        paused,
+        termination_incomplete: false,
+    };
+    for (raw, want) in [
+        (
+            r#"{"checksum":"abc","totalInstructions":2,"resumeState":"pending","paused":true}"#,
+            cp(0, 2, Some(PlanState::Pending), true),
+        ),
+        (r#"{"checksum":"abc","totalInstructions":2}"#, cp(0, 2, None, false)),
+        (r#"{"checksum":"abc","completedInstructions":1}"#, cp(1, 0, None, false)),
+        (r#"{"checksum":"abc"}"#, cp(0, 0, None, false)),
+        (
+            r#"{"checksum":"abc","completedInstructions":1,"totalInstructions":3,"resumeState":"in-progress","paused":true}"#,
+            cp(1, 3, Some(PlanState::InProgress), true),
+        ),
+    ] {
+        assert_eq!(Checkpoint::read(Some(raw.as_bytes()), "abc"), Some(want), "{raw}");
+    }
+    // Without a checksum it is no plan's checkpoint.
+    assert_eq!(Checkpoint::read(Some(br#"{"totalInstructions":2}"#), "abc"), None);
+}
+
 #[test]
 fn checkpoint_read_treats_junk_as_absent() {
     for raw in [

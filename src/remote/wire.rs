@@ -299,6 +299,11 @@ pub fn legacy_keys(
     k
 }
 
+/// Whether the Secret's `probe-statuses` is already the empty map a plan without probes writes.
+pub fn says_no_probes(s: &SecretSnapshot) -> bool {
+    s.data.get(PROBE_STATUSES).is_some_and(|v| v.as_slice() == b"{}")
+}
+
 pub fn probe_keys(statuses: &BTreeMap<String, ProbeStatus>) -> Keys {
     let mut k = Keys::new();
     set(&mut k, PROBE_STATUSES, serde_json::to_vec(statuses).unwrap_or_default());
