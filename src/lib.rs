@@ -39,6 +39,7 @@ pub mod flow;
 pub mod formats;
 pub mod image;
 pub mod install;
+pub mod k8s;
 pub mod lease;
 pub mod local;
 pub mod metrics;

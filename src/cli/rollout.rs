@@ -691,16 +691,20 @@ fn control_of(
     use kube::runtime::{WatchStreamExt as _, watcher};
     let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube, ns);
     let fields = format!("metadata.name={name}");
-    Box::pin(watcher(api, watcher::Config::default().fields(&fields)).default_backoff().filter_map(|e| async move {
-        match e {
-            Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
-                Some(Ok(l.metadata.annotations.and_then(|a| a.get(ANNOTATION_CONTROL).cloned())))
-            }
-            Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
-            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
-            Err(e) => Some(Err(crate::error_line(&e))),
-        }
-    }))
+    Box::pin(
+        watcher(api, watcher::Config::default().fields(&fields).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS))
+            .default_backoff()
+            .filter_map(|e| async move {
+                match e {
+                    Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
+                        Some(Ok(l.metadata.annotations.and_then(|a| a.get(ANNOTATION_CONTROL).cloned())))
+                    }
+                    Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
+                    Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                    Err(e) => Some(Err(crate::error_line(&e))),
+                }
+            }),
+    )
 }
 
 /// Whether the watch has caught up with a write: it shows the written version or a later one.

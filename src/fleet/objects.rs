@@ -187,7 +187,8 @@ pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<
         Kind::NodePlans => {
             let api = scope.nodeplans(kube);
             let scope = scope.clone();
-            let config = watcher::Config::default().labels(&scope.selector);
+            let config =
+                watcher::Config::default().labels(&scope.selector).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS);
             Box::pin(watcher(api, config).default_backoff().filter_map(move |e| {
                 let r = match e {
                     Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {

@@ -1,21 +1,39 @@
-//! The watch of a node's NodePlans: a list with the node's label selector, then a watch from the
-//! list's resourceVersion, and a list again whenever the watch ends (as `SecretClient::watch`
-//! does for the Secret).
+//! One list/watch for every object the agent follows (the plan Secret, a node's NodePlans): a
+//! list with the caller's label or field selector, then a watch from the list's resourceVersion,
+//! and a list again whenever the watch ends.
 //!
 //! kube-runtime's `watcher` resumes a broken watch from the last resourceVersion and says nothing
-//! until the next change, so a status write kept through an outage would wait for its own
-//! back-off step. Here every successful list publishes the objects under a new sequence number,
-//! changed or not: the first thing the reconcile loop hears after an outage is "the API server is
-//! back", and it flushes the kept write at once.
+//! until the next change, so a write kept through an outage would wait for its own back-off step.
+//! Here every successful list publishes the objects under a new sequence number, changed or not:
+//! the first thing the reconcile loop hears after an outage is "the API server is back", and it
+//! flushes the kept write at once.
 //!
-//! Owns: the list/watch cycle, its back-off (jittered, reset after a watch that ran a while) and
-//! the map of objects by name it publishes. It decides nothing about what the objects mean.
+//! **A watch is known to be alive.** A connection can die without a FIN or an RST (a NAT entry
+//! timed out, a load balancer failed over): a watch on it would wait for ever. So:
+//! - the API server is asked to end every watch after [`WATCH_TIMEOUT_SECS`] and to send
+//!   bookmarks, so a healthy watch is never quiet for longer than that;
+//! - a watch quiet for [`WATCH_GAP`] (no event, no bookmark, no end) is given up and the pump
+//!   lists again;
+//! - when any request of the process is answered after failures (`k8s::liveness`: in remote mode
+//!   the Lease renewal notices first), a watch opened before those failures is given up at once and
+//!   the pump lists again on a fresh request.
+//!
+//! Cost: one watch request per object kind every [`WATCH_TIMEOUT_SECS`] (resumed from the last
+//! resourceVersion, served from the API server's watch cache); a list only after an error or a
+//! comeback.
+//!
+//! Owns: the list/watch cycle, its liveness bounds, its back-off (jittered, reset after a watch
+//! that ran a while) and the map of objects by name it publishes. It decides nothing about what
+//! the objects mean.
 
 use crate::process::supervise::Backoff;
 use crate::reconcile::jittered;
 use futures::{Stream, StreamExt as _};
-use kube::api::{Api, DynamicObject, ListParams, WatchEvent, WatchParams};
+use kube::Resource as _;
+use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -23,16 +41,16 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// The objects by name, numbered: every publish has a new number.
-pub type Latest = (u64, BTreeMap<String, DynamicObject>);
+pub type Latest<K> = (u64, BTreeMap<String, K>);
 
 /// A list's answer: the objects and the resourceVersion to watch from.
-pub struct Listed {
+pub struct Listed<K> {
     pub resource_version: String,
-    pub items: Vec<DynamicObject>,
+    pub items: Vec<K>,
 }
 
-/// A watch's events (an `Err` is the error's line).
-pub type Events = Pin<Box<dyn Stream<Item = Result<WatchEvent<DynamicObject>, WatchError>> + Send>>;
+/// A watch's events.
+pub type Events<K> = Pin<Box<dyn Stream<Item = Result<WatchEvent<K>, WatchError>> + Send>>;
 
 /// Why a list or a watch failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,68 +62,101 @@ pub enum WatchError {
 
 /// What the pump needs of the API server (a trait so the relist logic can be tested without one).
 pub trait ListWatch: Send + Sync {
-    fn list(&self) -> impl Future<Output = Result<Listed, WatchError>> + Send;
-    fn watch(&self, resource_version: &str) -> impl Future<Output = Result<Events, WatchError>> + Send;
+    type Object: kube::Resource + Clone + Send + Sync + 'static;
+    fn list(&self) -> impl Future<Output = Result<Listed<Self::Object>, WatchError>> + Send;
+    fn watch(&self, resource_version: &str) -> impl Future<Output = Result<Events<Self::Object>, WatchError>> + Send;
+    /// Moves each time the API server answers again after failures ([`super::liveness`]).
+    fn reconnected(&self) -> watch::Receiver<u64>;
 }
 
 /// How long a list may take.
 const LIST_TIMEOUT: Duration = Duration::from_secs(60);
-/// The watch's server-side timeout (the API server ends it then, and the pump lists again).
-const WATCH_TIMEOUT_SECS: u32 = 290;
-/// A watch the server has not ended this long after its timeout is stuck (a connection gone
-/// silent): the pump gives up on it and lists again.
-const WATCH_GUARD: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 30);
+/// The watch's server-side timeout (the API server ends it then, and the pump watches again).
+pub const WATCH_TIMEOUT_SECS: u32 = 20;
+/// A watch quiet this long (no event, no bookmark, no end: the API server sends a bookmark just
+/// before it ends a watch) sits on a dead connection: the pump gives up on it and lists again.
+pub const WATCH_GAP: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 5);
 /// The back-off between the end of a watch (or a failed list) and the next list: 0.8 s doubling
 /// to 30 s (kube's default), jittered; back to the start after a watch that ran this long.
 const BACKOFF_INITIAL: Duration = Duration::from_millis(800);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 const HEALTHY_AFTER: Duration = Duration::from_secs(1);
 
-/// The NodePlans of `api` matching `selector` (a label selector), through kube.
-pub struct KubeListWatch {
-    api: Api<DynamicObject>,
-    selector: String,
+/// The objects of `api` that a label or field selector picks, through kube.
+pub struct KubeListWatch<K> {
+    api: Api<K>,
+    labels: Option<String>,
+    fields: Option<String>,
+}
+
+impl<K> KubeListWatch<K> {
+    /// The objects whose labels match `selector`.
+    pub fn labelled(api: Api<K>, selector: &str) -> Self {
+        KubeListWatch { api, labels: Some(selector.to_string()), fields: None }
+    }
+
+    /// The one object named `name`.
+    pub fn named(api: Api<K>, name: &str) -> Self {
+        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")) }
+    }
+
+    fn list_params(&self) -> ListParams {
+        let lp = ListParams::default();
+        let lp = match &self.labels {
+            Some(l) => lp.labels(l),
+            None => lp,
+        };
+        match &self.fields {
+            Some(f) => lp.fields(f),
+            None => lp,
+        }
+    }
+
+    fn watch_params(&self) -> WatchParams {
+        let wp = WatchParams::default().timeout(WATCH_TIMEOUT_SECS);
+        let wp = match &self.labels {
+            Some(l) => wp.labels(l),
+            None => wp,
+        };
+        match &self.fields {
+            Some(f) => wp.fields(f),
+            None => wp,
+        }
+    }
 }
 
 fn kube_error(e: kube::Error) -> WatchError {
     match &e {
         kube::Error::Api(s) if s.code == 410 => WatchError::Gone,
-        kube::Error::Api(s) => {
-            let reason = if s.reason.is_empty() { "Unknown" } else { s.reason.as_str() };
-            WatchError::Other(
-                format!("apiserver answered {} {reason}: {}", s.code, s.message).replace(['\n', '\r'], " "),
-            )
-        }
-        _ => WatchError::Other(crate::error_line(&e)),
+        _ => WatchError::Other(super::error_line(&e)),
     }
 }
 
-impl ListWatch for KubeListWatch {
-    async fn list(&self) -> Result<Listed, WatchError> {
-        let list = self.api.list(&ListParams::default().labels(&self.selector)).await.map_err(kube_error)?;
+impl<K> ListWatch for KubeListWatch<K>
+where
+    K: kube::Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    type Object = K;
+
+    async fn list(&self) -> Result<Listed<K>, WatchError> {
+        let list = self.api.list(&self.list_params()).await.map_err(kube_error)?;
         Ok(Listed { resource_version: list.metadata.resource_version.unwrap_or_default(), items: list.items })
     }
 
-    async fn watch(&self, resource_version: &str) -> Result<Events, WatchError> {
-        let wp = WatchParams::default().labels(&self.selector).timeout(WATCH_TIMEOUT_SECS);
-        let events = self.api.watch(&wp, resource_version).await.map_err(kube_error)?;
+    async fn watch(&self, resource_version: &str) -> Result<Events<K>, WatchError> {
+        let events = self.api.watch(&self.watch_params(), resource_version).await.map_err(kube_error)?;
         Ok(Box::pin(events.map(|e| e.map_err(kube_error))))
     }
-}
 
-/// Keep `tx` holding the NodePlans of `api` that match `selector` (a label selector) until every
-/// receiver is gone. Never ends otherwise: errors are logged and the pump lists again after a
-/// back-off.
-pub async fn pump(api: Api<DynamicObject>, selector: String, tx: watch::Sender<Latest>) {
-    let what = format!("NodePlans labelled {selector}{}", api_namespace(&api));
-    run(&KubeListWatch { api, selector }, &what, tx).await;
-}
-
-fn api_namespace(api: &Api<DynamicObject>) -> String {
-    match api.namespace() {
-        Some(ns) => format!(" in namespace {ns}"),
-        None => String::new(),
+    fn reconnected(&self) -> watch::Receiver<u64> {
+        super::liveness::reconnected()
     }
+}
+
+/// Keep `tx` holding the objects `lw` picks until every receiver is gone (`what` names them in
+/// log lines). Never ends otherwise: errors are logged and the pump lists again after a back-off.
+pub async fn pump<L: ListWatch>(lw: L, what: String, tx: watch::Sender<Latest<L::Object>>) {
+    run(&lw, &what, tx).await;
 }
 
 /// How a watch ended.
@@ -115,10 +166,12 @@ enum End {
     /// 410 Gone.
     Gone,
     Error(String),
+    /// The API server answered again after failures: this watch may sit on a dead connection.
+    Reconnected,
 }
 
 /// The list-then-watch cycle over `lw`, publishing into `tx` (`what` names it in log lines).
-pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest>) {
+pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::Object>>) {
     let mut backoff = Backoff::new(BACKOFF_INITIAL, BACKOFF_MAX, HEALTHY_AFTER);
     let mut seq = tx.borrow().0;
     // Errors since the last list that answered.
@@ -130,8 +183,8 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest>) {
         };
         let (end, ran) = match listed {
             Ok(Ok(listed)) => {
-                let mut objects: BTreeMap<String, DynamicObject> =
-                    listed.items.into_iter().filter_map(|o| Some((o.metadata.name.clone()?, o))).collect();
+                let mut objects: BTreeMap<String, L::Object> =
+                    listed.items.into_iter().filter_map(|o| Some((o.meta().name.clone()?, o))).collect();
                 if !publish(&tx, &mut seq, &objects) {
                     return;
                 }
@@ -139,8 +192,10 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest>) {
                     tracing::info!("the watch of {what} is back");
                 }
                 let started = Instant::now();
+                // Subscribed after the list answered: only failures after it count.
+                let reconnected = lw.reconnected();
                 let end = tokio::select! {
-                    end = watch_from(lw, &listed.resource_version, &mut objects, &tx, &mut seq) => end,
+                    end = watch_from(lw, &listed.resource_version, &mut objects, &tx, &mut seq, reconnected) => end,
                     _ = tx.closed() => return,
                 };
                 (end, started.elapsed())
@@ -149,15 +204,22 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest>) {
             Ok(Err(WatchError::Other(e))) => (End::Error(format!("failed to list: {e}")), Duration::ZERO),
             Err(_) => (End::Error("failed to list: no answer".into()), Duration::ZERO),
         };
+        if let End::Reconnected = end {
+            // A fresh list at once: the requests that answered show the way is open again.
+            tracing::info!("the API server answers again; listing {what} afresh");
+            failing = true;
+            continue;
+        }
         let pause = jittered(backoff.after_run(ran));
         match end {
+            End::Reconnected => {}
             End::Closed => tracing::debug!("the watch of {what} ended; listing again"),
             End::Gone => tracing::debug!("the watch of {what} expired (410 Gone); listing again"),
             End::Error(e) => {
                 failing = true;
                 tracing::warn!(
                     error = %e.replace(['\n', '\r'], " "),
-                    "NodePlan watch error; listing again in {}",
+                    "watch of {what} failed; listing again in {}",
                     crate::duration::human(pause)
                 );
             }
@@ -170,7 +232,7 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest>) {
 }
 
 /// Publish the objects under the next number; `false` when nobody listens any more.
-fn publish(tx: &watch::Sender<Latest>, seq: &mut u64, objects: &BTreeMap<String, DynamicObject>) -> bool {
+fn publish<K: Clone>(tx: &watch::Sender<Latest<K>>, seq: &mut u64, objects: &BTreeMap<String, K>) -> bool {
     *seq += 1;
     tx.send((*seq, objects.clone())).is_ok()
 }
@@ -179,9 +241,10 @@ fn publish(tx: &watch::Sender<Latest>, seq: &mut u64, objects: &BTreeMap<String,
 async fn watch_from<L: ListWatch>(
     lw: &L,
     rv: &str,
-    objects: &mut BTreeMap<String, DynamicObject>,
-    tx: &watch::Sender<Latest>,
+    objects: &mut BTreeMap<String, L::Object>,
+    tx: &watch::Sender<Latest<L::Object>>,
     seq: &mut u64,
+    mut reconnected: watch::Receiver<u64>,
 ) -> End {
     let mut events = match tokio::time::timeout(LIST_TIMEOUT, lw.watch(rv)).await {
         Ok(Ok(events)) => events,
@@ -189,20 +252,28 @@ async fn watch_from<L: ListWatch>(
         Ok(Err(WatchError::Other(e))) => return End::Error(format!("failed to start watching: {e}")),
         Err(_) => return End::Error("failed to start watching: no answer".into()),
     };
-    let deadline = Instant::now() + WATCH_GUARD;
     loop {
-        let event = match tokio::time::timeout_at(deadline, events.next()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(WATCH_GAP, events.next()) => next,
+            Ok(()) = reconnected.changed() => return End::Reconnected,
+        };
+        let event = match next {
             Ok(Some(event)) => event,
             Ok(None) => return End::Closed,
-            Err(_) => return End::Error("the watch outlived its timeout without an answer".into()),
+            Err(_) => {
+                return End::Error(format!(
+                    "the watch was quiet for {} (no event, no bookmark, no end): the connection is taken for dead",
+                    crate::duration::human(WATCH_GAP)
+                ));
+            }
         };
         match event {
             Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => {
-                let Some(name) = o.metadata.name.clone() else { continue };
+                let Some(name) = o.meta().name.clone() else { continue };
                 objects.insert(name, o);
             }
             Ok(WatchEvent::Deleted(o)) => {
-                let Some(name) = o.metadata.name.as_deref() else { continue };
+                let Some(name) = o.meta().name.as_deref() else { continue };
                 objects.remove(name);
             }
             Ok(WatchEvent::Bookmark(_)) => continue,
@@ -223,6 +294,7 @@ async fn watch_from<L: ListWatch>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::api::DynamicObject;
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
 
@@ -230,7 +302,7 @@ mod tests {
 
     /// One answer of the fake API server, in order.
     enum Step {
-        List(Result<Listed, WatchError>),
+        List(Result<Listed<DynamicObject>, WatchError>),
         /// A watch: its events, each after a delay, then its end after `end_after` more.
         Watch(Result<Vec<(Duration, Event)>, WatchError>, Duration),
     }
@@ -240,11 +312,13 @@ mod tests {
         steps: Mutex<VecDeque<Step>>,
         /// Every call: when, and which (`list` or `watch <rv>`).
         calls: Mutex<Vec<(Instant, String)>>,
+        /// What [`ListWatch::reconnected`] follows.
+        epoch: watch::Sender<u64>,
     }
 
     impl Fake {
         fn new(steps: Vec<Step>) -> Arc<Fake> {
-            Arc::new(Fake { steps: Mutex::new(steps.into()), calls: Mutex::default() })
+            Arc::new(Fake { steps: Mutex::new(steps.into()), calls: Mutex::default(), epoch: watch::Sender::new(0) })
         }
         fn next(&self, call: String) -> Option<Step> {
             self.calls.lock().unwrap().push((Instant::now(), call));
@@ -256,14 +330,20 @@ mod tests {
     }
 
     impl ListWatch for Fake {
-        async fn list(&self) -> Result<Listed, WatchError> {
+        type Object = DynamicObject;
+        fn reconnected(&self) -> watch::Receiver<u64> {
+            let mut rx = self.epoch.subscribe();
+            rx.mark_unchanged();
+            rx
+        }
+        async fn list(&self) -> Result<Listed<DynamicObject>, WatchError> {
             match self.next("list".into()) {
                 Some(Step::List(r)) => r,
                 Some(Step::Watch(..)) => panic!("a list where the script has a watch"),
                 None => std::future::pending().await,
             }
         }
-        async fn watch(&self, rv: &str) -> Result<Events, WatchError> {
+        async fn watch(&self, rv: &str) -> Result<Events<DynamicObject>, WatchError> {
             match self.next(format!("watch {rv}")) {
                 Some(Step::Watch(r, end_after)) => {
                     let events: VecDeque<(Duration, Event)> = r?.into();
@@ -288,7 +368,7 @@ mod tests {
     }
 
     fn obj(name: &str, rv: &str) -> DynamicObject {
-        let mut o = DynamicObject::new(name, &super::super::source::api_resource());
+        let mut o = DynamicObject::new(name, &crate::nodeplan::source::api_resource());
         o.metadata.resource_version = Some(rv.into());
         o
     }
@@ -306,8 +386,8 @@ mod tests {
 
     /// Start the pump over `fake` and collect the first `n` publishes (each one seen: the fake
     /// spaces them out in virtual time).
-    async fn publishes(fake: &Arc<Fake>, n: usize) -> (Vec<Seen>, watch::Receiver<Latest>) {
-        let (tx, mut rx) = watch::channel::<Latest>((0, BTreeMap::new()));
+    async fn publishes(fake: &Arc<Fake>, n: usize) -> (Vec<Seen>, watch::Receiver<Latest<DynamicObject>>) {
+        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
         let f = fake.clone();
         tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
         let mut out = Vec::new();
@@ -344,7 +424,7 @@ mod tests {
                     (s, Ok(WatchEvent::Bookmark(serde_json::from_value(serde_json::json!({"apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan", "metadata": {"resourceVersion": "13"}})).unwrap()))),
                     (s, Ok(WatchEvent::Deleted(obj("b", "14")))),
                 ]),
-                Duration::from_secs(60),
+                Duration::from_secs(16),
             ),
             listed("20", &[("a", "12")]),
             Step::Watch(Ok(vec![]), Duration::from_secs(3600)),
@@ -362,7 +442,7 @@ mod tests {
         let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
         assert_eq!(names, ["list", "watch 10", "list", "watch 20"]);
         let g = gaps(&calls);
-        assert!(within(g[1], 64_000 + 800), "relisted after the watch ended and one short step: {g:?}");
+        assert!(within(g[1], 20_000 + 800), "relisted after the watch ended and one short step: {g:?}");
     }
 
     /// Failing lists back off 0.8 s doubling (jittered); the first list that answers is published
@@ -375,7 +455,7 @@ mod tests {
             Step::List(Err(other("connection refused"))),
             listed("7", &[("a", "7")]),
             // The connection breaks after a healthy while.
-            Step::Watch(Ok(vec![(Duration::from_secs(30), Err(other("connection reset")))]), Duration::ZERO),
+            Step::Watch(Ok(vec![(Duration::from_secs(20), Err(other("connection reset")))]), Duration::ZERO),
             Step::List(Err(other("connection refused"))),
             listed("9", &[("a", "7")]),
             Step::Watch(Ok(vec![]), Duration::from_secs(3600)),
@@ -388,7 +468,7 @@ mod tests {
         let g = gaps(&calls);
         assert!(within(g[0], 800) && within(g[1], 1600) && within(g[2], 3200), "doubling: {g:?}");
         assert_eq!(g[3], Duration::ZERO, "the watch starts right after the list");
-        assert!(within(g[4], 30_000 + 800), "after a healthy watch: the first step again: {g:?}");
+        assert!(within(g[4], 20_000 + 800), "after a healthy watch: the first step again: {g:?}");
         assert!(within(g[5], 1600), "then doubling again: {g:?}");
     }
 
@@ -417,27 +497,58 @@ mod tests {
         assert!(within(g[1], 800) && within(g[3], 1600) && within(g[5], 3200), "{g:?}");
     }
 
-    /// A watch that neither delivers nor ends (a connection gone silent) is given up after its
-    /// guard, and the pump lists again.
+    /// A watch that neither delivers nor ends (a connection gone silent) is given up once it has
+    /// been quiet for the gap bound, not at a deadline from its start: events keep it alive.
     #[tokio::test(start_paused = true)]
     async fn a_silent_watch_is_given_up() {
+        let quiet = WATCH_GAP - Duration::from_secs(1);
         let fake = Fake::new(vec![
             listed("1", &[]),
-            Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
-            listed("2", &[]),
+            Step::Watch(
+                Ok(vec![(quiet, Ok(WatchEvent::Added(obj("a", "2")))), (quiet, Ok(WatchEvent::Added(obj("a", "3"))))]),
+                Duration::from_secs(24 * 3600),
+            ),
+            listed("4", &[]),
             Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
         ]);
-        let (seen, _rx) = publishes(&fake, 2).await;
-        assert_eq!(seen.len(), 2);
+        let (seen, _rx) = publishes(&fake, 4).await;
+        assert_eq!(seen.len(), 4);
         let g = gaps(&fake.calls());
-        assert!(within(g[1], WATCH_GUARD.as_millis() as u64 + 800), "{g:?}");
+        assert!(within(g[1], (2 * quiet + WATCH_GAP).as_millis() as u64 + 800), "{g:?}");
+    }
+
+    /// When the API server answers again after failures (another request saw them), a watch
+    /// opened before is given up at once and the pump lists afresh, without a back-off step.
+    #[tokio::test(start_paused = true)]
+    async fn a_comeback_relists_a_watch_opened_before_it() {
+        let fake = Fake::new(vec![
+            listed("1", &[("a", "1")]),
+            Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
+            listed("5", &[("a", "5")]),
+            Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
+        ]);
+        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
+        let f = fake.clone();
+        tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        rx.changed().await.unwrap();
+        rx.borrow_and_update();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(fake.calls().len(), 2, "listed, then watching");
+        let bumped = Instant::now();
+        fake.epoch.send_modify(|e| *e += 1);
+        rx.changed().await.unwrap();
+        assert_eq!(rx.borrow().1["a"].metadata.resource_version.as_deref(), Some("5"));
+        let calls = fake.calls();
+        let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
+        assert_eq!(names, ["list", "watch 1", "list", "watch 5"]);
+        assert!(calls[2].0 - bumped < Duration::from_millis(10), "at once: {:?}", gaps(&calls));
     }
 
     /// The pump ends once nobody listens, even while it waits for the API server.
     #[tokio::test(start_paused = true)]
     async fn the_pump_stops_when_nobody_listens() {
         let fake = Fake::new(vec![listed("1", &[]), Step::Watch(Ok(vec![]), Duration::from_secs(3600))]);
-        let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
+        let (tx, rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
         let f = fake.clone();
         let pump = tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
         tokio::time::sleep(Duration::from_secs(1)).await;

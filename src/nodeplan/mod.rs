@@ -3,7 +3,7 @@
 //!
 //! This module owns the resource's shape and the checks made of a spec ([`resource`]); what a
 //! NodePlan means for the plan-state flow and the status written back ([`wire`], pure); the
-//! source on the shared loop ([`source`]) with its list-then-watch ([`watch`]) and the runs in
+//! source on the shared loop ([`source`]) over the shared list-then-watch ([`crate::k8s::watch`]) and the runs in
 //! progress kept on the node ([`runs`]); and the producer's side the CLI uses (the objects and
 //! spec patches it sends, the text it prints: [`cli_wire`], pure). It must not spawn processes or
 //! decide plan states (the shared loop in [`crate::reconcile`] and the rules in [`crate::flow`]
@@ -13,5 +13,4 @@ pub mod cli_wire;
 pub mod resource;
 pub mod runs;
 pub mod source;
-pub mod watch;
 pub mod wire;

@@ -54,7 +54,7 @@ pub fn node_label_value(node: &str) -> String {
 
 /// The watch's latest objects, by name, numbered so the source can tell whether they arrived
 /// after its own write.
-type Latest = (u64, BTreeMap<String, DynamicObject>);
+type Latest = crate::k8s::watch::Latest<DynamicObject>;
 
 /// Runs the loop over a node's NodePlans.
 pub struct NodePlanAgent {
@@ -98,7 +98,9 @@ impl NodePlanAgent {
         self.source.events = Some(EventSink::start(self.source.api.clone().into_client(), &self.source.node));
         let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
         let selector = format!("{NODE_LABEL}={}", node_label_value(&self.source.node));
-        let pump = tokio::spawn(super::watch::pump(self.source.api.clone(), selector.clone(), tx));
+        let what = format!("NodePlans labelled {selector} in namespace {}", self.source.namespace);
+        let lw = crate::k8s::watch::KubeListWatch::labelled(self.source.api.clone(), &selector);
+        let pump = tokio::spawn(crate::k8s::watch::pump(lw, what, tx));
         self.source.latest = Some(rx);
         tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.source.namespace);
         let (exit, _) = Reconciler::new(self.source, self.app, self.prober, shutdown).run().await;

@@ -25,9 +25,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use futures::{Stream, StreamExt as _};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::utils::Backoff as _;
 use kube::runtime::watcher;
 
 /// The Secret type Rancher gives machine-plan Secrets.
@@ -107,18 +106,20 @@ pub fn watch_selected(
 ) -> impl Stream<Item = Selected> + Send + 'static {
     use kube::runtime::WatchStreamExt as _;
     let api: Api<Secret> = Api::namespaced(client, namespace);
-    watcher(api, watcher::Config::default().labels(selector)).default_backoff().filter_map(|e| async move {
-        Some(match e {
-            Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
-                let (name, snap) = named_snapshot(s)?;
-                Selected::Is(name, snap)
-            }
-            Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
-            Ok(watcher::Event::Init) => Selected::Relisting,
-            Ok(watcher::Event::InitDone) => Selected::Listed,
-            Err(e) => Selected::Failed(crate::error_line(&e)),
+    watcher(api, watcher::Config::default().labels(selector).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS))
+        .default_backoff()
+        .filter_map(|e| async move {
+            Some(match e {
+                Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
+                    let (name, snap) = named_snapshot(s)?;
+                    Selected::Is(name, snap)
+                }
+                Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
+                Ok(watcher::Event::Init) => Selected::Relisting,
+                Ok(watcher::Event::InitDone) => Selected::Listed,
+                Err(e) => Selected::Failed(crate::error_line(&e)),
+            })
         })
-    })
 }
 
 /// A Secret snapshot for tables in tests: the plan's JSON, other keys as text, annotations.
@@ -172,13 +173,14 @@ impl std::fmt::Debug for SecretClient {
     }
 }
 
-fn kube_error_line(err: &kube::Error) -> String {
-    match err {
-        kube::Error::Api(status) => {
-            let reason = if status.reason.is_empty() { "Unknown" } else { status.reason.as_str() };
-            format!("apiserver answered {} {}: {}", status.code, reason, status.message).replace(['\n', '\r'], " ")
-        }
-        other => crate::error_line(other),
+use crate::k8s::error_line as kube_error_line;
+
+/// Aborts the task when dropped (the Secret watch's pump, when its stream is dropped).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -255,7 +257,7 @@ impl SecretClient {
         if config.accept_invalid_certs {
             return Err("kubeconfig: insecure-skip-tls-verify is not supported".to_string());
         }
-        kube::Client::try_from(config).map_err(|e| format!("kube client: {}", kube_error_line(&e)))
+        crate::k8s::client(config).map_err(|e| format!("kube client: {}", kube_error_line(&e)))
     }
 
     /// GET the Secret; `None` when it does not exist. Used by the agent after a conflict and by
@@ -286,123 +288,32 @@ impl SecretClient {
         SecretSnapshot::from_secret(secret).map_err(WriteError::Other)
     }
 
-    /// A stream of snapshots of the one Secret (None when it does not exist): a list, then a
-    /// watch from the list's resourceVersion, both with fieldSelector metadata.name=<name> in the
-    /// namespace. It never ends: errors are logged with tracing::warn and the stream goes on.
+    /// A stream of snapshots of the one Secret (None when it does not exist), through the shared
+    /// list/watch ([`crate::k8s::watch`]) with fieldSelector metadata.name=<name> in the
+    /// namespace. It never ends: errors are logged and the watch lists again after a back-off.
     ///
     /// Semantics: after every list the current object is yielded, or `None` if the list did not
-    /// contain it; afterwards each ADDED/MODIFIED yields `Some` and each DELETED yields `None`. A
-    /// list may repeat a snapshot already seen.
-    ///
-    /// Whenever the watch ends (its server-side timeout, a broken connection, an error, 410 Gone)
-    /// the stream lists again: the first item after an outage is the Secret as it is now, even
-    /// when it did not change, and that item is how the caller learns that the API server is
-    /// reachable again (resuming the watch from the last resourceVersion, as kube's watcher
-    /// does, says nothing until the next change). The first item after errors is logged ("is
-    /// back"). Errors pause the stream with kube's default backoff (0.8 s doubling to 30 s,
-    /// jittered, reset once the watch runs) so a dead apiserver is not hammered; a watch that
-    /// ends at once counts as an error.
+    /// contain it; afterwards each change yields the Secret as it is now (`None` once deleted).
+    /// Snapshots the caller has not taken yet are replaced by newer ones, and a list may repeat a
+    /// snapshot already seen: the first item after an outage is the Secret as it is now, even when
+    /// it did not change, and that item is how the caller learns that the API server is reachable
+    /// again. A watch that goes quiet past its bound, or that was opened before the API server
+    /// stopped answering, is given up for a fresh list (a connection may die without a sign).
     pub fn watch(&self) -> impl Stream<Item = Option<SecretSnapshot>> + Send + 'static {
-        type Events = std::pin::Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<Secret>>> + Send>>;
-        enum Phase {
-            List,
-            Watch { rv: String, events: Option<(Events, std::time::Instant)> },
-        }
-        struct State {
-            phase: Phase,
-            backoff: watcher::DefaultBackoff,
-            /// Errors since the last list.
-            failing: bool,
-        }
-        /// A watch that ends sooner than this without an error still counts as one.
-        const SHORTEST_WATCH: std::time::Duration = std::time::Duration::from_secs(1);
-        const LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
-        let fields = format!("metadata.name={}", self.secret.name);
-        let lp = ListParams::default().fields(&fields);
-        let wp = WatchParams::default().fields(&fields).timeout(290);
-        let what = self.describe();
-        let api = self.api.clone();
-        let state = State { phase: Phase::List, backoff: watcher::DefaultBackoff::default(), failing: false };
-        let usable = |secret: Secret, what: &str| match SecretSnapshot::from_secret(secret) {
-            Ok(snapshot) => Some(snapshot),
-            Err(e) => {
-                tracing::warn!(secret = %what, error = %e, "ignoring unusable watch event");
-                None
-            }
-        };
-        futures::stream::unfold(state, move |mut st| {
-            let (api, lp, wp, what) = (api.clone(), lp.clone(), wp.clone(), what.clone());
-            async move {
-                loop {
-                    let error = match &mut st.phase {
-                        Phase::List => match tokio::time::timeout(LIST_TIMEOUT, api.list(&lp)).await {
-                            Ok(Ok(list)) => {
-                                let rv = list.metadata.resource_version.unwrap_or_default();
-                                st.phase = Phase::Watch { rv, events: None };
-                                if std::mem::take(&mut st.failing) {
-                                    tracing::info!("the watch of secret {what} is back");
-                                }
-                                match list.items.into_iter().next() {
-                                    None => return Some((None, st)),
-                                    Some(secret) => match usable(secret, &what) {
-                                        Some(snapshot) => return Some((Some(snapshot), st)),
-                                        None => continue,
-                                    },
-                                }
-                            }
-                            Ok(Err(e)) => format!("failed to list: {}", kube_error_line(&e)),
-                            Err(_) => "failed to list: no answer".to_string(),
-                        },
-                        Phase::Watch { rv, events: events @ None } => match api.watch(&wp, rv).await {
-                            Ok(stream) => {
-                                *events = Some((Box::pin(stream), std::time::Instant::now()));
-                                continue;
-                            }
-                            Err(e) => format!("failed to start watching: {}", kube_error_line(&e)),
-                        },
-                        Phase::Watch { rv, events: Some((events, since)) } => match events.next().await {
-                            Some(Ok(WatchEvent::Added(secret) | WatchEvent::Modified(secret))) => {
-                                st.backoff.reset();
-                                *rv = secret.metadata.resource_version.clone().unwrap_or_default();
-                                match usable(secret, &what) {
-                                    Some(snapshot) => return Some((Some(snapshot), st)),
-                                    None => continue,
-                                }
-                            }
-                            Some(Ok(WatchEvent::Deleted(secret))) => {
-                                st.backoff.reset();
-                                *rv = secret.metadata.resource_version.unwrap_or_default();
-                                return Some((None, st));
-                            }
-                            Some(Ok(WatchEvent::Bookmark(b))) => {
-                                *rv = b.metadata.resource_version;
-                                continue;
-                            }
-                            Some(Ok(WatchEvent::Error(status))) if status.code == 410 => {
-                                // The watch fell too far behind: list again at once.
-                                tracing::debug!(secret = %what, "watch expired (410 Gone); listing again");
-                                st.phase = Phase::List;
-                                continue;
-                            }
-                            Some(Ok(WatchEvent::Error(status))) => {
-                                format!("watch error {} {}: {}", status.code, status.reason, status.message)
-                            }
-                            Some(Err(e)) => format!("watch failed: {}", kube_error_line(&e)),
-                            None if since.elapsed() >= SHORTEST_WATCH => {
-                                // The watch ended (its timeout, or the connection went away): list
-                                // again, so a broken connection is noticed as soon as it is back.
-                                st.backoff.reset();
-                                st.phase = Phase::List;
-                                continue;
-                            }
-                            None => "the watch ended at once".to_string(),
-                        },
-                    };
-                    tracing::warn!(secret = %what, error = %error.replace(['\n', '\r'], " "), "watch error; the watch continues");
-                    st.phase = Phase::List;
-                    st.failing = true;
-                    let pause = st.backoff.next().unwrap_or(std::time::Duration::from_secs(30));
-                    tokio::time::sleep(pause).await;
+        let (tx, rx) = tokio::sync::watch::channel((0, BTreeMap::new()));
+        let lw = crate::k8s::watch::KubeListWatch::named(self.api.clone(), &self.secret.name);
+        let pump = tokio::spawn(crate::k8s::watch::pump(lw, format!("secret {}", self.describe()), tx));
+        let name = self.secret.name.clone();
+        // The pump ends by itself once the receiver is gone; the guard ends it at once.
+        let state = (rx, name, AbortOnDrop(pump));
+        futures::stream::unfold(state, |(mut rx, name, guard)| async move {
+            loop {
+                rx.changed().await.ok()?;
+                let secret = rx.borrow_and_update().1.get(&name).cloned();
+                let Some(secret) = secret else { return Some((None, (rx, name, guard))) };
+                match SecretSnapshot::from_secret(secret) {
+                    Ok(snapshot) => return Some((Some(snapshot), (rx, name, guard))),
+                    Err(e) => tracing::warn!(secret = %name, error = %e, "ignoring an unusable secret"),
                 }
             }
         })

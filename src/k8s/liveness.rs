@@ -1,0 +1,217 @@
+//! Is the API server reachable, and has it just come back? Every request the agent's client
+//! makes goes through [`Layer`], which bounds the wait for the answer's headers and keeps
+//! one process-wide account of the connection's health: a request that fails (transport error,
+//! no answer in time, or given up by its caller before an answer) marks the connection failing;
+//! the first answer after that marks it back and bumps [`Liveness::epoch`].
+//!
+//! A watch opened before those failures may sit on a connection that died without a FIN or an
+//! RST (a NAT timeout, a load balancer's failover): it would wait for events that never come.
+//! Watches therefore subscribe to [`reconnected`] and list again from scratch when the epoch moves
+//! (`k8s::watch`). Any request counts: in remote mode the Lease renewal every few seconds is what
+//! notices a healed network first.
+//!
+//! The account is one per process (the agent talks to one API server). A second client in the same
+//! process (tests, the CLI) shares it; the worst it can cause is one relist more than needed.
+//!
+//! Owns: the header timeout and the health account. It does not retry, and it does not look at
+//! what the answer says (any HTTP answer, even a 500, proves the connection carries bytes).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How long a request may wait for its answer's headers (a watch's answer starts at once).
+pub const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The health of the connection to the API server.
+#[derive(Debug)]
+pub struct Liveness {
+    failing: AtomicBool,
+    epoch: watch::Sender<u64>,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness { failing: AtomicBool::new(false), epoch: watch::Sender::new(0) }
+    }
+}
+
+impl Liveness {
+    /// A request failed or was given up before its answer.
+    pub fn failed(&self) {
+        self.failing.store(true, Ordering::SeqCst);
+    }
+
+    /// A request was answered: after failures, the connection is back (the epoch moves).
+    pub fn answered(&self) {
+        if self.failing.swap(false, Ordering::SeqCst) {
+            self.epoch.send_modify(|e| *e += 1);
+        }
+    }
+
+    /// The epoch: it moves each time the API server answers again after failures.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.epoch.subscribe()
+    }
+}
+
+static LIVENESS: LazyLock<Liveness> = LazyLock::new(Liveness::default);
+
+/// The process-wide account that [`Layer`] keeps.
+pub fn global() -> &'static Liveness {
+    &LIVENESS
+}
+
+/// The epoch of the process-wide account, marked seen: `changed()` fires at the next comeback.
+pub fn reconnected() -> watch::Receiver<u64> {
+    let mut rx = LIVENESS.subscribe();
+    rx.mark_unchanged();
+    rx
+}
+
+/// The tower layer the agent's kube client is built with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Layer;
+
+impl<S> tower::Layer<S> for Layer {
+    type Service = Service<S>;
+    fn layer(&self, inner: S) -> Service<S> {
+        Service { inner, live: &LIVENESS, timeout: HEADERS_TIMEOUT }
+    }
+}
+
+/// See [`Layer`].
+#[derive(Debug, Clone)]
+pub struct Service<S> {
+    inner: S,
+    live: &'static Liveness,
+    timeout: Duration,
+}
+
+/// No answer's headers within [`HEADERS_TIMEOUT`].
+#[derive(Debug, thiserror::Error)]
+#[error("no answer from the API server within {}", crate::duration::human(*.0))]
+pub struct NoAnswer(Duration);
+
+/// Marks the request failed when it is dropped before its answer (its caller gave up waiting).
+struct Unanswered(Option<&'static Liveness>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(l) = self.0.take() {
+            l.failed();
+        }
+    }
+}
+
+impl<S, Req> tower::Service<Req> for Service<S>
+where
+    S: tower::Service<Req, Error = BoxError>,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let answer = self.inner.call(req);
+        let (live, timeout) = (self.live, self.timeout);
+        Box::pin(async move {
+            let mut pending = Unanswered(Some(live));
+            let r = tokio::time::timeout(timeout, answer).await;
+            pending.0 = None;
+            match r {
+                Ok(Ok(response)) => {
+                    live.answered();
+                    Ok(response)
+                }
+                Ok(Err(e)) => {
+                    live.failed();
+                    Err(e)
+                }
+                Err(_) => {
+                    live.failed();
+                    Err(Box::new(NoAnswer(timeout)) as BoxError)
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::Service as _;
+
+    fn leaked() -> &'static Liveness {
+        Box::leak(Box::default())
+    }
+
+    /// A service whose answer is decided per request: `Ok`, `Err`, or never.
+    #[derive(Clone)]
+    struct Scripted;
+
+    impl tower::Service<&'static str> for Scripted {
+        type Response = ();
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, req: &'static str) -> Self::Future {
+            Box::pin(async move {
+                match req {
+                    "ok" => Ok(()),
+                    "err" => Err("connection reset".into()),
+                    _ => std::future::pending().await,
+                }
+            })
+        }
+    }
+
+    fn service(live: &'static Liveness) -> Service<Scripted> {
+        Service { inner: Scripted, live, timeout: Duration::from_secs(5) }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_epoch_moves_once_per_comeback() {
+        let live = leaked();
+        let mut rx = live.subscribe();
+        let mut s = service(live);
+        s.call("ok").await.unwrap();
+        assert!(!rx.has_changed().unwrap(), "answers without failures are no comeback");
+        assert!(s.call("err").await.is_err());
+        assert!(s.call("err").await.is_err());
+        assert!(!rx.has_changed().unwrap());
+        s.call("ok").await.unwrap();
+        assert_eq!(*rx.borrow_and_update(), 1);
+        s.call("ok").await.unwrap();
+        assert!(!rx.has_changed().unwrap(), "one comeback, one move");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_answer_in_time_and_a_request_given_up_count_as_failures() {
+        let live = leaked();
+        let mut rx = live.subscribe();
+        let mut s = service(live);
+        let e = s.call("never").await.unwrap_err();
+        assert!(e.to_string().contains("no answer from the API server within 5s"), "{e}");
+        s.call("ok").await.unwrap();
+        assert_eq!(*rx.borrow_and_update(), 1);
+        // The caller's own shorter timeout drops the request before the layer's.
+        assert!(tokio::time::timeout(Duration::from_secs(1), s.call("never")).await.is_err());
+        s.call("ok").await.unwrap();
+        assert_eq!(*rx.borrow_and_update(), 2);
+    }
+}
