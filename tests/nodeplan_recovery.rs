@@ -17,8 +17,6 @@ use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A node with NodePlan mode on (plus `extra_mode`), its namespace and the producer's client.
@@ -229,60 +227,63 @@ async fn an_apiserver_restart_mid_plan_loses_no_status() {
     assert_eq!(agent.stop(), 0);
 }
 
-/// A TCP proxy to the API server that the test can cut: the agent's connections through it are
-/// closed and new ones are dropped at once, while the API server (and the test's own client) go
-/// on. It runs on a thread and runtime of its own, so the test's blocking handshakes never hold
-/// it up.
-struct Proxy {
-    port: u16,
-    up: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
-}
+/// A silent partition in NodePlan mode, without a Lease (as under Rancher's per-machine role,
+/// which grants no Leases): only the watch's own liveness bound can notice it. A cancel written
+/// right after the heal stops the running instruction, and a new NodePlan created right after a
+/// second heal is applied, each within 30 s of the heal; nothing runs twice and the agent is
+/// never restarted.
+#[tokio::test]
+async fn a_silent_partition_heals_without_a_restart_or_a_lease() {
+    const HOLE: Duration = Duration::from_secs(12);
+    const AFTER_HEAL: Duration = Duration::from_secs(30);
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let server = cp.server_url();
+    let relay = Relay::start(server.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap());
+    let n = Node::new(cp, "np-silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &server), "leaseDuration: 0s\n").await;
+    let (ready, pid, marker) = (n.fifo("ready"), n.p("pid"), n.p("marker"));
+    n.create(
+        "c",
+        json!({"instructions": [
+            sh("one", &format!("echo one >> {marker}")),
+            sh("long", &format!("echo long >> {marker}; echo $$ > {pid}; echo > {ready}; exec sleep 600")),
+        ]}),
+    )
+    .await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+    n.wait("c", "Executing", phase("Executing")).await;
 
-impl Proxy {
-    fn start(target: u16) -> Proxy {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let up = Arc::new(AtomicBool::new(true));
-        let conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
-        let (up2, conns2) = (up.clone(), conns.clone());
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-                while let Ok((mut inbound, _)) = listener.accept().await {
-                    if !up2.load(Ordering::SeqCst) {
-                        continue; // dropped: the agent sees the connection closed
-                    }
-                    let task = tokio::spawn(async move {
-                        if let Ok(mut out) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
-                            let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                        }
-                    });
-                    conns2.lock().unwrap().push(task.abort_handle());
-                }
-            });
-        });
-        Proxy { port, up, conns }
+    relay.silence();
+    tokio::time::sleep(HOLE).await; // the fault itself: the hole lasts this long
+    relay.heal();
+    let healed = Instant::now();
+    let cancel = json!({"spec": {"canceled": true}});
+    n.api.patch("c", &PatchParams::default(), &Patch::Merge(&cancel)).await.unwrap();
+    let deadline = healed + AFTER_HEAL;
+    while alive(long) {
+        assert!(Instant::now() < deadline, "the running instruction still runs {AFTER_HEAL:?} after the heal");
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
+    let canceled = healed.elapsed();
+    n.wait("c", "Cancelled", phase("Cancelled")).await;
 
-    /// Close every connection through the proxy and drop new ones.
-    fn cut(&self) {
-        self.up.store(false, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
-        }
-    }
-
-    fn restore(&self) {
-        self.up.store(true, Ordering::SeqCst);
-    }
+    relay.silence();
+    tokio::time::sleep(HOLE).await;
+    relay.heal();
+    let healed = Instant::now();
+    n.create("d", json!({"instructions": [sh("next", &format!("echo next >> {marker}"))]})).await;
+    n.wait("d", "Applied", phase("Applied")).await;
+    let applied = healed.elapsed();
+    assert!(applied < AFTER_HEAL, "applied {applied:?} after the heal");
+    eprintln!("heal to canceled: {canceled:?}; heal to applied: {applied:?}");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\nlong\nnext\n", "nothing ran twice");
+    assert_eq!(agent.stop(), 0, "the same agent all along");
 }
 
 /// The point of the NodePlan watch's relist: a status write kept through an outage lands as soon
 /// as the watch lists again after the API server is reachable, not at the write's next back-off
-/// step. The outage is a broken connection to an API server that stays up (through [`Proxy`]): a
+/// step. The outage is a broken connection to an API server that stays up (through a [`Relay`]): a
 /// watch resumed from its last resourceVersion (kube's watcher) then says nothing until the next
 /// change, and only a relist tells the agent it is back. Deterministic handshakes on the agent's
 /// log and the authorizer, not timing:
@@ -297,7 +298,7 @@ async fn a_kept_status_lands_when_the_watch_lists_again_not_at_its_back_off_step
     let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
     let server = cp.server_url();
     let target: u16 = server.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap();
-    let proxy = Proxy::start(target);
+    let proxy = Relay::start(target);
     let kubeconfig = cp.kubeconfig_yaml_as_agent().replace(&server, &format!("https://127.0.0.1:{}", proxy.port));
     let n = Node::new(cp, "np-relist", &kubeconfig, "").await;
     let as_agent: Api<DynamicObject> = Api::namespaced_with(cp.agent_client().await, &n.namespace, &api_resource());

@@ -345,6 +345,64 @@ async fn a_plan_without_probes_reports_empty_probe_statuses() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// How long the relay stays silent in the partition tests: long enough for the agent's Lease
+/// renewal and its watch to be caught in the hole.
+const HOLE: Duration = Duration::from_secs(12);
+/// What "within 30 s of the heal" allows (issue 21).
+const AFTER_HEAL: Duration = Duration::from_secs(30);
+
+/// The port of the control plane's API server.
+fn apiserver_port(cp: &ControlPlane) -> u16 {
+    cp.server_url().rsplit(':').next().and_then(|p| p.parse().ok()).expect("the server URL ends in a port")
+}
+
+/// A silent partition (packets stop without a FIN or an RST; afterwards new connections are
+/// carried while the old ones stay dead) never needs a restart of the agent: a cancel written
+/// right after the heal stops the running instruction's tree, and a new plan written right after
+/// a second heal is applied, each within 30 s of the heal, and nothing runs twice. The agent holds
+/// its Lease (the default), whose renewals see the comeback first.
+#[tokio::test]
+async fn a_silent_partition_heals_without_a_restart() {
+    let cp = control_plane!();
+    let relay = Relay::start(apiserver_port(cp));
+    let r = Remote::new_with(cp, "silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
+    let (ready, pid, marker) = (r.fifo("ready"), r.p("pid"), r.p("marker"));
+    let plan = json!({"instructions": [
+        sh("one", &format!("echo one >> {marker}")),
+        sh("long", &format!("echo long >> {marker}; echo $$ > {pid}; echo > {ready}; exec sleep 600")),
+    ]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    read_fifo(&ready);
+    let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+    r.wait("in-progress", |s| state(s) == "in-progress").await;
+
+    relay.silence();
+    tokio::time::sleep(HOLE).await; // the fault itself: the hole lasts this long
+    relay.heal();
+    let healed = Instant::now();
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    let s = r.wait_within(AFTER_HEAL, "canceled after the heal", |s| state(s) == "canceled").await;
+    let canceled = healed.elapsed();
+    assert!(!alive(long), "the running instruction was stopped");
+    assert_eq!(checkpoint(&s, &checksum).map(|c| c.completed_instructions), Some(1));
+
+    relay.silence();
+    tokio::time::sleep(HOLE).await;
+    relay.heal();
+    let healed = Instant::now();
+    let raw = serde_json::to_vec(&json!({"instructions": [sh("next", &format!("echo next >> {marker}"))]})).unwrap();
+    let next = plan::checksum(&raw);
+    r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
+    r.wait_within(AFTER_HEAL, "the new plan applied after the heal", |s| {
+        val(s, "applied-checksum") == next && state(s) == "succeeded"
+    })
+    .await;
+    eprintln!("heal to canceled: {canceled:?}; heal to applied: {:?}", healed.elapsed());
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\nlong\nnext\n", "nothing ran twice");
+    assert_eq!(agent.stop(), 0, "the same agent all along");
+}
+
 #[tokio::test]
 async fn an_invalid_value_writes_nothing() {
     let cp = control_plane!();

@@ -75,13 +75,16 @@ pub struct Interrupt {
     pub cancel: bool,
     /// The agent is stopping: treated like cancel for the running tree, recorded differently.
     pub shutdown: bool,
+    /// The agent may not act on the plan source now (its Lease, R26): the running tree is stopped
+    /// as for a shutdown, and the progress recorded as at a restart point.
+    pub fenced: bool,
 }
 
 impl Interrupt {
     fn stop_reason(&self) -> Option<StopReason> {
         if self.cancel {
             Some(StopReason::Cancel)
-        } else if self.shutdown {
+        } else if self.shutdown || self.fenced {
             Some(StopReason::Shutdown)
         } else {
             None
@@ -92,6 +95,8 @@ impl Interrupt {
             Some(Interruption::Canceled)
         } else if self.shutdown {
             Some(Interruption::Shutdown)
+        } else if self.fenced {
+            Some(Interruption::Fenced)
         } else if self.pause {
             Some(Interruption::Paused)
         } else {
@@ -116,9 +121,12 @@ pub enum AgentExit {
 
 pub use crate::plan::Interruption;
 
-fn interruption_of_stop(r: StopReason) -> Option<Interruption> {
+/// What a stop of the running tree means: a shutdown stop is the fence's when the agent is not
+/// shutting down but fenced.
+fn interruption_of_stop(r: StopReason, now: Interrupt) -> Option<Interruption> {
     match r {
         StopReason::Cancel => Some(Interruption::Canceled),
+        StopReason::Shutdown if now.fenced && !now.shutdown => Some(Interruption::Fenced),
         StopReason::Shutdown => Some(Interruption::Shutdown),
         StopReason::Timeout(_) => None,
     }
@@ -638,8 +646,10 @@ impl Applyinator {
             }
             // R9: a failure while a cancel is in effect is the cancel, not a failure. A pending
             // pause never masks a failure (R5).
-            let stopped = outcome.stop_reason().and_then(interruption_of_stop);
-            if let Some(i) = stopped.or_else(|| input.interrupt().stop_reason().and_then(interruption_of_stop)) {
+            let stopped = outcome.stop_reason().and_then(|r| interruption_of_stop(r, input.interrupt()));
+            if let Some(i) = stopped
+                .or_else(|| input.interrupt().stop_reason().and_then(|r| interruption_of_stop(r, input.interrupt())))
+            {
                 if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                     warn_partial(&instruction_label(index, total, &ins.common.name, false));
                 }
@@ -683,7 +693,7 @@ impl Applyinator {
             crate::metrics::instruction_finished(&report);
             result.termination_incomplete |= report.outcome.termination_incomplete();
             let outcome = report.outcome.clone();
-            let stopped = outcome.stop_reason().and_then(interruption_of_stop);
+            let stopped = outcome.stop_reason().and_then(|r| interruption_of_stop(r, input.interrupt()));
             if let Some(i) = stopped {
                 if !matches!(outcome, Outcome::NotStarted(_)) && i == Interruption::Canceled {
                     warn_partial(&instruction_label(index, periodic.len(), &p.common.name, true));

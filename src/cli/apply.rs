@@ -321,7 +321,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
             finished("paused", done, total, elapsed, &text, Some(&resume_command(&args, done)));
             exit::PAUSED
         }
-        Some(Interruption::Canceled) | Some(Interruption::Shutdown) => {
+        Some(Interruption::Canceled | Interruption::Shutdown | Interruption::Fenced) => {
             let text = format!("plan {short} canceled after {done}/{total} instructions ({took})");
             finished("canceled", done, total, elapsed, &text, None);
             exit::CANCELED

@@ -264,40 +264,51 @@ pub struct Record {
     pub periodic_output: Option<BTreeMap<String, PeriodicInstructionOutput>>,
 }
 
+/// A restart point (R23, R26): `in-progress` with a suspended checkpoint after `completed`, as a
+/// pause's resuming into `in-progress`, with the outputs so far.
+fn restart_point(snap: &Snapshot, completed: usize, total: usize, incomplete: bool, result: &Ran) -> Record {
+    let mut r = Record {
+        state: Some(PlanState::InProgress),
+        checkpoint: CheckpointWrite::Set(Checkpoint {
+            checksum: snap.checksum.clone(),
+            completed_instructions: completed,
+            total_instructions: total,
+            resume_state: Some(PlanState::InProgress),
+            paused: true,
+            termination_incomplete: incomplete,
+        }),
+        ..Default::default()
+    };
+    nonempty_outputs(&mut r, result);
+    r
+}
+
+/// The run's outputs, where it has any.
+fn nonempty_outputs(r: &mut Record, result: &Ran) {
+    if !result.one_time_output.is_empty() {
+        r.one_time_output = Some(result.one_time_output.clone());
+    }
+    if !result.periodic_output.is_empty() {
+        r.periodic_output = Some(result.periodic_output.clone());
+    }
+}
+
 /// Map a finished run to what must be written. A shutdown writes nothing: the plan stays
 /// `in-progress` and a restarted agent re-runs it from its first instruction (R17). A restart
 /// request before the last instruction (R23) keeps the plan `in-progress` with a suspended
 /// checkpoint (as a pause's, resuming into `in-progress`), so the restarted agent goes on after
-/// the instruction that asked, never running it again.
+/// the instruction that asked, never running it again. A run stopped by the Lease's fence (R26)
+/// is recorded as such a restart point, so whoever holds the Lease next goes on there.
 pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
-    let nonempty_outputs = |r: &mut Record| {
-        if !result.one_time_output.is_empty() {
-            r.one_time_output = Some(result.one_time_output.clone());
-        }
-        if !result.periodic_output.is_empty() {
-            r.periodic_output = Some(result.periodic_output.clone());
-        }
-    };
     let incomplete = result.termination_incomplete || carried_incomplete(&snap.checkpoint);
     let one_time = run.one_time();
     let (completed, total) = if one_time { (result.completed, snap.total) } else { (0, 0) };
     match result.interruption {
         Some(Interruption::Shutdown) => Record::default(),
+        Some(Interruption::Fenced) if !one_time => Record::default(),
+        Some(Interruption::Fenced) => restart_point(snap, completed, total, incomplete, result),
         None if one_time && result.restart && !result.one_time_succeeded => {
-            let mut r = Record {
-                state: Some(PlanState::InProgress),
-                checkpoint: CheckpointWrite::Set(Checkpoint {
-                    checksum: snap.checksum.clone(),
-                    completed_instructions: completed,
-                    total_instructions: total,
-                    resume_state: Some(PlanState::InProgress),
-                    paused: true,
-                    termination_incomplete: incomplete,
-                }),
-                ..Default::default()
-            };
-            nonempty_outputs(&mut r);
-            r
+            restart_point(snap, completed, total, incomplete, result)
         }
         Some(i @ (Interruption::Paused | Interruption::Canceled)) => {
             let paused = i == Interruption::Paused;
@@ -318,7 +329,7 @@ pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
                 }),
                 ..Default::default()
             };
-            nonempty_outputs(&mut r);
+            nonempty_outputs(&mut r, result);
             r
         }
         None if one_time => Record {

@@ -265,4 +265,18 @@ fn record_table() {
     // After the last instruction it is simply the success.
     let last = Ran { one_time_succeeded: true, completed: 3, restart: true, ..base.clone() };
     assert_eq!(record(&s, &run_plan(true), &last).state, Some(PlanState::Succeeded));
+
+    // R26: a run the Lease's fence stopped after instruction 1 of 3 is recorded as that restart
+    // point (the next holder goes on at instruction 2); a periodic-only pass records nothing.
+    let fenced = Ran { completed: 1, interruption: Some(Interruption::Fenced), ..base.clone() };
+    let r = record(&s, &run_plan(true), &fenced);
+    assert_eq!((r.state.clone(), r.succeeded), (Some(PlanState::InProgress), None));
+    let CheckpointWrite::Set(c) = r.checkpoint else { panic!("a checkpoint") };
+    assert_eq!((c.completed_instructions, c.total_instructions, c.paused), (1, 3, true));
+    let Decision::Run(RunPlan::Continue { resume_from: 1, .. }) = decide(&snap("in-progress", None, None, Some(c)))
+    else {
+        panic!("the next holder goes on after the fenced boundary")
+    };
+    let fenced_periodic = Ran { interruption: Some(Interruption::Fenced), ..Default::default() };
+    assert_eq!(record(&snap("succeeded", None, None, None), &run_plan(false), &fenced_periodic), Record::default());
 }

@@ -71,6 +71,9 @@ pub trait ListWatch: Send + Sync {
 
 /// How long a list may take.
 const LIST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a watch may take to start (the API server answers a watch at once; a watch opened
+/// on a connection that died would otherwise wait for the client's header bound).
+const WATCH_START_TIMEOUT: Duration = Duration::from_secs(10);
 /// The watch's server-side timeout (the API server ends it then, and the pump watches again).
 pub const WATCH_TIMEOUT_SECS: u32 = 20;
 /// A watch quiet this long (no event, no bookmark, no end: the API server sends a bookmark just
@@ -246,7 +249,7 @@ async fn watch_from<L: ListWatch>(
     seq: &mut u64,
     mut reconnected: watch::Receiver<u64>,
 ) -> End {
-    let mut events = match tokio::time::timeout(LIST_TIMEOUT, lw.watch(rv)).await {
+    let mut events = match tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv)).await {
         Ok(Ok(events)) => events,
         Ok(Err(WatchError::Gone)) => return End::Gone,
         Ok(Err(WatchError::Other(e))) => return End::Error(format!("failed to start watching: {e}")),

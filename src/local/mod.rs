@@ -141,7 +141,7 @@ fn interrupt_of(files: &PlanFiles) -> Interrupt {
         // A plan whose file is removed while it runs stops at the next instruction boundary, as
         // a pause does (never a kill on a guess: an editor may remove and write the file back).
         pause: plan::parse_annotation_value(p.as_deref()) == Ok(true) || plan_removed(files),
-        shutdown: false,
+        ..Interrupt::default()
     }
 }
 

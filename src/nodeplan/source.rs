@@ -585,7 +585,7 @@ impl PlanSource for NodePlanSource {
             // Pause and cancel act on the running plan even when the spec's plan changed
             // meanwhile (the new plan runs after it); a forced update stops it.
             let replaced = wire::plan_checksum(&spec).as_deref() != Some(look.checksum.as_str()) && forced(&o);
-            *last = Interrupt { pause: spec.paused, cancel: spec.canceled || replaced, shutdown: false };
+            *last = Interrupt { pause: spec.paused, cancel: spec.canceled || replaced, ..Interrupt::default() };
             if replaced {
                 note = Some(format!(
                     "{}: the plan changed with {}: stopping the running one",

@@ -87,6 +87,9 @@ pub enum Interruption {
     Paused,
     Canceled,
     Shutdown,
+    /// The agent may no longer act on the plan source: its Lease is not renewed in time, or not
+    /// yet its own for certain (R26). Stopped like a shutdown; recorded like a restart point.
+    Fenced,
 }
 
 /// `plan-checkpoint`: where a paused or canceled plan stopped. Field order and omitted empty

@@ -362,6 +362,9 @@ pub struct Reconciler<S: PlanSource> {
     /// ... once the outcome of this plan, kept after a failed write, lands.
     restart_after_write: Option<S::Key>,
     shutdown: watch::Receiver<bool>,
+    /// Whether the agent may act on the source's plans now (R26: its Lease is its own, renewed in
+    /// time). Closed, nothing starts and a running plan is stopped at a recorded boundary.
+    fence: watch::Receiver<bool>,
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
     dirty: bool,
@@ -427,10 +430,18 @@ impl<S: PlanSource> Reconciler<S> {
             restart: false,
             restart_after_write: None,
             shutdown,
+            fence: watch::channel(true).1,
             dirty: false,
             by_change: true,
             cancel_seen: None,
         }
+    }
+
+    /// Act only while `fence` holds `true` (R26: the Lease of the plan source); without one the
+    /// loop always may.
+    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// Run until shutdown (or until the source ends).
@@ -438,6 +449,8 @@ impl<S: PlanSource> Reconciler<S> {
         // R17: whatever a previous agent left running is found and stopped before any plan runs.
         self.recover_all().await;
         let mut shutdown = self.shutdown.clone();
+        let mut fence = self.fence.clone();
+        let mut fence_alive = true;
         'outer: loop {
             if *shutdown.borrow() {
                 break;
@@ -486,6 +499,11 @@ impl<S: PlanSource> Reconciler<S> {
                 }
                 _ = tokio::time::sleep(next) => {}
                 r = shutdown.changed() => if r.is_err() { break },
+                r = fence.changed(), if fence_alive => {
+                    // A fence that can no longer change (none was given) is no change.
+                    fence_alive = r.is_ok();
+                    self.by_change = fence_alive;
+                }
             }
         }
         let exit = match self.incomplete.take() {
@@ -756,6 +774,16 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     async fn run_plan(&mut self, key: &S::Key, look: &Look, run: RunPlan) -> Action {
+        // R26: nothing is committed or started while the fence is closed; the loop looks again
+        // when it opens.
+        if !*self.fence.borrow() {
+            let why = format!(
+                "{}: waiting: this agent's Lease on the plan source is not renewed in time, or not yet its own for certain; nothing starts until it is",
+                look.label
+            );
+            self.mem(key).warn_once(why);
+            return Action::Wait;
+        }
         // Commit the start (pending → in-progress) or the resume before anything runs.
         if let Some(commit) = run.commit() {
             match self.source.commit(key, look, &commit).await {
@@ -840,6 +868,20 @@ impl<S: PlanSource> Reconciler<S> {
             );
             return Action::Stop;
         }
+        if result.interruption == Some(Interruption::Fenced) {
+            if matches!(look.view, View::Legacy { .. }) || !run.one_time() {
+                // Nothing to record: without a plan state (legacy flow) there is no checkpoint, and
+                // a pass of periodic instructions alone has no boundary to keep.
+                tracing::warn!("{}: stopped by the Lease's fence; it runs again once the Lease is renewed", look.label);
+                return Action::Wait;
+            }
+            tracing::warn!(
+                "{}: stopped by the Lease's fence after {}/{} instructions; that point is recorded and the plan goes on there",
+                look.label,
+                result.completed,
+                look.plan.plan.instructions.len()
+            );
+        }
         // R11: the applyinator logs the warning for an interrupted instruction.
         let record = match &look.view {
             View::Flow(snap) => Some(flow::record(snap, &run, &result.ran())),
@@ -913,7 +955,11 @@ impl<S: PlanSource> Reconciler<S> {
             }
         };
         note(&mut notes, &first);
-        let (tx, rx) = watch::channel(Interrupt { shutdown: *self.shutdown.borrow(), ..first.interrupt });
+        let (tx, rx) = watch::channel(Interrupt {
+            shutdown: *self.shutdown.borrow(),
+            fenced: !*self.fence.borrow(),
+            ..first.interrupt
+        });
         let saved = match (&look.view, run.resume_from()) {
             (View::Legacy { .. }, _) => look.one_time_output.clone(),
             (View::Flow(_), 0) => BTreeMap::new(),
@@ -935,6 +981,7 @@ impl<S: PlanSource> Reconciler<S> {
         let app = self.app.clone();
         let mut apply = std::pin::pin!(app.apply(input));
         let mut shutdown = self.shutdown.clone();
+        let (mut fence, mut fence_alive) = (self.fence.clone(), true);
         let mut poll = tokio::time::interval(Duration::from_secs(1));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut source_alive = true;
@@ -977,6 +1024,17 @@ impl<S: PlanSource> Reconciler<S> {
                 r = shutdown.changed() => {
                     if r.is_ok() && *shutdown.borrow() {
                         tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
+                    false
+                }
+                r = fence.changed(), if fence_alive => {
+                    fence_alive = r.is_ok();
+                    let fenced = !*fence.borrow();
+                    if tx.send_if_modified(|i| std::mem::replace(&mut i.fenced, fenced) != fenced) && fenced {
+                        tracing::warn!(
+                            "{}: this agent's Lease is not renewed in time: stopping the running instruction; the progress is recorded and the plan goes on there once the Lease is renewed",
+                            look.label
+                        );
                     }
                     false
                 }

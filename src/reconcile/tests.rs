@@ -178,7 +178,7 @@ impl PlanSource for MemSource {
         let Some(p) = plans.get(name) else { return Observed::default() };
         let valid = |v: &Option<String>| crate::plan::parse_annotation_value(v.as_deref()) == Ok(true);
         Observed {
-            interrupt: Interrupt { pause: valid(&p.paused), cancel: valid(&p.canceled), shutdown: false },
+            interrupt: Interrupt { pause: valid(&p.paused), cancel: valid(&p.canceled), ..Interrupt::default() },
             note: None,
         }
     }
@@ -395,6 +395,53 @@ async fn several_plans_one_at_a_time_through_pause_resume_and_cancel() {
     let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
     assert_eq!(exit, AgentExit::Clean);
     assert_eq!(fx.get("c").history, [PlanState::InProgress, PlanState::Canceled]);
+}
+
+/// R26: a closed fence (the Lease not renewed in time, or not yet this agent's for certain)
+/// stops the running instruction and records the boundary as a restart point; nothing starts
+/// while it stays closed, and once it opens the plan goes on after its finished instructions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it_opens() {
+    let fx = fixture();
+    let (ready, pid, log) = (fx.fifo("ready"), fx.path("pid"), fx.path("log"));
+    fx.add(
+        "a",
+        &[
+            &format!("echo a1 >> {log}"),
+            &format!("echo a2 >> {log}; [ -e {pid} ] && exit 0; echo $$ > {pid}; echo > {ready}; exec sleep 300"),
+            &format!("echo a3 >> {log}"),
+        ],
+    );
+    let (fence_tx, fence) = watch::channel(true);
+    let (stop, rx) = watch::channel(false);
+    let source = MemSource(fx.store.clone(), Duration::from_secs(3600), None);
+    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).with_fence(fence);
+    let agent = tokio::spawn(r.run());
+    running(&ready).await;
+    let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+
+    fence_tx.send(false).unwrap();
+    let a = fx.until("a", "its boundary recorded", |p| p.checkpoint.is_some()).await;
+    assert!(!alive(long), "the running instruction is stopped");
+    assert_eq!(a.state, PlanState::InProgress, "not a pause: Rancher's states are left alone");
+    let cp = a.checkpoint.unwrap();
+    assert_eq!((cp.completed_instructions, cp.total_instructions, cp.paused), (1, 3, true));
+    assert_eq!(cp.resume_state, Some(PlanState::InProgress));
+    // Closed: the loop looks and starts nothing.
+    fx.look_again().await;
+    let writes = fx.get("a").writes;
+    fx.look_again().await;
+    assert_eq!(fx.get("a").writes, writes, "nothing is committed while the fence is closed");
+    assert_eq!(lines(&log), 2);
+
+    // Open: the plan goes on at instruction 2 (the one stopped; it does not block the second
+    // time), never running 1 again.
+    fence_tx.send(true).unwrap();
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "a1\na2\na2\na3\n");
+    stop.send(true).unwrap();
+    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    assert_eq!(exit, AgentExit::Clean);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -115,7 +115,7 @@ fn interrupt_of(s: &SecretSnapshot) -> (Interrupt, Option<String>) {
     let cancel = plan::parse_annotation_value(a.canceled) == Ok(true);
     let pause = plan::parse_annotation_value(a.paused) == Ok(true);
     let invalid = plan::resolve_annotations(&a).err().map(|e| e.to_string());
-    (Interrupt { pause, cancel, shutdown: false }, if cancel { None } else { invalid })
+    (Interrupt { pause, cancel, ..Interrupt::default() }, if cancel { None } else { invalid })
 }
 
 fn short(checksum: &str) -> &str {

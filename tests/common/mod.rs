@@ -497,3 +497,106 @@ impl LocalNode {
         }
     }
 }
+
+/// A TCP relay on loopback to `127.0.0.1:target` that the test can break the ways networks break,
+/// while the server behind it (and the test's own client, which does not go through it) go on.
+/// It runs on a thread and runtime of its own, so the test's blocking handshakes never hold it up.
+/// - [`Relay::cut`]: every connection through it is closed, new ones are closed at once (a FIN:
+///   the peer knows at once); [`Relay::restore`] carries new connections again.
+/// - [`Relay::silence`]: packets stop, without a FIN or an RST, as at a NAT timeout or a load
+///   balancer's failover: the open connections stop moving bytes for good (their sockets are
+///   kept open and never read again), and new connections are accepted and then never carried;
+///   [`Relay::heal`] carries new connections again, and the connections opened before stay dead.
+pub struct Relay {
+    pub port: u16,
+    state: std::sync::Arc<RelayState>,
+}
+
+#[derive(Default)]
+struct RelayState {
+    /// New connections are closed at once.
+    cut: std::sync::atomic::AtomicBool,
+    /// New connections are accepted and never carried.
+    silent: std::sync::atomic::AtomicBool,
+    /// Moves at every cut and every silence: a connection opened before stops being carried.
+    epoch: std::sync::Mutex<Option<tokio::sync::watch::Sender<(u64, bool)>>>,
+}
+
+impl Relay {
+    pub fn start(target: u16) -> Relay {
+        use std::sync::atomic::Ordering::SeqCst;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = std::sync::Arc::new(RelayState::default());
+        let (epoch, _) = tokio::sync::watch::channel((0u64, false));
+        *state.epoch.lock().unwrap() = Some(epoch.clone());
+        let st = state.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let mut parked = Vec::new();
+                while let Ok((inbound, _)) = listener.accept().await {
+                    if st.cut.load(SeqCst) {
+                        continue; // closed: the peer sees the connection end
+                    }
+                    if st.silent.load(SeqCst) {
+                        parked.push(inbound); // open, never read, never closed
+                        continue;
+                    }
+                    let mut moved = epoch.subscribe();
+                    moved.mark_unchanged();
+                    tokio::spawn(async move {
+                        let Ok(out) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else { return };
+                        let (mut inbound, mut out) = (inbound, out);
+                        let closed = tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
+                            _ = moved.changed() => moved.borrow().1,
+                        };
+                        if !closed {
+                            // Silence: hold both sockets open for ever, moving nothing.
+                            std::future::pending::<()>().await;
+                        }
+                    });
+                }
+            });
+        });
+        Relay { port, state }
+    }
+
+    fn moved(&self, closed: bool) {
+        if let Some(tx) = self.state.epoch.lock().unwrap().as_ref() {
+            tx.send_modify(|(n, c)| {
+                *n += 1;
+                *c = closed;
+            });
+        }
+    }
+
+    /// Close every connection through the relay and close new ones.
+    pub fn cut(&self) {
+        self.state.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.moved(true);
+    }
+
+    pub fn restore(&self) {
+        self.state.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stop moving bytes on every connection, without closing any (see [`Relay`]).
+    pub fn silence(&self) {
+        self.state.silent.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.moved(false);
+    }
+
+    /// Carry new connections again; the ones silenced stay dead.
+    pub fn heal(&self) {
+        self.state.silent.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// `kubeconfig` with its server `server` replaced by this relay.
+    pub fn kubeconfig(&self, kubeconfig: &str, server: &str) -> String {
+        kubeconfig.replace(server, &format!("https://127.0.0.1:{}", self.port))
+    }
+}
