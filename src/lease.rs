@@ -38,6 +38,13 @@ pub const MIN_DURATION: Duration = Duration::from_secs(4);
 /// The longest `leaseDuration`.
 pub const MAX_DURATION: Duration = Duration::from_secs(3600);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the holder's stop ladder is given beyond its stop and kill timeouts (R26).
+const FENCE_GRACE: Duration = Duration::from_secs(2);
+/// After a failed renewal, the next attempt comes this soon (not a quarter of the duration later).
+const RETRY_RENEWAL: Duration = Duration::from_secs(1);
+/// Who gave the Lease up (set with the empty holder by a clean release): a restarted agent on the
+/// same machine takes a Lease its own earlier incarnation released at once.
+pub const RELEASED_BY: &str = "nodeplan.cattle.io/released-by";
 
 /// Where the Lease is and who this agent is.
 #[derive(Debug, Clone)]
@@ -47,8 +54,37 @@ pub struct LeaseRef {
     /// `<node>/<boot id>/<pid>` (see [`identity`]).
     pub identity: String,
     pub duration: Duration,
+    /// The longest the holder's stop ladder takes (`stopTimeout` + `killTimeout`): the holder
+    /// stops acting that long (and [`FENCE_GRACE`]) before another agent could take the Lease.
+    pub stop_budget: Duration,
     /// What the Lease guards, for log lines (`secret ns/name`, `NodePlans of node n`).
     pub what: String,
+}
+
+impl LeaseRef {
+    /// How long after the send time of its last successful renewal the holder may act (R26): the
+    /// duration less the stop ladder and the grace.
+    pub fn valid_for(&self) -> Duration {
+        self.duration.saturating_sub(self.stop_budget + FENCE_GRACE)
+    }
+
+    /// The renewal period: a quarter of the duration.
+    fn period(&self) -> Duration {
+        self.duration / 4
+    }
+}
+
+/// The shortest Lease duration that leaves a holder one renewal period to spare before it must
+/// stop acting (R26): `(stop budget + grace) × 4/3`, at least [`MIN_DURATION`].
+pub fn shortest_safe_duration(stop_budget: Duration) -> Duration {
+    let secs = ((stop_budget + FENCE_GRACE).as_secs_f64() * 4.0 / 3.0).ceil();
+    Duration::from_secs_f64(secs).max(MIN_DURATION)
+}
+
+/// A duration read from a Lease object (someone else may have written it), kept within what a
+/// configuration may say.
+pub fn clamped(d: Duration) -> Duration {
+    d.clamp(MIN_DURATION, MAX_DURATION)
 }
 
 /// The Lease name for a plan source: `nodeplan-<source>`, cut with a hash to a valid name.
@@ -90,7 +126,10 @@ pub fn previous_incarnation_gone(holder: &str, me: &str, alive: impl Fn(i32) -> 
 pub struct Seen {
     pub holder: Option<String>,
     pub resource_version: String,
+    /// `leaseDurationSeconds`, clamped ([`clamped`]).
     pub duration: Option<Duration>,
+    /// Who released it ([`RELEASED_BY`]), when the holder is empty.
+    pub released_by: Option<String>,
 }
 
 /// What to do about the Lease.
@@ -102,24 +141,32 @@ pub enum Step {
     Take,
     /// It is ours: renew it.
     Renew,
-    /// Another holder: look again; it expires after `remaining` more without a change.
-    Wait { holder: String, remaining: Duration },
+    /// Another holder, or an empty holder (`None`): look again; it may be taken after `remaining`
+    /// more without a change.
+    Wait { holder: Option<String>, remaining: Duration },
 }
 
-/// The rule. `unchanged_for` is how long this agent has seen the same resourceVersion; `gone`
-/// says whether the holder is a gone incarnation of this agent.
-pub fn decide(seen: Option<&Seen>, me: &str, unchanged_for: Duration, default: Duration, gone: bool) -> Step {
+/// The rule (R24, R26). `unchanged_for` is how long this agent has seen the same
+/// resourceVersion; `gone` says whether the holder (or, for a released Lease, the releaser) is a
+/// gone incarnation of this agent; `own` is this agent's configured duration.
+///
+/// A Lease is taken over only once this agent has seen it unchanged for the longer of its own
+/// duration and the one the Lease states, whoever holds it, and even when its holder is empty: a
+/// holder that is still renewing changes it within that time (a holder whose Lease was cleared by
+/// someone else takes it back), and one that is not renewing has stopped acting by then (R26). The
+/// exception is an earlier incarnation of this agent on this machine whose process is gone.
+pub fn decide(seen: Option<&Seen>, me: &str, unchanged_for: Duration, own: Duration, gone: bool) -> Step {
     let Some(seen) = seen else { return Step::Create };
     let holder = match seen.holder.as_deref() {
-        None | Some("") => return Step::Take,
+        None | Some("") => None,
         Some(h) if h == me => return Step::Renew,
-        Some(h) => h,
+        Some(h) => Some(h.to_string()),
     };
-    let duration = seen.duration.unwrap_or(default);
-    if gone || unchanged_for >= duration {
+    let expiry = seen.duration.unwrap_or(own).max(own);
+    if gone || unchanged_for >= expiry {
         return Step::Take;
     }
-    Step::Wait { holder: holder.to_string(), remaining: duration - unchanged_for }
+    Step::Wait { holder, remaining: expiry - unchanged_for }
 }
 
 fn seen_of(l: &Lease) -> Seen {
@@ -130,8 +177,14 @@ fn seen_of(l: &Lease) -> Seen {
         duration: spec
             .and_then(|s| s.lease_duration_seconds)
             .and_then(|d| u64::try_from(d).ok())
-            .map(Duration::from_secs),
+            .map(|d| clamped(Duration::from_secs(d))),
+        released_by: l.metadata.annotations.as_ref().and_then(|a| a.get(RELEASED_BY)).cloned(),
     }
+}
+
+/// A holder identity someone else wrote, for a log line: quoted and escaped, cut when long.
+fn shown_holder(h: &str) -> String {
+    if h.len() <= 253 { format!("{h:?}") } else { crate::plan::shown_value(h) }
 }
 
 fn now() -> MicroTime {
@@ -149,6 +202,9 @@ fn taken(r: &LeaseRef, old: Option<&Lease>) -> Lease {
         },
         spec: None,
     });
+    if let Some(a) = l.metadata.annotations.as_mut() {
+        a.remove(RELEASED_BY);
+    }
     let transitions = l.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
     let changed = old.is_some_and(|o| seen_of(o).holder.as_deref() != Some(r.identity.as_str()));
     l.spec = Some(LeaseSpec {
@@ -180,7 +236,14 @@ fn refusal(e: kube::Error) -> Refusal {
 }
 
 async fn bounded<T>(f: impl std::future::Future<Output = Result<T, kube::Error>>) -> Result<T, Refusal> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, f).await {
+    bounded_by(REQUEST_TIMEOUT, f).await
+}
+
+async fn bounded_by<T>(
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, Refusal> {
+    match tokio::time::timeout(limit, f).await {
         Ok(r) => r.map_err(refusal),
         Err(_) => Err(Refusal::Other("no answer".into())),
     }
@@ -191,6 +254,8 @@ async fn bounded<T>(f: impl std::future::Future<Output = Result<T, kube::Error>>
 pub struct Held {
     renewer: Option<tokio::task::JoinHandle<()>>,
     lost: watch::Receiver<bool>,
+    /// Whether the holder may act now (R26): renewed in time. Always true without a Lease.
+    acting: watch::Receiver<bool>,
     release: Option<(Api<Lease>, LeaseRef)>,
     /// Released by a command (`take_now`), whose output is its own: the release is logged at
     /// debug, not info.
@@ -201,6 +266,12 @@ impl Held {
     /// Turns true when the Lease was taken by another holder.
     pub fn lost(&self) -> watch::Receiver<bool> {
         self.lost.clone()
+    }
+
+    /// The fence (R26): true while this agent may act on the plan source (its last successful
+    /// renewal is recent enough that nobody else can have taken the Lease over).
+    pub fn acting(&self) -> watch::Receiver<bool> {
+        self.acting.clone()
     }
 
     /// Stop renewing and (if it is still ours) give the Lease up, so another agent (or this one
@@ -221,6 +292,7 @@ impl Held {
             spec.holder_identity = None;
             spec.renew_time = Some(now());
         }
+        l.metadata.annotations.get_or_insert_default().insert(RELEASED_BY.to_string(), r.identity.clone());
         match bounded(api.replace(&r.name, &PostParams::default(), &l)).await {
             Ok(_) if self.quiet => tracing::debug!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
             Ok(_) => tracing::info!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
@@ -266,20 +338,32 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
         };
         let gone = seen
             .as_ref()
-            .and_then(|s| s.holder.as_deref())
+            .and_then(|s| s.holder.as_deref().filter(|h| !h.is_empty()).or(s.released_by.as_deref()))
             .is_some_and(|h| previous_incarnation_gone(h, &r.identity, pid_exists));
         let step = decide(seen.as_ref(), &r.identity, since.elapsed(), r.duration, gone);
+        let sent = Instant::now();
         let attempt = match step {
             Step::Wait { holder, remaining } => {
-                if told.as_deref() != Some(holder.as_str()) {
-                    tracing::warn!(
-                        "waiting for the Lease {}/{}: another agent ({holder}) acts on {}; taking over if it stops renewing for {}",
-                        r.namespace,
-                        r.name,
-                        r.what,
-                        crate::duration::show(remaining)
-                    );
-                    told = Some(holder);
+                let who = holder.clone().unwrap_or_default();
+                if told.as_deref() != Some(who.as_str()) {
+                    match &holder {
+                        Some(h) => tracing::warn!(
+                            "waiting for the Lease {}/{}: another agent ({}) acts on {}; taking over if it stops renewing for {}",
+                            r.namespace,
+                            r.name,
+                            shown_holder(h),
+                            r.what,
+                            crate::duration::show(remaining)
+                        ),
+                        None => tracing::warn!(
+                            "waiting for the Lease {}/{} on {}: it has no holder, but a holder may still be stopping; taking it if it stays unchanged for {}",
+                            r.namespace,
+                            r.name,
+                            r.what,
+                            crate::duration::show(remaining)
+                        ),
+                    }
+                    told = Some(who);
                 }
                 wait(&mut shutdown, pace.min(remaining)).await;
                 continue;
@@ -292,7 +376,7 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
         match attempt {
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
-                return Some(renewing(api, r, l));
+                return Some(renewing(api, r, l, sent));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
             // Another agent wrote it first: look again.
@@ -320,7 +404,8 @@ fn fresh_holder(l: &Lease, now: k8s_openapi::jiff::Timestamp) -> Option<String> 
     let spec = l.spec.as_ref()?;
     let holder = spec.holder_identity.clone().filter(|h| !h.is_empty())?;
     let renewed = spec.renew_time.as_ref().map(|t| t.0)?;
-    let duration = i64::from(spec.lease_duration_seconds.unwrap_or(0)) * 1000;
+    let stated = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+    let duration = i64::try_from(clamped(Duration::from_secs(stated)).as_millis()).unwrap_or(i64::MAX);
     (renewed.as_millisecond() + duration > now.as_millisecond()).then_some(holder)
 }
 
@@ -353,12 +438,13 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
         {
             return Err(format!("held by {holder}"));
         }
+        let sent = Instant::now();
         let attempt = match &current {
             None => bounded(api.create(&PostParams::default(), &taken(&r, None))).await,
             Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
         };
         match attempt {
-            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l) })),
+            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l, sent) })),
             Err(Refusal::Forbidden(e)) => {
                 without_lease(&r, &e);
                 return Ok(None);
@@ -370,11 +456,13 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
     Err(format!("the Lease {}/{} keeps changing", r.namespace, r.name))
 }
 
-/// The Lease just taken (`l`, as written), renewed in the background from now on.
-fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease) -> Held {
+/// The Lease just taken (`l`, as written by a request sent at `sent`), renewed in the background
+/// from now on.
+fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant) -> Held {
     let (tx, lost) = watch::channel(false);
-    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx));
-    Held { renewer: Some(renewer), lost, release: Some((api, r)), quiet: false }
+    let (acting_tx, acting) = watch::channel(true);
+    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent + r.valid_for()));
+    Held { renewer: Some(renewer), lost, acting, release: Some((api, r)), quiet: false }
 }
 
 fn without_lease(r: &LeaseRef, e: &str) -> Held {
@@ -385,50 +473,124 @@ fn without_lease(r: &LeaseRef, e: &str) -> Held {
         r.what
     );
     let (_, lost) = watch::channel(false);
-    Held { renewer: None, lost, release: None, quiet: false }
+    let (_, acting) = watch::channel(true);
+    Held { renewer: None, lost, acting, release: None, quiet: false }
 }
 
 async fn wait(shutdown: &mut watch::Receiver<bool>, d: Duration) {
     let _ = tokio::time::timeout(d, shutdown.wait_for(|s| *s)).await;
 }
 
-/// Renew every quarter of the duration until another holder shows up.
-async fn renew(api: Api<Lease>, r: LeaseRef, mut mine: Lease, lost: watch::Sender<bool>) {
+/// What a renewal found.
+enum Renewal {
+    /// Ours, as written (or as read back: someone else touched it but left us holding it).
+    Ours(Box<Lease>),
+    /// Someone else holds it now.
+    Lost(String),
+    /// No answer, or a refusal: try again soon.
+    Failed(String),
+}
+
+/// One renewal: a replace conditional on the version last seen. On a conflict the Lease is read
+/// again: still ours, it is kept; emptied or deleted by someone else (nobody took it), it is taken
+/// back at once (conditionally too: a taker that wrote first wins); held by another, it is lost.
+async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, limit: Duration) -> Renewal {
+    let mut next = mine.clone();
+    if let Some(spec) = next.spec.as_mut() {
+        spec.renew_time = Some(now());
+        // What someone else wrote into it is put back: the duration is the holder's.
+        spec.lease_duration_seconds = Some(i32::try_from(r.duration.as_secs()).unwrap_or(i32::MAX));
+    }
+    match bounded_by(limit, api.replace(&r.name, &PostParams::default(), &next)).await {
+        Ok(l) => return Renewal::Ours(Box::new(l)),
+        Err(Refusal::Conflict) => {}
+        Err(Refusal::Forbidden(e) | Refusal::Other(e)) => return Renewal::Failed(e),
+    }
+    let back = match bounded_by(limit, api.get_opt(&r.name)).await {
+        Ok(Some(l)) => match seen_of(&l).holder.filter(|h| !h.is_empty()) {
+            Some(h) if h == r.identity => return Renewal::Ours(Box::new(l)),
+            Some(h) => return Renewal::Lost(h),
+            None => bounded_by(limit, api.replace(&r.name, &PostParams::default(), &taken(r, Some(&l)))).await,
+        },
+        Ok(None) => bounded_by(limit, api.create(&PostParams::default(), &taken(r, None))).await,
+        Err(Refusal::Forbidden(e) | Refusal::Other(e)) => return Renewal::Failed(e),
+        Err(Refusal::Conflict) => return Renewal::Failed("conflict".into()),
+    };
+    match back {
+        Ok(l) => {
+            tracing::warn!(
+                "the Lease {}/{} was emptied or deleted by someone else; taken back (this agent never stopped holding it)",
+                r.namespace,
+                r.name
+            );
+            Renewal::Ours(Box::new(l))
+        }
+        // Someone wrote first: the next attempt reads who.
+        Err(Refusal::Conflict) => Renewal::Failed("the Lease changed while it was taken back".into()),
+        Err(Refusal::Forbidden(e) | Refusal::Other(e)) => Renewal::Failed(e),
+    }
+}
+
+/// Renew every quarter of the duration until another holder shows up; after a failure, again
+/// within a second. `acting` (the fence, R26) is true only until `valid_until`, moved on by every
+/// renewal that succeeds: a holder that cannot renew stops acting before anybody could take the
+/// Lease over.
+async fn renew(
+    api: Api<Lease>,
+    r: LeaseRef,
+    mut mine: Lease,
+    lost: watch::Sender<bool>,
+    acting: watch::Sender<bool>,
+    mut valid_until: Instant,
+) {
+    let limit = (r.period() / 2).clamp(Duration::from_secs(1), REQUEST_TIMEOUT);
     let mut failing = false;
     loop {
-        tokio::time::sleep(r.duration / 4).await;
-        if let Some(spec) = mine.spec.as_mut() {
-            spec.renew_time = Some(now());
+        let next = Instant::now() + if failing { RETRY_RENEWAL.min(r.period()) } else { r.period() };
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            _ = tokio::time::sleep_until(valid_until), if *acting.borrow() => {
+                let _ = acting.send(false);
+                tracing::warn!(
+                    "the Lease {}/{} on {} was not renewed for {}: not acting until it is (another agent could take it over soon)",
+                    r.namespace,
+                    r.name,
+                    r.what,
+                    crate::duration::show(r.valid_for())
+                );
+                continue;
+            }
         }
-        match bounded(api.replace(&r.name, &PostParams::default(), &mine)).await {
-            Ok(l) => {
+        let sent = Instant::now();
+        match renew_once(&api, &r, &mine, limit).await {
+            Renewal::Ours(l) => {
                 if failing {
                     tracing::info!("renewed the Lease {}/{} again", r.namespace, r.name);
                 }
                 failing = false;
-                mine = l;
+                mine = *l;
+                valid_until = sent + r.valid_for();
+                acting.send_if_modified(|a| !std::mem::replace(a, true));
             }
-            Err(Refusal::Conflict) => match bounded(api.get_opt(&r.name)).await {
-                Ok(Some(l)) if seen_of(&l).holder.as_deref() == Some(r.identity.as_str()) => mine = l,
-                Ok(other) => {
-                    let holder = other.as_ref().and_then(|l| seen_of(l).holder).unwrap_or_else(|| "nobody".into());
-                    tracing::error!(
-                        "lost the Lease {}/{} on {} to {holder}: stopping, so two agents never act on it",
-                        r.namespace,
-                        r.name,
-                        r.what
-                    );
-                    let _ = lost.send(true);
-                    return;
-                }
-                Err(_) => failing = true,
-            },
-            Err(Refusal::Forbidden(e) | Refusal::Other(e)) => {
+            Renewal::Lost(holder) => {
+                let _ = acting.send(false);
+                tracing::error!(
+                    "lost the Lease {}/{} on {} to {}: stopping, so two agents never act on it",
+                    r.namespace,
+                    r.name,
+                    r.what,
+                    shown_holder(&holder)
+                );
+                let _ = lost.send(true);
+                return;
+            }
+            Renewal::Failed(e) => {
                 if !failing {
                     tracing::warn!(
-                        "cannot renew the Lease {}/{} ({e}); still acting, trying again",
+                        "cannot renew the Lease {}/{} ({e}); still acting for at most {}, trying again",
                         r.namespace,
-                        r.name
+                        r.name,
+                        crate::duration::show(valid_until.saturating_duration_since(Instant::now()))
                     );
                 }
                 failing = true;
@@ -444,36 +606,83 @@ mod tests {
     const D: Duration = Duration::from_secs(40);
 
     fn seen(holder: Option<&str>) -> Seen {
-        Seen { holder: holder.map(str::to_string), resource_version: "1".into(), duration: Some(D) }
+        Seen { holder: holder.map(str::to_string), resource_version: "1".into(), duration: Some(D), released_by: None }
     }
 
     #[test]
     fn decide_table() {
         let me = "n1/boot/10";
         let s = Duration::from_secs;
+        let wait = |holder: Option<&str>, remaining| Step::Wait { holder: holder.map(str::to_string), remaining };
         for (what, seen, unchanged, gone, want) in [
             ("no lease", None, s(0), false, Step::Create),
-            ("free", Some(seen(None)), s(0), false, Step::Take),
-            ("released", Some(seen(Some(""))), s(0), false, Step::Take),
             ("ours", Some(seen(Some(me))), s(0), false, Step::Renew),
             ("ours, long unchanged", Some(seen(Some(me))), s(100), false, Step::Renew),
-            (
-                "held",
-                Some(seen(Some("n2/b/3"))),
-                s(10),
-                false,
-                Step::Wait { holder: "n2/b/3".into(), remaining: s(30) },
-            ),
+            ("held", Some(seen(Some("n2/b/3"))), s(10), false, wait(Some("n2/b/3"), s(30))),
             ("held, expired", Some(seen(Some("n2/b/3"))), s(40), false, Step::Take),
             ("held by our gone self", Some(seen(Some("n1/boot/9"))), s(0), true, Step::Take),
+            // R26: an empty holder is no proof that the holder stopped (someone else may have
+            // emptied it while the holder runs): taken only once unchanged for the duration.
+            ("emptied", Some(seen(None)), s(0), false, wait(None, s(40))),
+            ("emptied to \"\"", Some(seen(Some(""))), s(39), false, wait(None, s(1))),
+            ("emptied, then quiet", Some(seen(None)), s(40), false, Step::Take),
+            ("released by our gone self", Some(seen(None)), s(0), true, Step::Take),
         ] {
             assert_eq!(decide(seen.as_ref(), me, unchanged, D, gone), want, "{what}");
         }
+        // The longer of the Lease's stated duration and our own: a shorter one written into the
+        // Lease by someone else cannot bring a takeover forward.
         let no_duration = Seen { duration: None, ..seen(Some("x/y/1")) };
-        assert_eq!(
-            decide(Some(&no_duration), me, s(5), s(10), false),
-            Step::Wait { holder: "x/y/1".into(), remaining: s(5) }
-        );
+        assert_eq!(decide(Some(&no_duration), me, s(5), s(10), false), wait(Some("x/y/1"), s(5)));
+        let short = Seen { duration: Some(MIN_DURATION), ..seen(Some("x/y/1")) };
+        assert_eq!(decide(Some(&short), me, s(5), D, false), wait(Some("x/y/1"), s(35)));
+        let long = Seen { duration: Some(s(600)), ..seen(Some("x/y/1")) };
+        assert_eq!(decide(Some(&long), me, s(40), D, false), wait(Some("x/y/1"), s(560)));
+    }
+
+    /// What the Lease object says is clamped: 2147483647 s is an hour, 0 s the shortest.
+    #[test]
+    fn stated_durations_are_clamped() {
+        let lease = |secs: i32| Lease {
+            metadata: ObjectMeta { resource_version: Some("1".into()), ..Default::default() },
+            spec: Some(LeaseSpec {
+                holder_identity: Some("x/y/1".into()),
+                lease_duration_seconds: Some(secs),
+                ..Default::default()
+            }),
+        };
+        assert_eq!(seen_of(&lease(i32::MAX)).duration, Some(MAX_DURATION));
+        assert_eq!(seen_of(&lease(0)).duration, Some(MIN_DURATION));
+        assert_eq!(seen_of(&lease(-5)).duration, None);
+        assert_eq!(seen_of(&lease(40)).duration, Some(D));
+        let mut renewed = lease(i32::MAX);
+        let at = k8s_openapi::jiff::Timestamp::now();
+        renewed.spec.as_mut().unwrap().renew_time = Some(MicroTime(at));
+        let later = at + k8s_openapi::jiff::SignedDuration::from_secs(3601);
+        assert_eq!(fresh_holder(&renewed, later), None, "an hour at most, not 68 years");
+    }
+
+    /// The fence's arithmetic (R26): the holder acts for the duration less its stop budget and the
+    /// grace after its last renewal, which leaves at least one renewal period at the shortest
+    /// safe duration.
+    #[test]
+    fn the_fence_leaves_a_renewal_period() {
+        let r = |duration, stop_budget| LeaseRef {
+            namespace: "n".into(),
+            name: "l".into(),
+            identity: "a/b/1".into(),
+            duration,
+            stop_budget,
+            what: "w".into(),
+        };
+        assert_eq!(r(D, Duration::from_secs(15)).valid_for(), Duration::from_secs(23));
+        for budget in [0, 1, 6, 15, 100] {
+            let budget = Duration::from_secs(budget);
+            let safe = shortest_safe_duration(budget);
+            let l = r(safe, budget);
+            assert!(l.valid_for() >= l.period(), "{budget:?}: {safe:?} leaves {:?}", l.valid_for());
+        }
+        assert_eq!(shortest_safe_duration(Duration::from_secs(6)), Duration::from_secs(11));
     }
 
     #[test]

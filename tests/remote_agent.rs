@@ -959,6 +959,87 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
     assert_eq!(second.child.wait().unwrap().code(), Some(1));
 }
 
+/// R26, the Lease fences: two agents for one Secret (a cloned machine) while a third party
+/// rewrites the Lease at the worst moments, right after the holder's renewals: it empties the
+/// holder (three times), states a 1 s duration, then names another holder. At no instant do both
+/// agents execute an instruction (each instruction notes a copy of another still running), no
+/// finished instruction runs again, and the holder displaced at the end records where it stopped,
+/// so the other agent goes on there.
+#[tokio::test]
+async fn the_lease_fences_two_agents_against_a_third_party_writing_it() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cp = control_plane!();
+    let mode = "remoteEnabled: true\nleaseDuration: 12s\n";
+    let namespace = cp.new_namespace("fence").await;
+    let client =
+        SecretClient::new(cp.client().await, SecretRef { namespace: namespace.clone(), name: "machine-plan".into() });
+    let r = Remote { node: ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace), client };
+    let twin = ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace);
+    let (runs, overlap, pidfile) = (r.p("runs"), r.p("overlap"), r.p("pid"));
+    let steps: Vec<serde_json::Value> = (1..=8)
+        .map(|i| {
+            let check = overlap_check(&pidfile, &overlap, &format!("i{i}"));
+            sh(&format!("i{i}"), &format!("{check}; echo start-i{i} >> {runs}; sleep 2; echo done-i{i} >> {runs}"))
+        })
+        .collect();
+    r.create(&json!({"instructions": steps}), Some("pending"), &[]).await;
+    let mut agents = vec![r.agent(), twin.agent()];
+    let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &namespace);
+    let lease = "nodeplan-machine-plan";
+
+    // Right after a renewal by the holder: the holder and the version that renewal wrote.
+    let after_renewal = |leases: kube::Api<Lease>| async move {
+        let first = leases.get(lease).await.ok().and_then(|l| l.metadata.resource_version);
+        let deadline = Instant::now() + GUARD;
+        loop {
+            assert!(Instant::now() < deadline, "the holder never renewed the Lease");
+            if let Ok(l) = leases.get(lease).await {
+                let holder = l.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+                if !holder.is_empty() && l.metadata.resource_version != first {
+                    return l;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let write = |mut l: Lease, f: &dyn Fn(&mut k8s_openapi::api::coordination::v1::LeaseSpec)| {
+        f(l.spec.as_mut().unwrap());
+        l
+    };
+    r.wait("in-progress", |s| state(s) == "in-progress").await;
+    for _ in 0..3 {
+        let l = after_renewal(leases.clone()).await;
+        let l = write(l, &|s| s.holder_identity = None);
+        leases.replace(lease, &Default::default(), &l).await.unwrap();
+    }
+    let l = after_renewal(leases.clone()).await;
+    let l = write(l, &|s| s.lease_duration_seconds = Some(1));
+    leases.replace(lease, &Default::default(), &l).await.unwrap();
+    let l = after_renewal(leases.clone()).await;
+    let displaced = l.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap();
+    let l = write(l, &|s| s.holder_identity = Some("elsewhere/boot/1".into()));
+    leases.replace(lease, &Default::default(), &l).await.unwrap();
+
+    let s = r.wait_within(Duration::from_secs(90), "succeeded", |s| state(s) == "succeeded").await;
+    let log = std::fs::read_to_string(&runs).unwrap();
+    assert_eq!(std::fs::read_to_string(&overlap).unwrap_or_default(), "", "two agents executed at once: {log}");
+    for i in 1..=8 {
+        let done = log.lines().filter(|l| *l == format!("done-i{i}")).count();
+        assert_eq!(done, 1, "instruction {i} finished {done} times: {log}");
+        let started = log.lines().filter(|l| *l == format!("start-i{i}")).count();
+        assert!(started <= 2, "instruction {i} started {started} times: {log}");
+    }
+    let starts = log.lines().filter(|l| l.starts_with("start-")).count();
+    assert!((8..=9).contains(&starts), "at most the instruction the displaced holder stopped runs again: {log}");
+    assert_eq!(val(&s, "plan-revision"), "1", "one run, resumed where the displaced holder stopped");
+    // The displaced holder said why it stopped and exited for systemd to start it again.
+    let pid: u32 = displaced.rsplit('/').next().unwrap().parse().unwrap();
+    let mut gone = agents.iter().position(|a| a.child.id() == pid).map(|i| agents.remove(i)).expect("the holder");
+    gone.wait_log("lost the Lease");
+    assert_eq!(gone.child.wait().unwrap().code(), Some(1));
+    assert_eq!(agents[0].stop(), 0);
+}
+
 /// R23 in remote mode: an upgrade instruction that asks for a restart has its progress written
 /// to the Secret (in-progress, a suspended checkpoint) before the agent executes its new program;
 /// the restarted agent goes on at the next instruction and the plan succeeds, nothing run twice.

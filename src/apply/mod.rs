@@ -91,12 +91,14 @@ impl Interrupt {
         }
     }
     fn boundary(&self) -> Option<Interruption> {
+        // A fenced stop is recorded even when the agent also shuts down (a lost Lease does both):
+        // the next holder goes on at the boundary (R26).
         if self.cancel {
             Some(Interruption::Canceled)
-        } else if self.shutdown {
-            Some(Interruption::Shutdown)
         } else if self.fenced {
             Some(Interruption::Fenced)
+        } else if self.shutdown {
+            Some(Interruption::Shutdown)
         } else if self.pause {
             Some(Interruption::Paused)
         } else {
@@ -121,12 +123,12 @@ pub enum AgentExit {
 
 pub use crate::plan::Interruption;
 
-/// What a stop of the running tree means: a shutdown stop is the fence's when the agent is not
-/// shutting down but fenced.
+/// What a stop of the running tree means: a shutdown stop is the fence's when the agent is
+/// fenced (see [`Interrupt::boundary`]).
 fn interruption_of_stop(r: StopReason, now: Interrupt) -> Option<Interruption> {
     match r {
         StopReason::Cancel => Some(Interruption::Canceled),
-        StopReason::Shutdown if now.fenced && !now.shutdown => Some(Interruption::Fenced),
+        StopReason::Shutdown if now.fenced => Some(Interruption::Fenced),
         StopReason::Shutdown => Some(Interruption::Shutdown),
         StopReason::Timeout(_) => None,
     }

@@ -142,7 +142,7 @@ pub async fn run(args: AgentArgs) -> u8 {
                 let rx = sd_rx.clone();
                 tasks.push(tokio::spawn(stopping_all(
                     sd_tx.clone(),
-                    under_lease(lease, true, rx, move |rx| agent.run(rx)),
+                    under_lease(lease, true, rx, move |rx, fence| agent.with_fence(fence).run(rx)),
                 )));
             }
             Err(e) => return refuse(&tasks, &e),
@@ -154,7 +154,7 @@ pub async fn run(args: AgentArgs) -> u8 {
                 let rx = sd_rx.clone();
                 tasks.push(tokio::spawn(stopping_all(
                     sd_tx.clone(),
-                    under_lease(lease, false, rx, move |rx| agent.run(rx)),
+                    under_lease(lease, false, rx, move |rx, fence| agent.with_fence(fence).run(rx)),
                 )));
             }
             Err(e) => return refuse(&tasks, &e),
@@ -236,11 +236,22 @@ type SourceLease = Option<(kube::Client, crate::lease::LeaseRef)>;
 fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, source: &str, what: String) -> SourceLease {
     use crate::lease::{LeaseRef, identity, lease_name};
     (!cfg.lease_duration.is_zero()).then(|| {
+        let stop_budget = cfg.stop_timeout + cfg.kill_timeout;
+        let safe = crate::lease::shortest_safe_duration(stop_budget);
+        if cfg.lease_duration < safe {
+            tracing::warn!(
+                "leaseDuration {} is too short for stopTimeout + killTimeout ({}): the holder must be able to stop its running instruction before the Lease can be taken over; using {}",
+                crate::duration::show(cfg.lease_duration),
+                crate::duration::show(stop_budget),
+                crate::duration::show(safe)
+            );
+        }
         let r = LeaseRef {
             namespace: namespace.to_string(),
             name: lease_name(source),
             identity: identity(&node_name(cfg)),
-            duration: cfg.lease_duration,
+            duration: cfg.lease_duration.max(safe),
+            stop_budget,
             what,
         };
         (client.clone(), r)
@@ -255,11 +266,11 @@ const RIVAL_PERIOD: Duration = Duration::from_secs(5);
 /// once); then holding the source's Lease (waiting for it first; a shutdown meanwhile ends
 /// cleanly). If another agent takes the Lease, or Rancher's agent starts, the loop is stopped (the
 /// running plan gets the stop ladder and resumes later) and [`AgentExit::Displaced`] stops the
-/// whole agent: its exit code makes systemd restart it, and it then waits again. The Lease is
-/// given up when the loop ends.
+/// whole agent: its exit code makes systemd restart it, and it then waits again. The loop acts
+/// only while the Lease's fence is open (R26). The Lease is given up when the loop ends.
 async fn under_lease<F, Fut>(lease: SourceLease, rival: bool, mut shutdown: watch::Receiver<bool>, run: F) -> AgentExit
 where
-    F: FnOnce(watch::Receiver<bool>) -> Fut,
+    F: FnOnce(watch::Receiver<bool>, watch::Receiver<bool>) -> Fut,
     Fut: std::future::Future<Output = AgentExit>,
 {
     let program = crate::remote::rival::program();
@@ -333,7 +344,11 @@ where
         }
         let _ = tx.send(true);
     });
-    let exit = run(rx).await;
+    let fence = match &held {
+        Some(h) => h.acting(),
+        None => watch::channel(true).1,
+    };
+    let exit = run(rx, fence).await;
     relay.abort();
     if let Some(h) = held {
         h.release().await;

@@ -342,6 +342,8 @@ async fn take_nodes(
         name: name.clone(),
         identity: crate::lease::identity(&host),
         duration: LEASE_DURATION,
+        // A command runs no instructions: nothing to stop before the Lease can be taken over.
+        stop_budget: Duration::ZERO,
         what: format!("the rollout over {}", scope.describe()),
     };
     *held = crate::lease::take_now(kube.clone(), r).await.map_err(|e| {

@@ -249,7 +249,11 @@ async fn watch_from<L: ListWatch>(
     seq: &mut u64,
     mut reconnected: watch::Receiver<u64>,
 ) -> End {
-    let mut events = match tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv)).await {
+    let started = tokio::select! {
+        r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv)) => r,
+        Ok(()) = reconnected.changed() => return End::Reconnected,
+    };
+    let mut events = match started {
         Ok(Ok(events)) => events,
         Ok(Err(WatchError::Gone)) => return End::Gone,
         Ok(Err(WatchError::Other(e))) => return End::Error(format!("failed to start watching: {e}")),

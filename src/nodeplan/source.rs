@@ -61,9 +61,17 @@ pub struct NodePlanAgent {
     source: NodePlanSource,
     app: Arc<Applyinator>,
     prober: Arc<Prober>,
+    /// The Lease's fence (R26), when the agent holds one.
+    fence: Option<watch::Receiver<bool>>,
 }
 
 impl NodePlanAgent {
+    /// Act only while `fence` is true (R26: the plan source's Lease is renewed in time).
+    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> NodePlanAgent {
+        self.fence = Some(fence);
+        self
+    }
+
     /// `state_dir`: where runs in progress are kept ([`RunStore`]; `None`: not kept).
     pub fn new(
         client: kube::Client,
@@ -91,7 +99,7 @@ impl NodePlanAgent {
             preflight: HashMap::new(),
             events: None,
         };
-        NodePlanAgent { source, app, prober }
+        NodePlanAgent { source, app, prober, fence: None }
     }
 
     pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
@@ -103,7 +111,11 @@ impl NodePlanAgent {
         let pump = tokio::spawn(crate::k8s::watch::pump(lw, what, tx));
         self.source.latest = Some(rx);
         tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.source.namespace);
-        let (exit, _) = Reconciler::new(self.source, self.app, self.prober, shutdown).run().await;
+        let mut reconciler = Reconciler::new(self.source, self.app, self.prober, shutdown);
+        if let Some(fence) = self.fence {
+            reconciler = reconciler.with_fence(fence);
+        }
+        let (exit, _) = reconciler.run().await;
         pump.abort();
         exit
     }

@@ -594,6 +594,15 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// Reconcile one plan.
     async fn reconcile(&mut self, key: &S::Key) -> Action {
+        // R26: while the fence is closed the agent neither starts nor writes anything (a kept write
+        // included: it lands once the Lease is renewed, or never if the Lease was lost); the loop
+        // looks again when the fence opens.
+        if !*self.fence.borrow() {
+            self.mem(key).warn_once(
+                "waiting: this agent's Lease on the plan source is not renewed in time; nothing starts and nothing is written until it is".to_string(),
+            );
+            return Action::Wait;
+        }
         let now = Instant::now();
         if self.mem(key).gate.is_some_and(|t| now < t) {
             return Action::Wait;
@@ -774,16 +783,6 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     async fn run_plan(&mut self, key: &S::Key, look: &Look, run: RunPlan) -> Action {
-        // R26: nothing is committed or started while the fence is closed; the loop looks again
-        // when it opens.
-        if !*self.fence.borrow() {
-            let why = format!(
-                "{}: waiting: this agent's Lease on the plan source is not renewed in time, or not yet its own for certain; nothing starts until it is",
-                look.label
-            );
-            self.mem(key).warn_once(why);
-            return Action::Wait;
-        }
         // Commit the start (pending → in-progress) or the resume before anything runs.
         if let Some(commit) = run.commit() {
             match self.source.commit(key, look, &commit).await {

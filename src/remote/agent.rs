@@ -48,16 +48,24 @@ pub struct RemoteAgent {
     source: SecretSource,
     app: Arc<Applyinator>,
     prober: Arc<Prober>,
+    /// The Lease's fence (R26), when the agent holds one.
+    fence: Option<watch::Receiver<bool>>,
 }
 
 impl RemoteAgent {
+    /// Act only while `fence` is true (R26: the plan source's Lease is renewed in time).
+    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> RemoteAgent {
+        self.fence = Some(fence);
+        self
+    }
+
     pub fn new(
         client: SecretClient,
         app: Arc<Applyinator>,
         prober: Arc<Prober>,
         probe_period: Duration,
     ) -> RemoteAgent {
-        RemoteAgent { source: SecretSource::new(client, probe_period), app, prober }
+        RemoteAgent { source: SecretSource::new(client, probe_period), app, prober, fence: None }
     }
 
     /// Publish Kubernetes Events regarding the Secret, reported as coming from `node`.
@@ -78,7 +86,11 @@ impl RemoteAgent {
             }
         });
         self.source.latest = Some(rx);
-        let (exit, _) = Reconciler::new(self.source, self.app, self.prober, shutdown).run().await;
+        let mut reconciler = Reconciler::new(self.source, self.app, self.prober, shutdown);
+        if let Some(fence) = self.fence {
+            reconciler = reconciler.with_fence(fence);
+        }
+        let (exit, _) = reconciler.run().await;
         pump.abort();
         exit
     }
