@@ -154,10 +154,13 @@ pub enum Step {
 /// duration and the one the Lease states, whoever holds it, and even when its holder is empty: a
 /// holder that is still renewing changes it within that time (a holder whose Lease was cleared by
 /// someone else takes it back), and one that is not renewing has stopped acting by then (R26). The
-/// exception is an earlier incarnation of this agent on this machine whose process is gone.
+/// exceptions are this very process (released before it executed itself anew) and an earlier
+/// incarnation of this agent on this machine whose process is gone.
 pub fn decide(seen: Option<&Seen>, me: &str, unchanged_for: Duration, own: Duration, gone: bool) -> Step {
     let Some(seen) = seen else { return Step::Create };
     let holder = match seen.holder.as_deref() {
+        // Released by this very process (it executes itself anew, R23: the same pid).
+        None | Some("") if seen.released_by.as_deref() == Some(me) => return Step::Take,
         None | Some("") => None,
         Some(h) if h == me => return Step::Renew,
         Some(h) => Some(h.to_string()),
@@ -627,6 +630,20 @@ mod tests {
             ("emptied to \"\"", Some(seen(Some(""))), s(39), false, wait(None, s(1))),
             ("emptied, then quiet", Some(seen(None)), s(40), false, Step::Take),
             ("released by our gone self", Some(seen(None)), s(0), true, Step::Take),
+            (
+                "released by ourselves (a re-exec)",
+                Some(Seen { released_by: Some(me.into()), ..seen(None) }),
+                s(0),
+                false,
+                Step::Take,
+            ),
+            (
+                "released by another",
+                Some(Seen { released_by: Some("n2/b/3".into()), ..seen(None) }),
+                s(0),
+                false,
+                wait(None, s(40)),
+            ),
         ] {
             assert_eq!(decide(seen.as_ref(), me, unchanged, D, gone), want, "{what}");
         }

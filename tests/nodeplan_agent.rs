@@ -372,6 +372,73 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A `retryStrategy` that asks for no wait at all (`initialDelay: 0s`, `backoffMultiplier: 1`) is
+/// held to the floor: 1 s after the first failure, then 2 s, then 4 s (it retried dozens of times
+/// a second, writing the object as often).
+#[tokio::test]
+async fn an_eager_retry_strategy_is_held_to_the_floor() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-eager").await;
+    let log = n.p("log");
+    let plan = json!({"instructions": [sh("flaky", &format!("date +%s.%N >> {log}; exit 3"))]});
+    let retry = json!({"maxAttempts": 4, "initialDelay": "0s", "backoffMultiplier": 1});
+    n.create("r", "node-a", json!({"plan": plan, "retryStrategy": retry})).await;
+    let mut agent = n.agent();
+    n.wait("r", "four failed runs", |s| s.phase == "Failed" && s.failures == 4).await;
+    let at: Vec<f64> = std::fs::read_to_string(&log).unwrap().lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(at.len(), 4, "{at:?}");
+    let gaps: Vec<f64> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    for (gap, floor) in gaps.iter().zip([1.0, 2.0, 4.0]) {
+        assert!(
+            *gap >= floor - 0.05,
+            "a retry came {gap:.3}s after the run before it, under the {floor}s floor: {gaps:?}"
+        );
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A NodePlan whose status would outgrow the object beside its large spec (400 instructions
+/// with long names and arguments: a 1.5 MB spec, a status of another 0.8 MB, past the 2 MiB etcd
+/// takes) still records its outcome, shortened: `Applied`, and an agent restart runs nothing
+/// again.
+#[tokio::test]
+async fn a_status_that_outgrows_the_object_still_records_the_outcome() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-big").await;
+    let runs = n.p("runs");
+    let pad = "p".repeat(1600);
+    let instructions: Vec<serde_json::Value> = (0..400)
+        .map(|i| {
+            json!({
+                "name": format!("{i:04}-{}", "n".repeat(1500)),
+                "command": "sh",
+                "args": ["-c", format!("echo . >> {runs}; echo {}", "o".repeat(400)), pad],
+                "saveOutput": true
+            })
+        })
+        .collect();
+    n.create("big", "node-a", json!({"plan": {"instructions": instructions}})).await;
+    let mut agent = n.agent();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let s = loop {
+        let s = n.status("big").await;
+        if s.phase == "Applied" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "never Applied: {} {}", s.phase, s.progress);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(s.progress, "400/400");
+    agent.wait_log("the status is shortened to fit");
+    assert_eq!(agent.stop(), 0);
+    let mut again = n.agent();
+    again.wait_log("NodePlan mode: watching");
+    n.wait("big", "still Applied", phase("Applied")).await;
+    tokio::time::sleep(Duration::from_secs(3)).await; // observation window: nothing may start
+    assert_eq!(std::fs::read_to_string(&runs).unwrap().lines().count(), 400, "run once");
+    assert_eq!(again.stop(), 0);
+}
+
 /// A failing required preflight check keeps the plan Pending (nothing runs) and is checked again
 /// with back-off; once it passes the plan runs. A failing optional check is reported only.
 #[tokio::test]

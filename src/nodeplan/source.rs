@@ -227,11 +227,26 @@ impl NodePlanSource {
     /// is unchanged; a transition is abandoned so the new spec is decided afresh.
     async fn write(&mut self, name: &str, checksum: &str, status: &NodePlanStatus, reapply: bool) -> Written {
         let Some(mut base) = self.current(name) else { return Written::Abandoned };
-        let Ok(status_value) = serde_json::to_value(status) else { return Written::failed("cannot encode the status") };
         for _ in 0..8 {
             if !belongs(&base, checksum) {
                 return Written::Abandoned;
             }
+            // The status always fits beside what the object already holds (its spec may be large).
+            let mut without = base.clone();
+            if let Some(obj) = without.data.as_object_mut() {
+                obj.remove("status");
+            }
+            let held = serde_json::to_vec(&without).map_or(wire::OBJECT_BUDGET, |v| v.len());
+            let (status, cut) = wire::fit(status.clone(), wire::OBJECT_BUDGET.saturating_sub(held));
+            if cut {
+                tracing::warn!(
+                    "{}: the status is shortened to fit beside its spec (outputs, then per-instruction results dropped)",
+                    self.label(name)
+                );
+            }
+            let Ok(status_value) = serde_json::to_value(&status) else {
+                return Written::failed("cannot encode the status");
+            };
             let mut next = base.clone();
             if let Some(obj) = next.data.as_object_mut() {
                 obj.insert("status".into(), status_value.clone());

@@ -47,13 +47,23 @@ pub struct Retry {
     pub max: Duration,
 }
 
+/// The most runs a `retryStrategy` may ask for (the first included).
+pub const MAX_ATTEMPTS: i64 = 100;
+/// The floor under every wait between runs: 1 s after the first failure, doubling after each
+/// further one (up to `maxDelay`), whatever `initialDelay` and `backoffMultiplier` say, so a
+/// strategy of `0s` and `1` cannot retry (and write the object) many times a second.
+const FLOOR: Duration = Duration::from_secs(1);
+
 impl Retry {
     /// The wait after the `failures`-th failure in a row (1 for the first).
     pub fn delay(&self, failures: i64) -> Duration {
         let exp = failures.clamp(1, 64) - 1;
-        let secs = self.initial.as_secs_f64() * self.multiplier.powi(exp as i32);
-        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
-            return self.max;
+        let asked = self.initial.as_secs_f64() * self.multiplier.powi(exp as i32);
+        let floor = FLOOR.as_secs_f64() * 2f64.powi(exp as i32);
+        let secs = asked.max(floor);
+        let max = self.max.max(FLOOR);
+        if !secs.is_finite() || secs >= max.as_secs_f64() {
+            return max;
         }
         Duration::from_secs_f64(secs)
     }
@@ -90,6 +100,9 @@ pub fn policy(spec: &NodePlanSpec) -> Result<Policy, String> {
             let max_attempts = if r.max_attempts == 0 { 3 } else { r.max_attempts };
             if max_attempts < 1 {
                 return Err(format!("spec.retryStrategy.maxAttempts: {max_attempts} is less than 1"));
+            }
+            if max_attempts > MAX_ATTEMPTS {
+                return Err(format!("spec.retryStrategy.maxAttempts: {max_attempts} is more than {MAX_ATTEMPTS}"));
             }
             let multiplier = r.backoff_multiplier.unwrap_or(2.0);
             if !multiplier.is_finite() || multiplier < 1.0 {
@@ -485,6 +498,52 @@ fn results(prev: &[InstructionResult], result: &ApplyResult, now: DateTime<Utc>)
     out
 }
 
+/// The most a whole NodePlan (spec, status and metadata) may weigh when the agent writes its
+/// status: etcd's default request limit (1.5 MiB; it refuses a write of about 2 MiB with its
+/// gRPC overhead), and a status that cannot be written is an outcome never recorded (the run
+/// would start again at every agent restart).
+pub const OBJECT_BUDGET: usize = 1_536 << 10;
+
+/// What a status result's name is cut to when the status must shrink.
+const SHORT_NAME: usize = 64;
+
+/// The status, made to fit in `budget` bytes of JSON: what it must say (phase, state, checkpoint,
+/// counts, conditions) is never dropped; first the instructions' and periodic instructions' saved
+/// outputs go (each marked), then long names are cut (with a marker) and the finished
+/// instructions lose their times, then the per-instruction results go altogether. Returns the
+/// status and whether anything was dropped.
+pub fn fit(mut s: NodePlanStatus, budget: usize) -> (NodePlanStatus, bool) {
+    let size = |s: &NodePlanStatus| serde_json::to_vec(s).map_or(usize::MAX, |v| v.len());
+    if size(&s) <= budget {
+        return (s, false);
+    }
+    for r in s.instructions.iter_mut().filter(|r| !r.output.is_empty()) {
+        r.output = String::from("(output dropped: the NodePlan is near its size limit)");
+    }
+    for p in s.periodic_outputs.values_mut() {
+        p.stdout.clear();
+        p.stderr.clear();
+    }
+    if size(&s) <= budget {
+        return (s, true);
+    }
+    for r in s.instructions.iter_mut() {
+        if let Some((cut, _)) = r.name.char_indices().nth(SHORT_NAME) {
+            r.name = format!("{}…", &r.name[..cut]);
+        }
+        r.output.clear();
+        if r.outcome == "succeeded" {
+            r.start_time.clear();
+            r.end_time.clear();
+        }
+    }
+    if size(&s) <= budget {
+        return (s, true);
+    }
+    s.instructions.clear();
+    (s, true)
+}
+
 /// A finished run's record.
 pub fn record(
     prev: &NodePlanStatus,
@@ -657,6 +716,22 @@ mod tests {
         // The waits grow by the multiplier up to the maximum.
         let r = retry(9).retry.unwrap();
         assert_eq!([1, 2, 3, 4].map(|f| r.delay(f)), [secs(10), secs(30), secs(60), secs(60)]);
+        // The floor: 1 s doubling, under a strategy that asks for no wait at all, up to its max.
+        let eager = crate::nodeplan::resource::RetryStrategy {
+            max_attempts: 100,
+            backoff_multiplier: Some(1.0),
+            initial_delay: "0s".into(),
+            max_delay: "5s".into(),
+        };
+        let r =
+            policy(&NodePlanSpec { retry_strategy: Some(eager.clone()), ..spec(false, false) }).unwrap().retry.unwrap();
+        assert_eq!([1, 2, 3, 4, 10].map(|f| r.delay(f)), [secs(1), secs(2), secs(4), secs(5), secs(5)]);
+        let zero_max = crate::nodeplan::resource::RetryStrategy { max_delay: "0s".into(), ..eager.clone() };
+        let r = policy(&NodePlanSpec { retry_strategy: Some(zero_max), ..spec(false, false) }).unwrap().retry.unwrap();
+        assert_eq!(r.delay(1), secs(1), "never less than the floor");
+        let too_many = crate::nodeplan::resource::RetryStrategy { max_attempts: 101, ..eager };
+        let e = policy(&NodePlanSpec { retry_strategy: Some(too_many), ..spec(false, false) }).unwrap_err();
+        assert_eq!(e, "spec.retryStrategy.maxAttempts: 101 is more than 100");
     }
 
     #[test]
@@ -701,6 +776,51 @@ mod tests {
         let ok = json!({"fileExists": {"path": "/x"}});
         let e = with(&|s| s.preflight_checks = Some(vec![check("a", ok.clone()), check("a", ok.clone())]));
         assert!(e.contains("used twice"), "{e}");
+    }
+
+    /// A status that would not fit beside its spec is shrunk: outputs first, then names and the
+    /// finished instructions' times, then the results; the state, checkpoint, counts and
+    /// conditions always stay.
+    #[test]
+    fn a_status_is_made_to_fit_its_budget() {
+        let result = |i: usize, outcome: &str| InstructionResult {
+            name: format!("{}-{i}", "n".repeat(100)),
+            outcome: outcome.into(),
+            exit_code: Some(0),
+            start_time: "2026-12-02T00:00:00Z".into(),
+            end_time: "2026-12-02T00:00:01Z".into(),
+            output: "x".repeat(100),
+        };
+        let mut full = NodePlanStatus {
+            phase: "Failed".into(),
+            state: Some(PlanState::Failed),
+            progress: "2799/2800".into(),
+            failures: 1,
+            conditions: vec![Condition { type_: "Ready".into(), status: "False".into(), ..Default::default() }],
+            ..Default::default()
+        };
+        full.instructions = (0..2800).map(|i| result(i, if i == 2799 { "failed" } else { "succeeded" })).collect();
+        let size = |s: &NodePlanStatus| serde_json::to_vec(s).unwrap().len();
+        let whole = size(&full);
+        assert_eq!(fit(full.clone(), whole), (full.clone(), false), "it fits: untouched");
+
+        let (no_outputs, cut) = fit(full.clone(), whole - 1);
+        assert!(cut && size(&no_outputs) < whole);
+        assert!(no_outputs.instructions.iter().all(|r| r.output.starts_with("(output dropped")));
+        assert_eq!(no_outputs.instructions[0].name, full.instructions[0].name);
+
+        let (short, _) = fit(full.clone(), size(&no_outputs) - 1);
+        assert_eq!(short.instructions.len(), 2800);
+        assert!(short.instructions[0].name.ends_with('…') && short.instructions[0].name.chars().count() == 65);
+        assert!(short.instructions[0].start_time.is_empty(), "a finished instruction loses its times");
+        assert_eq!(short.instructions[2799].end_time, "2026-12-02T00:00:01Z", "the failure keeps them");
+
+        let (bare, _) = fit(full.clone(), 1000);
+        assert!(bare.instructions.is_empty());
+        assert_eq!(
+            (bare.phase.as_str(), bare.state.clone(), bare.progress.as_str(), bare.failures, bare.conditions.len()),
+            ("Failed", Some(PlanState::Failed), "2799/2800", 1, 1)
+        );
     }
 
     #[test]
