@@ -101,6 +101,11 @@ fn val(s: &SecretSnapshot, key: &str) -> String {
     s.data.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default()
 }
 
+/// The checksum of the plan the Secret carries.
+fn wire_checksum(s: &SecretSnapshot) -> String {
+    plan::checksum(&s.data["plan"])
+}
+
 fn state(s: &SecretSnapshot) -> String {
     val(s, "plan-state")
 }
@@ -254,32 +259,45 @@ async fn false_releases_a_pause_like_removal() {
     pause_and_resume(true).await;
 }
 
-#[tokio::test]
-async fn a_pause_survives_an_agent_restart() {
-    let cp = control_plane!();
-    let r = Remote::new(cp, "pause-restart").await;
+/// A plan of two instructions and a probe, `paused` by its annotation, with the checkpoint
+/// `checkpoint(checksum)` written as `plan-checkpoint`, and an agent started on it that has read
+/// it (its probe statuses are its first write). Returns the node, the instructions' marker file,
+/// the agent and the Secret then.
+async fn held_with_checkpoint(
+    cp: &ControlPlane,
+    test: &str,
+    checkpoint: impl Fn(&str) -> String,
+) -> (Remote, String, AgentProc, SecretSnapshot) {
+    let r = Remote::new(cp, test).await;
     let marker = r.p("marker");
-    let status = Arc::new(AtomicU16::new(200));
-    let port = http_server(status.clone());
+    let port = http_server(Arc::new(AtomicU16::new(200)));
     let plan = json!({
         "instructions": [sh("one", &format!("echo one >> {marker}")), sh("two", &format!("echo two >> {marker}"))],
         "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}}}
     });
     let checksum = r.create(&plan, Some("paused"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
+    r.patch(json!({"data": {"plan-checkpoint": b64(checkpoint(&checksum).as_bytes())}})).await;
+    let agent = r.agent();
+    let s = r.wait("probe statuses", |s| s.data.contains_key("probe-statuses")).await;
+    (r, marker, agent, s)
+}
+
+#[tokio::test]
+async fn a_pause_survives_an_agent_restart() {
+    let cp = control_plane!();
     // A checkpoint says one instruction is done.
-    let cp1 = Checkpoint {
-        checksum: checksum.clone(),
-        completed_instructions: 1,
-        total_instructions: 2,
-        resume_state: Some(PlanState::InProgress),
-        paused: true,
-        termination_incomplete: false,
+    let checkpoint = |checksum: &str| {
+        Checkpoint {
+            checksum: checksum.to_string(),
+            completed_instructions: 1,
+            total_instructions: 2,
+            resume_state: Some(PlanState::InProgress),
+            paused: true,
+            termination_incomplete: false,
+        }
+        .to_json()
     };
-    use base64::Engine as _;
-    r.patch(json!({"data": {"plan-checkpoint": base64::engine::general_purpose::STANDARD.encode(cp1.to_json())}}))
-        .await;
-    let mut first = r.agent();
-    r.wait("probe statuses", |s| s.data.contains_key("probe-statuses")).await;
+    let (r, marker, mut first, _) = held_with_checkpoint(cp, "pause-restart", checkpoint).await;
     assert_eq!(first.stop(), 0);
     r.patch(json!({"data": {"probe-statuses": null}})).await;
     let mut second = r.agent();
@@ -299,20 +317,11 @@ async fn a_pause_survives_an_agent_restart() {
 #[tokio::test]
 async fn a_checkpoint_without_its_zero_fields_is_taken_as_written() {
     let cp = control_plane!();
-    let r = Remote::new(cp, "omitempty").await;
-    let marker = r.p("marker");
-    let status = Arc::new(AtomicU16::new(200));
-    let port = http_server(status.clone());
-    let plan = json!({
-        "instructions": [sh("one", &format!("echo one >> {marker}")), sh("two", &format!("echo two >> {marker}"))],
-        "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}}}
-    });
-    let checksum = r.create(&plan, Some("paused"), &[(plan::ANNOTATION_PAUSED, "true")]).await;
-    let rancher = format!(r#"{{"checksum":"{checksum}","totalInstructions":2,"resumeState":"pending","paused":true}}"#);
-    r.patch(json!({"data": {"plan-checkpoint": b64(rancher.as_bytes())}})).await;
-    let mut agent = r.agent();
-    // The probe statuses are the agent's first write: it has read the held plan by then.
-    let s = r.wait("probe statuses", |s| s.data.contains_key("probe-statuses")).await;
+    let rancher = |checksum: &str| {
+        format!(r#"{{"checksum":"{checksum}","totalInstructions":2,"resumeState":"pending","paused":true}}"#)
+    };
+    let (r, marker, mut agent, s) = held_with_checkpoint(cp, "omitempty", rancher).await;
+    let rancher = rancher(&wire_checksum(&s));
     assert_eq!(state(&s), "paused");
     assert_eq!(val(&s, "plan-checkpoint"), rancher, "Rancher's checkpoint is kept as written");
     assert!(!Path::new(&marker).exists(), "nothing runs while the pause holds");
