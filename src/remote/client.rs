@@ -2,11 +2,12 @@
 //!
 //! This module owns every call remote mode makes to the Kubernetes API for the plan Secret
 //! (system-agent's `pkg/k8splan` informer and `updateSecret`): building a [`kube::Client`] from
-//! the connection-info kubeconfig, GET, a field-selected watch that never ends, and JSON merge
-//! patches of `data` keys guarded by a `metadata.resourceVersion` precondition.
+//! the connection-info kubeconfig (through [`crate::k8s::client`]: every request bounded), GET, a
+//! field-selected watch that never ends (an adapter over the shared [`crate::k8s::watch`]), and
+//! JSON merge patches of `data` keys guarded by a `metadata.resourceVersion` precondition.
 //!
 //! It must not decide anything: it does not parse the plan, compare checksums or resource
-//! versions, retry conflicts, debounce or back off beyond what the watch needs to survive. It
+//! versions, retry conflicts, debounce or back off (the shared watch does what it needs). It
 //! touches no other object than the one Secret named by [`SecretRef`], and it never writes a key
 //! the caller did not name. What the data means is the reconcile loop's business.
 //!
