@@ -80,9 +80,11 @@ pub const WATCH_TIMEOUT_SECS: u32 = 20;
 /// before it ends a watch) sits on a dead connection: the pump gives up on it and lists again.
 pub const WATCH_GAP: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 5);
 /// The back-off between the end of a watch (or a failed list) and the next list: 0.8 s doubling
-/// to 30 s (kube's default), jittered; back to the start after a watch that ran this long.
+/// to 10 s, jittered; back to the start after a watch that ran this long. (kube's default caps at
+/// 30 s: after a long outage without a Lease, nothing else would notice the comeback sooner; a
+/// failed list against a server that is down costs it nothing.)
 const BACKOFF_INITIAL: Duration = Duration::from_millis(800);
-const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
 const HEALTHY_AFTER: Duration = Duration::from_secs(1);
 
 /// The objects of `api` that a label or field selector picks, through kube.
@@ -227,8 +229,12 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::O
                 );
             }
         }
+        // A comeback seen by another request (the Lease's renewal) ends the back-off at once:
+        // after a long outage the back-off has grown to its cap.
+        let mut back = lw.reconnected();
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
+            Ok(()) = back.changed() => {}
             _ = tx.closed() => return,
         }
     }
@@ -549,6 +555,30 @@ mod tests {
         let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
         assert_eq!(names, ["list", "watch 1", "list", "watch 5"]);
         assert!(calls[2].0 - bumped < Duration::from_millis(10), "at once: {:?}", gaps(&calls));
+    }
+
+    /// A comeback seen by another request ends the back-off between failed lists at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_comeback_ends_the_back_off() {
+        let fake = Fake::new(vec![
+            Step::List(Err(other("connection refused"))),
+            Step::List(Err(other("connection refused"))),
+            Step::List(Err(other("connection refused"))),
+            listed("3", &[("a", "3")]),
+            Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
+        ]);
+        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
+        let f = fake.clone();
+        tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        // Three failures: the back-off is at its third step (3.2 s) after the third.
+        while fake.calls().len() < 3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let bumped = Instant::now();
+        fake.epoch.send_modify(|e| *e += 1);
+        rx.changed().await.unwrap();
+        let calls = fake.calls();
+        assert!(calls[3].0 - bumped < Duration::from_millis(10), "listed at once: {:?}", gaps(&calls));
     }
 
     /// The pump ends once nobody listens, even while it waits for the API server.
