@@ -18,6 +18,7 @@
 //! - [`local`]: local mode: the plan directory, `.pos` and control files, as a plan source.
 //! - [`metrics`]: Prometheus metrics: the registry, the hooks that feed it, the `/metrics` endpoint.
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
+//! - [`k8s`]: the Kubernetes edge: the bounded client, its liveness account, the one list/watch.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
 //! - [`rollout`]: the rules of a rollout over many nodes' plan objects (who starts, when it stops).
 //! - [`config`]: the config and connection-info files, defaults and validation.
@@ -75,4 +76,13 @@ pub(crate) fn quoted(s: &str) -> String {
         cut.push('…');
     }
     format!("\"{}\"", cut.escape_debug())
+}
+
+/// Aborts the task when dropped (a background task that lives as long as its owner).
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

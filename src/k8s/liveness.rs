@@ -63,11 +63,6 @@ impl Liveness {
 
 static LIVENESS: LazyLock<Liveness> = LazyLock::new(Liveness::default);
 
-/// The process-wide account that [`Layer`] keeps.
-pub fn global() -> &'static Liveness {
-    &LIVENESS
-}
-
 /// The epoch of the process-wide account, marked seen: `changed()` fires at the next comeback.
 pub fn reconnected() -> watch::Receiver<u64> {
     let mut rx = LIVENESS.subscribe();

@@ -397,12 +397,17 @@ mod tests {
     /// What one publish held: its number and `name@rv` of every object.
     type Seen = (u64, Vec<String>);
 
+    /// Start the pump over `fake`: what it publishes, and its task.
+    fn start(fake: &Arc<Fake>) -> (watch::Receiver<Latest<DynamicObject>>, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
+        let f = fake.clone();
+        (rx, tokio::spawn(async move { run(&*f, "test NodePlans", tx).await }))
+    }
+
     /// Start the pump over `fake` and collect the first `n` publishes (each one seen: the fake
     /// spaces them out in virtual time).
     async fn publishes(fake: &Arc<Fake>, n: usize) -> (Vec<Seen>, watch::Receiver<Latest<DynamicObject>>) {
-        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
-        let f = fake.clone();
-        tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        let (mut rx, _) = start(fake);
         let mut out = Vec::new();
         while out.len() < n {
             rx.changed().await.expect("the pump runs");
@@ -540,9 +545,7 @@ mod tests {
             listed("5", &[("a", "5")]),
             Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
         ]);
-        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
-        let f = fake.clone();
-        tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        let (mut rx, _) = start(&fake);
         rx.changed().await.unwrap();
         rx.borrow_and_update();
         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -567,9 +570,7 @@ mod tests {
             listed("3", &[("a", "3")]),
             Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
         ]);
-        let (tx, mut rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
-        let f = fake.clone();
-        tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        let (mut rx, _) = start(&fake);
         // Three failures: the back-off is at its third step (3.2 s) after the third.
         while fake.calls().len() < 3 {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -585,9 +586,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_pump_stops_when_nobody_listens() {
         let fake = Fake::new(vec![listed("1", &[]), Step::Watch(Ok(vec![]), Duration::from_secs(3600))]);
-        let (tx, rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
-        let f = fake.clone();
-        let pump = tokio::spawn(async move { run(&*f, "test NodePlans", tx).await });
+        let (rx, pump) = start(&fake);
         tokio::time::sleep(Duration::from_secs(1)).await;
         drop(rx);
         tokio::time::timeout(Duration::from_secs(1), pump).await.expect("the pump ended").expect("no panic");

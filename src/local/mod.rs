@@ -14,6 +14,7 @@ pub mod scan;
 pub mod trust;
 pub mod wire;
 
+use crate::AbortOnDrop;
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::flow::Commit;
 use crate::plan::{self, Annotations, Hold, ProbeStatus};
@@ -398,13 +399,4 @@ pub enum PlanFileError {
 /// Read a plan file without following a link or blocking; regular files of at most [`PLAN_CAP`].
 fn read_plan(path: &Path) -> Result<Vec<u8>, PlanFileError> {
     crate::safefs::read_small(path, PLAN_CAP)?.ok_or(PlanFileError::Gone)
-}
-
-/// Aborts the task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }

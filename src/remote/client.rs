@@ -174,16 +174,8 @@ impl std::fmt::Debug for SecretClient {
     }
 }
 
+use crate::AbortOnDrop;
 use crate::k8s::error_line as kube_error_line;
-
-/// Aborts the task when dropped (the Secret watch's pump, when its stream is dropped).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 fn write_error(err: kube::Error) -> WriteError {
     match &err {
