@@ -133,6 +133,14 @@ pub struct AgentConfig {
     pub unknown_keys: Vec<String>,
 }
 
+/// The default bound on the bytes one image may unpack to (`imageMaxBytes`).
+pub const DEFAULT_IMAGE_MAX_BYTES: u64 = 4 << 30;
+/// The default bound on the entries one image may unpack to (`imageMaxEntries`).
+pub const DEFAULT_IMAGE_MAX_ENTRIES: u64 = 1_000_000;
+/// The shortest `leaseDuration` (renewal every quarter of it).
+pub const LEASE_MIN_DURATION: Duration = Duration::from_secs(4);
+/// The longest `leaseDuration`.
+pub const LEASE_MAX_DURATION: Duration = Duration::from_secs(3600);
 const DEFAULT_IMAGES_DIRECTORY: &str = "/var/lib/rancher/agent/images";
 const DEFAULT_AGENT_REGISTRIES_FILE: &str = "/etc/rancher/agent/registries.yaml";
 const DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG: &str = "/var/lib/rancher/credentialprovider/config.yaml";
@@ -156,8 +164,8 @@ impl Default for AgentConfig {
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
             image_credential_provider_config: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG.into(),
             image_credential_provider_bin_directory: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY.into(),
-            image_max_bytes: crate::image::DEFAULT_MAX_BYTES,
-            image_max_entries: crate::image::DEFAULT_MAX_ENTRIES,
+            image_max_bytes: DEFAULT_IMAGE_MAX_BYTES,
+            image_max_entries: DEFAULT_IMAGE_MAX_ENTRIES,
             interlock_directory: "/var/lib/rancher/agent/interlock".into(),
             stop_timeout: Duration::from_secs(10),
             kill_timeout: Duration::from_secs(5),
@@ -541,11 +549,11 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         }
     }
     let lease = cfg.lease_duration;
-    if !lease.is_zero() && !(crate::lease::MIN_DURATION..=crate::lease::MAX_DURATION).contains(&lease) {
+    if !lease.is_zero() && !(LEASE_MIN_DURATION..=LEASE_MAX_DURATION).contains(&lease) {
         problems.push(format!(
             "leaseDuration must be 0 (no Lease) or between {} and {}, found {}",
-            crate::duration::show(crate::lease::MIN_DURATION),
-            crate::duration::show(crate::lease::MAX_DURATION),
+            crate::duration::show(LEASE_MIN_DURATION),
+            crate::duration::show(LEASE_MAX_DURATION),
             crate::duration::show(lease)
         ));
     }

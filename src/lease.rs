@@ -33,10 +33,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// The shortest `leaseDuration` (renewal every quarter of it).
-pub const MIN_DURATION: Duration = Duration::from_secs(4);
-/// The longest `leaseDuration`.
-pub const MAX_DURATION: Duration = Duration::from_secs(3600);
+pub use crate::config::{LEASE_MAX_DURATION as MAX_DURATION, LEASE_MIN_DURATION as MIN_DURATION};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the holder's stop ladder is given beyond its stop and kill timeouts (R26).
 const FENCE_GRACE: Duration = Duration::from_secs(2);

@@ -5,7 +5,8 @@
 //! The pause and cancel rules that the code and tests cite as R1–R17 are stated in the
 //! repository's `docs/rules.md`.
 //!
-//! Module boundaries (each module's own doc says what it owns and must not touch):
+//! Module boundaries (each module's own doc says what it owns and must not touch). The modules form
+//! layers that point one way (`docs/architecture.md`, checked by `tests/architecture.rs`):
 //! - [`plan`]: wire types, validation, checksum, codecs, checkpoint, states, annotation values. No I/O.
 //! - [`flow`]: the plan-state flow with pause and cancel as pure decide/record functions shared by
 //!   every plan source (the rules of `docs/rules.md` that decide what runs and what is written).
@@ -20,17 +21,22 @@
 //! - [`remote`]: remote mode: the plan Secret (Kubernetes), as a plan source.
 //! - [`k8s`]: the Kubernetes edge: the bounded client, its liveness account, the one list/watch.
 //! - [`lease`]: the Kubernetes Lease that keeps a second agent off a remote or NodePlan source.
-//! - [`rollout`]: the rules of a rollout over many nodes' plan objects (who starts, when it stops).
 //! - [`config`]: the config and connection-info files, defaults and validation.
 //! - [`fleet`]: many nodes' plan objects (plan Secrets or NodePlans) as rows (state, progress,
-//!   probes) for status, fan-out and rollouts; `fleet::objects` reads and writes them.
+//!   probes) for status, fan-out and rollouts; the rollout's rules (`fleet::rollout`: who starts,
+//!   when it stops); `fleet::objects` reads and writes them.
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
+//! - [`backoff`]: the one back-off type and its jitter.
+//! - [`logging`]: log levels as the agent and the installer take them.
+//! - [`events`]: Kubernetes Events about plans.
+//! - [`nodeplan`]: the NodePlan custom resource: its types, status wire, and the agent's source.
 //! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
 
 pub mod apply;
+pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod duration;
@@ -43,6 +49,7 @@ pub mod install;
 pub mod k8s;
 pub mod lease;
 pub mod local;
+pub mod logging;
 pub mod metrics;
 pub mod nodeplan;
 pub mod plan;
@@ -50,7 +57,6 @@ pub mod probe;
 pub mod process;
 pub mod reconcile;
 pub mod remote;
-pub mod rollout;
 pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not

@@ -195,6 +195,17 @@ pub fn result_word(o: &Outcome) -> &'static str {
     }
 }
 
+/// What the instruction metric says of an outcome: [`result_word`] as a label.
+pub fn instruction_metric(o: &Outcome) -> crate::metrics::InstructionResult {
+    use crate::metrics::InstructionResult;
+    match result_word(o) {
+        "ok" => InstructionResult::Ok,
+        "canceled" => InstructionResult::Canceled,
+        "stopped" => InstructionResult::Stopped,
+        _ => InstructionResult::Failed,
+    }
+}
+
 /// `instruction 2/3 install` or `periodic instruction 1/1 check`: numbered from 1.
 pub fn instruction_label(index: usize, total: usize, name: &str, periodic: bool) -> String {
     let kind = if periodic { "periodic instruction" } else { "instruction" };
@@ -632,7 +643,7 @@ impl Applyinator {
             save_output(&mut result.one_time_output, ins, &report);
             let outcome = report.outcome.clone();
             input.observer.instruction_finished(&report);
-            crate::metrics::instruction_finished(&report);
+            crate::metrics::instruction_finished(report.periodic, instruction_metric(&report.outcome), report.elapsed);
             result.reports.push(report);
             if outcome.success() {
                 result.completed = index + 1;
@@ -692,7 +703,7 @@ impl Applyinator {
             let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
             let report = self.run_one(input, &dir, index, periodic.len(), &p.common, attempt, true).await;
             input.observer.instruction_finished(&report);
-            crate::metrics::instruction_finished(&report);
+            crate::metrics::instruction_finished(report.periodic, instruction_metric(&report.outcome), report.elapsed);
             result.termination_incomplete |= report.outcome.termination_incomplete();
             let outcome = report.outcome.clone();
             let stopped = outcome.stop_reason().and_then(|r| interruption_of_stop(r, input.interrupt()));

@@ -515,3 +515,22 @@ fn apply_errors_read_as_one_line_with_their_sources() {
         assert_eq!(crate::error_line(&e), line);
     }
 }
+
+#[test]
+fn instruction_results_and_their_metric() {
+    use crate::metrics::InstructionResult as R;
+    use crate::process::{ExitKind, StopReason};
+    let g = Duration::from_secs(1);
+    let table = [
+        (Outcome::Exited(ExitKind::Code(0)), R::Ok),
+        (Outcome::Exited(ExitKind::Code(3)), R::Failed),
+        (Outcome::StartFailed("x".into()), R::Failed),
+        (Outcome::Killed { reason: StopReason::Timeout(g), grace: g }, R::Failed),
+        (Outcome::Killed { reason: StopReason::Cancel, grace: g }, R::Canceled),
+        (Outcome::NotStarted(StopReason::Cancel), R::Canceled),
+        (Outcome::ExitedAfterStop { reason: StopReason::Shutdown, status: ExitKind::Code(0) }, R::Stopped),
+    ];
+    for (o, want) in table {
+        assert_eq!(instruction_metric(&o), want, "{o:?}");
+    }
+}

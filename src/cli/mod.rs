@@ -14,6 +14,7 @@ mod plan_cmd;
 mod rollout;
 mod supervise;
 
+use crate::logging::parse_log_level;
 use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
 use std::sync::OnceLock;
@@ -308,45 +309,6 @@ fn clap_error_line(e: &clap::Error) -> String {
     format!("nodeplan: {} (see --help)", parts.join(" ").trim_end_matches('.'))
 }
 
-/// The log levels accepted everywhere (`--log-level`, `NODEPLAN_LOG`, `CATTLE_LOGLEVEL`).
-const LOG_LEVELS: &str = "trace, debug, info, warn, error";
-
-/// One level name as tracing spells it. Besides nodeplan's own, logrus's names (system-agent's
-/// `CATTLE_LOGLEVEL`) are taken: `warning`, and `fatal`/`panic` as `error`.
-fn level_name(s: &str) -> Option<&'static str> {
-    Some(match s.trim().to_ascii_lowercase().as_str() {
-        "trace" => "trace",
-        "debug" => "debug",
-        "info" => "info",
-        "warn" | "warning" => "warn",
-        "error" | "fatal" | "panic" => "error",
-        "off" => "off",
-        _ => return None,
-    })
-}
-
-/// A log level (`info`) or comma-separated `TARGET=LEVEL` directives (`info,nodeplan::process=debug`),
-/// as an `EnvFilter` string. Anything else is an error listing the valid levels: an unknown word
-/// must not become a filter that silently drops every line.
-pub(crate) fn parse_log_level(s: &str) -> Result<String, String> {
-    let bad = || format!("{s:?} is not a log level: use one of {LOG_LEVELS}");
-    let mut out = Vec::new();
-    for d in s.split(',').map(str::trim) {
-        match d.split_once('=') {
-            None => out.push(level_name(d).ok_or_else(bad)?.to_string()),
-            Some((target, level)) => {
-                let ok_target = !target.is_empty()
-                    && target.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':' || c == '-');
-                if !ok_target {
-                    return Err(format!("{s:?}: {target:?} is not a module name (TARGET=LEVEL)"));
-                }
-                out.push(format!("{target}={}", level_name(level).ok_or_else(bad)?));
-            }
-        }
-    }
-    Ok(out.join(","))
-}
-
 /// The filter to use and, when an environment variable had a value that is not a level, the
 /// warning to log. The flag was checked by clap already. A bad `NODEPLAN_LOG`/`CATTLE_LOGLEVEL`
 /// is a warning, not an error: system-agent ignores a `CATTLE_LOGLEVEL` it cannot parse, and a
@@ -459,13 +421,6 @@ mod tests {
 
     #[test]
     fn log_levels() {
-        assert_eq!(parse_log_level("INFO"), Ok("info".into()));
-        assert_eq!(parse_log_level("warning"), Ok("warn".into()));
-        assert_eq!(parse_log_level("info,nodeplan::process=debug"), Ok("info,nodeplan::process=debug".into()));
-        let e = parse_log_level("bogus").unwrap_err();
-        assert!(e.contains("trace, debug, info, warn, error"), "{e}");
-        assert!(parse_log_level("nodeplan=loud").is_err());
-        assert!(parse_log_level("").is_err());
         let env = |k: &str| (k == "CATTLE_LOGLEVEL").then(|| "verbose".to_string());
         let (f, w) = log_filter(None, env);
         assert_eq!(f, "info");

@@ -1,6 +1,6 @@
 //! `nodeplan rollout PLAN --selector S`: push one plan to every node's plan object the selector
 //! picks (plan Secrets, or with `--nodeplans` one NodePlan per node), `--max-concurrent` at a
-//! time, stopping when more than `--max-errors` fail. The rules are [`crate::rollout`]'s; this is
+//! time, stopping when more than `--max-errors` fail. The rules are [`crate::fleet::rollout`]'s; this is
 //! the loop around them: a watch on the selected objects (every change decides again at once), a
 //! tick for the per-node timeout, the writes (through [`crate::fleet::objects`], at most
 //! [`objects::PARALLEL`] in flight), and a line per node transition with the overall counts.
@@ -8,7 +8,7 @@
 use super::exit;
 use super::plan_cmd::RemoteTarget;
 use crate::fleet::objects::{self, Change, Kind, Object, Scope, Tracker, Write};
-use crate::rollout::{self, Amount, Finish, Limits, Place};
+use crate::fleet::rollout::{self, Amount, Finish, Limits, Place};
 use clap::Args;
 use futures::StreamExt as _;
 use std::collections::{BTreeMap, BTreeSet};

@@ -3,7 +3,7 @@
 //! one JSON object per node and per change), the fan-out commands and the rollout.
 //!
 //! Pure, except [`objects`]: a [`Standing`] is read from either kind of object ([`secret`],
-//! [`nodeplan`]) so everything above it (rows, the rollout's rules in `crate::rollout`) is written
+//! [`nodeplan`]) so everything above it (rows, the rollout's rules in `crate::fleet::rollout`) is written
 //! once; a [`Row`] is computed from it ([`row_of`]) and rendered ([`table`], [`Row::json`]);
 //! [`Rows`] keeps the latest row of every node and says which changed, so a watch reports every
 //! transition once. [`objects`] is the I/O edge: listing, watching and writing the selected
@@ -11,6 +11,7 @@
 
 pub mod nodeplan;
 pub mod objects;
+pub mod rollout;
 pub mod secret;
 
 use crate::plan::ProbeStatus;

@@ -3,7 +3,7 @@
 //! namespace; NodePlans in one namespace or in all), listed, watched and written. Every request is
 //! bounded by the caller's timeout; [`write_all`] keeps at most [`PARALLEL`] writes in flight.
 //! What the objects mean is [`super::Standing`]'s; which writes to make is the commands' and
-//! `crate::rollout`'s.
+//! `crate::fleet::rollout`'s.
 
 use super::Standing;
 use crate::nodeplan::source::api_resource;
@@ -277,7 +277,7 @@ pub enum Write {
     /// A JSON merge patch (annotations, and for NodePlans spec scalars).
     Merge(serde_json::Value),
     /// A rollout's start of a NodePlan: `spec.plan` replaced whole (see
-    /// `crate::rollout::start_nodeplan`), on the version just read, read again on a conflict.
+    /// `crate::fleet::rollout::start_nodeplan`), on the version just read, read again on a conflict.
     StartNodePlan { plan: serde_json::Value, lease: Option<String> },
 }
 
@@ -319,7 +319,8 @@ pub async fn write(
                     api.get(&name).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, false)))
                 })
                 .await?;
-                let next = crate::rollout::start_nodeplan(&o, plan.clone(), chrono::Utc::now(), lease.as_deref());
+                let next =
+                    crate::fleet::rollout::start_nodeplan(&o, plan.clone(), chrono::Utc::now(), lease.as_deref());
                 let r = tokio::time::timeout(timeout, api.replace(&name, &PostParams::default(), &next)).await;
                 match r {
                     Ok(Ok(o)) => return Ok(Object::NodePlan(Box::new(o))),

@@ -46,8 +46,9 @@ pub struct Limits {
     pub max_entries: u64,
 }
 
-pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
-pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+pub use crate::config::{
+    DEFAULT_IMAGE_MAX_BYTES as DEFAULT_MAX_BYTES, DEFAULT_IMAGE_MAX_ENTRIES as DEFAULT_MAX_ENTRIES,
+};
 
 impl Default for Limits {
     fn default() -> Limits {

@@ -155,7 +155,7 @@ impl Settings {
             get("CATTLE_AGENT_BIN_PREFIX").map(|_| dir(None, "CATTLE_AGENT_BIN_PREFIX", "", &mut problems));
         let log_level = get("CATTLE_AGENT_LOGLEVEL");
         if let Some(l) = &log_level
-            && crate::cli::parse_log_level(l).is_err()
+            && crate::logging::parse_log_level(l).is_err()
         {
             problems.push(format!("CATTLE_AGENT_LOGLEVEL: {} is not a log level", crate::quoted(l)));
         }

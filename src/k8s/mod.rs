@@ -7,12 +7,18 @@
 //!   moves when it answers again after failures.
 //! - [`watch`]: list, then watch with bookmarks and a bound on the gap between events; a list
 //!   afresh when a watch ends, breaks, goes quiet, or may sit on a connection that died.
+//! - [`write`]: the one conditional writer (resourceVersion precondition; 409 → read again, then
+//!   write again or abandon; 404; 429 with the server's hint), over a source's small adapter.
+//! - [`base`]: the base of an agent's next write to one object (its own last write's answer unless
+//!   the watch has delivered something newer).
 //! - [`error_line`]: one line for a kube error, the same everywhere.
 //!
-//! It decides nothing about plans, and it writes nothing.
+//! It decides nothing about plans: what a write means is its caller's.
 
+pub mod base;
 pub mod liveness;
 pub mod watch;
+pub mod write;
 
 use std::time::Duration;
 

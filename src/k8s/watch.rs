@@ -26,8 +26,7 @@
 //! that ran a while) and the map of objects by name it publishes. It decides nothing about what
 //! the objects mean.
 
-use crate::process::supervise::Backoff;
-use crate::reconcile::jittered;
+use crate::backoff::{Backoff, jittered};
 use futures::{Stream, StreamExt as _};
 use kube::Resource as _;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
@@ -381,7 +380,8 @@ mod tests {
     }
 
     fn obj(name: &str, rv: &str) -> DynamicObject {
-        let mut o = DynamicObject::new(name, &crate::nodeplan::source::api_resource());
+        let gvk = kube::core::GroupVersionKind::gvk("example.com", "v1", "Thing");
+        let mut o = DynamicObject::new(name, &kube::api::ApiResource::from_gvk_with_plural(&gvk, "things"));
         o.metadata.resource_version = Some(rv.into());
         o
     }

@@ -8,6 +8,10 @@
 //! Until [`install`] is called every hook is one atomic load that finds nothing and returns, so a
 //! node without metrics pays nothing measurable, and `nodeplan apply` never reports anything.
 //!
+//! A leaf: it imports nothing of the crate but `safefs` (to open a measured directory). Callers
+//! hand it plain labels ([`PlanResult`], [`InstructionResult`], [`Ladder`], [`Recovery`], a
+//! probe's name and health); each module that owns a fact maps it to its label.
+//!
 //! Labels are bounded: plans are named by their 12-character id (the start of the checksum),
 //! probes by their name in the plan; every other label takes a fixed set of values.
 //!
@@ -29,16 +33,12 @@
 pub mod disk;
 pub mod server;
 
-use crate::apply::InstructionReport;
-use crate::plan::{PlanState, ProbeStatus};
-use crate::process::{Outcome, RecoveryResult};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -209,30 +209,24 @@ impl Metrics {
         out
     }
 
-    fn plan_recorded(&self, state: &PlanState) {
-        if let Some(result) = plan_result(state) {
-            self.plans.get_or_create(&ResultLabel { result }).inc();
-        }
+    fn plan_recorded(&self, result: PlanResult) {
+        self.plans.get_or_create(&ResultLabel { result: result.label() }).inc();
     }
 
-    fn instruction_finished(&self, periodic: bool, outcome: &Outcome, elapsed: Duration) {
-        let labels = InstructionLabels {
-            kind: if periodic { "periodic" } else { "one_time" },
-            result: instruction_result(outcome),
-        };
+    fn instruction_finished(&self, periodic: bool, result: InstructionResult, elapsed: Duration) {
+        let labels = InstructionLabels { kind: if periodic { "periodic" } else { "one_time" }, result: result.label() };
         self.instruction_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
     }
 
-    fn stop_ladder(&self, outcome: &Outcome) {
-        let Some(label) = ladder_outcome(outcome) else { return };
-        self.stop_ladder.get_or_create(&OutcomeLabel { outcome: label }).inc();
-        if let Outcome::GaveUp { survivors, .. } | Outcome::Incomplete { survivors, .. } = outcome {
-            self.stop_survivors.inc_by(*survivors as u64);
+    fn stop_ladder(&self, outcome: Ladder) {
+        self.stop_ladder.get_or_create(&OutcomeLabel { outcome: outcome.label() }).inc();
+        if let Ladder::Survivors(n) = outcome {
+            self.stop_survivors.inc_by(n as u64);
         }
     }
 
-    fn pid_record_recovered(&self, result: &RecoveryResult) {
-        self.pid_recoveries.get_or_create(&ResultLabel { result: recovery_result(result) }).inc();
+    fn pid_record_recovered(&self, result: Recovery) {
+        self.pid_recoveries.get_or_create(&ResultLabel { result: result.label() }).inc();
     }
 
     fn write_retried(&self, target: WriteTarget, reason: RetryReason) {
@@ -261,48 +255,93 @@ fn get() -> Option<&'static Metrics> {
     METRICS.get().map(|m| &**m)
 }
 
-/// The `result` label of a recorded plan state; `None` for states that are not an outcome.
-pub fn plan_result(state: &PlanState) -> Option<&'static str> {
-    match state {
-        PlanState::Succeeded => Some("succeeded"),
-        PlanState::Failed => Some("failed"),
-        PlanState::Paused => Some("paused"),
-        PlanState::Canceled => Some("canceled"),
-        PlanState::Pending | PlanState::InProgress | PlanState::Other(_) => None,
+/// The `result` label of a recorded plan state (a state that is an outcome).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanResult {
+    Succeeded,
+    Failed,
+    Paused,
+    Canceled,
+}
+
+impl PlanResult {
+    pub fn label(self) -> &'static str {
+        match self {
+            PlanResult::Succeeded => "succeeded",
+            PlanResult::Failed => "failed",
+            PlanResult::Paused => "paused",
+            PlanResult::Canceled => "canceled",
+        }
     }
 }
 
-/// The `result` label of an instruction: what [`crate::apply::result_word`] says, in lower case.
-pub fn instruction_result(outcome: &Outcome) -> &'static str {
-    match crate::apply::result_word(outcome) {
-        "ok" => "ok",
-        "canceled" => "canceled",
-        "stopped" => "stopped",
-        _ => "failed",
+/// The `result` label of a finished instruction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstructionResult {
+    Ok,
+    Failed,
+    Canceled,
+    Stopped,
+}
+
+impl InstructionResult {
+    pub fn label(self) -> &'static str {
+        match self {
+            InstructionResult::Ok => "ok",
+            InstructionResult::Failed => "failed",
+            InstructionResult::Canceled => "canceled",
+            InstructionResult::Stopped => "stopped",
+        }
     }
 }
 
-/// The `outcome` label of a stop-ladder run; `None` for outcomes the ladder does not produce.
-pub fn ladder_outcome(outcome: &Outcome) -> Option<&'static str> {
-    match outcome {
-        Outcome::ExitedAfterStop { .. } => Some("exited_on_term"),
-        Outcome::Killed { .. } => Some("killed"),
-        Outcome::GaveUp { .. } | Outcome::Incomplete { .. } => Some("survivors"),
-        Outcome::SignalFailed { .. } | Outcome::WaitFailed(_) => Some("error"),
-        Outcome::Exited(_) | Outcome::NotStarted(_) | Outcome::StartFailed(_) => None,
+/// How a stop-ladder run ended: the `outcome` label, and the processes left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ladder {
+    /// The tree was gone within the grace after SIGTERM.
+    ExitedOnTerm,
+    /// It needed SIGKILL.
+    Killed,
+    /// This many processes were left running.
+    Survivors(usize),
+    /// The tree could not be signalled or waited for.
+    Error,
+}
+
+impl Ladder {
+    pub fn label(self) -> &'static str {
+        match self {
+            Ladder::ExitedOnTerm => "exited_on_term",
+            Ladder::Killed => "killed",
+            Ladder::Survivors(_) => "survivors",
+            Ladder::Error => "error",
+        }
     }
 }
 
 /// The `result` label of a PID record seen by crash recovery.
-pub fn recovery_result(result: &RecoveryResult) -> &'static str {
-    match result {
-        RecoveryResult::Invalid(_) => "invalid",
-        RecoveryResult::Gone => "gone",
-        RecoveryResult::Mismatch(_) => "mismatch",
-        RecoveryResult::Stopped(_) => "stopped",
-        RecoveryResult::NotStopped(_) => "not_stopped",
-        RecoveryResult::Refused(_) => "refused",
-        RecoveryResult::OwnerAlive(_) => "owner_alive",
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    Invalid,
+    Gone,
+    Mismatch,
+    Stopped,
+    NotStopped,
+    Refused,
+    OwnerAlive,
+}
+
+impl Recovery {
+    pub fn label(self) -> &'static str {
+        match self {
+            Recovery::Invalid => "invalid",
+            Recovery::Gone => "gone",
+            Recovery::Mismatch => "mismatch",
+            Recovery::Stopped => "stopped",
+            Recovery::NotStopped => "not_stopped",
+            Recovery::Refused => "refused",
+            Recovery::OwnerAlive => "owner_alive",
+        }
     }
 }
 
@@ -347,22 +386,23 @@ pub fn plan_id(checksum: &str) -> String {
 
 // ---- hooks: one line at the place that knows the fact; nothing happens without `install` ----
 
-/// A plan state was recorded for a plan (after a run, or a pause or cancel before one).
-pub fn plan_recorded(state: &PlanState) {
+/// A plan state that is an outcome was recorded for a plan (after a run, or a pause or cancel
+/// before one).
+pub fn plan_recorded(result: PlanResult) {
     if let Some(m) = get() {
-        m.plan_recorded(state);
+        m.plan_recorded(result);
     }
 }
 
-/// An instruction finished.
-pub fn instruction_finished(report: &InstructionReport) {
+/// An instruction (`periodic` or one-time) finished with `result` after `elapsed`.
+pub fn instruction_finished(periodic: bool, result: InstructionResult, elapsed: Duration) {
     if let Some(m) = get() {
-        m.instruction_finished(report.periodic, &report.outcome, report.elapsed);
+        m.instruction_finished(periodic, result, elapsed);
     }
 }
 
 /// The stop ladder ended with `outcome`.
-pub fn stop_ladder(outcome: &Outcome) {
+pub fn stop_ladder(outcome: Ladder) {
     if let Some(m) = get() {
         m.stop_ladder(outcome);
     }
@@ -376,7 +416,7 @@ pub fn cancel_recorded(latency: Duration) {
 }
 
 /// Crash recovery is done with one PID record.
-pub fn pid_record_recovered(result: &RecoveryResult) {
+pub fn pid_record_recovered(result: Recovery) {
     if let Some(m) = get() {
         m.pid_record_recovered(result);
     }
@@ -412,10 +452,10 @@ pub struct ProbeHealth {
 }
 
 impl ProbeHealth {
-    /// Show the statuses of the probes of the plan with `checksum`.
-    pub fn set(&mut self, checksum: &str, statuses: &BTreeMap<String, ProbeStatus>) {
+    /// Show the health of the probes (name, healthy) of the plan with `checksum`.
+    pub fn set<'a>(&mut self, checksum: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
         let Some(m) = get() else { return };
-        self.set_in(m, checksum, statuses);
+        self.set_in(m, checksum, probes);
     }
 
     /// Remove every gauge of the plan (its probes are gone).
@@ -425,12 +465,12 @@ impl ProbeHealth {
         }
     }
 
-    fn set_in(&mut self, m: &Metrics, checksum: &str, statuses: &BTreeMap<String, ProbeStatus>) {
+    fn set_in<'a>(&mut self, m: &Metrics, checksum: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
         let plan = plan_id(checksum);
-        let now: Vec<(ProbeLabels, bool)> = statuses
-            .iter()
-            .map(|(name, s)| {
-                (ProbeLabels { plan: plan.clone(), probe: name.chars().take(MAX_LABEL_CHARS).collect() }, s.healthy)
+        let now: Vec<(ProbeLabels, bool)> = probes
+            .into_iter()
+            .map(|(name, healthy)| {
+                (ProbeLabels { plan: plan.clone(), probe: name.chars().take(MAX_LABEL_CHARS).collect() }, healthy)
             })
             .collect();
         for old in self.shown.iter().filter(|o| !now.iter().any(|(l, _)| l == *o)) {

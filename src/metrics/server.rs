@@ -211,7 +211,7 @@ mod tests {
     #[tokio::test]
     async fn the_endpoint_serves_metrics_and_404s_everything_else() {
         let m = Arc::new(Metrics::new(super::super::Directories::default()));
-        m.plan_recorded(&crate::plan::PlanState::Succeeded);
+        m.plan_recorded(super::super::PlanResult::Succeeded);
         let (port, tx, server) = serving(m).await;
         let ok = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");

@@ -1,78 +1,7 @@
 use super::*;
-use crate::process::{ExitKind, StopReason};
 
 fn text(m: &Metrics) -> String {
     m.encode(server::Format::Text)
-}
-
-#[test]
-fn plan_states_and_their_labels() {
-    let table = [
-        (PlanState::Succeeded, Some("succeeded")),
-        (PlanState::Failed, Some("failed")),
-        (PlanState::Paused, Some("paused")),
-        (PlanState::Canceled, Some("canceled")),
-        (PlanState::Pending, None),
-        (PlanState::InProgress, None),
-        (PlanState::Other("weird".into()), None),
-    ];
-    for (state, want) in table {
-        assert_eq!(plan_result(&state), want, "{state:?}");
-    }
-}
-
-#[test]
-fn ladder_outcomes_and_their_labels() {
-    let r = StopReason::Cancel;
-    let g = Duration::from_secs(1);
-    let table = [
-        (Outcome::ExitedAfterStop { reason: r, status: ExitKind::Signal(15) }, Some("exited_on_term")),
-        (Outcome::Killed { reason: r, grace: g }, Some("killed")),
-        (Outcome::GaveUp { reason: r, grace: g, survivors: 2 }, Some("survivors")),
-        (Outcome::Incomplete { reason: r, survivors: 1 }, Some("survivors")),
-        (Outcome::SignalFailed { reason: r, error: "EPERM".into() }, Some("error")),
-        (Outcome::WaitFailed("x".into()), Some("error")),
-        (Outcome::Exited(ExitKind::Code(0)), None),
-        (Outcome::NotStarted(r), None),
-        (Outcome::StartFailed("no such file".into()), None),
-    ];
-    for (o, want) in table {
-        assert_eq!(ladder_outcome(&o), want, "{o:?}");
-    }
-}
-
-#[test]
-fn instruction_results_and_their_labels() {
-    let g = Duration::from_secs(1);
-    let table = [
-        (Outcome::Exited(ExitKind::Code(0)), "ok"),
-        (Outcome::Exited(ExitKind::Code(3)), "failed"),
-        (Outcome::StartFailed("x".into()), "failed"),
-        (Outcome::Killed { reason: StopReason::Timeout(g), grace: g }, "failed"),
-        (Outcome::Killed { reason: StopReason::Cancel, grace: g }, "canceled"),
-        (Outcome::NotStarted(StopReason::Cancel), "canceled"),
-        (Outcome::ExitedAfterStop { reason: StopReason::Shutdown, status: ExitKind::Code(0) }, "stopped"),
-    ];
-    for (o, want) in table {
-        assert_eq!(instruction_result(&o), want, "{o:?}");
-    }
-}
-
-#[test]
-fn recovery_results_and_their_labels() {
-    let o = || Outcome::Killed { reason: StopReason::Shutdown, grace: Duration::from_secs(1) };
-    let table = [
-        (RecoveryResult::Invalid("x".into()), "invalid"),
-        (RecoveryResult::Gone, "gone"),
-        (RecoveryResult::Mismatch("x".into()), "mismatch"),
-        (RecoveryResult::Stopped(o()), "stopped"),
-        (RecoveryResult::NotStopped(o()), "not_stopped"),
-        (RecoveryResult::Refused("x".into()), "refused"),
-        (RecoveryResult::OwnerAlive(1), "owner_alive"),
-    ];
-    for (r, want) in table {
-        assert_eq!(recovery_result(&r), want, "{r:?}");
-    }
 }
 
 #[test]
@@ -84,15 +13,13 @@ fn plan_ids_are_twelve_characters() {
 #[test]
 fn counters_show_under_their_documented_names() {
     let m = Metrics::new(Directories::default());
-    m.plan_recorded(&PlanState::Succeeded);
-    m.plan_recorded(&PlanState::Succeeded);
-    m.plan_recorded(&PlanState::Canceled);
-    m.plan_recorded(&PlanState::InProgress);
-    m.stop_ladder(&Outcome::Incomplete { reason: StopReason::Cancel, survivors: 3 });
-    m.stop_ladder(&Outcome::Exited(ExitKind::Code(0)));
+    m.plan_recorded(PlanResult::Succeeded);
+    m.plan_recorded(PlanResult::Succeeded);
+    m.plan_recorded(PlanResult::Canceled);
+    m.stop_ladder(Ladder::Survivors(3));
     m.write_retried(WriteTarget::NodePlan, RetryReason::Conflict);
-    m.pid_record_recovered(&RecoveryResult::Gone);
-    m.instruction_finished(true, &Outcome::Exited(ExitKind::Code(0)), Duration::from_millis(20));
+    m.pid_record_recovered(Recovery::Gone);
+    m.instruction_finished(true, InstructionResult::Ok, Duration::from_millis(20));
     let t = text(&m);
     for line in [
         "nodeplan_plans_total{result=\"succeeded\"} 2",
@@ -115,20 +42,19 @@ fn counters_show_under_their_documented_names() {
 #[test]
 fn probe_gauges_follow_the_plans_probes() {
     let m = Metrics::new(Directories::default());
-    let status = |healthy| ProbeStatus { healthy, ..ProbeStatus::default() };
     let checksum = "0123456789abcdef0123";
     let mut h = ProbeHealth::default();
-    h.set_in(&m, checksum, &BTreeMap::from([("web".to_string(), status(true)), ("db".to_string(), status(false))]));
+    h.set_in(&m, checksum, [("web", true), ("db", false)]);
     let t = text(&m);
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 1"), "{t}");
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"db\"} 0"), "{t}");
     // `db` went away, `web` turned unhealthy.
-    h.set_in(&m, checksum, &BTreeMap::from([("web".to_string(), status(false))]));
+    h.set_in(&m, checksum, [("web", false)]);
     let t = text(&m);
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 0"), "{t}");
     assert!(!t.contains("probe=\"db\""), "{t}");
     // The plan changed: the old plan's gauges go.
-    h.set_in(&m, "fedcba9876543210", &BTreeMap::from([("web".to_string(), status(true))]));
+    h.set_in(&m, "fedcba9876543210", [("web", true)]);
     let t = text(&m);
     assert!(!t.contains("0123456789ab"), "{t}");
     assert!(t.contains("nodeplan_probe_healthy{plan=\"fedcba987654\",probe=\"web\"} 1"), "{t}");
@@ -140,7 +66,8 @@ fn probe_gauges_follow_the_plans_probes() {
 fn long_probe_names_are_cut() {
     let m = Metrics::new(Directories::default());
     let mut h = ProbeHealth::default();
-    h.set_in(&m, "abc", &BTreeMap::from([("p".repeat(500), ProbeStatus::default())]));
+    let long = "p".repeat(500);
+    h.set_in(&m, "abc", [(long.as_str(), false)]);
     let t = text(&m);
     assert!(t.contains(&format!("probe=\"{}\"", "p".repeat(MAX_LABEL_CHARS))), "{t}");
     assert!(!t.contains(&"p".repeat(MAX_LABEL_CHARS + 1)), "{t}");

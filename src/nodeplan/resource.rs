@@ -4,9 +4,33 @@
 //! smaller one).
 
 use crate::plan::{Checkpoint, PeriodicInstructionOutput, ProbeStatus};
+use kube::api::ApiResource;
+use kube::core::GroupVersionKind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
+
+/// The API resource of NodePlans.
+pub fn api_resource() -> ApiResource {
+    let gvk = GroupVersionKind::gvk(GROUP, VERSION, KIND);
+    ApiResource::from_gvk_with_plural(&gvk, PLURAL)
+}
+
+/// The value of the node label for a node name: the name itself, or for a name longer than a
+/// label value may be (63 characters), `h-` and the first 40 hex digits of its SHA-256 (the
+/// NodePlan then names the node in `spec.nodeName`).
+pub fn node_label_value(node: &str) -> String {
+    let valid = node.len() <= 63
+        && node.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && node.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && node.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        node.to_string()
+    } else {
+        let hex = crate::plan::checksum(node.as_bytes());
+        format!("h-{}", &hex[..40])
+    }
+}
 
 pub const GROUP: &str = "agent.cattle.io";
 pub const VERSION: &str = "v1alpha1";

@@ -9,19 +9,21 @@
 //! finalizer: a dead node must not leave objects stuck in Terminating).
 
 use super::resource::{self, NODE_LABEL, NodePlanSpec, NodePlanStatus};
+pub use super::resource::{api_resource, node_label_value};
 use super::runs::RunStore;
 use super::wire::{self, Policy, PreflightResult, Target};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
+use crate::k8s::base::WriteBase;
+use crate::k8s::error_line as k8s_error_line;
+use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
-use crate::remote::base::WriteBase;
-use kube::api::{Api, ApiResource, DynamicObject, PostParams};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, DynamicObject, PostParams};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,28 +31,6 @@ use tokio::sync::watch;
 
 /// Every API call is bounded: kube has no read timeout of its own.
 const API_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// The API resource of NodePlans.
-pub fn api_resource() -> ApiResource {
-    let gvk = GroupVersionKind::gvk(resource::GROUP, resource::VERSION, resource::KIND);
-    ApiResource::from_gvk_with_plural(&gvk, resource::PLURAL)
-}
-
-/// The value of the node label for a node name: the name itself, or for a name longer than a
-/// label value may be (63 characters), `h-` and the first 40 hex digits of its SHA-256 (the
-/// NodePlan then names the node in `spec.nodeName`).
-pub fn node_label_value(node: &str) -> String {
-    let valid = node.len() <= 63
-        && node.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && node.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && node.ends_with(|c: char| c.is_ascii_alphanumeric());
-    if valid {
-        node.to_string()
-    } else {
-        let hex = crate::plan::checksum(node.as_bytes());
-        format!("h-{}", &hex[..40])
-    }
-}
 
 /// The watch's latest objects, by name, numbered so the source can tell whether they arrived
 /// after its own write.
@@ -222,74 +202,23 @@ impl NodePlanSource {
         format!("nodeplan {}/{name}", self.namespace)
     }
 
-    /// Replace the status of `name` (for the plan with `checksum`) on the current object. On a
-    /// conflict read again: an outcome (`reapply`) is written again on the fresh object if the plan
-    /// is unchanged; a transition is abandoned so the new spec is decided afresh.
+    /// Replace the status of `name` (for the plan with `checksum`) on the current object through
+    /// the one writer ([`crate::k8s::write`]): on a conflict an outcome (`reapply`) is written
+    /// again on the fresh object while it carries the same plan; a transition is abandoned so the
+    /// new spec is decided afresh.
     async fn write(&mut self, name: &str, checksum: &str, status: &NodePlanStatus, reapply: bool) -> Written {
-        let Some(mut base) = self.current(name) else { return Written::Abandoned };
-        for _ in 0..8 {
-            if !belongs(&base, checksum) {
-                return Written::Abandoned;
-            }
-            // The status always fits beside what the object already holds (its spec may be large).
-            let mut without = base.clone();
-            if let Some(obj) = without.data.as_object_mut() {
-                obj.remove("status");
-            }
-            let held = serde_json::to_vec(&without).map_or(wire::OBJECT_BUDGET, |v| v.len());
-            let (status, cut) = wire::fit(status.clone(), wire::OBJECT_BUDGET.saturating_sub(held));
-            if cut {
-                tracing::warn!(
-                    "{}: the status is shortened to fit beside its spec (outputs, then per-instruction results dropped)",
-                    self.label(name)
-                );
-            }
-            let Ok(status_value) = serde_json::to_value(&status) else {
-                return Written::failed("cannot encode the status");
-            };
-            let mut next = base.clone();
-            if let Some(obj) = next.data.as_object_mut() {
-                obj.insert("status".into(), status_value.clone());
-            }
-            // An event the watch delivers while the write is on its way counts as newer.
-            let sent = self.seq();
-            match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &next)).await
-            {
-                Ok(Ok(new)) => {
-                    self.remember(name, new, sent, &base);
-                    return Written::Done;
-                }
-                Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
-                    tracing::info!("{}: status write conflicted (409); reading it again", self.label(name));
-                    match tokio::time::timeout(API_TIMEOUT, self.api.get_opt(name)).await {
-                        Ok(Ok(Some(fresh))) => {
-                            self.remember(name, fresh.clone(), sent, &base);
-                            if !reapply {
-                                return Written::Abandoned;
-                            }
-                            base = fresh;
-                            metrics::write_retried(WriteTarget::NodePlan, RetryReason::Conflict);
-                        }
-                        Ok(Ok(None)) => return Written::Abandoned,
-                        Ok(Err(e)) => return Written::failed(crate::error_line(&e)),
-                        Err(_) => return Written::failed("timed out reading the NodePlan"),
-                    }
-                }
-                Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Written::Abandoned,
-                Ok(Err(kube::Error::Api(s))) if s.code == 429 => {
-                    let retry_after = s
-                        .details
-                        .as_ref()
-                        .map(|d| d.retry_after_seconds)
-                        .filter(|s| *s > 0)
-                        .map(|s| Duration::from_secs(u64::from(s)));
-                    return Written::Failed { error: "the API server asked to slow down (429)".into(), retry_after };
-                }
-                Ok(Err(e)) => return Written::failed(crate::error_line(&e)),
-                Err(_) => return Written::failed("timed out writing the NodePlan status"),
-            }
-        }
-        Written::failed("the NodePlan kept changing under every write")
+        let Some(base) = self.current(name) else { return Written::Abandoned };
+        let label = self.label(name);
+        let mut target = StatusWrite {
+            api: &self.api,
+            name,
+            label,
+            checksum,
+            status,
+            latest: self.latest.as_ref(),
+            own: self.own.entry(name.to_string()).or_default(),
+        };
+        write::write(&mut target, base, reapply).await.into()
     }
 
     /// Write an outcome that must not be lost: kept when it fails, retried through `flush`.
@@ -398,6 +327,72 @@ impl NodePlanSource {
             Ok(Err(e)) => tracing::warn!("{}: cannot write its status: {}", self.label(name), crate::error_line(&e)),
             Err(_) => tracing::warn!("{}: cannot write its status: timed out", self.label(name)),
         }
+    }
+}
+
+/// One status write of one NodePlan, for [`crate::k8s::write`].
+struct StatusWrite<'a> {
+    api: &'a Api<DynamicObject>,
+    name: &'a str,
+    label: String,
+    checksum: &'a str,
+    status: &'a NodePlanStatus,
+    latest: Option<&'a watch::Receiver<Latest>>,
+    own: &'a mut WriteBase<DynamicObject>,
+}
+
+impl write::Target for StatusWrite<'_> {
+    type Object = DynamicObject;
+    type Payload = DynamicObject;
+    const METRIC: WriteTarget = WriteTarget::NodePlan;
+
+    fn what(&self) -> String {
+        self.label.clone()
+    }
+
+    fn belongs(&self, o: &DynamicObject) -> bool {
+        belongs(o, self.checksum)
+    }
+
+    /// The object with this status, shortened to fit beside what the object already holds (its
+    /// spec may be large).
+    fn prepare(&self, base: &DynamicObject) -> Prepared<DynamicObject> {
+        let mut without = base.clone();
+        if let Some(obj) = without.data.as_object_mut() {
+            obj.remove("status");
+        }
+        let held = serde_json::to_vec(&without).map_or(wire::OBJECT_BUDGET, |v| v.len());
+        let (status, cut) = wire::fit(self.status.clone(), wire::OBJECT_BUDGET.saturating_sub(held));
+        if cut {
+            tracing::warn!(
+                "{}: the status is shortened to fit beside its spec (outputs, then per-instruction results dropped)",
+                self.label
+            );
+        }
+        let Ok(status_value) = serde_json::to_value(&status) else {
+            return Prepared::Fail("cannot encode the status".into());
+        };
+        let mut next = base.clone();
+        if let Some(obj) = next.data.as_object_mut() {
+            obj.insert("status".into(), status_value);
+        }
+        Prepared::Send(next)
+    }
+
+    async fn send(&self, _: &DynamicObject, next: DynamicObject) -> Result<DynamicObject, WriteError> {
+        Ok(self.api.replace_status(self.name, &PostParams::default(), &next).await?)
+    }
+
+    async fn read(&self) -> Result<Option<DynamicObject>, String> {
+        self.api.get_opt(self.name).await.map_err(|e| format!("{}: {}", self.label, k8s_error_line(&e)))
+    }
+
+    fn seq(&self) -> u64 {
+        self.latest.map_or(0, |l| l.borrow().0)
+    }
+
+    fn remember(&mut self, new: DynamicObject, sent: u64, older: &DynamicObject, _: bool) {
+        self.own.remember(new, sent, rv(older), rv);
     }
 }
 

@@ -153,7 +153,7 @@ pub fn is_for_node(o: &kube::api::DynamicObject, node: &str) -> bool {
     let label = o.metadata.labels.as_ref().and_then(|l| l.get(super::resource::NODE_LABEL));
     let Some(label) = label else { return false };
     let named = o.data.pointer("/spec/nodeName").and_then(serde_json::Value::as_str) == Some(node);
-    *label == super::source::node_label_value(node) && (label == node || named)
+    *label == super::resource::node_label_value(node) && (label == node || named)
 }
 
 /// What a NodePlan is ordered by ([`order`]): its priority, creation time and name.

@@ -510,7 +510,9 @@ impl Supervisor {
             }
         })
         .await;
-        crate::metrics::stop_ladder(&outcome);
+        if let Some(m) = outcome.ladder_metric() {
+            crate::metrics::stop_ladder(m);
+        }
         // After a successful stop the pipes are at EOF or were closed; never wait long on them.
         self.drain(&mut readers, Duration::from_millis(100)).await;
         if !outcome.termination_incomplete() {
@@ -670,14 +672,14 @@ impl Supervisor {
                     tracing::warn!("{}: {e}; renamed to {} and ignored", path.display(), kept.display());
                     let _ = std::fs::rename(&path, &kept);
                     let result = RecoveryResult::Invalid(e);
-                    crate::metrics::pid_record_recovered(&result);
+                    crate::metrics::pid_record_recovered(result.metric());
                     out.push(Recovered { path, record: None, result });
                     continue;
                 }
                 record::Entry::Untrusted(why) => {
                     tracing::error!("{why}");
                     let result = RecoveryResult::Refused(why);
-                    crate::metrics::pid_record_recovered(&result);
+                    crate::metrics::pid_record_recovered(result.metric());
                     out.push(Recovered { path, record: None, result });
                     continue;
                 }
@@ -693,7 +695,7 @@ impl Supervisor {
                 )),
                 r => r,
             };
-            crate::metrics::pid_record_recovered(&result);
+            crate::metrics::pid_record_recovered(result.metric());
             match &result {
                 RecoveryResult::Stopped(o) => {
                     tracing::info!("stopped leftover {} of {}: {o}", rec.describe(), rec.owner.short())
@@ -776,7 +778,9 @@ impl Supervisor {
             );
         }
         let outcome = ladder(&tree, None, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
-        crate::metrics::stop_ladder(&outcome);
+        if let Some(m) = outcome.ladder_metric() {
+            crate::metrics::stop_ladder(m);
+        }
         if outcome.termination_incomplete() {
             RecoveryResult::NotStopped(outcome)
         } else {
@@ -832,6 +836,22 @@ pub enum RecoveryResult {
     /// The run belongs to another nodeplan process (this pid) that is still running: not a
     /// leftover. Nothing was signalled; the record is kept and what it belongs to must be held.
     OwnerAlive(i32),
+}
+
+impl RecoveryResult {
+    /// What the recovery metric says of this result.
+    pub fn metric(&self) -> crate::metrics::Recovery {
+        use crate::metrics::Recovery;
+        match self {
+            RecoveryResult::Invalid(_) => Recovery::Invalid,
+            RecoveryResult::Gone => Recovery::Gone,
+            RecoveryResult::Mismatch(_) => Recovery::Mismatch,
+            RecoveryResult::Stopped(_) => Recovery::Stopped,
+            RecoveryResult::NotStopped(_) => Recovery::NotStopped,
+            RecoveryResult::Refused(_) => Recovery::Refused,
+            RecoveryResult::OwnerAlive(_) => Recovery::OwnerAlive,
+        }
+    }
 }
 
 fn remove_record(path: Option<&Path>) {
@@ -1348,5 +1368,28 @@ mod await_spawn_tests {
         .await;
         assert!(matches!(r, Err(Interrupted { reason: StopReason::Cancel, result: None })));
         assert!(killed.load(Ordering::SeqCst));
+    }
+}
+
+#[cfg(test)]
+mod recovery_metric_tests {
+    use super::*;
+    use crate::metrics::Recovery;
+
+    #[test]
+    fn recovery_results_and_their_metric() {
+        let o = || Outcome::Killed { reason: StopReason::Shutdown, grace: Duration::from_secs(1) };
+        let table = [
+            (RecoveryResult::Invalid("x".into()), Recovery::Invalid),
+            (RecoveryResult::Gone, Recovery::Gone),
+            (RecoveryResult::Mismatch("x".into()), Recovery::Mismatch),
+            (RecoveryResult::Stopped(o()), Recovery::Stopped),
+            (RecoveryResult::NotStopped(o()), Recovery::NotStopped),
+            (RecoveryResult::Refused("x".into()), Recovery::Refused),
+            (RecoveryResult::OwnerAlive(1), Recovery::OwnerAlive),
+        ];
+        for (r, want) in table {
+            assert_eq!(r.metric(), want, "{r:?}");
+        }
     }
 }

@@ -182,6 +182,23 @@ impl fmt::Display for Outcome {
     }
 }
 
+impl Outcome {
+    /// What the stop ladder's metric says of this outcome; `None` for outcomes the ladder does not
+    /// produce.
+    pub fn ladder_metric(&self) -> Option<crate::metrics::Ladder> {
+        use crate::metrics::Ladder;
+        match self {
+            Outcome::ExitedAfterStop { .. } => Some(Ladder::ExitedOnTerm),
+            Outcome::Killed { .. } => Some(Ladder::Killed),
+            Outcome::GaveUp { survivors, .. } | Outcome::Incomplete { survivors, .. } => {
+                Some(Ladder::Survivors(*survivors))
+            }
+            Outcome::SignalFailed { .. } | Outcome::WaitFailed(_) => Some(Ladder::Error),
+            Outcome::Exited(_) | Outcome::NotStarted(_) | Outcome::StartFailed(_) => None,
+        }
+    }
+}
+
 fn processes(n: usize) -> &'static str {
     if n == 1 { "process" } else { "processes" }
 }
@@ -189,6 +206,27 @@ fn processes(n: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Ladder;
+
+    #[test]
+    fn ladder_outcomes_and_their_metric() {
+        let r = StopReason::Cancel;
+        let g = Duration::from_secs(1);
+        let table = [
+            (Outcome::ExitedAfterStop { reason: r, status: ExitKind::Signal(15) }, Some(Ladder::ExitedOnTerm)),
+            (Outcome::Killed { reason: r, grace: g }, Some(Ladder::Killed)),
+            (Outcome::GaveUp { reason: r, grace: g, survivors: 2 }, Some(Ladder::Survivors(2))),
+            (Outcome::Incomplete { reason: r, survivors: 1 }, Some(Ladder::Survivors(1))),
+            (Outcome::SignalFailed { reason: r, error: "EPERM".into() }, Some(Ladder::Error)),
+            (Outcome::WaitFailed("x".into()), Some(Ladder::Error)),
+            (Outcome::Exited(ExitKind::Code(0)), None),
+            (Outcome::NotStarted(r), None),
+            (Outcome::StartFailed("no such file".into()), None),
+        ];
+        for (o, want) in table {
+            assert_eq!(o.ladder_metric(), want, "{o:?}");
+        }
+    }
 
     #[test]
     fn displays_like_people_read_them() {

@@ -2,40 +2,10 @@
 //! through the ladder on request, and refuse to start a second copy of a previous instance that
 //! could not be stopped.
 
+pub use crate::backoff::Backoff;
+
 use super::{LockError, Outcome, RecoveryResult, RunResult, SpawnSpec, StopSignal, Supervisor};
 use std::time::Duration;
-
-/// Exponential respawn delay: `initial` doubling up to `max`, back to `initial` after a run that
-/// stayed up for `healthy_after`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Backoff {
-    pub initial: Duration,
-    pub max: Duration,
-    pub healthy_after: Duration,
-    next: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff::new(Duration::from_secs(1), Duration::from_secs(300), Duration::from_secs(600))
-    }
-}
-
-impl Backoff {
-    pub fn new(initial: Duration, max: Duration, healthy_after: Duration) -> Backoff {
-        Backoff { initial, max, healthy_after, next: initial }
-    }
-
-    /// The delay before the next start, given how long the last run lasted.
-    pub fn after_run(&mut self, ran_for: Duration) -> Duration {
-        if ran_for >= self.healthy_after {
-            self.next = self.initial;
-        }
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SuperviseError {
@@ -124,20 +94,5 @@ pub async fn supervise(
             _ = tokio::time::sleep(delay) => {}
             r = stop.wait() => return Ok(Outcome::NotStarted(r)),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_caps_and_resets_after_a_healthy_run() {
-        let mut b = Backoff::default();
-        let short = Duration::from_secs(1);
-        let got: Vec<u64> = (0..12).map(|_| b.after_run(short).as_secs()).collect();
-        assert_eq!(got, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300]);
-        assert_eq!(b.after_run(Duration::from_secs(600)).as_secs(), 1, "reset after 10 min up");
-        assert_eq!(b.after_run(short).as_secs(), 2);
     }
 }

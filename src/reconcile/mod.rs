@@ -31,13 +31,13 @@
 //! pause, cancel, a crash and recovery: it is the smallest complete example.
 
 use crate::apply::{AgentExit, ApplyError, ApplyInput, ApplyResult, Applyinator, Interrupt, LogObserver};
+use crate::backoff::{Backoff, jittered};
 use crate::duration::human as human_duration;
 pub use crate::events::Reason;
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::plan::{Interruption, PeriodicInstructionOutput, ProbeStatus, ValidPlan};
 use crate::probe::Prober;
 use crate::process::Owner;
-use crate::process::supervise::Backoff;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
@@ -124,6 +124,17 @@ pub enum Written {
 impl Written {
     pub fn failed(error: impl Into<String>) -> Written {
         Written::Failed { error: error.into(), retry_after: None }
+    }
+}
+
+impl From<crate::k8s::write::Wrote> for Written {
+    fn from(w: crate::k8s::write::Wrote) -> Written {
+        use crate::k8s::write::Wrote;
+        match w {
+            Wrote::Done => Written::Done,
+            Wrote::Abandoned => Written::Abandoned,
+            Wrote::Failed { error, retry_after } => Written::Failed { error, retry_after },
+        }
     }
 }
 
@@ -238,11 +249,29 @@ fn legacy_state(view: &View, run: &RunPlan, result: &ApplyResult) -> Option<crat
     }
 }
 
-/// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
-/// same millisecond.
-pub fn jittered(d: Duration) -> Duration {
-    let r = crate::safefs::random_u64().unwrap_or(0);
-    d + (d / 10).min(Duration::from_secs(1)).mul_f64(r as f64 / u64::MAX as f64)
+/// The metric of a recorded plan state; `None` for states that are not an outcome.
+fn plan_metric(state: &crate::plan::PlanState) -> Option<crate::metrics::PlanResult> {
+    use crate::metrics::PlanResult;
+    use crate::plan::PlanState;
+    match state {
+        PlanState::Succeeded => Some(PlanResult::Succeeded),
+        PlanState::Failed => Some(PlanResult::Failed),
+        PlanState::Paused => Some(PlanResult::Paused),
+        PlanState::Canceled => Some(PlanResult::Canceled),
+        PlanState::Pending | PlanState::InProgress | PlanState::Other(_) => None,
+    }
+}
+
+/// Count a recorded plan state in `nodeplan_plans_total` (when it is an outcome).
+fn count_recorded(state: &crate::plan::PlanState) {
+    if let Some(r) = plan_metric(state) {
+        crate::metrics::plan_recorded(r);
+    }
+}
+
+/// The probes' health as the probe gauges take it.
+fn health(statuses: &BTreeMap<String, ProbeStatus>) -> impl Iterator<Item = (&str, bool)> {
+    statuses.iter().map(|(name, s)| (name.as_str(), s.healthy))
 }
 
 /// A back-off step that is taken only once its previous delay has passed: being looked at again
@@ -715,7 +744,7 @@ impl<S: PlanSource> Reconciler<S> {
                 match self.source.commit(key, &look, &Commit::Record(transition)).await {
                     Written::Done => {
                         self.wrote(key);
-                        crate::metrics::plan_recorded(&state);
+                        count_recorded(&state);
                         if let Some(reason) = outcome_reason(&state, false) {
                             self.source.event(key, reason, &format!("{} before it ran", state));
                         }
@@ -753,7 +782,7 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// Write probe statuses when they changed.
     async fn store_probes(&mut self, key: &S::Key, p: Probes, statuses: BTreeMap<String, ProbeStatus>) -> Action {
-        self.mem(key).probe_health.set(&p.checksum, &statuses);
+        self.mem(key).probe_health.set(&p.checksum, health(&statuses));
         if statuses == p.statuses {
             return Action::Wait;
         }
@@ -898,7 +927,7 @@ impl<S: PlanSource> Reconciler<S> {
             None
         };
         if let Some(statuses) = &probes {
-            self.mem(key).probe_health.set(&look.checksum, statuses);
+            self.mem(key).probe_health.set(&look.checksum, health(statuses));
         }
         let state = record.as_ref().and_then(|r| r.state.clone());
         if result.restart_requested {
@@ -906,7 +935,7 @@ impl<S: PlanSource> Reconciler<S> {
         }
         // Counted once, when the run ends (a write that fails is kept and retried, not rerun).
         if let Some(s) = state.clone().or_else(|| legacy_state(&look.view, &run, &result)) {
-            crate::metrics::plan_recorded(&s);
+            count_recorded(&s);
         }
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
             Written::Done => {

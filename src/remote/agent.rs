@@ -14,12 +14,13 @@
 //! Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
 //! them as opaque).
 
-use super::base::WriteBase;
-use super::client::{SecretClient, SecretSnapshot, WriteError};
+use super::client::{SecretClient, SecretSnapshot};
 use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::Commit;
+use crate::k8s::base::WriteBase;
+use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{self, ProbeStatus};
 use crate::probe::Prober;
@@ -30,9 +31,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
-
-/// Every API call is bounded: kube has no read timeout of its own.
-const API_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A write that could not land yet; kept until it does (or the plan changes).
 #[derive(Debug, Clone)]
@@ -152,10 +150,6 @@ impl SecretSource {
         }
     }
 
-    fn seq(&self) -> u64 {
-        self.latest.as_ref().map_or(0, |l| l.borrow().0)
-    }
-
     /// The newest view of the Secret: our own last write's object, unless the watch delivered
     /// an event after that write was sent that is not one the agent has already moved past.
     fn current(&self) -> Option<SecretSnapshot> {
@@ -163,61 +157,28 @@ impl SecretSource {
         self.base.current(seq, watched, |s| &s.resource_version)
     }
 
-    /// `snap` is the newest object: what a write (or a read) sent when the watch's sequence
-    /// number was `sent` returned, replacing `older` (the write's base).
+    /// `snap` is the newest object (tests: what a write sent at `sent` returned, replacing `older`).
+    #[cfg(test)]
     fn remember(&mut self, snap: SecretSnapshot, sent: u64, older: &str) {
         self.uid = Some(snap.uid.clone());
         self.base.remember(snap, sent, older, |s| &s.resource_version);
     }
 
-    /// Write `keys` conditionally on the current base. On a conflict read again: an outcome
-    /// (`reapply`) is re-applied if the plan is unchanged, a state transition decided from the
-    /// old snapshot is abandoned so the new one is decided afresh (R13: a resume never overwrites
-    /// an update made meanwhile).
+    /// Write `keys` conditionally on the current base through the one writer ([`crate::k8s::write`]):
+    /// on a conflict an outcome (`reapply`) is written again while the Secret carries the same
+    /// plan; a state transition decided from the old snapshot is abandoned (R13).
     async fn write(&mut self, checksum: &str, keys: Keys, reapply: bool) -> Written {
-        let Some(mut base) = self.current() else { return Written::Abandoned };
-        if wire::plan_checksum(&base).as_deref() != Some(checksum) {
-            return Written::Abandoned;
-        }
-        for _ in 0..8 {
-            let keys = wire::changed_only(&base, keys.clone());
-            if keys.is_empty() {
-                return Written::Done;
-            }
-            let sent = self.seq();
-            match tokio::time::timeout(API_TIMEOUT, self.client.patch_data(&base.resource_version, &keys)).await {
-                Ok(Ok(new)) => {
-                    self.last_written_rv = Some(new.resource_version.clone());
-                    self.remember(new, sent, &base.resource_version);
-                    return Written::Done;
-                }
-                Ok(Err(WriteError::Conflict)) => {
-                    tracing::info!("write conflicted (409): reading the secret again");
-                    let sent = self.seq();
-                    match tokio::time::timeout(API_TIMEOUT, self.client.get()).await {
-                        Ok(Ok(Some(fresh))) => {
-                            // Never act on anything older than what was just read.
-                            self.remember(fresh.clone(), sent, &base.resource_version);
-                            if !reapply || wire::plan_checksum(&fresh).as_deref() != Some(checksum) {
-                                return Written::Abandoned;
-                            }
-                            base = fresh;
-                            metrics::write_retried(WriteTarget::Secret, RetryReason::Conflict);
-                        }
-                        Ok(Ok(None)) => return Written::Abandoned,
-                        Ok(Err(e)) => return Written::failed(e),
-                        Err(_) => return Written::failed("timed out reading the secret"),
-                    }
-                }
-                Ok(Err(WriteError::NotFound)) => return Written::Abandoned,
-                Ok(Err(WriteError::TooManyRequests { retry_after })) => {
-                    return Written::Failed { error: "the API server asked to slow down (429)".into(), retry_after };
-                }
-                Ok(Err(e)) => return Written::failed(e.to_string()),
-                Err(_) => return Written::failed("timed out writing the secret"),
-            }
-        }
-        Written::failed("the secret kept changing under every write")
+        let Some(base) = self.current() else { return Written::Abandoned };
+        let mut target = SecretWrite {
+            client: &self.client,
+            checksum,
+            keys,
+            latest: self.latest.as_ref(),
+            base: &mut self.base,
+            uid: &mut self.uid,
+            last_written_rv: &mut self.last_written_rv,
+        };
+        write::write(&mut target, base, reapply).await.into()
     }
 
     /// Write an outcome that must not be lost: kept when it fails, retried by [`Self::flush`].
@@ -227,6 +188,56 @@ impl SecretSource {
             self.pending = Some(Pending { checksum: checksum.to_string(), keys });
         }
         w
+    }
+}
+
+/// One write of data keys to the plan Secret, for [`crate::k8s::write`].
+struct SecretWrite<'a> {
+    client: &'a SecretClient,
+    checksum: &'a str,
+    keys: Keys,
+    latest: Option<&'a watch::Receiver<Latest>>,
+    base: &'a mut WriteBase<SecretSnapshot>,
+    uid: &'a mut Option<String>,
+    last_written_rv: &'a mut Option<String>,
+}
+
+impl write::Target for SecretWrite<'_> {
+    type Object = SecretSnapshot;
+    type Payload = Keys;
+    const METRIC: WriteTarget = WriteTarget::Secret;
+
+    fn what(&self) -> String {
+        format!("secret {}", self.client.describe())
+    }
+
+    fn belongs(&self, o: &SecretSnapshot) -> bool {
+        wire::plan_checksum(o).as_deref() == Some(self.checksum)
+    }
+
+    fn prepare(&self, base: &SecretSnapshot) -> Prepared<Keys> {
+        let keys = wire::changed_only(base, self.keys.clone());
+        if keys.is_empty() { Prepared::Nothing } else { Prepared::Send(keys) }
+    }
+
+    async fn send(&self, base: &SecretSnapshot, keys: Keys) -> Result<SecretSnapshot, WriteError> {
+        self.client.patch_data(&base.resource_version, &keys).await
+    }
+
+    async fn read(&self) -> Result<Option<SecretSnapshot>, String> {
+        self.client.get().await
+    }
+
+    fn seq(&self) -> u64 {
+        self.latest.map_or(0, |l| l.borrow().0)
+    }
+
+    fn remember(&mut self, new: SecretSnapshot, sent: u64, older: &SecretSnapshot, written: bool) {
+        if written {
+            *self.last_written_rv = Some(new.resource_version.clone());
+        }
+        *self.uid = Some(new.uid.clone());
+        self.base.remember(new, sent, &older.resource_version, |s| &s.resource_version);
     }
 }
 

@@ -141,25 +141,8 @@ pub(crate) fn test_snapshot(
     }
 }
 
-/// Why a precondition-guarded write failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WriteError {
-    /// 409: the resourceVersion precondition did not hold (someone else wrote first).
-    #[error("conflict: the secret was modified since the resourceVersion given")]
-    Conflict,
-    /// 404: the Secret (or its namespace) does not exist.
-    #[error("not found: the secret does not exist")]
-    NotFound,
-    /// 429: the API server asks clients to slow down, with its hint when the answer is a Status
-    /// carrying `details.retryAfterSeconds`. The API server's own throttling (max-in-flight,
-    /// priority and fairness) sends its hint only as a `Retry-After` header with a plain-text body;
-    /// kube keeps only the body of an error answer, so that hint is not seen (`None`).
-    #[error("too many requests: the API server asked to slow down")]
-    TooManyRequests { retry_after: Option<std::time::Duration> },
-    /// Anything else (transport, auth, validation, a malformed answer).
-    #[error("secret write failed: {0}")]
-    Other(String),
-}
+/// Why a precondition-guarded write failed: the one writer's error ([`crate::k8s::write`]).
+pub use crate::k8s::write::WriteError;
 
 /// Reads, watches and patches the one plan Secret. Cheap to clone (shares the connection pool).
 #[derive(Clone)]
@@ -176,22 +159,6 @@ impl std::fmt::Debug for SecretClient {
 
 use crate::AbortOnDrop;
 use crate::k8s::error_line as kube_error_line;
-
-fn write_error(err: kube::Error) -> WriteError {
-    match &err {
-        kube::Error::Api(status) if status.code == 409 => WriteError::Conflict,
-        kube::Error::Api(status) if status.code == 404 => WriteError::NotFound,
-        kube::Error::Api(status) if status.code == 429 => WriteError::TooManyRequests {
-            retry_after: status
-                .details
-                .as_ref()
-                .map(|d| d.retry_after_seconds)
-                .filter(|s| *s > 0)
-                .map(|s| std::time::Duration::from_secs(u64::from(s))),
-        },
-        _ => WriteError::Other(kube_error_line(&err)),
-    }
-}
 
 /// The JSON merge patch [`SecretClient::patch_data`] sends: `data` values base64, deletes as
 /// `null`, and `metadata.resourceVersion` as the precondition.
@@ -277,7 +244,7 @@ impl SecretClient {
             .api
             .patch(&self.secret.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(write_error)?;
+            .map_err(WriteError::from)?;
         SecretSnapshot::from_secret(secret).map_err(WriteError::Other)
     }
 
@@ -354,7 +321,7 @@ impl SecretClient {
         }
     }
 
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!("{}/{}", self.secret.namespace, self.secret.name)
     }
 }
@@ -403,26 +370,5 @@ mod tests {
         assert_eq!(snap.uid, "u");
         assert_eq!(snap.resource_version, "7");
         assert_eq!(snap.data.get("k").map(Vec::as_slice), Some(&b"v"[..]));
-    }
-
-    #[test]
-    fn write_error_maps_status_codes() {
-        let status = |code: u16| kube::Error::Api(kube::core::Status::failure("m", "R").with_code(code).boxed());
-        assert_eq!(write_error(status(409)), WriteError::Conflict);
-        assert_eq!(write_error(status(404)), WriteError::NotFound);
-        let mut throttled = kube::core::Status::failure("m", "TooManyRequests").with_code(429);
-        assert_eq!(
-            write_error(kube::Error::Api(throttled.clone().boxed())),
-            WriteError::TooManyRequests { retry_after: None }
-        );
-        throttled.details = serde_json::from_value(serde_json::json!({"retryAfterSeconds": 7})).ok();
-        assert_eq!(
-            write_error(kube::Error::Api(throttled.boxed())),
-            WriteError::TooManyRequests { retry_after: Some(std::time::Duration::from_secs(7)) }
-        );
-        match write_error(status(422)) {
-            WriteError::Other(msg) => assert!(msg.contains("422"), "{msg}"),
-            other => panic!("expected Other, got {other:?}"),
-        }
     }
 }

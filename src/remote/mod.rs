@@ -6,7 +6,6 @@
 //! must not spawn processes (the applyinator does, through `process`).
 
 pub mod agent;
-pub mod base;
 pub mod client;
 pub mod rival;
 pub mod wire;
