@@ -2,8 +2,8 @@
 //! upgrades and downgrades (R25 in `docs/rules.md`).
 //!
 //! Every JSON record nodeplan writes for itself carries `"nodeplanFormat": N`: the `.pos` file
-//! beside a local plan ([`POS`]), the PID records ([`PID_RECORD`]) and the saved NodePlan runs
-//! ([`SAVED_RUN`]). A record without the field was written before it existed and is format 1. A
+//! beside a local plan ([`POS`]), the PID records ([`PID_RECORD`]), the saved NodePlan runs
+//! ([`SAVED_RUN`]) and the Secret's kept outcome ([`KEPT_OUTCOME`]). A record without the field was written before it existed and is format 1. A
 //! reader takes every format up to its own; a newer one is never guessed at: the record is kept
 //! as it is and what it describes is held (the plan does not run, the leftover is not signalled)
 //! with one error line naming the format. A new optional field that older readers may ignore does
@@ -26,6 +26,8 @@ pub const POS: u64 = 1;
 pub const PID_RECORD: u64 = 1;
 /// Saved NodePlan runs (`nodePlanStateDirectory`).
 pub const SAVED_RUN: u64 = 1;
+/// The Secret's kept outcome (`appliedPlanDirectory`, R17).
+pub const KEPT_OUTCOME: u64 = 1;
 
 /// Whether a record `v` (a JSON object) of `what`, read by a build that knows formats up to
 /// `supported`, may be read. The error is one line.

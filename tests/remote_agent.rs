@@ -734,6 +734,61 @@ async fn until_allowed(as_agent: &SecretClient, patch: serde_json::Value, allowe
     }
 }
 
+/// R17: a run that finished while its outcome could not be written is recorded on the node, and an
+/// agent started after a crash writes that outcome instead of running the plan a second time.
+/// The agent's writes are refused (its role loses `patch`, its watch goes on) while the
+/// instruction finishes; once the refusal is logged, the agent is SIGKILLed, `patch` comes back
+/// and a new agent starts. Then, the same again, but the orchestrator reassigns the plan
+/// (`pending`) while no agent runs: the kept outcome is dropped and the plan runs again.
+#[tokio::test]
+async fn a_finished_run_is_written_after_a_crash_not_run_again() {
+    let cp = control_plane!();
+    let r = Remote::new_with(cp, "kept", &cp.kubeconfig_yaml_as_agent()).await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let as_agent = SecretClient::new(cp.agent_client().await, r.client.secret_ref().clone());
+    cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    let (ready, go, marker) = (r.fifo("ready"), r.fifo("go"), r.p("marker"));
+    let plan = json!({"instructions": [
+        sh("a", &format!("echo ran >> {marker}; echo > {ready}; cat {go} > /dev/null; echo done")),
+    ]});
+    let checksum = r.create(&plan, Some("pending"), &[]).await;
+
+    // Finished, not written, crashed.
+    let finish_unwritten = async |mut agent: AgentProc| {
+        read_fifo(&ready);
+        cp.grant_agent(&ns, &["get", "list", "watch"]).await;
+        until_allowed(&as_agent, json!({}), false).await;
+        release_fifo(&go);
+        next_failure(&mut agent);
+        agent.crash();
+        cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+        until_allowed(&as_agent, json!({}), true).await;
+    };
+    finish_unwritten(r.agent()).await;
+    assert_eq!(state(&r.get().await), "in-progress", "the outcome did not land before the crash");
+
+    let mut agent = r.agent();
+    agent.wait_log("was kept on the node by a previous agent");
+    let s = r.wait("succeeded from the kept outcome", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "applied-checksum"), checksum);
+    assert_eq!(plan::decode_one_time_output(&s.data["applied-output"]).unwrap()["a"], b"done\n");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\n", "the finished run did not run again");
+    assert_eq!(agent.stop(), 0);
+
+    // A reassignment while no agent runs wins over the kept outcome.
+    r.set_state("pending").await;
+    finish_unwritten(r.agent()).await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\nran\n");
+    r.set_state("pending").await;
+    let mut agent = r.agent();
+    agent.wait_log("dropping the outcome kept on the node");
+    read_fifo(&ready);
+    release_fifo(&go);
+    r.wait("succeeded after the rerun", |s| state(s) == "succeeded").await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\nran\nran\n", "the reassigned plan ran");
+    assert_eq!(agent.stop(), 0);
+}
+
 /// An outcome kept through an outage is written as soon as the agent's watch is back, not at its
 /// back-off's next step. Deterministic handshakes on the agent's log, not timing:
 /// - the agent's own writes are refused first (its role loses `patch`; its watch goes on), so the

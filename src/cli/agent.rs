@@ -411,6 +411,7 @@ async fn remote_agent(
         parts.prober.clone(),
         Duration::from_secs(5),
     )
+    .with_kept_outcomes(non_empty(&cfg.applied_plan_directory).as_deref())
     .with_events(&node_name(cfg));
     Ok((agent, lease))
 }

@@ -15,6 +15,7 @@
 //! them as opaque).
 
 use super::client::{SecretClient, SecretSnapshot};
+use super::kept::KeptStore;
 use super::wire::{self, Keys};
 use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
@@ -37,6 +38,9 @@ use tokio::sync::watch;
 struct Pending {
     checksum: String,
     keys: Keys,
+    /// Read back from the node at start-up (a previous agent's outcome, R17): written only onto
+    /// the run it finished, on the Secret it was for.
+    restored: Option<String>,
 }
 
 /// The watch's latest snapshot, numbered so the source can tell whether it arrived after a write.
@@ -66,6 +70,13 @@ impl RemoteAgent {
         RemoteAgent { source: SecretSource::new(client, probe_period), app, prober, fence: None }
     }
 
+    /// Keep an outcome on the node (in `dir`) until it is written, so a restart writes it instead of
+    /// running the plan again (R17).
+    pub fn with_kept_outcomes(mut self, dir: Option<&std::path::Path>) -> RemoteAgent {
+        self.source.kept = KeptStore::new(dir, self.source.client.secret_ref());
+        self
+    }
+
     /// Publish Kubernetes Events regarding the Secret, reported as coming from `node`.
     pub fn with_events(mut self, node: &str) -> RemoteAgent {
         self.source.events = Some(EventSink::start(self.source.client.kube_client(), node));
@@ -84,6 +95,13 @@ impl RemoteAgent {
             }
         });
         self.source.latest = Some(rx);
+        if let Some(k) = self.source.kept.load().await {
+            tracing::info!(
+                "an outcome of plan {} was kept on the node by a previous agent; writing it before anything runs",
+                short(&k.checksum)
+            );
+            self.source.pending = Some(Pending { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
+        }
         let mut reconciler = Reconciler::new(self.source, self.app, self.prober, shutdown);
         if let Some(fence) = self.fence {
             reconciler = reconciler.with_fence(fence);
@@ -111,6 +129,8 @@ pub struct SecretSource {
     /// The plan whose ignored annotations were reported.
     noted_legacy: Option<String>,
     pending: Option<Pending>,
+    /// Where an outcome is kept on the node until it is written (R17).
+    kept: KeptStore,
     /// The last pause/cancel values the running plan saw (kept while the Secret carries another
     /// plan or none: never a change on a guess).
     last_interrupt: Interrupt,
@@ -134,6 +154,7 @@ fn short(checksum: &str) -> &str {
 
 impl SecretSource {
     fn new(client: SecretClient, probe_period: Duration) -> SecretSource {
+        let kept = KeptStore::new(None, client.secret_ref());
         SecretSource {
             client,
             latest: None,
@@ -145,6 +166,7 @@ impl SecretSource {
             legacy: None,
             noted_legacy: None,
             pending: None,
+            kept,
             last_interrupt: Interrupt::default(),
             events: None,
         }
@@ -181,11 +203,17 @@ impl SecretSource {
         write::write(&mut target, base, reapply).await.into()
     }
 
-    /// Write an outcome that must not be lost: kept when it fails, retried by [`Self::flush`].
+    /// Write an outcome that must not be lost: recorded on the node first (R17), kept when the
+    /// write fails and retried by [`Self::flush`], forgotten once it lands or no longer applies.
     async fn write_outcome(&mut self, checksum: &str, keys: Keys) -> Written {
+        if let Some(uid) = self.current().map(|s| s.uid) {
+            self.kept.save(&uid, checksum, &keys).await;
+        }
         let w = self.write(checksum, keys.clone(), true).await;
         if matches!(w, Written::Failed { .. }) {
-            self.pending = Some(Pending { checksum: checksum.to_string(), keys });
+            self.pending = Some(Pending { checksum: checksum.to_string(), keys, restored: None });
+        } else {
+            self.kept.clear().await;
         }
         w
     }
@@ -380,9 +408,29 @@ impl PlanSource for SecretSource {
 
     async fn flush(&mut self, _: &()) -> Written {
         let Some(p) = self.pending.take() else { return Written::Done };
-        if self.current().and_then(|s| wire::plan_checksum(&s)).as_deref() != Some(p.checksum.as_str()) {
+        if p.restored.is_some() && self.latest.as_ref().is_none_or(|l| l.borrow().0 == 0) {
+            // Read back from the node before the watch's first list: nothing to judge it by yet.
+            self.pending = Some(p);
+            return Written::Done;
+        }
+        let current = self.current();
+        if current.as_ref().and_then(wire::plan_checksum).as_deref() != Some(p.checksum.as_str()) {
             tracing::warn!("dropping an unwritten outcome: the secret now carries another plan");
+            self.kept.clear().await;
             return Written::Abandoned;
+        }
+        if let (Some(uid), Some(s)) = (&p.restored, &current) {
+            // A previous agent's outcome lands only on the run it finished: the same Secret, still
+            // in progress (a Secret without plan-state: still carrying that plan).
+            let same_run = *uid == s.uid && wire::plan_state(s).is_none_or(|st| st == plan::PlanState::InProgress);
+            if !same_run {
+                tracing::info!(
+                    "dropping the outcome kept on the node for plan {}: the secret was reassigned or recreated since",
+                    short(&p.checksum)
+                );
+                self.kept.clear().await;
+                return Written::Abandoned;
+            }
         }
         metrics::write_retried(WriteTarget::Secret, RetryReason::Error);
         self.write_outcome(&p.checksum, p.keys).await

@@ -7,5 +7,6 @@
 
 pub mod agent;
 pub mod client;
+pub mod kept;
 pub mod rival;
 pub mod wire;
