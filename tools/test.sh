@@ -35,7 +35,7 @@ fi
 # The real kube-apiserver, kubectl and etcd for remote-mode and custom-resource tests, in two
 # versions, each cached outside the clone and rebuilt only when its recipe changes: 1.20.2 from
 # Debian's source package (about 9 minutes once) and the current release from the Go module proxy
-# (tools/k8s-current; about 25 minutes once). The whole suite runs against 1.20; the test binaries
+# (tools/k8s-current; about 22 minutes once). The whole suite runs against 1.20; the test binaries
 # that start a control plane run a second time against the current version.
 K8S_CACHE=${NODEPLAN_K8S_CACHE:-/var/tmp/nodeplan-k8s}
 tools/build-kube-apiserver.sh "$K8S_CACHE" >&2
