@@ -1,0 +1,504 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	rplan "github.com/rancher/rancher/pkg/plan"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// guard bounds every wait on the agent (a hang guard, not a pace): the retry scenario waits out
+// Rancher's 30 s cooldown inside it.
+const guard = 90 * time.Second
+
+var (
+	agentBin  string
+	cp        *controlPlane
+	clientset *kubernetes.Clientset
+	nsCounter atomic.Int64
+)
+
+// skipOrFail is the loud skip outside CI, a failure with NODEPLAN_CI set.
+func skipOrFail(why string) int {
+	if os.Getenv("NODEPLAN_CI") != "" {
+		fmt.Fprintf(os.Stderr, "FAIL: NODEPLAN_CI is set, so the conformance suite must not skip: %s\n", why)
+		return 1
+	}
+	fmt.Fprintf(os.Stderr, "*** SKIPPED the Rancher conformance suite: %s ***\n", why)
+	return 0
+}
+
+func TestMain(m *testing.M) {
+	os.Exit(testMain(m))
+}
+
+func testMain(m *testing.M) int {
+	agentBin = os.Getenv("NODEPLAN_BIN")
+	if agentBin == "" {
+		agentBin = "../../target/debug/nodeplan"
+	}
+	if abs, err := filepath.Abs(agentBin); err == nil {
+		agentBin = abs
+	}
+	if _, err := os.Stat(agentBin); err != nil {
+		return skipOrFail(fmt.Sprintf("no agent binary at %s (set NODEPLAN_BIN, or cargo build)", agentBin))
+	}
+	bin := os.Getenv("NODEPLAN_K8S_BIN")
+	if bin == "" {
+		bin = "/var/tmp/nodeplan-k8s/bin"
+	}
+	for _, b := range []string{"etcd", "kube-apiserver"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			return skipOrFail(fmt.Sprintf("no %s in %s (set NODEPLAN_K8S_BIN; build with tools/build-kube-apiserver.sh)", b, bin))
+		}
+	}
+	t0 := time.Now()
+	var err error
+	cp, err = startControlPlane(bin)
+	if err != nil {
+		if cp != nil {
+			cp.kill()
+		}
+		fmt.Fprintf(os.Stderr, "FAIL: %v\n", err)
+		return 1
+	}
+	defer cp.stop()
+	fmt.Fprintf(os.Stderr, "conformance: kube-apiserver %s from %s ready in %v; agent %s\n", cp.version, bin, time.Since(t0).Round(time.Millisecond), agentBin)
+	if clientset, err = cp.clientset(); err != nil {
+		fmt.Fprintf(os.Stderr, "FAIL: client: %v\n", err)
+		return 1
+	}
+	return m.Run()
+}
+
+// machine is one node's machine-plan Secret, the agent watching it, and Rancher's Store over it.
+type machine struct {
+	t     *testing.T
+	node  *node
+	store *store
+	name  string
+}
+
+// newMachine creates a namespace, the machine-plan Secret as Rancher creates it (no plan yet;
+// probe-period-seconds 1 to keep the probe loop quick), and starts the agent on it.
+func newMachine(t *testing.T) *machine {
+	t.Helper()
+	ns := fmt.Sprintf("conf-%d-%d", os.Getpid(), nsCounter.Add(1))
+	ctx := context.Background()
+	if _, err := clientset.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("namespace: %v", err)
+	}
+	secrets := clientset.CoreV1().Secrets(ns)
+	sec := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "machine-plan"},
+		Type:       secretTypeMachinePlan,
+		Data:       map[string][]byte{"probe-period-seconds": []byte("1")},
+	}
+	if _, err := secrets.Create(ctx, sec, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("secret: %v", err)
+	}
+	m := &machine{t: t, node: newNode(t, cp, ns, "machine-plan"), store: &store{secrets: secrets, now: time.Now}, name: "machine-plan"}
+	m.node.start(t)
+	return m
+}
+
+func (m *machine) get() *corev1.Secret {
+	m.t.Helper()
+	s, err := m.store.secrets.Get(context.Background(), m.name, metav1.GetOptions{})
+	if err != nil {
+		m.t.Fatalf("get secret: %v", err)
+	}
+	return s
+}
+
+// wait polls the Secret (every 50 ms, bounded by guard) until pred holds.
+func (m *machine) wait(what string, pred func(*corev1.Secret) bool) *corev1.Secret {
+	m.t.Helper()
+	deadline := time.Now().Add(guard)
+	for {
+		s := m.get()
+		if pred(s) {
+			return s
+		}
+		if time.Now().After(deadline) {
+			m.t.Fatalf("the Secret never got %s within %v: %s", what, guard, describe(s))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func describe(s *corev1.Secret) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "rv %s annotations %v;", s.ResourceVersion, s.Annotations)
+	for k, v := range s.Data {
+		switch k {
+		case "plan", "applied-output", "failed-output", "applied-periodic-output":
+			fmt.Fprintf(&b, " %s=(%d bytes)", k, len(v))
+		default:
+			fmt.Fprintf(&b, " %s=%q", k, v)
+		}
+	}
+	return b.String()
+}
+
+func (m *machine) assign(p *rplan.Plan, writer string, maxFailures, failureThreshold int) *planStatus {
+	m.t.Helper()
+	st, err := m.store.assignPlan(m.get(), p, writer, maxFailures, failureThreshold)
+	if err != nil {
+		m.t.Fatalf("AssignPlan: %v", err)
+	}
+	return st
+}
+
+// reconcile is one pass of Rancher's reconcile over the machine, until done says stop: the
+// plan-secret controller stamps probes-passed, then AssignPlan with the same plan and writer
+// reports on it (and retries a failed plan once the cooldown has passed). Bounded by guard.
+func (m *machine) reconcile(p *rplan.Plan, writer string, maxFailures, failureThreshold int, done func(*planStatus) bool) *planStatus {
+	m.t.Helper()
+	deadline := time.Now().Add(guard)
+	for {
+		s, err := stampProbesPassed(m.store, m.get())
+		if err != nil {
+			m.t.Fatalf("plan-secret controller: %v", err)
+		}
+		st, err := m.store.assignPlan(s, p, writer, maxFailures, failureThreshold)
+		if err != nil {
+			m.t.Fatalf("AssignPlan: %v", err)
+		}
+		if done(st) {
+			return st
+		}
+		if time.Now().After(deadline) {
+			m.t.Fatalf("Rancher's reconcile never got there within %v: state %q probesPassed %v retrying %v: %s",
+				guard, st.State, st.ProbesPassed, st.Retrying, describe(st.Secret))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func settled(st *planStatus) bool { return st.success() || st.failure() }
+
+// waitFile waits (bounded) for a file an instruction creates.
+func (m *machine) waitFile(path string) {
+	m.t.Helper()
+	deadline := time.Now().Add(guard)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			m.t.Fatalf("%s never appeared: %s", path, describe(m.get()))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func lines(t *testing.T, path string) []string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if os.IsNotExist(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(string(b))
+}
+
+func sh(name, script string, saveOutput bool) rplan.OneTimeInstruction {
+	return rplan.OneTimeInstruction{
+		CommonInstruction: rplan.CommonInstruction{Name: name, Command: "sh", Args: []string{"-c", script}},
+		SaveOutput:        saveOutput,
+	}
+}
+
+// annotationsAsRancherLeftThem checks plan.cattle.io/writer and /attempt still say what Rancher
+// wrote last.
+func annotationsAsRancherLeftThem(t *testing.T, s *corev1.Secret, writer, attempt string) {
+	t.Helper()
+	if got := s.Annotations[annWriter]; got != writer {
+		t.Errorf("%s = %q, Rancher wrote %q", annWriter, got, writer)
+	}
+	if got := s.Annotations[annAttempt]; got != attempt {
+		t.Errorf("%s = %q, Rancher wrote %q", annAttempt, got, attempt)
+	}
+}
+
+func TestRancherConformance(t *testing.T) {
+	t.Run("plan without probes succeeds", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		p := &rplan.Plan{
+			OneTimeInstructions: []rplan.OneTimeInstruction{sh("hello", "echo hello", true)},
+			PeriodicInstructions: []rplan.PeriodicInstruction{{
+				CommonInstruction: rplan.CommonInstruction{Name: "tick", Command: "sh", Args: []string{"-c", "echo tock"}},
+				PeriodSeconds:     1,
+			}},
+		}
+		if st := m.assign(p, "writer-a", 1, 1); st.State != statePending {
+			t.Fatalf("a fresh assignment is pending, got %q", st.State)
+		}
+		st := m.reconcile(p, "writer-a", 1, 1, settled)
+		if !st.success() {
+			t.Fatalf("Status reports state %q probesPassed %v, not success: %s", st.State, st.ProbesPassed, describe(st.Secret))
+		}
+		s := m.wait("the periodic output", func(s *corev1.Secret) bool { return len(s.Data["applied-periodic-output"]) > 0 })
+		out, err := decodeOneTimeOutput(s.Data["applied-output"])
+		if err != nil || string(out["hello"]) != "hello\n" {
+			t.Errorf("applied-output: %q %v", out, err)
+		}
+		per, err := decodePeriodicOutput(s.Data["applied-periodic-output"])
+		if err != nil || string(per["tick"].Stdout) != "tock\n" || per["tick"].Name != "tick" || per["tick"].LastSuccessfulRunTime == "" {
+			t.Errorf("applied-periodic-output: %+v %v", per, err)
+		}
+		if ps := string(s.Data[keyProbeStatuses]); ps != "{}" {
+			t.Errorf("probe-statuses of a plan without probes = %q, want {}", ps)
+		}
+		if _, err := time.Parse(time.UnixDate, string(s.Data[keyLastApplyTime])); err != nil {
+			t.Errorf("last-apply-time: %v", err)
+		}
+		annotationsAsRancherLeftThem(t, s, "writer-a", "1")
+		checkAgentWrites(t, s)
+	})
+
+	t.Run("plan with probes succeeds once they pass", func(t *testing.T) {
+		t.Parallel()
+		var healthy atomic.Bool
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			if healthy.Load() {
+				w.WriteHeader(http.StatusOK)
+			} else {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		}))
+		defer srv.Close()
+		m := newMachine(t)
+		p := &rplan.Plan{
+			OneTimeInstructions: []rplan.OneTimeInstruction{sh("install", "true", false)},
+			Probes:              map[string]rplan.Probe{"api": {HTTPGetAction: rplan.HTTPGetAction{URL: srv.URL + "/healthz"}, FailureThreshold: 1}},
+		}
+		m.assign(p, "writer-a", 1, 1)
+		st := m.reconcile(p, "writer-a", 1, 1, func(st *planStatus) bool {
+			return st.State == stateSucceeded && len(st.Secret.Data[keyProbeStatuses]) > 0 && string(st.Secret.Data[keyProbeStatuses]) != "{}"
+		})
+		if st.success() {
+			t.Fatalf("Status reports success while the probe fails: %s", describe(st.Secret))
+		}
+		statuses, ok, err := parseProbeStatuses(st.Secret.Data[keyProbeStatuses])
+		if err != nil || ok {
+			t.Fatalf("probe-statuses while failing: %v healthy=%v err=%v", statuses, ok, err)
+		}
+		healthy.Store(true)
+		st = m.reconcile(p, "writer-a", 1, 1, settled)
+		if !st.success() {
+			t.Fatalf("Status after the probe passes: state %q probesPassed %v: %s", st.State, st.ProbesPassed, describe(st.Secret))
+		}
+		statuses, ok, err = parseProbeStatuses(st.Secret.Data[keyProbeStatuses])
+		if err != nil || !ok || !statuses["api"].Healthy || statuses["api"].SuccessCount < 1 {
+			t.Errorf("probe-statuses once passing: %+v healthy=%v err=%v", statuses, ok, err)
+		}
+		if st.Secret.Annotations[annProbesPassed] == "" {
+			t.Errorf("the plan-secret controller never stamped %s", annProbesPassed)
+		}
+		annotationsAsRancherLeftThem(t, st.Secret, "writer-a", "1")
+		checkAgentWrites(t, st.Secret)
+	})
+
+	t.Run("failed plan is retried by Rancher after its cooldown", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		attempts := m.node.p("attempts")
+		p := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{
+			sh("fail", fmt.Sprintf("echo $CATTLE_AGENT_ATTEMPT_NUMBER >> %s; echo boom; exit 3", attempts), true),
+		}}
+		m.assign(p, "writer-a", 2, 2)
+		st := m.reconcile(p, "writer-a", 2, 2, func(st *planStatus) bool { return st.State == stateFailed })
+		if !st.Retrying || st.failure() {
+			t.Fatalf("after the first failure Rancher must retry (attempt 1 of 2): retrying %v failure %v", st.Retrying, st.failure())
+		}
+		checkAgentWrites(t, st.Secret)
+		out, err := decodeOneTimeOutput(st.Secret.Data["failed-output"])
+		if err != nil || string(out["fail"]) != "boom\n" {
+			t.Errorf("failed-output: %q %v", out, err)
+		}
+		lastApply, err := time.Parse(time.UnixDate, string(st.Secret.Data[keyLastApplyTime]))
+		if err != nil {
+			t.Fatalf("last-apply-time: %v", err)
+		}
+		st = m.reconcile(p, "writer-a", 2, 2, func(st *planStatus) bool { return st.Secret.Annotations[annAttempt] == "2" })
+		if since := time.Since(lastApply); since < retryCooldown {
+			t.Errorf("retried %v after last-apply-time, before the %v cooldown", since, retryCooldown)
+		}
+		st = m.reconcile(p, "writer-a", 2, 2, func(st *planStatus) bool { return st.failure() })
+		if st.State != stateFailed || st.Retrying {
+			t.Fatalf("after attempt 2 of 2: state %q retrying %v", st.State, st.Retrying)
+		}
+		// The agent starts every pending plan as attempt 1 (docs/rancher-keys.md): Rancher's
+		// attempt is its own count.
+		if got := lines(t, attempts); strings.Join(got, ",") != "1,1" {
+			t.Errorf("CATTLE_AGENT_ATTEMPT_NUMBER of the two runs: %v, want [1 1]", got)
+		}
+		annotationsAsRancherLeftThem(t, st.Secret, "writer-a", "2")
+		checkAgentWrites(t, st.Secret)
+	})
+
+	t.Run("cancel a running plan", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		started, finished := m.node.p("started"), m.node.p("finished")
+		p := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{
+			sh("long", fmt.Sprintf("touch %s; sleep 60; touch %s", started, finished), false),
+			sh("after", fmt.Sprintf("touch %s", finished), false),
+		}}
+		m.assign(p, "writer-a", 1, 1)
+		m.waitFile(started)
+		changed, _, err := m.store.cancelPlan(m.get(), "writer-a")
+		if err != nil || !changed {
+			t.Fatalf("CancelPlan: changed %v err %v", changed, err)
+		}
+		st := m.reconcile(p, "writer-a", 1, 1, func(st *planStatus) bool { return planState(st.Secret.Data[keyPlanState]).terminal() })
+		if st.State != stateCanceled || !st.failure() {
+			t.Fatalf("a canceled plan: state %q failure %v", st.State, st.failure())
+		}
+		c, err := decodeCheckpoint(st.Secret.Data[keyCheckpoint])
+		if err != nil || c == nil {
+			t.Fatalf("plan-checkpoint of a canceled plan: %v %v", c, err)
+		}
+		if c.Checksum != rplan.Checksum(st.Secret.Data[keyPlan]) || c.TotalInstructions != 2 || c.CompletedInstructions != 0 || c.Paused {
+			t.Errorf("plan-checkpoint of a canceled plan: %+v", *c)
+		}
+		if _, err := os.Stat(finished); err == nil {
+			t.Errorf("the canceled instruction ran on (or the next one ran)")
+		}
+		// Assigning the same content again by the same writer changes nothing: it stays canceled.
+		again := m.assign(p, "writer-a", 1, 1)
+		if again.Secret.ResourceVersion != st.Secret.ResourceVersion || again.State != stateCanceled {
+			t.Errorf("re-assigning a canceled plan: rv %s→%s state %q", st.Secret.ResourceVersion, again.Secret.ResourceVersion, again.State)
+		}
+		if changed, _, err := m.store.cancelPlan(again.Secret, "writer-a"); err != nil || changed {
+			t.Errorf("a second CancelPlan must be a no-op: changed %v err %v", changed, err)
+		}
+		annotationsAsRancherLeftThem(t, st.Secret, "writer-a", "1")
+		checkAgentWrites(t, st.Secret)
+	})
+
+	pauseScenario := func(t *testing.T, clearCheckpoint bool) {
+		m := newMachine(t)
+		runs1, started, gate, runs2 := m.node.p("runs1"), m.node.p("started"), m.node.p("gate"), m.node.p("runs2")
+		p := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{
+			sh("first", fmt.Sprintf("echo x >> %s; touch %s; while [ ! -e %s ]; do sleep 0.05; done", runs1, started, gate), false),
+			sh("second", fmt.Sprintf("echo y >> %s", runs2), false),
+		}}
+		m.assign(p, "writer-a", 1, 1)
+		m.waitFile(started)
+		if _, err := syncOperation(m.store, m.get(), true, false); err != nil {
+			t.Fatalf("pause: %v", err)
+		}
+		// The running instruction completes; the agent holds the plan before the next one.
+		if err := os.WriteFile(gate, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		s := m.wait("plan-state paused", func(s *corev1.Secret) bool { return planState(s.Data[keyPlanState]) == statePaused })
+		c, err := decodeCheckpoint(s.Data[keyCheckpoint])
+		if err != nil || c == nil || !c.Paused || c.CompletedInstructions != 1 || c.TotalInstructions != 2 || c.Checksum != rplan.Checksum(s.Data[keyPlan]) {
+			t.Fatalf("plan-checkpoint of the paused plan: %+v %v", c, err)
+		}
+		if st, err := status(s); err != nil || st.failure() || st.success() {
+			t.Errorf("a paused plan is waiting for Rancher: %+v %v", st, err)
+		}
+		if got := lines(t, runs2); len(got) != 0 {
+			t.Errorf("the second instruction ran while paused")
+		}
+		checkAgentWrites(t, s)
+		wantRuns1 := 1
+		if clearCheckpoint {
+			// A new writer assigns the same content afresh: the checkpoint is cleared with an
+			// empty value, so the agent must not resume part-way through.
+			st := m.assign(p, "writer-b", 1, 1)
+			if v, ok := st.Secret.Data[keyCheckpoint]; !ok || len(v) != 0 {
+				t.Fatalf("AssignPlan clears the checkpoint with an empty value: %q %v", v, ok)
+			}
+			wantRuns1 = 2
+		}
+		writer := map[bool]string{false: "writer-a", true: "writer-b"}[clearCheckpoint]
+		if _, err := syncOperation(m.store, m.get(), false, false); err != nil {
+			t.Fatalf("resume: %v", err)
+		}
+		if _, ok := m.get().Annotations[annPaused]; ok {
+			t.Fatalf("resume removes %s", annPaused)
+		}
+		st := m.reconcile(p, writer, 1, 1, settled)
+		if !st.success() {
+			t.Fatalf("after resume: state %q probesPassed %v: %s", st.State, st.ProbesPassed, describe(st.Secret))
+		}
+		if got := lines(t, runs1); len(got) != wantRuns1 {
+			t.Errorf("first instruction ran %d times, want %d", len(got), wantRuns1)
+		}
+		if got := lines(t, runs2); len(got) != 1 {
+			t.Errorf("second instruction ran %d times, want 1", len(got))
+		}
+		if v, ok := st.Secret.Data[keyCheckpoint]; !ok || len(v) != 0 {
+			t.Errorf("a completed plan's checkpoint is cleared with an empty value, not deleted: present %v value %q", ok, v)
+		}
+		annotationsAsRancherLeftThem(t, st.Secret, writer, "1")
+		checkAgentWrites(t, st.Secret)
+	}
+	t.Run("pause then resume completes", func(t *testing.T) {
+		t.Parallel()
+		pauseScenario(t, false)
+	})
+	t.Run("checkpoint cleared by an empty value runs from the start", func(t *testing.T) {
+		t.Parallel()
+		pauseScenario(t, true)
+	})
+
+	t.Run("reassign: same writer does nothing, a new writer reruns", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		runs := m.node.p("runs")
+		p := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{sh("run", fmt.Sprintf("echo r >> %s", runs), false)}}
+		m.assign(p, "writer-a", 1, 1)
+		first := m.reconcile(p, "writer-a", 1, 1, settled)
+		if !first.success() {
+			t.Fatalf("first assignment: state %q", first.State)
+		}
+		// What the agent writes after the outcome (probe statuses) settles first.
+		s := m.wait("probe-statuses", func(s *corev1.Secret) bool { return string(s.Data[keyProbeStatuses]) == "{}" })
+		same := m.assign(p, "writer-a", 1, 1)
+		if same.Secret.ResourceVersion != s.ResourceVersion {
+			t.Errorf("re-assigning the same content by the same writer wrote the Secret")
+		}
+		// A bounded window to show nothing happens: no second run, no new revision.
+		time.Sleep(3 * time.Second)
+		if got := lines(t, runs); len(got) != 1 {
+			t.Errorf("same writer, same content: the plan ran %d times", len(got))
+		}
+		if rev := string(m.get().Data["plan-revision"]); rev != string(s.Data["plan-revision"]) {
+			t.Errorf("plan-revision moved from %q to %q without a new assignment", s.Data["plan-revision"], rev)
+		}
+		fresh := m.assign(p, "writer-b", 1, 1)
+		if fresh.State != statePending || fresh.Secret.Annotations[annAttempt] != "1" {
+			t.Fatalf("a new writer assigns afresh: %+v", fresh)
+		}
+		st := m.reconcile(p, "writer-b", 1, 1, settled)
+		if !st.success() {
+			t.Fatalf("after the new writer: state %q", st.State)
+		}
+		if got := lines(t, runs); len(got) != 2 {
+			t.Errorf("a new writer must rerun the plan: ran %d times", len(got))
+		}
+		annotationsAsRancherLeftThem(t, st.Secret, "writer-b", "1")
+		checkAgentWrites(t, st.Secret)
+	})
+}

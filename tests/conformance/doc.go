@@ -1,0 +1,44 @@
+// Package conformance drives the built nodeplan binary, in remote mode, against a real
+// kube-apiserver through the calls Rancher's orchestrator makes on a machine-plan Secret, and
+// decodes every key the agent writes with Rancher's own types.
+//
+// Run it with tools/test.sh (after the Rust tests), or by hand:
+//
+//	cd tests/conformance && NODEPLAN_K8S_BIN=/var/tmp/nodeplan-k8s/bin \
+//	  NODEPLAN_BIN=../../target/debug/nodeplan go test -count=1 -v ./...
+//
+// NODEPLAN_K8S_BIN names a directory holding etcd and kube-apiserver (1.20 from
+// tools/build-kube-apiserver.sh, or a current one laid out the same way); NODEPLAN_BIN the agent
+// binary (default ../../target/debug/nodeplan). Without either the suite skips with a loud line;
+// with NODEPLAN_CI set it fails instead.
+//
+// # What comes from the Go module proxy, and what stands in
+//
+// Everything here is fetched through the Go module proxy and pinned in go.mod/go.sum; no source
+// of another project is copied.
+//
+//   - github.com/rancher/rancher/pkg/plan v0.0.0-20260428222332-2696373f4152 is the newest
+//     version of Rancher's plan module the proxy serves here. Its types are the ones Rancher and
+//     system-agent (whose main imports this module for them) decode the agent's keys with:
+//     plan.Plan and plan.Parse/plan.Checksum for the plan, plan.ProbeStatus for probe-statuses,
+//     plan.PeriodicInstructionOutput for applied-periodic-output.
+//   - The later versions of that module, which add the Store (AssignPlan, CancelPlan, Status and
+//     the retry after the 30 s cooldown), the annotation and key constants, the plan states and
+//     the checkpoint struct (Rancher PR #56931 and after; system-agent's main pins
+//     v0.0.0-20260508124826-0b6b24d9811e), are refused by the proxy here ("403 This module
+//     version is not available"), as are Rancher's operations code (the pause/cancel sync) and
+//     the plan-secret controller (github.com/rancher/rancher itself). What stands in for them is
+//     rancher_test.go: a Store written for this suite from Rancher's documented behaviour
+//     (docs/rancher-keys.md, the table this suite checks), with the same method shapes, the same
+//     keys and the same 30 s cooldown; the operations code's pause/cancel annotation sync; the
+//     plan-secret controller's probes-passed stamp; and the checkpoint struct (every field
+//     omitempty, decoded strictly so that a field Rancher does not know fails the test).
+//   - github.com/rancher/system-agent: the versions with the plan-state flow and pause/cancel
+//     (main, PR #453) are refused by the proxy in the same way. The release it serves (v0.3.11)
+//     predates plan-state and its decoders are duplicates of pkg/plan's types (and would pull
+//     k8s.io/kubernetes into the build), so it is not used: pkg/plan's types are what
+//     system-agent's main decodes with. applied-output and failed-output (gzip of a JSON map of
+//     name to bytes) have no exported decoder in either module; decodeOneTimeOutput is the
+//     stand-in.
+//   - k8s.io/client-go talks to the API server.
+package conformance
