@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run every test of nodeplan on a fresh machine: installs what the tests need (Debian packages,
 # cargo-nextest if missing), builds or reuses the kube-apiserver/etcd cache outside the clone, then
-# runs fmt, clippy and the whole test suite. `.ci/run` calls exactly this.
+# runs fmt, clippy, the whole test suite and the Rancher conformance suite (tests/conformance, Go).
+# `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,4 +43,25 @@ cargo clippy --all-targets --locked -- -D warnings
 # release build, a few minutes; it also installs cargo-deb, cargo-generate-rpm, cargo-zigbuild
 # and zig if missing).
 tools/package.sh >&2
-cargo nextest run --locked --no-fail-fast "$@"
+rc=0
+cargo nextest run --locked --no-fail-fast "$@" || rc=$?
+
+# The Rancher conformance suite (tests/conformance, a Go module): the debug binary nextest just
+# built, driven through Rancher's plan calls against the same kube-apiserver cache, every key it
+# writes decoded with Rancher's pkg/plan types. Its modules come from the Go module proxy into the
+# default module cache (outside the clone); go.sum pins them. It runs even when a Rust test
+# failed, and NODEPLAN_CI (set by .ci/run) turns a missing binary or Go into a failure.
+if command -v go >/dev/null; then
+  (
+    cd tests/conformance
+    test -z "$(gofmt -l .)" || { echo "gofmt: $(gofmt -l .)" >&2; exit 1; }
+    go vet ./...
+    NODEPLAN_BIN="$PWD/../../target/debug/nodeplan" go test -count=1 -timeout 10m -v ./...
+  ) || rc=$?
+elif [ -n "${NODEPLAN_CI:-}" ]; then
+  echo "FAIL: NODEPLAN_CI is set and go is not installed: the Rancher conformance suite cannot run" >&2
+  rc=1
+else
+  echo "*** SKIPPED the Rancher conformance suite (tests/conformance): go is not installed ***" >&2
+fi
+exit "$rc"

@@ -168,7 +168,7 @@ func (m *machine) reconcile(p *rplan.Plan, writer string, maxFailures, failureTh
 	m.t.Helper()
 	deadline := time.Now().Add(guard)
 	for {
-		s, err := stampProbesPassed(m.store, m.get())
+		s, err := planSecretController(m.store, m.get())
 		if err != nil {
 			m.t.Fatalf("plan-secret controller: %v", err)
 		}
@@ -252,6 +252,9 @@ func TestRancherConformance(t *testing.T) {
 		st := m.reconcile(p, "writer-a", 1, 1, settled)
 		if !st.success() {
 			t.Fatalf("Status reports state %q probesPassed %v, not success: %s", st.State, st.ProbesPassed, describe(st.Secret))
+		}
+		if string(st.Secret.Data[keyAppliedPlan]) != string(st.Secret.Data[keyPlan]) {
+			t.Errorf("the plan-secret controller did not copy the plan to appliedPlan: applied-checksum %q", st.Secret.Data["applied-checksum"])
 		}
 		s := m.wait("the periodic output", func(s *corev1.Secret) bool { return len(s.Data["applied-periodic-output"]) > 0 })
 		out, err := decodeOneTimeOutput(s.Data["applied-output"])

@@ -142,7 +142,7 @@ func integer(_ *corev1.Secret, raw []byte) error {
 }
 
 // rancherKeys are the data keys Rancher writes (and the agent only reads).
-var rancherKeys = map[string]bool{keyPlan: true, keyMaxFailures: true, keyFailureThreshold: true, "probe-period-seconds": true}
+var rancherKeys = map[string]bool{keyPlan: true, keyMaxFailures: true, keyFailureThreshold: true, keyAppliedPlan: true, "probe-period-seconds": true}
 
 // rancherOnlyAnnotations are never the agent's to write.
 var rancherOnlyAnnotations = []string{annWriter, annAttempt, annPaused, annCanceled, annProbesPassed, annLastUpdated}

@@ -29,6 +29,7 @@ const (
 	keyMaxFailures      = "max-failures"
 	keyFailureThreshold = "failure-threshold"
 	keyLastApplyTime    = "last-apply-time"
+	keyAppliedPlan      = "appliedPlan"
 
 	annWriter       = "plan.cattle.io/writer"
 	annAttempt      = "plan.cattle.io/attempt"
@@ -271,22 +272,35 @@ func parseProbeStatuses(raw []byte) (map[string]rplan.ProbeStatus, bool, error) 
 	return m, healthy, nil
 }
 
-// stampProbesPassed is the plan-secret controller: once the plan succeeded and every probe is
-// healthy, it stamps probes-passed (once per assignment).
-func stampProbesPassed(s *store, secret *corev1.Secret) (*corev1.Secret, error) {
-	if planState(secret.Data[keyPlanState]) != stateSucceeded || secret.Annotations[annProbesPassed] != "" {
+// planSecretController is the plan-secret controller's pass over a machine-plan Secret: it
+// copies the plan to appliedPlan once applied-checksum is the plan's checksum, and stamps
+// probes-passed (once per assignment: the Store empties it) when probe-statuses is present and
+// every probe in it is healthy (an empty map, a plan without probes, is healthy).
+func planSecretController(s *store, secret *corev1.Secret) (*corev1.Secret, error) {
+	if secret.Type != secretTypeMachinePlan || len(secret.Data) == 0 {
 		return secret, nil
 	}
-	raw := secret.Data[keyProbeStatuses]
-	if len(raw) == 0 {
+	changed := false
+	out := prepared(secret)
+	p := out.Data[keyPlan]
+	if string(out.Data["applied-checksum"]) == rplan.Checksum(p) && !bytes.Equal(p, out.Data[keyAppliedPlan]) {
+		out.Data[keyAppliedPlan] = p
+		changed = true
+	}
+	if raw := out.Data[keyProbeStatuses]; len(raw) > 0 {
+		_, healthy, err := parseProbeStatuses(raw)
+		if err != nil {
+			return secret, err
+		}
+		if healthy && out.Annotations[annProbesPassed] == "" {
+			out.Annotations[annProbesPassed] = s.now().UTC().Format(time.RFC3339)
+			changed = true
+		}
+	}
+	if !changed {
 		return secret, nil
 	}
-	if _, healthy, err := parseProbeStatuses(raw); err != nil || !healthy {
-		return secret, err
-	}
-	secret = prepared(secret)
-	secret.Annotations[annProbesPassed] = s.now().UTC().Format(time.RFC3339)
-	return s.update(secret)
+	return s.update(out)
 }
 
 // syncOperation is the operations code's sync of an Operation's spec onto a machine-plan
