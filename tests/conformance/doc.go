@@ -5,7 +5,7 @@
 // Run it with tools/test.sh (after the Rust tests), or by hand:
 //
 //	cd tests/conformance && NODEPLAN_K8S_BIN=/var/tmp/nodeplan-k8s/bin \
-//	  NODEPLAN_BIN=../../target/debug/nodeplan go test -count=1 -v ./...
+//	  NODEPLAN_BIN=../../target/debug/nodeplan go test -count=1 -v .
 //
 // NODEPLAN_K8S_BIN names a directory holding etcd and kube-apiserver (1.20 from
 // tools/build-kube-apiserver.sh, or a current one laid out the same way); NODEPLAN_BIN the agent
