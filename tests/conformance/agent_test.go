@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -40,6 +41,23 @@ func newNode(t *testing.T, cp *controlPlane, namespace, secret string) *node {
 }
 
 func (n *node) p(name string) string { return filepath.Join(n.dir, name) }
+
+// waitLog waits (bounded by guard) until the agent's log has a line containing needle: the
+// handshake that the agent has seen a request, where the Secret shows nothing yet.
+func (n *node) waitLog(t *testing.T, needle string) {
+	t.Helper()
+	deadline := time.Now().Add(guard)
+	for {
+		b, _ := os.ReadFile(n.log)
+		if strings.Contains(string(b), needle) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent never logged %q:\n%s", needle, tail(b, 40))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
 
 // start runs the agent; it is stopped (SIGTERM, then SIGKILL of its process group after 10 s) and
 // its log shown on failure at cleanup.

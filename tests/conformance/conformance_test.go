@@ -14,6 +14,7 @@ import (
 
 	rplan "github.com/rancher/rancher/pkg/plan"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 )
@@ -157,13 +158,39 @@ func describe(s *corev1.Secret) string {
 	return b.String()
 }
 
+// onFresh runs a write of Rancher's on the Secret as it is now, again on a conflict with a
+// write of the agent's (as Rancher's controllers requeue), bounded by guard.
+func (m *machine) onFresh(what string, write func(*corev1.Secret) error) {
+	m.t.Helper()
+	deadline := time.Now().Add(guard)
+	for {
+		err := write(m.get())
+		if err == nil {
+			return
+		}
+		if !apierrors.IsConflict(err) || time.Now().After(deadline) {
+			m.t.Fatalf("%s: %v", what, err)
+		}
+	}
+}
+
 func (m *machine) assign(p *rplan.Plan, writer string, maxFailures, failureThreshold int) *planStatus {
 	m.t.Helper()
-	st, err := m.store.assignPlan(m.get(), p, writer, maxFailures, failureThreshold)
-	if err != nil {
-		m.t.Fatalf("AssignPlan: %v", err)
-	}
+	var st *planStatus
+	m.onFresh("AssignPlan", func(s *corev1.Secret) (err error) {
+		st, err = m.store.assignPlan(s, p, writer, maxFailures, failureThreshold)
+		return err
+	})
 	return st
+}
+
+// syncOperation writes an Operation's pause/cancel onto the Secret (see syncOperation).
+func (m *machine) syncOperation(paused, canceled bool) {
+	m.t.Helper()
+	m.onFresh("operations sync", func(s *corev1.Secret) error {
+		_, err := syncOperation(m.store, s, paused, canceled)
+		return err
+	})
 }
 
 // reconcile is one pass of Rancher's reconcile over the machine, until done says stop: the
@@ -174,14 +201,20 @@ func (m *machine) reconcile(p *rplan.Plan, writer string, maxFailures, failureTh
 	deadline := time.Now().Add(guard)
 	for {
 		s, err := planSecretController(m.store, m.get())
-		if err != nil {
-			m.t.Fatalf("plan-secret controller: %v", err)
+		var st *planStatus
+		if err == nil {
+			st, err = m.store.assignPlan(s, p, writer, maxFailures, failureThreshold)
 		}
-		st, err := m.store.assignPlan(s, p, writer, maxFailures, failureThreshold)
-		if err != nil {
-			m.t.Fatalf("AssignPlan: %v", err)
-		}
-		if done(st) {
+		switch {
+		case apierrors.IsConflict(err):
+			// The agent wrote meanwhile: the next pass sees its write.
+			if time.Now().After(deadline) {
+				m.t.Fatalf("reconcile: conflicts until the guard ran out: %v", err)
+			}
+			continue
+		case err != nil:
+			m.t.Fatalf("reconcile: %v", err)
+		case done(st):
 			return st
 		}
 		if time.Now().After(deadline) {
@@ -374,9 +407,13 @@ func TestRancherConformance(t *testing.T) {
 		}}
 		m.assign(p, "writer-a", 1, 1)
 		m.waitFile(started)
-		changed, _, err := m.store.cancelPlan(m.get(), "writer-a")
-		if err != nil || !changed {
-			t.Fatalf("CancelPlan: changed %v err %v", changed, err)
+		changed := false
+		m.onFresh("CancelPlan", func(s *corev1.Secret) (err error) {
+			changed, _, err = m.store.cancelPlan(s, "writer-a")
+			return err
+		})
+		if !changed {
+			t.Fatalf("CancelPlan of a running plan must write the annotation")
 		}
 		st := m.reconcile(p, "writer-a", 1, 1, func(st *planStatus) bool { return planState(st.Secret.Data[keyPlanState]).terminal() })
 		if st.State != stateCanceled || !st.failure() {
@@ -413,10 +450,10 @@ func TestRancherConformance(t *testing.T) {
 		}}
 		m.assign(p, "writer-a", 1, 1)
 		m.waitFile(started)
-		if _, err := syncOperation(m.store, m.get(), true, false); err != nil {
-			t.Fatalf("pause: %v", err)
-		}
-		// The running instruction completes; the agent holds the plan before the next one.
+		m.syncOperation(true, false)
+		// Once the agent has seen the pause, the running instruction completes, and the agent
+		// holds the plan before the next one.
+		m.node.waitLog(t, "pause requested")
 		if err := os.WriteFile(gate, nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -443,9 +480,7 @@ func TestRancherConformance(t *testing.T) {
 			wantRuns1 = 2
 		}
 		writer := map[bool]string{false: "writer-a", true: "writer-b"}[clearCheckpoint]
-		if _, err := syncOperation(m.store, m.get(), false, false); err != nil {
-			t.Fatalf("resume: %v", err)
-		}
+		m.syncOperation(false, false)
 		if _, ok := m.get().Annotations[annPaused]; ok {
 			t.Fatalf("resume removes %s", annPaused)
 		}
