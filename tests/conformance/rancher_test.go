@@ -97,9 +97,12 @@ type store struct {
 	secrets typedcorev1.SecretInterface
 	// now is the clock the cooldown is measured with.
 	now func() time.Time
+	// writes counts the updates sent (a no-op must send none).
+	writes int
 }
 
 func (s *store) update(secret *corev1.Secret) (*corev1.Secret, error) {
+	s.writes++
 	return s.secrets.Update(context.Background(), secret, metav1.UpdateOptions{})
 }
 
