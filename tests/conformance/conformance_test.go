@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 )
 
@@ -93,6 +94,7 @@ type machine struct {
 	t     *testing.T
 	node  *node
 	store *store
+	ns    string
 	name  string
 }
 
@@ -114,7 +116,7 @@ func newMachine(t *testing.T) *machine {
 	if _, err := secrets.Create(ctx, sec, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("secret: %v", err)
 	}
-	m := &machine{t: t, node: newNode(t, cp, ns, "machine-plan"), store: &store{secrets: secrets, now: time.Now}, name: "machine-plan"}
+	m := &machine{t: t, node: newNode(t, cp, ns, "machine-plan"), store: &store{secrets: secrets, now: time.Now}, ns: ns, name: "machine-plan"}
 	m.node.start(t)
 	return m
 }
@@ -277,6 +279,36 @@ func TestRancherConformance(t *testing.T) {
 	if skipReason != "" {
 		t.Skipf("*** SKIPPED: %s ***", skipReason)
 	}
+	t.Run("the checks see a foreign write", func(t *testing.T) {
+		t.Parallel()
+		// checkAgentWrites must be able to fail: another field manager writing Rancher's
+		// annotation and key, and a key of the agent's Rancher cannot read, are reported.
+		m := newMachine(t)
+		m.assign(&rplan.Plan{}, "writer-a", 1, 1)
+		cfg := cp.restConfig()
+		cfg.UserAgent = "not-rancher"
+		other, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		patch := []byte(`{"metadata":{"annotations":{"plan.cattle.io/attempt":"7"}},"data":{"max-failures":"OQ==","plan-checkpoint":"e30K","last-apply-time":"bm93"}}`)
+		s, err := other.CoreV1().Secrets(m.ns).Patch(context.Background(), m.name, types.MergePatchType, patch, metav1.PatchOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		problems, _ := agentWriteProblems(s)
+		want := []string{"wrote annotation plan.cattle.io/attempt", "wrote Rancher's key max-failures", `key "last-apply-time" cannot be read`}
+		for _, w := range want {
+			found := false
+			for _, p := range problems {
+				found = found || strings.Contains(p, w)
+			}
+			if !found {
+				t.Errorf("checkAgentWrites misses %q; it reported %q", w, problems)
+			}
+		}
+	})
+
 	t.Run("plan without probes succeeds", func(t *testing.T) {
 		t.Parallel()
 		m := newMachine(t)

@@ -177,43 +177,55 @@ func owned(fieldsV1 []byte, path ...string) []string {
 // checkAgentWrites decodes every key of the Secret with Rancher's types, and checks from the
 // API server's managedFields that the agent wrote only agent keys: never the plan, the failure
 // limits, plan.cattle.io/writer, plan.cattle.io/attempt, the pause/cancel annotations or the
-// plan-secret controller's stamps. It returns the agent's field managers (at least one).
-func checkAgentWrites(t *testing.T, s *corev1.Secret) []string {
+// plan-secret controller's stamps. The agent's field managers and the data keys they own are
+// logged.
+func checkAgentWrites(t *testing.T, s *corev1.Secret) {
 	t.Helper()
+	problems, owners := agentWriteProblems(s)
+	for _, p := range problems {
+		t.Error(p)
+	}
+	t.Logf("the agent's field managers and the data keys they own: %v", owners)
+}
+
+// agentWriteProblems is checkAgentWrites' verdict: what is wrong, and each field manager other
+// than Rancher's with the data keys it owns.
+func agentWriteProblems(s *corev1.Secret) ([]string, map[string][]string) {
+	var problems []string
 	for key, raw := range s.Data {
 		if rancherKeys[key] {
 			continue
 		}
 		check, ok := agentKeys[key]
 		if !ok {
-			t.Errorf("key %q is in no table of docs/rancher-keys.md (value %q)", key, raw)
+			problems = append(problems, fmt.Sprintf("key %q is in no table of docs/rancher-keys.md (value %q)", key, raw))
 			continue
 		}
 		if err := check(s, raw); err != nil {
-			t.Errorf("key %q cannot be read as Rancher reads it: %v (value %q)", key, err, raw)
+			problems = append(problems, fmt.Sprintf("key %q cannot be read as Rancher reads it: %v (value %q)", key, err, raw))
 		}
 	}
-	var managers []string
+	owners := map[string][]string{}
 	for _, mf := range s.ManagedFields {
 		if strings.HasPrefix(mf.Manager, userAgent) || mf.FieldsV1 == nil {
 			continue
 		}
-		managers = append(managers, mf.Manager)
+		owners[mf.Manager] = append(owners[mf.Manager], owned(mf.FieldsV1.Raw, "f:data")...)
 		for _, a := range owned(mf.FieldsV1.Raw, "f:metadata", "f:annotations") {
 			for _, forbidden := range rancherOnlyAnnotations {
 				if a == forbidden {
-					t.Errorf("the agent (field manager %q) wrote annotation %s", mf.Manager, a)
+					problems = append(problems, fmt.Sprintf("the agent (field manager %q) wrote annotation %s", mf.Manager, a))
 				}
 			}
 		}
 		for _, k := range owned(mf.FieldsV1.Raw, "f:data") {
 			if rancherKeys[k] {
-				t.Errorf("the agent (field manager %q) wrote Rancher's key %s", mf.Manager, k)
+				problems = append(problems, fmt.Sprintf("the agent (field manager %q) wrote Rancher's key %s", mf.Manager, k))
 			}
 		}
 	}
-	if len(managers) == 0 {
-		t.Errorf("no field manager but Rancher's on the Secret: the agent wrote nothing, or managedFields are not kept")
+	if len(owners) == 0 {
+		problems = append(problems, "no field manager but Rancher's on the Secret: the agent wrote nothing, or managedFields are not kept")
 	}
-	return managers
+	return problems, owners
 }
