@@ -75,7 +75,7 @@ func testMain(m *testing.M) int {
 	cp, err = startControlPlane(bin)
 	if err != nil {
 		if cp != nil {
-			cp.kill()
+			cp.stop()
 		}
 		fmt.Fprintf(os.Stderr, "FAIL: %v\n", err)
 		return 1

@@ -141,6 +141,10 @@ func integer(_ *corev1.Secret, raw []byte) error {
 	return err
 }
 
+// agentManager is the field manager the API server names the agent's writes after: the product
+// of its User-Agent (nodeplan/<version>).
+const agentManager = "nodeplan"
+
 // rancherKeys are the data keys Rancher writes (and the agent only reads).
 var rancherKeys = map[string]bool{keyPlan: true, keyMaxFailures: true, keyFailureThreshold: true, keyAppliedPlan: true, "probe-period-seconds": true}
 
@@ -184,6 +188,14 @@ func checkAgentWrites(t *testing.T, s *corev1.Secret) {
 	problems, owners := agentWriteProblems(s)
 	for _, p := range problems {
 		t.Error(p)
+	}
+	for m := range owners {
+		if m != agentManager {
+			t.Errorf("field manager %q is neither Rancher's (%s) nor the agent's (%s)", m, userAgent, agentManager)
+		}
+	}
+	if _, ok := owners[agentManager]; !ok {
+		t.Errorf("no field manager %q: the agent's writes are not named after it", agentManager)
 	}
 	t.Logf("the agent's field managers and the data keys they own: %v", owners)
 }
