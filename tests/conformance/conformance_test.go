@@ -542,6 +542,41 @@ func TestRancherConformance(t *testing.T) {
 		pauseScenario(t, true)
 	})
 
+	t.Run("operations cancel of a paused plan", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		started, gate, runs2 := m.node.p("started"), m.node.p("gate"), m.node.p("runs2")
+		p := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{
+			sh("first", fmt.Sprintf("touch %s; while [ ! -e %s ]; do sleep 0.05; done", started, gate), false),
+			sh("second", fmt.Sprintf("echo y >> %s", runs2), false),
+		}}
+		m.assign(p, "writer-a", 1, 1)
+		m.waitFile(started)
+		m.syncOperation(true, false)
+		m.node.waitLog(t, "pause requested")
+		if err := os.WriteFile(gate, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		m.wait("plan-state paused", func(s *corev1.Secret) bool { return planState(s.Data[keyPlanState]) == statePaused })
+		// The Operation is canceled: one write sets the cancel and clears the pause. Rancher
+		// confirms the cancel once plan-state is terminal.
+		m.syncOperation(false, true)
+		s := m.wait("a terminal plan-state", func(s *corev1.Secret) bool { return planState(s.Data[keyPlanState]).terminal() })
+		st, err := status(s)
+		if err != nil || st.State != stateCanceled || !st.failure() {
+			t.Fatalf("a paused plan canceled by its Operation: %+v %v", st, err)
+		}
+		c, err := decodeCheckpoint(s.Data[keyCheckpoint])
+		if err != nil || c == nil || c.Paused || c.CompletedInstructions != 1 || c.TotalInstructions != 2 || c.Checksum != rplan.Checksum(s.Data[keyPlan]) {
+			t.Errorf("plan-checkpoint of the canceled plan: %+v %v", c, err)
+		}
+		if got := lines(t, runs2); len(got) != 0 {
+			t.Errorf("the second instruction ran after the cancel")
+		}
+		annotationsAsRancherLeftThem(t, s, "writer-a", "1")
+		checkAgentWrites(t, s)
+	})
+
 	t.Run("reassign: same writer does nothing, a new writer reruns", func(t *testing.T) {
 		t.Parallel()
 		m := newMachine(t)
