@@ -51,8 +51,11 @@ cargo nextest run --locked --no-fail-fast "$@" || rc=$?
 # writes decoded with Rancher's pkg/plan types. Its modules come from the Go module proxy into the
 # default module cache (outside the clone); go.sum pins them. It runs even when a Rust test
 # failed, and NODEPLAN_CI (set by .ci/run) turns a missing binary or Go into a failure.
+command -v go >/dev/null || { [ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"; }
 if command -v go >/dev/null; then
   (
+    # The binary under test, current even when the arguments above ran no integration test.
+    cargo build --locked --bin nodeplan
     cd tests/conformance
     test -z "$(gofmt -l .)" || { echo "gofmt: $(gofmt -l .)" >&2; exit 1; }
     go vet .
