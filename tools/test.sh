@@ -46,7 +46,7 @@ tools/package.sh >&2
 rc=0
 cargo nextest run --locked --no-fail-fast "$@" || rc=$?
 
-# The Rancher conformance suite (tests/conformance, a Go module): the debug binary nextest just
+# The Rancher conformance suite (tests/conformance, a Go module): the debug binary nextest
 # built, driven through Rancher's plan calls against the same kube-apiserver cache, every key it
 # writes decoded with Rancher's pkg/plan types. Its modules come from the Go module proxy into the
 # default module cache (outside the clone); go.sum pins them. It runs even when a Rust test
@@ -54,8 +54,9 @@ cargo nextest run --locked --no-fail-fast "$@" || rc=$?
 command -v go >/dev/null || { [ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"; }
 if command -v go >/dev/null; then
   (
-    # The binary under test, current even when the arguments above ran no integration test.
-    cargo build --locked --bin nodeplan
+    # nextest's build of every test target made target/debug/nodeplan; with arguments it may
+    # have built none that needs it, so build it then.
+    [ $# -eq 0 ] || cargo build --locked --bin nodeplan
     cd tests/conformance
     test -z "$(gofmt -l .)" || { echo "gofmt: $(gofmt -l .)" >&2; exit 1; }
     go vet .
