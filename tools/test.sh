@@ -51,7 +51,7 @@ cargo nextest run --locked --no-fail-fast "$@" || rc=$?
 # writes decoded with Rancher's pkg/plan types. Its modules come from the Go module proxy into the
 # default module cache (outside the clone); go.sum pins them. It runs even when a Rust test
 # failed, and NODEPLAN_CI (set by .ci/run) turns a missing binary or Go into a failure.
-command -v go >/dev/null || { [ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"; }
+if ! command -v go >/dev/null && [ -x /usr/local/go/bin/go ]; then PATH="$PATH:/usr/local/go/bin"; fi
 if command -v go >/dev/null; then
   (
     # nextest's build of every test target made target/debug/nodeplan; with arguments it may
