@@ -578,6 +578,52 @@ func TestRancherConformance(t *testing.T) {
 		checkAgentWrites(t, s)
 	})
 
+	t.Run("cancel of a succeeded plan stops its periodic instructions; a failed plan stays failed", func(t *testing.T) {
+		t.Parallel()
+		m := newMachine(t)
+		ticks := m.node.p("ticks")
+		p := &rplan.Plan{
+			OneTimeInstructions: []rplan.OneTimeInstruction{sh("once", "true", false)},
+			PeriodicInstructions: []rplan.PeriodicInstruction{{
+				CommonInstruction: rplan.CommonInstruction{Name: "tick", Command: "sh", Args: []string{"-c", "echo t >> " + ticks}},
+				PeriodSeconds:     1,
+			}},
+		}
+		m.assign(p, "writer-a", 1, 1)
+		if st := m.reconcile(p, "writer-a", 1, 1, settled); !st.success() {
+			t.Fatalf("state %q", st.State)
+		}
+		m.onFresh("CancelPlan", func(s *corev1.Secret) error { _, _, err := m.store.cancelPlan(s, "writer-a"); return err })
+		s := m.wait("canceled", func(s *corev1.Secret) bool { return planState(s.Data[keyPlanState]) == stateCanceled })
+		if st, err := status(s); err != nil || !st.failure() {
+			t.Errorf("a canceled plan is a failure to Rancher: %+v %v", st, err)
+		}
+		before := len(lines(t, ticks))
+		// A bounded window to show the periodic instruction is not run again (one run in flight
+		// at the cancel may still end).
+		time.Sleep(3 * time.Second)
+		if after := len(lines(t, ticks)); after > before+1 {
+			t.Errorf("the periodic instruction ran %d more times after the cancel", after-before)
+		}
+		checkAgentWrites(t, s)
+
+		// A failed plan is write-once: Rancher's cancel leaves it failed.
+		f := newMachine(t)
+		fp := &rplan.Plan{OneTimeInstructions: []rplan.OneTimeInstruction{sh("fail", "exit 1", false)}}
+		f.assign(fp, "writer-a", 1, 1)
+		if st := f.reconcile(fp, "writer-a", 1, 1, settled); st.State != stateFailed || !st.failure() {
+			t.Fatalf("state %q failure %v", st.State, st.failure())
+		}
+		f.onFresh("CancelPlan", func(s *corev1.Secret) error { _, _, err := f.store.cancelPlan(s, "writer-a"); return err })
+		// A bounded window to show the agent records nothing (it logs nothing for a plan not running).
+		time.Sleep(2 * time.Second)
+		fs := f.get()
+		if st, err := status(fs); err != nil || st.State != stateFailed || !st.failure() {
+			t.Errorf("a failed plan canceled afterwards: %+v %v", st, err)
+		}
+		checkAgentWrites(t, fs)
+	})
+
 	t.Run("reassign: same writer does nothing, a new writer reruns", func(t *testing.T) {
 		t.Parallel()
 		m := newMachine(t)
