@@ -17,8 +17,9 @@
 // Everything here is fetched through the Go module proxy and pinned in go.mod/go.sum; no source
 // of another project is copied.
 //
-//   - github.com/rancher/rancher/pkg/plan v0.0.0-20260428222332-2696373f4152 is the newest
-//     version of Rancher's plan module the proxy serves here. Its types are the ones Rancher and
+//   - github.com/rancher/rancher/pkg/plan v0.0.0-20260428222332-2696373f4152 is the version of
+//     Rancher's plan module the proxy serves here (the one Rancher's own pkg/apis requires; the
+//     later versions tried were refused, and the proxy lists none). Its types are the ones Rancher and
 //     system-agent (whose main imports this module for them) decode the agent's keys with:
 //     plan.Plan and plan.Parse/plan.Checksum for the plan, plan.ProbeStatus for probe-statuses,
 //     plan.PeriodicInstructionOutput for applied-periodic-output.
@@ -40,5 +41,20 @@
 //     system-agent's main decodes with. applied-output and failed-output (gzip of a JSON map of
 //     name to bytes) have no exported decoder in either module; decodeOneTimeOutput is the
 //     stand-in.
-//   - k8s.io/client-go talks to the API server.
+//   - k8s.io/client-go v0.34.3 talks to the API server (its Secrets API is the same on 1.20 and
+//     current releases).
+//
+// Fetching a module the first time needs no checksum-database look-up: go.sum holds every hash.
+// (Adding or bumping a rancher module does: the checksum database here answers 404 for them, so
+// run that `go get` with GONOSUMDB=github.com/rancher and review the go.sum lines it adds.)
+//
+// # What is checked
+//
+// Every subtest starts its own agent on its own machine-plan Secret and plays Rancher: the Store
+// assigns, cancels and retries; Status reports; the operations sync pauses, resumes and cancels;
+// the plan-secret controller stamps probes-passed. After each, checkAgentWrites decodes every data
+// key with Rancher's types and reads managedFields: the agent's writes belong to the field manager
+// nodeplan (its User-Agent), which must own no key or annotation of Rancher's, so it never wrote
+// plan.cattle.io/writer or plan.cattle.io/attempt. docs/rancher-keys.md is the table of keys, with
+// the subtest that checks each.
 package conformance
