@@ -18,8 +18,8 @@
 // of another project is copied.
 //
 //   - github.com/rancher/rancher/pkg/plan v0.0.0-20260428222332-2696373f4152 is the version of
-//     Rancher's plan module the proxy serves here (the one Rancher's own pkg/apis requires; the
-//     later versions tried were refused, and the proxy lists none). Its types are the ones Rancher and
+//     Rancher's plan module the proxy serves here (the one Rancher's own pkg/apis requires); the
+//     proxy lists no versions of it, and the later one tried was refused. Its types are the ones Rancher and
 //     system-agent (whose main imports this module for them) decode the agent's keys with:
 //     plan.Plan and plan.Parse/plan.Checksum for the plan, plan.ProbeStatus for probe-statuses,
 //     plan.PeriodicInstructionOutput for applied-periodic-output.
