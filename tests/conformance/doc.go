@@ -18,29 +18,31 @@
 // of another project is copied.
 //
 //   - github.com/rancher/rancher/pkg/plan v0.0.0-20260428222332-2696373f4152 is the version of
-//     Rancher's plan module the proxy serves here (the one Rancher's own pkg/apis requires); the
-//     proxy lists no versions of it, and the later one tried was refused. Its types are the ones Rancher and
-//     system-agent (whose main imports this module for them) decode the agent's keys with:
-//     plan.Plan and plan.Parse/plan.Checksum for the plan, plan.ProbeStatus for probe-statuses,
-//     plan.PeriodicInstructionOutput for applied-periodic-output.
-//   - The later versions of that module, which add the Store (AssignPlan, CancelPlan, Status and
-//     the retry after the 30 s cooldown), the annotation and key constants, the plan states and
-//     the checkpoint struct (Rancher PR #56931 and after; system-agent's main pins
-//     v0.0.0-20260508124826-0b6b24d9811e), are refused by the proxy here ("403 This module
-//     version is not available"), as are Rancher's operations code (the pause/cancel sync) and
-//     the plan-secret controller (github.com/rancher/rancher itself). What stands in for them is
-//     rancher_test.go: a Store written for this suite from Rancher's documented behaviour
-//     (docs/rancher-keys.md, the table this suite checks), with the same method shapes, the same
-//     keys and the same 30 s cooldown; the operations code's pause/cancel annotation sync; the
-//     plan-secret controller's probes-passed stamp; and the checkpoint struct (every field
-//     omitempty, decoded strictly so that a field Rancher does not know fails the test).
-//   - github.com/rancher/system-agent: the versions with the plan-state flow and pause/cancel
-//     (main, PR #453) are refused by the proxy in the same way. The release it serves (v0.3.11)
-//     predates plan-state and its decoders are duplicates of pkg/plan's types (and would pull
-//     k8s.io/kubernetes into the build), so it is not used: pkg/plan's types are what
-//     system-agent's main decodes with. applied-output and failed-output (gzip of a JSON map of
-//     name to bytes) have no exported decoder in either module; decodeOneTimeOutput is the
-//     stand-in.
+//     Rancher's plan module the proxy serves here (the one Rancher's own pkg/apis requires). Its
+//     types are the ones Rancher and system-agent (whose main imports this module for them)
+//     decode the agent's keys with: plan.Plan and plan.Parse/plan.Checksum for the plan,
+//     plan.ProbeStatus for probe-statuses, plan.PeriodicInstructionOutput for
+//     applied-periodic-output.
+//   - The later versions of that module add the Store (AssignPlan, CancelPlan, Status and the
+//     retry after the 30 s cooldown), the annotation and key constants, the plan states, the
+//     checkpoint struct (Rancher PR #56931 and after) and the output readers (ReadAppliedOutput,
+//     ReadAppliedPeriodicOutput). The proxy lists no versions of the module and refused the one
+//     later version tried (v0.0.0-20260508124826-0b6b24d9811e, which system-agent's main pins:
+//     "403 This module version is not available"), as it refuses github.com/rancher/rancher
+//     itself, where the operations code (the pause/cancel sync) and the plan-secret controller
+//     live. What stands in for them is rancher_test.go: a Store written for this suite from
+//     Rancher's documented behaviour (docs/rancher-keys.md, the table this suite checks), with the
+//     same method shapes, the same keys and the same 30 s cooldown; the operations code's
+//     pause/cancel annotation sync; the plan-secret controller's appliedPlan copy and
+//     probes-passed stamp; the checkpoint struct (every field omitempty, decoded strictly so that
+//     a field Rancher does not know fails the test); and decodeOneTimeOutput for applied-output
+//     and failed-output (gzip of a JSON map of instruction name to bytes).
+//   - github.com/rancher/system-agent: the proxy lists no versions, and refused the revision of
+//     its main tried (002e2e97e622, which has the plan-state flow); the pause/cancel pull request
+//     (#453) has no revision known here. The release it serves (v0.3.11) predates plan-state, its
+//     ProbeStatus and PeriodicInstructionOutput are the same shapes as pkg/plan's, and its prober
+//     would pull k8s.io/kubernetes into the build, so it is not used: pkg/plan's types are what
+//     system-agent's main decodes with.
 //   - k8s.io/client-go v0.34.3 talks to the API server (its Secrets API is the same on 1.20 and
 //     current releases).
 //
