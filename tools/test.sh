@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run every test of nodeplan on a fresh machine: installs what the tests need (Debian packages,
 # cargo-nextest if missing), builds or reuses the two kube-apiserver/etcd caches outside the clone
-# (1.20.2 and the current release), then runs fmt, clippy, the whole test suite against 1.20 and
-# the Kubernetes test binaries again against the current release. Arguments go to both
-# `cargo nextest run`s. `.ci/run` calls exactly this.
+# (1.20.2 and the current release), then runs fmt, clippy, the whole test suite against 1.20, the
+# Kubernetes test binaries again against the current release, and the Rancher conformance suite
+# (tests/conformance, Go) against both. Arguments go to both `cargo nextest run`s. `.ci/run` calls
+# exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,4 +62,33 @@ for t in tests/*.rs; do
 done
 echo "=== the Kubernetes suites against kube-apiserver $k8s_current ===" >&2
 NODEPLAN_K8S_BIN="$K8S_CURRENT_BIN" NODEPLAN_K8S_EXPECT_VERSION="$k8s_current" cargo nextest run --locked --no-fail-fast --no-tests=warn "${k8s_tests[@]}" "$@" || rc=$?
+
+
+# The Rancher conformance suite (tests/conformance, a Go module): the debug binary nextest
+# built, driven through Rancher's plan calls against the same kube-apiserver cache, every key it
+# writes decoded with Rancher's pkg/plan types. Its modules come from the Go module proxy into the
+# default module cache (outside the clone); go.sum pins them. It runs even when a Rust test
+# failed, and NODEPLAN_CI (set by .ci/run) turns a missing binary or Go into a failure.
+if ! command -v go >/dev/null && [ -x /usr/local/go/bin/go ]; then PATH="$PATH:/usr/local/go/bin"; fi
+if command -v go >/dev/null; then
+  (
+    # nextest's build of every test target made target/debug/nodeplan; with arguments it may
+    # have built none that needs it, so build it then.
+    [ $# -eq 0 ] || cargo build --locked --bin nodeplan
+    cd tests/conformance
+    test -z "$(gofmt -l .)" || { echo "gofmt: $(gofmt -l .)" >&2; exit 1; }
+    go vet .
+    crc=0
+    for bin in "$NODEPLAN_K8S_BIN" "$K8S_CURRENT_BIN"; do
+      echo "=== the Rancher conformance suite against $bin ===" >&2
+      NODEPLAN_K8S_BIN="$bin" NODEPLAN_BIN="$PWD/../../target/debug/nodeplan" go test -count=1 -timeout 10m -v . || crc=$?
+    done
+    exit "$crc"
+  ) || rc=$?
+elif [ -n "${NODEPLAN_CI:-}" ]; then
+  echo "FAIL: NODEPLAN_CI is set and go is not installed: the Rancher conformance suite cannot run" >&2
+  rc=1
+else
+  echo "*** SKIPPED the Rancher conformance suite (tests/conformance): go is not installed ***" >&2
+fi
 exit "$rc"
