@@ -1,6 +1,7 @@
-//! Custom resources on the test kube-apiserver 1.20.2 (see `k8s_support`): a CustomResourceDefinition
-//! with a structural schema, printer columns and the status subresource, installed through the API,
-//! then objects of it written through kube-rs and read back with the cache's `kubectl`.
+//! Custom resources on the test kube-apiserver (see `k8s_support`; 1.20.2 and the current release):
+//! a CustomResourceDefinition with a structural schema, printer columns and the status subresource,
+//! installed through the API, then objects of it written through kube-rs and read back with the
+//! cache's `kubectl`.
 //!
 //! This is also the regression test of the build recipe: an apiserver built with Kubernetes 1.20's
 //! vendored reflect2 1.0.1 under Go 1.19 dies with SIGSEGV on the first create of a custom resource

@@ -1,7 +1,7 @@
-//! Remote mode end to end: the real `nodeplan agent` binary against a real kube-apiserver 1.20 +
-//! etcd (see `k8s_support`), one namespace per test. The orchestrator's side is played by the
-//! test through its own client. Timeouts are hang guards; the only deliberate waits are the
-//! bounded observation windows that prove something does NOT happen.
+//! Remote mode end to end: the real `nodeplan agent` binary against a real kube-apiserver + etcd
+//! (see `k8s_support`; 1.20.2 and the current release), one namespace per test. The orchestrator's
+//! side is played by the test through its own client. Timeouts are hang guards; the only deliberate
+//! waits are the bounded observation windows that prove something does NOT happen.
 
 mod common;
 mod k8s_support;

@@ -1,4 +1,5 @@
-//! `SecretClient` against a real kube-apiserver 1.20.2 + etcd (see `k8s_support`).
+//! `SecretClient` against a real kube-apiserver + etcd (see `k8s_support`; 1.20.2 and the current
+//! release, one run each).
 //!
 //! All tests but the restart one share the binary's control plane, each in its own namespace.
 //! Timeouts below are hang guards only; nothing waits for time to pass.
@@ -46,6 +47,22 @@ async fn wait_for(
         Ok(Some(item)) => item,
         Ok(None) => panic!("watch stream ended while waiting for {what}"),
         Err(_) => panic!("no {what} from the watch within {GUARD:?}"),
+    }
+}
+
+/// The control plane is the version this run means to test: what the server reports at
+/// `/version` is what its binary says, and, when `tools/test.sh` names the version a run is for
+/// (`NODEPLAN_K8S_EXPECT_VERSION`: 1.20.2 for the first run, tools/k8s-current/go.mod's for the
+/// second), that one. Without it a second run silently against the first run's cache would pass.
+#[tokio::test]
+async fn the_control_plane_is_the_version_under_test() {
+    let Some(cp) = ControlPlane::shared().await else { return };
+    let served = cp.client().await.apiserver_version().await.expect("GET /version");
+    let binary = cp.version();
+    assert_eq!(served.git_version, binary.git, "the server is the binary the cache holds");
+    assert_eq!(served.minor.trim_end_matches('+'), binary.minor.to_string(), "{served:?}");
+    if let Some(want) = std::env::var_os("NODEPLAN_K8S_EXPECT_VERSION").filter(|v| !v.is_empty()) {
+        assert_eq!(served.git_version, want.to_string_lossy(), "the kube-apiserver NODEPLAN_K8S_BIN names");
     }
 }
 

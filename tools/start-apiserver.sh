@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Start etcd and a kube-apiserver on 127.0.0.1 to try remote mode by hand. The binaries come from
-# tools/build-kube-apiserver.sh; the tests start their own control plane (tests/k8s_support).
+# tools/build-kube-apiserver.sh (1.20.2) or tools/build-kube-apiserver-current.sh; the tests start
+# their own control plane (tests/k8s_support).
 #
 # Usage: tools/start-apiserver.sh [RUN_DIR]     (default /tmp/kapi; it must not exist or be empty)
-#   K8S_BIN    directory of etcd and kube-apiserver (default /var/tmp/nodeplan-k8s/bin)
+#   K8S_BIN    directory of etcd and kube-apiserver (default /var/tmp/nodeplan-k8s/bin, 1.20.2; the
+#              current release: /var/tmp/nodeplan-k8s-<version>/bin, tools/build-kube-apiserver-current.sh)
 #   ETCD_PORT  etcd's client port; its peer port is the next one (default 23790)
 #   API_PORT   the apiserver's HTTPS port (default 16443)
 # Writes RUN_DIR/kubeconfig: the apiserver's own CA embedded, a random admin bearer token.
@@ -38,8 +40,14 @@ peer="http://127.0.0.1:$((ETCD_PORT + 1))"
 echo $! >etcd.pid
 
 # kube-apiserver 1.20 requires the service-account issuer and keys; the token file gives the
-# admin its rights under RBAC.
-"$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+# admin its rights under RBAC. Later releases refuse the loopback advertise address as the
+# `kubernetes` Service's endpoint, so they reconcile none.
+reconciler=()
+case "$("$BIN/kube-apiserver" --version)" in
+  "Kubernetes v1.20."*) ;;
+  *) reconciler=(--endpoint-reconciler-type=none) ;;
+esac
+"$BIN/kube-apiserver" "${reconciler[@]}" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
   --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" \
   --cert-dir="$RUN/certs" --token-auth-file="$RUN/tokens.csv" --authorization-mode=RBAC \
   --service-account-issuer=https://kubernetes.default.svc --service-account-key-file="$RUN/sa.pub" \

@@ -2,7 +2,7 @@
 //! every source follows objects with.
 //!
 //! - [`client()`]: a [`kube::Client`] whose every request is bounded (TCP connect and TLS, each read,
-//!   each write, the answer's headers) and counted by [`liveness`].
+//!   each write, the answer's headers), counted by [`liveness`], and sent as [`USER_AGENT`].
 //! - [`liveness`]: the process-wide account of whether the API server answers, and the epoch that
 //!   moves when it answers again after failures.
 //! - [`watch`]: list, then watch with bookmarks and a bound on the gap between events; a list
@@ -20,7 +20,12 @@ pub mod liveness;
 pub mod watch;
 pub mod write;
 
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+/// The `User-Agent` of the agent's requests: the API server names the agent's writes after it in
+/// `managedFields` (field manager `nodeplan`) and in its audit log, where they were `unknown`.
+pub const USER_AGENT: &str = concat!("nodeplan/", env!("CARGO_PKG_VERSION"));
 
 /// TCP connect plus the TLS handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -41,10 +46,77 @@ pub fn error_line(err: &kube::Error) -> String {
 }
 
 /// The agent's client for `config`: every request bounded ([`CONNECT_TIMEOUT`], [`IO_TIMEOUT`],
-/// [`liveness::HEADERS_TIMEOUT`]) and counted by [`liveness`].
+/// [`liveness::HEADERS_TIMEOUT`]), counted by [`liveness`] and sent as [`USER_AGENT`].
 pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     config.read_timeout = Some(IO_TIMEOUT);
     config.write_timeout = Some(IO_TIMEOUT);
-    Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&liveness::Layer).build())
+    Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&liveness::Layer).with_layer(&UserAgentLayer).build())
+}
+
+/// Sets [`USER_AGENT`] on every request that has no `User-Agent` of its own.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UserAgentLayer;
+
+impl<S> tower::Layer<S> for UserAgentLayer {
+    type Service = UserAgent<S>;
+    fn layer(&self, inner: S) -> UserAgent<S> {
+        UserAgent(inner)
+    }
+}
+
+/// See [`UserAgentLayer`].
+#[derive(Debug, Clone)]
+pub struct UserAgent<S>(S);
+
+impl<S, B> tower::Service<hyper::Request<B>> for UserAgent<S>
+where
+    S: tower::Service<hyper::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: hyper::Request<B>) -> S::Future {
+        req.headers_mut()
+            .entry(hyper::header::USER_AGENT)
+            .or_insert(hyper::header::HeaderValue::from_static(USER_AGENT));
+        self.0.call(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::{Layer as _, Service as _};
+
+    /// Answers with the request's `User-Agent`.
+    struct Echo;
+
+    impl tower::Service<hyper::Request<()>> for Echo {
+        type Response = Option<String>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Option<String>, std::convert::Infallible>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, req: hyper::Request<()>) -> Self::Future {
+            let ua = req.headers().get(hyper::header::USER_AGENT).map(|v| v.to_str().unwrap_or("?").to_string());
+            std::future::ready(Ok(ua))
+        }
+    }
+
+    #[tokio::test]
+    async fn every_request_is_sent_as_nodeplan_unless_it_names_itself() {
+        let mut svc = UserAgentLayer.layer(Echo);
+        let plain = svc.call(hyper::Request::new(())).await.unwrap();
+        assert_eq!(plain.as_deref(), Some(USER_AGENT));
+        assert!(USER_AGENT.starts_with("nodeplan/"), "the field manager is the part before the slash");
+        let own = hyper::Request::builder().header(hyper::header::USER_AGENT, "kubectl/v1.20").body(()).unwrap();
+        assert_eq!(svc.call(own).await.unwrap().as_deref(), Some("kubectl/v1.20"));
+    }
 }

@@ -1,6 +1,8 @@
-//! A real Kubernetes control plane for integration tests: etcd + kube-apiserver (1.20.2, built by
-//! `tools/build-kube-apiserver.sh`) on loopback, in a temp dir, reached over HTTPS with a
-//! `system:masters` bearer token.
+//! A real Kubernetes control plane for integration tests: etcd + kube-apiserver on loopback, in a
+//! temp dir, reached over HTTPS with a `system:masters` bearer token. Two versions are tested: 1.20.2
+//! (built by `tools/build-kube-apiserver.sh` from Debian's source package, etcd 3.4) and the current
+//! release (built by `tools/build-kube-apiserver-current.sh` from the Go module proxy, etcd 3.7);
+//! `tools/test.sh` runs every test binary that uses this module against both.
 //!
 //! Owns: the etcd and kube-apiserver child processes it spawns (by pid, never by name), their
 //! temp dir (data, certs, logs, kubeconfig), and the loud skip/fail policy when the binaries are
@@ -11,9 +13,16 @@
 //! missing, [`ControlPlane::start`] / [`ControlPlane::shared`] print a loud `*** SKIPPED ... ***`
 //! line (straight to stderr, past libtest's capture) and return `None`; with `NODEPLAN_CI` set
 //! they panic instead, so CI never skips silently. Custom-resource tests use
-//! [`ControlPlane::shared_for_custom_resources`], which also needs the cache's `recipe` stamp to
-//! be [`CUSTOM_RESOURCE_RECIPE`] or later and `kubectl` beside the apiserver
-//! ([`ControlPlane::kubectl`]).
+//! [`ControlPlane::shared_for_custom_resources`], which also needs `kubectl` beside the apiserver
+//! ([`ControlPlane::kubectl`]) and, for a 1.20 cache, its `recipe` stamp to be
+//! [`CUSTOM_RESOURCE_RECIPE`] or later.
+//!
+//! Versions: [`k8s_version`] asks the cache's `kube-apiserver --version` (once per test binary);
+//! [`ControlPlane::version`] is it. Both versions get the same flags (none was removed by 1.24+:
+//! no `--insecure-port`; the service-account issuer and keys 1.20 already required) but one: the
+//! current release also gets `--endpoint-reconciler-type=none`, as it refuses to publish the
+//! loopback advertise address as the `kubernetes` Service's endpoint. A test whose expectation
+//! depends on the version asks [`ControlPlane::version`] and says why.
 //!
 //! Sharing: a start (RSA key, etcd, apiserver up to `/readyz` = ok) measured 3.3-4.0 s on a
 //! 2-core machine and costs ~350 MB, so a test binary shares one control plane
@@ -182,7 +191,8 @@ fn k8s_bin() -> Option<PathBuf> {
         return Some(dir);
     }
     skip(&format!(
-        "real kube-apiserver tests need {} in {} (set NODEPLAN_K8S_BIN; build with tools/build-kube-apiserver.sh)",
+        "real kube-apiserver tests need {} in {} (set NODEPLAN_K8S_BIN; build with tools/build-kube-apiserver.sh \
+         or tools/build-kube-apiserver-current.sh)",
         missing.join(" and "),
         dir.display()
     ))
@@ -200,10 +210,11 @@ fn skip<T>(need: &str) -> Option<T> {
 
 /// The first recipe of `tools/build-kube-apiserver.sh` whose cache serves custom resources (its
 /// kube-apiserver has Debian's reflect2 1.0.2; recipe 1's dies with SIGSEGV on the first custom
-/// resource create) and holds `kubectl`.
+/// resource create) and holds `kubectl`. Only 1.20 caches have numbered recipes; the current
+/// version's cache (`tools/build-kube-apiserver-current.sh`) never had the crash.
 pub const CUSTOM_RESOURCE_RECIPE: u32 = 2;
 
-/// The build recipe of the cache `bin` belongs to: `bin/../recipe`, written by
+/// The build recipe of the 1.20 cache `bin` belongs to: `bin/../recipe`, written by
 /// `tools/build-kube-apiserver.sh`. A cache without the stamp predates it (recipe 1).
 fn recipe_of(bin: &Path) -> u32 {
     bin.parent()
@@ -212,12 +223,64 @@ fn recipe_of(bin: &Path) -> u32 {
         .unwrap_or(1)
 }
 
-/// The cache's binaries and that they can serve custom resources (recipe and `kubectl`), or
-/// None after the loud skip (a panic in CI).
+/// The version of a cache's kube-apiserver, from `kube-apiserver --version` (`Kubernetes v1.37.2`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct K8sVersion {
+    pub major: u32,
+    pub minor: u32,
+    /// As the binary says it, e.g. `v1.20.2`.
+    pub git: String,
+}
+
+impl K8sVersion {
+    /// Parse `kube-apiserver --version`'s output.
+    pub fn parse(out: &str) -> Option<K8sVersion> {
+        let git = out.split_whitespace().find(|w| w.starts_with('v'))?.to_string();
+        let mut parts = git.trim_start_matches('v').split('.');
+        let major = parts.next()?.parse().ok()?;
+        let minor: String = parts.next()?.chars().take_while(char::is_ascii_digit).collect();
+        Some(K8sVersion { major, minor: minor.parse().ok()?, git })
+    }
+
+    /// At least `major.minor`?
+    pub fn at_least(&self, major: u32, minor: u32) -> bool {
+        (self.major, self.minor) >= (major, minor)
+    }
+}
+
+impl std::fmt::Display for K8sVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.git)
+    }
+}
+
+/// The version of the kube-apiserver in `bin`, asked once per test binary (the cache does not
+/// change under a running test binary: a rebuild swaps in a new directory). Panics when the
+/// binary cannot say: every other test would fail less clearly.
+pub fn k8s_version(bin: &Path) -> K8sVersion {
+    static VERSION: std::sync::OnceLock<(PathBuf, K8sVersion)> = std::sync::OnceLock::new();
+    let (asked, version) = VERSION.get_or_init(|| {
+        let exe = bin.join("kube-apiserver");
+        let out = Command::new(&exe)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("run {} --version: {e}", exe.display()));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let version = K8sVersion::parse(&text)
+            .unwrap_or_else(|| panic!("{} --version said {text:?}, not `Kubernetes vX.Y.Z`", exe.display()));
+        (bin.to_path_buf(), version)
+    });
+    assert_eq!(asked, bin, "one test binary, one kube-apiserver cache");
+    version.clone()
+}
+
+/// The cache's binaries and that they can serve custom resources (`kubectl`, and the recipe of a
+/// 1.20 cache), or None after the loud skip (a panic in CI).
 fn custom_resource_bin() -> Option<PathBuf> {
     let bin = k8s_bin()?;
     let recipe = recipe_of(&bin);
-    if recipe < CUSTOM_RESOURCE_RECIPE {
+    if !k8s_version(&bin).at_least(1, 21) && recipe < CUSTOM_RESOURCE_RECIPE {
         return skip(&format!(
             "custom-resource tests need a kube-apiserver cache of recipe {CUSTOM_RESOURCE_RECIPE} or later, and {} is \
              recipe {recipe} (its kube-apiserver crashes on the first custom resource): rebuild it with \
@@ -429,7 +492,8 @@ impl ControlPlane {
                 let cp = ControlPlane::start().await;
                 if let Some(cp) = &cp {
                     loud(&format!(
-                        "k8s_support: shared control plane ready in {:?} at {}",
+                        "k8s_support: shared control plane (kube-apiserver {}) ready in {:?} at {}",
+                        cp.version(),
                         cp.started_in,
                         cp.dir.display()
                     ));
@@ -464,7 +528,7 @@ impl ControlPlane {
     /// `kubectl` from the same cache, aimed at this apiserver: `--kubeconfig` is this control
     /// plane's, its discovery/HTTP cache and `HOME` are in the temp dir, and `KUBECONFIG` is
     /// removed, so it reads and writes nothing outside. The cache's kubectl is the one built
-    /// with the apiserver (1.20.2); get it through [`ControlPlane::shared_for_custom_resources`],
+    /// with the apiserver (of the same version); get it through [`ControlPlane::shared_for_custom_resources`],
     /// which checks it is there.
     pub fn kubectl(&self) -> Command {
         let mut cmd = Command::new(self.bin.join("kubectl"));
@@ -479,6 +543,11 @@ impl ControlPlane {
     /// The last `lines` lines of the apiserver's log, for failure messages (a crash shows there).
     pub fn apiserver_log_tail(&self, lines: usize) -> String {
         tail(&self.dir.join("apiserver.log"), lines)
+    }
+
+    /// The version of this control plane's kube-apiserver ([`k8s_version`]).
+    pub fn version(&self) -> K8sVersion {
+        k8s_version(&self.bin)
     }
 
     /// How long `start()` took, from the temp dir to `/readyz` = ok.
@@ -630,6 +699,13 @@ impl ControlPlane {
             .arg(format!("--service-account-signing-key-file={}", d.join("sa.key").display()))
             .arg("--service-cluster-ip-range=10.0.0.0/24")
             .arg("--disable-admission-plugins=ServiceAccount");
+        if self.version().at_least(1, 21) {
+            // The current release refuses a loopback advertise address for the `kubernetes`
+            // Service's endpoints ("cannot use public IP 127.0.0.1 with endpoint reconciler ...
+            // may not be in the loopback range") and exits; 1.20 publishes it. Nothing here reads
+            // those endpoints, so the current release reconciles none.
+            cmd.arg("--endpoint-reconciler-type=none");
+        }
         self.apiserver = Some(Proc::spawn("kube-apiserver", cmd, &d.join("apiserver.log"), None));
     }
 
