@@ -176,18 +176,8 @@ fn references(code: &str, path: &[String]) -> Vec<(String, usize)> {
                 inline.push((name.to_string(), depth + 1));
             }
         } else if at_word && rest.starts_with("crate::") {
-            let after = i + "crate::".len();
-            if code[after..].starts_with('{') {
-                let close = matching_brace(code, after);
-                for part in split_top(&code[after + 1..close]) {
-                    let name = ident_at(part.trim_start(), 0);
-                    if !name.is_empty() {
-                        found.push((name.to_string(), line_of(i)));
-                    }
-                }
-            } else {
-                found.push((ident_at(code, after).to_string(), line_of(i)));
-            }
+            let line = line_of(i);
+            found.extend(first_segments(code, i + "crate::".len()).into_iter().map(|m| (m, line)));
         } else if at_word && rest.starts_with("super::") {
             let mut here: Vec<String> = path.to_vec();
             here.extend(inline.iter().map(|(n, _)| n.clone()));
@@ -198,17 +188,8 @@ fn references(code: &str, path: &[String]) -> Vec<(String, usize)> {
             }
             if here.is_empty() {
                 // Climbed to the crate root: the next segment is a top-level module.
-                if code[j..].starts_with('{') {
-                    let close = matching_brace(code, j);
-                    for part in split_top(&code[j + 1..close]) {
-                        let name = ident_at(part.trim_start(), 0);
-                        if !name.is_empty() {
-                            found.push((name.to_string(), line_of(i)));
-                        }
-                    }
-                } else {
-                    found.push((ident_at(code, j).to_string(), line_of(i)));
-                }
+                let line = line_of(i);
+                found.extend(first_segments(code, j).into_iter().map(|m| (m, line)));
             }
             i = j;
             continue;
@@ -216,6 +197,19 @@ fn references(code: &str, path: &[String]) -> Vec<(String, usize)> {
         i += 1;
     }
     found
+}
+
+/// The first segment of the path at `at` (`x` of `x::y`), or of each path of a `{x, y::z}` list.
+fn first_segments(code: &str, at: usize) -> Vec<String> {
+    if !code[at..].starts_with('{') {
+        return vec![ident_at(code, at).to_string()];
+    }
+    let close = matching_brace(code, at);
+    split_top(&code[at + 1..close])
+        .into_iter()
+        .map(|part| ident_at(part.trim_start(), 0).to_string())
+        .filter(|name| !name.is_empty())
+        .collect()
 }
 
 fn matching_brace(s: &str, open: usize) -> usize {
