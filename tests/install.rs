@@ -930,7 +930,8 @@ async fn install_sh_downloads_over_https_only_and_needs_a_checksum() {
     .await;
     let direct = format!("{}/nodeplan", https.url("https"));
     let to_https = direct.clone();
-    let hop = Server::start(Some(pki.tls.clone()), Arc::new(move |_: &Request| (302, to_https.clone().into_bytes()))).await;
+    let hop =
+        Server::start(Some(pki.tls.clone()), Arc::new(move |_: &Request| (302, to_https.clone().into_bytes()))).await;
     let ca = ca_env(dir.path(), &pki.ca_pem);
 
     for (tool, path) in downloader_paths() {
@@ -962,7 +963,10 @@ async fn install_sh_downloads_over_https_only_and_needs_a_checksum() {
         let o = run(&[("CATTLE_AGENT_BINARY_URL", &direct)]).await;
         assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
         let err = text(&o).1;
-        assert!(err.contains("CATTLE_AGENT_BINARY_SHA256 is not set") && err.contains("CATTLE_AGENT_BINARY_UNCHECKED=true"), "{err}");
+        assert!(
+            err.contains("CATTLE_AGENT_BINARY_SHA256 is not set") && err.contains("CATTLE_AGENT_BINARY_UNCHECKED=true"),
+            "{err}"
+        );
         assert_eq!(https.count("/nodeplan"), before, "{tool}: downloaded without a checksum");
         assert!(!marker.exists());
 
@@ -1020,7 +1024,8 @@ async fn install_follows_no_redirect_and_never_sends_the_token_again() {
     port.set(server.addr.port()).unwrap();
     let sum = sha256_hex(pki.ca_pem.as_bytes());
     let url = server.url("https");
-    let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
     let root = t.root().display().to_string();
     let bin = t.bin().display().to_string();
     let o =
@@ -1048,7 +1053,8 @@ async fn a_password_in_cattle_server_is_never_shown() {
     let root = t.root().display().to_string();
     let bin = t.bin().display().to_string();
     let args = ["install", "--root", &root, "--binary", &bin, "--retries", "1", "--retry-interval", "10ms"];
-    let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
     let o = nodeplan(&args, &env).await;
     let (out, err) = text(&o);
     assert_eq!(code(&o), 1, "{out}\n{err}");
@@ -1060,7 +1066,8 @@ async fn a_password_in_cattle_server_is_never_shown() {
         l.local_addr().unwrap().port()
     };
     let url = format!("https://admin:hunter2@127.0.0.1:{closed}");
-    let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
     let o = nodeplan(&args, &env).await;
     let (out, err) = text(&o);
     assert_eq!(code(&o), 1, "{out}\n{err}");
@@ -1113,7 +1120,12 @@ async fn a_credential_plugin_is_refused_from_rancher_and_never_run() {
         )
         .await;
         let url = server.url("https");
-        let env = [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+        let env = [
+            ("CATTLE_SERVER", url.as_str()),
+            ("CATTLE_TOKEN", TOKEN),
+            ("CATTLE_CA_CHECKSUM", &sum),
+            ("CATTLE_ID", "id-1"),
+        ];
         let o = nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "0"], &env).await;
         let (out, err) = text(&o);
         assert_eq!(code(&o), 1, "{out}\n{err}");

@@ -133,7 +133,8 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
             // The operator's kubeconfig may use a credential plugin (the agent runs it), but
             // install never runs it.
             if let Some(note) = fetch::check_client(&info, fetch::Plugins::NotRun).await.map_err(bad)? {
-                out.lines.push(format!("--kubeconfig {}: {note} (the agent runs it when it starts)", shown(kubeconfig)));
+                out.lines
+                    .push(format!("--kubeconfig {}: {note} (the agent runs it when it starts)", shown(kubeconfig)));
             }
             (Some(json), None)
         }

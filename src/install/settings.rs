@@ -425,8 +425,11 @@ mod tests {
         assert_eq!(shown_url("https://tok@r.example"), "https://***@r.example");
         assert_eq!(shown_url("http://a:b@c@d/e@f"), "http://***@d/e@f");
         assert_eq!(shown_url("https://r.example/x@y"), "https://r.example/x@y");
-        let e = Settings::resolve(env(&[("CATTLE_SERVER", "http://u:hunter2@x"), ("CATTLE_TOKEN", "t")]), &Flags::default())
-            .unwrap_err();
+        let e = Settings::resolve(
+            env(&[("CATTLE_SERVER", "http://u:hunter2@x"), ("CATTLE_TOKEN", "t")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
         assert!(e.contains("***@x") && !e.contains("hunter2"), "{e}");
     }
 

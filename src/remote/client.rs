@@ -359,7 +359,7 @@ pub async fn check_kubeconfig_yaml(yaml: &str, plugins: Plugins) -> Result<Optio
             };
             return Err(format!(
                 "kubeconfig: user {} has {what}, a command root would run: refused in connection info from a server \
-                 (only a token or a client certificate is accepted there)",
+                 (Rancher's own answer carries a token)",
                 crate::quoted(&named.name)
             ));
         }
