@@ -8,7 +8,11 @@
 #   CATTLE_AGENT_BINARY_LOCAL=true and CATTLE_AGENT_BINARY_LOCAL_LOCATION=/path/to/nodeplan
 #       use that file;
 #   otherwise CATTLE_AGENT_BINARY_URL=https://…/nodeplan
-#       download it (curl or wget), checked against CATTLE_AGENT_BINARY_SHA256 when set.
+#       download it over https only (curl, or GNU wget), checked against
+#       CATTLE_AGENT_BINARY_SHA256 (its SHA-256 in hex). The download runs as root: without a
+#       checksum it is refused, unless CATTLE_AGENT_BINARY_UNCHECKED=true (then a warning says
+#       so). A redirect to anything but https is refused (curl); GNU wget follows no redirect at
+#       all, and BusyBox wget (which cannot refuse a redirect to http) is not used.
 #
 # OPTIONS are passed to `nodeplan install` as they are (`--root DIR`, `--force`, `--local`, …).
 # The exit code is nodeplan install's (2 for a problem found here).
@@ -28,20 +32,42 @@ fi
 
 url=${CATTLE_AGENT_BINARY_URL:-}
 [ -n "$url" ] || fatal "set CATTLE_AGENT_BINARY_URL (where to download nodeplan), or CATTLE_AGENT_BINARY_LOCAL=true with CATTLE_AGENT_BINARY_LOCAL_LOCATION"
+# For messages: userinfo (a password) in the URL is shown as ***@.
+shown=$(printf '%s\n' "$url" | sed 's#^\([A-Za-z][A-Za-z0-9+.-]*://\)[^/?#]*@#\1***@#')
+case "$url" in
+    https://*) ;;
+    *) fatal "CATTLE_AGENT_BINARY_URL must be an https:// URL, not $shown" ;;
+esac
+sum=$(printf '%s' "${CATTLE_AGENT_BINARY_SHA256:-}" | tr 'A-F' 'a-f')
+if [ -n "$sum" ]; then
+    [ "${#sum}" -eq 64 ] && [ -z "$(printf '%s' "$sum" | tr -d '0-9a-f')" ] ||
+        fatal "CATTLE_AGENT_BINARY_SHA256 is not a SHA-256 in hex (64 digits)"
+elif [ "${CATTLE_AGENT_BINARY_UNCHECKED:-false}" = "true" ]; then
+    echo "install.sh: WARNING: CATTLE_AGENT_BINARY_SHA256 is not set: $shown will run as root UNCHECKED (CATTLE_AGENT_BINARY_UNCHECKED=true)" >&2
+else
+    fatal "CATTLE_AGENT_BINARY_SHA256 is not set: refusing to run a download as root unchecked; set it to the binary's SHA-256 (sha256sum nodeplan), or CATTLE_AGENT_BINARY_UNCHECKED=true to run it anyway"
+fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 trap 'exit 130' INT TERM
 if command -v curl >/dev/null 2>&1; then
-    curl -fsSL --retry 5 -o "$tmp/nodeplan" "$url" || fatal "cannot download $url"
+    # https only, redirects included (a redirect to http fails).
+    curl --proto '=https' --proto-redir '=https' -fsSL --retry 5 -o "$tmp/nodeplan" "$url" ||
+        fatal "cannot download $shown (only https is followed, redirects included)"
 elif command -v wget >/dev/null 2>&1; then
-    wget -q -O "$tmp/nodeplan" "$url" || fatal "cannot download $url"
+    # wget's --https-only holds in recursive mode only: no redirect is followed at all. BusyBox
+    # wget has no --max-redirect, so it cannot refuse a redirect to http: it is not used.
+    wget --help 2>&1 | grep -q -- '--max-redirect' ||
+        fatal "this wget (BusyBox?) cannot refuse a redirect to http: install curl"
+    wget --https-only --max-redirect=0 -q -O "$tmp/nodeplan" "$url" ||
+        fatal "cannot download $shown (wget follows no redirect: give the final https:// URL, or install curl)"
 else
     fatal "neither curl nor wget is installed"
 fi
-if [ -n "${CATTLE_AGENT_BINARY_SHA256:-}" ]; then
+if [ -n "$sum" ]; then
     got=$(sha256sum "$tmp/nodeplan" | cut -d' ' -f1)
-    [ "$got" = "$CATTLE_AGENT_BINARY_SHA256" ] || fatal "$url has SHA-256 $got, not CATTLE_AGENT_BINARY_SHA256 ($CATTLE_AGENT_BINARY_SHA256)"
+    [ "$got" = "$sum" ] || fatal "$shown has SHA-256 $got, not CATTLE_AGENT_BINARY_SHA256 ($sum)"
 fi
 chmod 0755 "$tmp/nodeplan"
 # Not exec: the trap removes the download afterwards (nodeplan install has copied it).

@@ -189,7 +189,10 @@ impl Prober {
         }
         let url = match Url::parse(&probe.http_get.url) {
             Ok(url) => url,
-            Err(err) => return ProbeResult::Failure(format!("invalid URL {:?}: {err}", probe.http_get.url)),
+            Err(err) => {
+                let shown = crate::image::redact_userinfo(&probe.http_get.url);
+                return ProbeResult::Failure(format!("invalid URL {shown:?}: {err}"));
+            }
         };
         if !matches!(url.scheme(), "http" | "https") {
             return ProbeResult::Failure(format!("unsupported URL scheme {:?}", url.scheme()));
@@ -415,7 +418,8 @@ async fn request(client: &Client, url: Url) -> ProbeResult {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| response.url().join(value).ok());
         if let Some(location) = location.filter(|l| l.host_str() != response.url().host_str()) {
-            return ProbeResult::Failure(format!("redirect to other host {location}"));
+            let shown = crate::image::redact_userinfo(location.as_str());
+            return ProbeResult::Failure(format!("redirect to other host {shown}"));
         }
         return ProbeResult::Failure(format!("HTTP {} (redirect not followed)", status.as_u16()));
     }
@@ -572,6 +576,15 @@ mod tests {
                 ProbeResult::Failure(reason) => assert!(reason.contains(expect), "{url}: {reason}"),
                 ProbeResult::Success => panic!("{url} succeeded"),
             }
+        }
+        // A password in a URL is masked as everywhere else (`***@`).
+        let mut p = Probe::default();
+        p.http_get.url = "http://u:hunter2@[bad/healthz".into();
+        match prober.probe_once(&p).await {
+            ProbeResult::Failure(reason) => {
+                assert!(reason.contains("***@[bad") && !reason.contains("hunter2"), "{reason}")
+            }
+            ProbeResult::Success => panic!("a bad URL succeeded"),
         }
     }
 

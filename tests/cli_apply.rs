@@ -907,6 +907,25 @@ fn ctrl_c_stops_waiting_for_the_work_directory() {
     assert_eq!(std::fs::read_to_string(&t.log).unwrap(), "first-start\nfirst-end\n", "the second plan ran");
 }
 
+/// Issue 23, item 8: a password in an image reference or a probe URL is masked in a dry run as in
+/// the agent's own errors (`***@`), with or without `--show-secrets`.
+#[test]
+fn a_dry_run_masks_passwords_in_images_and_probe_urls() {
+    let e = Env::new();
+    let plan = e.plan(serde_json::json!({
+        "instructions": [{"name": "img", "image": "robot:hunter2@reg.example/a/b:1"}],
+        "probes": {"web": {"httpGet": {"url": "https://admin:hunter2@127.0.0.1:9/healthz"}}},
+    }));
+    for extra in [&["--dry-run"][..], &["--dry-run", "--show-secrets"]] {
+        let out = output_within(e.cmd(&plan, extra));
+        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(6), "{text}{err}");
+        assert!(text.contains("image ***@reg.example/a/b:1"), "{text}");
+        assert!(text.contains("GET https://***@127.0.0.1:9/healthz"), "{text}");
+        assert!(!text.contains("hunter2") && !err.contains("hunter2"), "{extra:?}: {text}{err}");
+    }
+}
+
 /// `--dry-run` shows each file's diff and each instruction, masks secrets, touches nothing (no
 /// work or PID directory, no file, no process), and exits 6 when something would change, 0 when
 /// nothing would.

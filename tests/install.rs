@@ -22,12 +22,15 @@ use tokio_rustls::TlsAcceptor;
 
 // ---------------------------------------------------------------------------------------------
 // A minimal HTTP(S) server: one request per connection, the handler sees the method, path and
-// headers and answers a status and a body; every request is recorded.
+// headers and answers a status and a body (for a 3xx, the body is sent as the Location header);
+// every request is recorded. A dual server answers TLS and plain HTTP on one port.
 
 #[derive(Debug, Clone)]
 struct Request {
     path: String,
     headers: Vec<(String, String)>,
+    /// Whether it came over TLS.
+    tls: bool,
 }
 
 impl Request {
@@ -52,6 +55,15 @@ impl Drop for Server {
 
 impl Server {
     async fn start(tls: Option<Arc<ServerConfig>>, handler: Handler) -> Server {
+        Server::start_with(tls, false, handler).await
+    }
+
+    /// TLS (a connection that starts with a TLS record) and plain HTTP on the same port.
+    async fn dual(tls: Arc<ServerConfig>, handler: Handler) -> Server {
+        Server::start_with(Some(tls), true, handler).await
+    }
+
+    async fn start_with(tls: Option<Arc<ServerConfig>>, dual: bool, handler: Handler) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let requests = Arc::new(Mutex::new(Vec::new()));
@@ -63,13 +75,16 @@ impl Server {
                 let Ok((stream, _)) = listener.accept().await else { continue };
                 let (h, log, acceptor) = (handler.clone(), log.clone(), acceptor.clone());
                 conns.spawn(async move {
+                    let mut first = [0u8; 1];
+                    // 0x16: a TLS handshake record.
+                    let is_tls = !dual || matches!(stream.peek(&mut first).await, Ok(1) if first[0] == 0x16);
                     match acceptor {
-                        None => serve_one(stream, &h, &log).await,
-                        Some(a) => {
+                        Some(a) if is_tls => {
                             if let Ok(s) = a.accept(stream).await {
-                                serve_one(s, &h, &log).await
+                                serve_one(s, true, &h, &log).await
                             }
                         }
+                        _ => serve_one(stream, false, &h, &log).await,
                     }
                 });
                 while conns.try_join_next().is_some() {}
@@ -91,7 +106,7 @@ impl Server {
     }
 }
 
-async fn serve_one<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, h: &Handler, log: &Mutex<Vec<Request>>) {
+async fn serve_one<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, tls: bool, h: &Handler, log: &Mutex<Vec<Request>>) {
     let mut head = Vec::new();
     let mut buf = [0u8; 4096];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -105,11 +120,17 @@ async fn serve_one<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, h: &Handler, log
     let path = lines.next().unwrap_or("").split(' ').nth(1).unwrap_or("/").to_string();
     let headers =
         lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))).collect();
-    let req = Request { path, headers };
+    let req = Request { path, headers, tls };
     log.lock().unwrap().push(req.clone());
-    let (status, body) = h(&req);
+    let (status, mut body) = h(&req);
+    let location = if (300..400).contains(&status) {
+        format!("Location: {}\r\n", String::from_utf8_lossy(&std::mem::take(&mut body)))
+    } else {
+        String::new()
+    };
     let mut resp =
-        format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).into_bytes();
+        format!("HTTP/1.1 {status} X\r\n{location}Content-Length: {}\r\nConnection: close\r\n\r\n", body.len())
+            .into_bytes();
     resp.extend_from_slice(&body);
     let _ = s.write_all(&resp).await;
     let _ = s.shutdown().await;
@@ -148,7 +169,13 @@ fn sha256_hex(data: &[u8]) -> String {
 const TOKEN: &str = "tok-0123456789";
 /// A kubeconfig a client can be made from (the agent's check), trusting the test CA.
 fn kubeconfig(ca_pem: &str) -> String {
+    kubeconfig_with_user(ca_pem, "token: secret-agent-token")
+}
+
+/// [`kubeconfig`] with `user` (YAML, one line per key) as its user's credentials.
+fn kubeconfig_with_user(ca_pem: &str, user: &str) -> String {
     use base64::Engine as _;
+    let user: String = user.lines().map(|l| format!("    {l}\n")).collect();
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     format!(
         "apiVersion: v1
@@ -161,8 +188,7 @@ clusters:
 users:
 - name: u
   user:
-    token: secret-agent-token
-contexts:
+{user}contexts:
 - name: ctx
   context:
     cluster: c
@@ -173,8 +199,12 @@ current-context: ctx
 }
 
 fn connection_json(ca_pem: &str) -> Vec<u8> {
+    connection_json_with(&kubeconfig(ca_pem))
+}
+
+fn connection_json_with(kubeconfig: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
-        "kubeConfig": kubeconfig(ca_pem), "namespace": "fleet-default", "secretName": "custom-abc-machine-plan"
+        "kubeConfig": kubeconfig, "namespace": "fleet-default", "secretName": "custom-abc-machine-plan"
     }))
     .unwrap()
 }
@@ -790,36 +820,27 @@ async fn install_sh_with_a_local_binary_and_a_download() {
     let v = std::process::Command::new(&installed).arg("--version").output().unwrap();
     assert!(v.status.success() && String::from_utf8_lossy(&v.stdout).starts_with("nodeplan "), "{:?}", text(&v));
 
-    // A download (curl or wget) checked against CATTLE_AGENT_BINARY_SHA256, run with the options.
-    let have = ["curl", "wget"]
-        .iter()
-        .any(|c| std::process::Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()));
-    if !require(have, "curl or wget") {
-        return;
-    }
+    // A download (curl or wget) over https, checked against CATTLE_AGENT_BINARY_SHA256, run with
+    // the options.
+    let Some(path) = downloader_paths().into_iter().next() else { return };
+    let pki = pki();
     let dir = tempfile::tempdir().unwrap();
     let record = dir.path().join("args");
     let fake = format!("#!/bin/sh\necho \"$*\" > '{}'\nexit 7\n", record.display());
     let body = fake.clone().into_bytes();
     let server = Server::start(
-        None,
+        Some(pki.tls.clone()),
         Arc::new(move |r: &Request| if r.path == "/nodeplan" { (200, body.clone()) } else { (404, vec![]) }),
     )
     .await;
-    let url = format!("{}/nodeplan", server.url("http"));
+    let url = format!("{}/nodeplan", server.url("https"));
+    let ca = ca_env(dir.path(), &pki.ca_pem);
     let run = |sum: String| {
-        let url = url.clone();
-        async move {
-            tokio::process::Command::new("sh")
-                .args([script, "--root", "/nonexistent-tree", "--local"])
-                .env_clear()
-                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-                .env("CATTLE_AGENT_BINARY_URL", url)
-                .env("CATTLE_AGENT_BINARY_SHA256", sum)
-                .output()
-                .await
-                .unwrap()
-        }
+        let mut env = ca.clone();
+        env.push(("CATTLE_AGENT_BINARY_URL".into(), url.clone()));
+        env.push(("CATTLE_AGENT_BINARY_SHA256".into(), sum));
+        let path = path.1.clone();
+        async move { install_sh(&["--root", "/nonexistent-tree", "--local"], &env, &path).await }
     };
     let o = run(sha256_hex(fake.as_bytes())).await;
     assert_eq!(code(&o), 7, "the binary's exit code comes back: {:?}", text(&o));
@@ -834,6 +855,309 @@ async fn install_sh_with_a_local_binary_and_a_download() {
     assert_eq!(code(&o), 2, "{:?}", text(&o));
     assert!(text(&o).1.contains("CATTLE_AGENT_BINARY_SHA256"));
     assert!(!record.exists(), "a download that does not match is never run");
+}
+
+/// `install.sh ARGS` with only `env` and `path` as PATH in its environment.
+async fn install_sh(args: &[&str], env: &[(String, String)], path: &std::ffi::OsStr) -> Output {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/install.sh");
+    let mut c = tokio::process::Command::new("/bin/sh");
+    c.arg(script).args(args).env_clear().env("PATH", path);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    tokio::time::timeout(Duration::from_secs(120), c.output()).await.expect("install.sh hung").unwrap()
+}
+
+/// What makes install.sh's downloaders trust the test CA: curl reads CURL_CA_BUNDLE, GNU wget
+/// its WGETRC.
+fn ca_env(dir: &Path, ca_pem: &str) -> Vec<(String, String)> {
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, ca_pem).unwrap();
+    let rc = dir.join("wgetrc");
+    std::fs::write(&rc, format!("ca_certificate = {}\n", ca.display())).unwrap();
+    vec![("CURL_CA_BUNDLE".into(), ca.display().to_string()), ("WGETRC".into(), rc.display().to_string())]
+}
+
+/// The downloaders install.sh can use here, each with a PATH that makes it the one used: curl
+/// with the test's PATH, GNU wget with a PATH of links to the tools the script needs and wget
+/// (no curl). The temp dir holding the links lives as long as the test process.
+fn downloader_paths() -> Vec<(&'static str, std::ffi::OsString)> {
+    let runs = |c: &str| std::process::Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success());
+    let mut out = Vec::new();
+    if runs("curl") {
+        out.push(("curl", std::env::var_os("PATH").unwrap_or_default()));
+    }
+    if runs("wget") {
+        static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+        let dir = DIR.get_or_init(|| {
+            let d = tempfile::tempdir().unwrap();
+            for tool in ["mktemp", "rm", "sed", "tr", "grep", "sha256sum", "cut", "chmod", "touch", "wget", "sh"] {
+                let found = ["/usr/bin", "/bin", "/usr/local/bin"]
+                    .iter()
+                    .map(|p| Path::new(p).join(tool))
+                    .find(|p| p.exists())
+                    .unwrap_or_else(|| panic!("{tool} not found"));
+                std::os::unix::fs::symlink(found, d.path().join(tool)).unwrap();
+            }
+            d
+        });
+        out.push(("wget", dir.path().as_os_str().to_owned()));
+    }
+    require(!out.is_empty(), "curl or wget");
+    out
+}
+
+/// Issue 23, item 1: a download runs as root, so it is https only (a redirect to http is not
+/// followed), and without a checksum it is refused unless CATTLE_AGENT_BINARY_UNCHECKED=true.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_sh_downloads_over_https_only_and_needs_a_checksum() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran-as-root");
+    let fake = format!("#!/bin/sh\ntouch '{}'\nexit 7\n", marker.display());
+    let sum = sha256_hex(fake.as_bytes());
+    let body = fake.clone().into_bytes();
+    let serve = move |r: &Request| if r.path == "/nodeplan" { (200, body.clone()) } else { (404, vec![]) };
+    let plain = Server::start(None, Arc::new(serve.clone())).await;
+    let to_plain = format!("{}/nodeplan", plain.url("http"));
+    let https = Server::start(
+        Some(pki.tls.clone()),
+        Arc::new(move |r: &Request| match r.path.as_str() {
+            "/to-http" => (302, to_plain.clone().into_bytes()),
+            _ => serve(r),
+        }),
+    )
+    .await;
+    let direct = format!("{}/nodeplan", https.url("https"));
+    let to_https = direct.clone();
+    let hop =
+        Server::start(Some(pki.tls.clone()), Arc::new(move |_: &Request| (302, to_https.clone().into_bytes()))).await;
+    let ca = ca_env(dir.path(), &pki.ca_pem);
+
+    for (tool, path) in downloader_paths() {
+        let run = |vars: &[(&str, &str)]| {
+            let mut env = ca.clone();
+            env.extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            let path = path.clone();
+            async move { install_sh(&["--root", "/nonexistent-tree", "--local"], &env, &path).await }
+        };
+        // The attack: an https URL that redirects to http, no checksum, the opt-out given.
+        let o = run(&[
+            ("CATTLE_AGENT_BINARY_URL", &format!("{}/to-http", https.url("https"))),
+            ("CATTLE_AGENT_BINARY_UNCHECKED", "true"),
+        ])
+        .await;
+        assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
+        assert!(!marker.exists(), "{tool}: what a redirect to http served ran");
+        assert_eq!(plain.count("/nodeplan"), 0, "{tool}: the http URL was fetched");
+        assert!(text(&o).1.contains("cannot download"), "{tool}: {:?}", text(&o));
+
+        // An http URL, even with a checksum.
+        let o = run(&[("CATTLE_AGENT_BINARY_URL", &plain.url("http")), ("CATTLE_AGENT_BINARY_SHA256", &sum)]).await;
+        assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
+        assert!(text(&o).1.contains("must be an https:// URL"), "{tool}: {:?}", text(&o));
+        assert_eq!(plain.count("/nodeplan"), 0);
+
+        // No checksum: refused before anything is downloaded, naming both ways on.
+        let before = https.count("/nodeplan");
+        let o = run(&[("CATTLE_AGENT_BINARY_URL", &direct)]).await;
+        assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
+        let err = text(&o).1;
+        assert!(
+            err.contains("CATTLE_AGENT_BINARY_SHA256 is not set") && err.contains("CATTLE_AGENT_BINARY_UNCHECKED=true"),
+            "{err}"
+        );
+        assert_eq!(https.count("/nodeplan"), before, "{tool}: downloaded without a checksum");
+        assert!(!marker.exists());
+
+        // The opt-out runs it, with a warning naming the missing checksum.
+        let o = run(&[("CATTLE_AGENT_BINARY_URL", &direct), ("CATTLE_AGENT_BINARY_UNCHECKED", "true")]).await;
+        assert_eq!(code(&o), 7, "{tool}: {:?}", text(&o));
+        let err = text(&o).1;
+        assert!(err.contains("WARNING") && err.contains("CATTLE_AGENT_BINARY_SHA256 is not set"), "{err}");
+        std::fs::remove_file(&marker).unwrap();
+
+        // A password in the URL is never shown.
+        let secret_url = direct.replace("https://", "https://admin:hunter2@").replace("/nodeplan", "/missing");
+        let o = run(&[("CATTLE_AGENT_BINARY_URL", &secret_url), ("CATTLE_AGENT_BINARY_SHA256", &sum)]).await;
+        assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
+        let err = text(&o).1;
+        assert!(err.contains("https://***@127.0.0.1") && !err.contains("hunter2"), "{tool}: {err}");
+
+        // https → https: curl follows it; wget follows no redirect at all.
+        let o = run(&[("CATTLE_AGENT_BINARY_URL", &hop.url("https")), ("CATTLE_AGENT_BINARY_SHA256", &sum)]).await;
+        match tool {
+            "curl" => {
+                assert_eq!(code(&o), 7, "{tool}: {:?}", text(&o));
+                std::fs::remove_file(&marker).unwrap();
+            }
+            _ => {
+                assert_eq!(code(&o), 2, "{tool}: {:?}", text(&o));
+                assert!(!marker.exists());
+            }
+        }
+    }
+}
+
+/// Issue 23, item 2: the Rancher client follows no redirect: a 3xx (here to plain HTTP on the
+/// same host and port, which would get the token again in clear) is one error line naming the
+/// Location, not retried, and nothing is sent there or taken from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_follows_no_redirect_and_never_sends_the_token_again() {
+    let pki = pki();
+    let t = Tree::new();
+    let port = Arc::new(std::sync::OnceLock::<u16>::new());
+    let (ca_pem, p) = (pki.ca_pem.clone(), port.clone());
+    let server = Server::dual(
+        pki.tls.clone(),
+        Arc::new(move |r: &Request| match (r.tls, r.path.as_str()) {
+            // What the attacker's plaintext side answers.
+            (false, _) => (200, connection_json(&ca_pem)),
+            (true, "/cacerts") => (200, ca_pem.clone().into_bytes()),
+            (true, _) => {
+                let port = p.get().copied().unwrap_or(0);
+                (302, format!("http://admin:hunter2@127.0.0.1:{port}/v3/connect/agent").into_bytes())
+            }
+        }),
+    )
+    .await;
+    port.set(server.addr.port()).unwrap();
+    let sum = sha256_hex(pki.ca_pem.as_bytes());
+    let url = server.url("https");
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let o =
+        nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "2", "--retry-interval", "10ms"], &env)
+            .await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    let location = format!("http://***@127.0.0.1:{}/v3/connect/agent", server.addr.port());
+    assert!(err.contains("redirects are not followed") && err.contains(&location), "{err}");
+    assert!(!err.contains("hunter2") && !out.contains(TOKEN) && !err.contains(TOKEN), "{out}\n{err}");
+    let reqs = server.requests();
+    assert!(reqs.iter().all(|r| r.tls), "a request went out in clear: {reqs:?}");
+    assert_eq!(server.count("/v3/connect/agent"), 1, "a redirect is not retried: {reqs:?}");
+    assert!(!t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists());
+}
+
+/// Issue 23, item 10: a password in CATTLE_SERVER never reaches an error line or a log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_in_cattle_server_is_never_shown() {
+    let pki = pki();
+    let t = Tree::new();
+    let server = Server::start(Some(pki.tls.clone()), rancher_handler(pki.ca_pem.clone(), vec![], 100)).await;
+    let url = server.url("https").replace("https://", "https://admin:hunter2@");
+    let sum = sha256_hex(pki.ca_pem.as_bytes());
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let args = ["install", "--root", &root, "--binary", &bin, "--retries", "1", "--retry-interval", "10ms"];
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let o = nodeplan(&args, &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(err.contains("gave up after 2 attempts") && err.contains("https://***@127.0.0.1"), "{err}");
+    assert!(!err.contains("hunter2") && !out.contains("hunter2"), "{out}\n{err}");
+    // Nothing listens there: the transport error is masked too.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("https://admin:hunter2@127.0.0.1:{closed}");
+    let env =
+        [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
+    let o = nodeplan(&args, &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 1, "{out}\n{err}");
+    assert!(!err.contains("hunter2") && !out.contains("hunter2"), "{out}\n{err}");
+    // Not https: bad input, masked.
+    let env = [("CATTLE_SERVER", "http://admin:hunter2@rancher.example"), ("CATTLE_TOKEN", TOKEN)];
+    let o = nodeplan(&args, &env).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 2, "{out}\n{err}");
+    assert!(err.contains("http://***@rancher.example") && !err.contains("hunter2"), "{err}");
+}
+
+/// Issue 23, item 2: a credential plugin is a command root would run. From Rancher's answer it is
+/// refused; in the operator's kubeconfig (install --kubeconfig, validate-connection) it is
+/// checked around, never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_plugin_is_refused_from_rancher_and_never_run() {
+    let pki = pki();
+    let t = Tree::new();
+    let marker = t.dir.path().join("plugin-ran");
+    let plugin = t.dir.path().join("plugin");
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\ntouch '{}'\necho '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"t\"}}}}'\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exec = kubeconfig_with_user(
+        &pki.ca_pem,
+        &format!("exec:\n  apiVersion: client.authentication.k8s.io/v1\n  command: {}", plugin.display()),
+    );
+    let gcp = kubeconfig_with_user(
+        &pki.ca_pem,
+        &format!("auth-provider:\n  name: gcp\n  config:\n    cmd-path: {}\n    cmd-args: x", plugin.display()),
+    );
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    let sum = sha256_hex(pki.ca_pem.as_bytes());
+    for (kc, what) in [(&exec, "exec credential plugin"), (&gcp, "auth-provider")] {
+        let (ca_pem, answer) = (pki.ca_pem.clone(), connection_json_with(kc));
+        let server = Server::start(
+            Some(pki.tls.clone()),
+            Arc::new(move |r: &Request| match r.path.as_str() {
+                "/cacerts" => (200, ca_pem.clone().into_bytes()),
+                _ => (200, answer.clone()),
+            }),
+        )
+        .await;
+        let url = server.url("https");
+        let env = [
+            ("CATTLE_SERVER", url.as_str()),
+            ("CATTLE_TOKEN", TOKEN),
+            ("CATTLE_CA_CHECKSUM", &sum),
+            ("CATTLE_ID", "id-1"),
+        ];
+        let o = nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "0"], &env).await;
+        let (out, err) = text(&o);
+        assert_eq!(code(&o), 1, "{out}\n{err}");
+        assert!(err.contains(what) && err.contains("refused"), "{err}");
+        assert!(!marker.exists(), "Rancher's {what} ran");
+        assert!(!t.at("/var/lib/rancher/agent/rancher2_connection_info.json").exists());
+    }
+
+    // The operator's kubeconfig: installed, its plugin named and not run.
+    let kc = t.dir.path().join("kubeconfig");
+    std::fs::write(&kc, &exec).unwrap();
+    let kcs = kc.display().to_string();
+    let o = nodeplan(
+        &["install", "--root", &root, "--binary", &bin, "--kubeconfig", &kcs, "--secret", "default/machine-plan"],
+        &[],
+    )
+    .await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("exec credential plugin was not run"), "{out}");
+    assert!(!marker.exists(), "install ran the kubeconfig's plugin");
+
+    // validate-connection starts nothing: valid, the plugin named, not run.
+    let conn = t.at("/var/lib/rancher/agent/rancher2_connection_info.json").display().to_string();
+    for kc in [&exec, &gcp] {
+        std::fs::write(&conn, connection_json_with(kc)).unwrap();
+        let o = nodeplan(&["validate-connection", &conn], &[]).await;
+        let (out, err) = text(&o);
+        assert_eq!(code(&o), 0, "{out}\n{err}");
+        assert!(out.contains("was not run"), "{out}");
+        assert!(!marker.exists(), "validate-connection ran a plugin");
+    }
 }
 
 #[tokio::test]

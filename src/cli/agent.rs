@@ -468,20 +468,28 @@ pub fn validate_config(args: ValidateArgs) -> u8 {
     }
 }
 
-/// Check a connection-info file exactly as the agent's start does: the file, then its kubeconfig
-/// turned into a client (contexts, credentials, TLS settings), without connecting. A file this
-/// calls valid never stops the agent at start-up.
+/// Check a connection-info file as the agent's start does: the file, then its kubeconfig turned
+/// into a client (contexts, credentials, TLS settings), without connecting and without running
+/// anything: a user's `exec` or `auth-provider` plugin is named, never run (see SECURITY.md,
+/// "Install and uninstall").
 pub async fn validate_connection(args: ValidateArgs) -> u8 {
+    use crate::remote::client::{Plugins, check_kubeconfig_yaml};
     let checked = match config::load_connection(&args.file) {
-        Ok(c) => match crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&c.kube_config).await {
-            Ok(_) => Ok(c),
+        Ok(c) => match check_kubeconfig_yaml(&c.kube_config, Plugins::NotRun).await {
+            Ok(note) => Ok((c, note)),
             Err(e) => Err(format!("{}: kubeConfig: {e}", args.file.display())),
         },
         Err(e) => Err(e.to_string()),
     };
     match checked {
-        Ok(c) => {
-            crate::cli::out!("{}: valid (namespace {}, secret {})", args.file.display(), c.namespace, c.secret_name);
+        Ok((c, note)) => {
+            let note = note.map(|n| format!("; {n}")).unwrap_or_default();
+            crate::cli::out!(
+                "{}: valid (namespace {}, secret {}{note})",
+                args.file.display(),
+                c.namespace,
+                c.secret_name
+            );
             exit::OK
         }
         Err(e) => {

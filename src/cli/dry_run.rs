@@ -5,13 +5,16 @@
 
 use super::exit;
 use crate::apply::preview::{self, Change, FilePreview};
+use crate::image::redact_userinfo;
 use crate::plan::{CommonInstruction, FileOp, ValidPlan};
 
 /// One line per instruction field that matters: what runs, with what.
 fn instruction_lines(c: &CommonInstruction, show_secrets: bool) -> Vec<String> {
     let mut out = Vec::new();
     if !c.image.is_empty() {
-        out.push(format!("image {}", c.image));
+        // Masked as the agent's own errors mask it (`user:password@` → `***@`), --show-secrets
+        // or not: a registry password is no preview's business.
+        out.push(format!("image {}", redact_userinfo(&c.image)));
     }
     if !c.command.is_empty() || !c.args.is_empty() {
         let words: Vec<String> = std::iter::once(&c.command).chain(&c.args).map(|w| shell_word(w)).collect();
@@ -92,7 +95,7 @@ pub fn show(plan: &ValidPlan, resume_from: usize, run_periodic: bool, show_secre
         for (name, p) in &plan.plan.probes {
             let what = match &p.file_exists {
                 Some(f) => format!("file exists {}", f.path),
-                None => format!("GET {}", p.http_get.url),
+                None => format!("GET {}", redact_userinfo(&p.http_get.url)),
             };
             crate::cli::out!("  {name}: {what}");
         }
@@ -224,6 +227,10 @@ mod tests {
             timeout_seconds: 30,
             ..Default::default()
         };
+        let image = CommonInstruction { image: "u:hunter2@reg.io/a/b:1".into(), ..Default::default() };
+        for show in [false, true] {
+            assert_eq!(instruction_lines(&image, show), ["image ***@reg.io/a/b:1"]);
+        }
         let masked = instruction_lines(&c, false);
         assert_eq!(masked, ["runs sh -c 'echo it'\\''s $TOKEN'", "env TOKEN=(masked)", "env PLAIN", "timeout 30s"]);
         assert!(instruction_lines(&c, true).contains(&"env TOKEN=abc123".to_string()));

@@ -16,7 +16,7 @@ mod reference;
 mod registries;
 mod registry;
 
-pub use reference::ImageRef;
+pub use reference::{ImageRef, redact_userinfo};
 pub use registries::Registries;
 
 use std::fs::{File, OpenOptions};

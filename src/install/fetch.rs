@@ -10,12 +10,16 @@
 //!    `nodeplan validate-connection` checks a file.
 //!
 //! Any answer but 200 (and any transport error) is retried, a bounded number of times with a
-//! fixed interval, each retry logged with its reason. A CA that does not match is not retried.
+//! fixed interval, each retry logged with its reason. A CA that does not match is not retried,
+//! and neither is a redirect: no redirect is ever followed (a 3xx is an error naming its
+//! `Location`; nothing is sent there). The kubeconfig's credential plugins are refused, never run.
+//! URLs in messages have their userinfo masked ([`shown_url`]).
 //!
 //! Owns the HTTP side only; it must not write anything.
 
-use super::settings::Rancher;
+use super::settings::{Rancher, shown_url};
 use crate::config::ConnectionInfo;
+pub use crate::remote::client::Plugins;
 use std::time::Duration;
 
 /// Answers larger than this are refused (a connection info is a few KiB).
@@ -83,11 +87,12 @@ pub fn parse_connection(body: &[u8]) -> Result<ConnectionInfo, String> {
 }
 
 /// The connection info checked the way `nodeplan validate-connection` checks a file: besides
-/// [`parse_connection`]'s checks, the kubeconfig must make a client (contexts, credentials, TLS).
-pub async fn check_client(c: &ConnectionInfo) -> Result<(), String> {
-    crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&c.kube_config)
+/// [`parse_connection`]'s checks, the kubeconfig must make a client (contexts, credentials, TLS),
+/// and nothing in it is run. A user with an `exec` or `auth-provider` plugin is refused with
+/// [`Plugins::Refuse`] (the answer of a server), left unrun with [`Plugins::NotRun`].
+pub async fn check_client(c: &ConnectionInfo, plugins: Plugins) -> Result<Option<String>, String> {
+    crate::remote::client::check_kubeconfig_yaml(&c.kube_config, plugins)
         .await
-        .map(drop)
         .map_err(|e| format!("the answer's kubeConfig: {e}"))
 }
 
@@ -98,7 +103,15 @@ pub async fn connection_info(
     node_name: Option<&str>,
     b: Bounds,
 ) -> Result<ConnectionInfo, String> {
-    let builder = || reqwest::Client::builder().timeout(b.timeout).connect_timeout(b.timeout);
+    // No redirect is followed: a 3xx is an error naming where it pointed, and nothing (the token
+    // least of all) is sent there.
+    let builder = || {
+        reqwest::Client::builder()
+            .timeout(b.timeout)
+            .connect_timeout(b.timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .https_only(true)
+    };
     let client = match &r.ca_checksum {
         Some(want) => {
             let insecure = builder()
@@ -124,46 +137,68 @@ pub async fn connection_info(
     let url = format!("{}/v3/connect/agent", r.server);
     let headers = connect_headers(r, id, node_name);
     let body = get(&client, &url, &headers, b).await?;
-    let c = parse_connection(&body).map_err(|e| format!("GET {url}: {e}"))?;
-    check_client(&c).await.map_err(|e| format!("GET {url}: {e}"))?;
+    let shown = shown_url(&url);
+    let c = parse_connection(&body).map_err(|e| format!("GET {shown}: {e}"))?;
+    check_client(&c, Plugins::Refuse).await.map_err(|e| format!("GET {shown}: {e}"))?;
     Ok(c)
 }
 
 /// GET `url` until it answers 200 (at most `b.retries` retries), returning the body.
 async fn get(client: &reqwest::Client, url: &str, headers: &[(&str, String)], b: Bounds) -> Result<Vec<u8>, String> {
+    let shown = shown_url(url);
     let mut attempt = 0u32;
     loop {
         let why = match once(client, url, headers).await {
             Ok(body) => return Ok(body),
-            Err(why) => why,
+            Err(Fail::Final(why)) => return Err(format!("GET {shown}: {why}")),
+            Err(Fail::Retry(why)) => why,
         };
         if attempt >= b.retries {
-            return Err(format!("GET {url}: {why} (gave up after {} attempts)", attempt + 1));
+            return Err(format!("GET {shown}: {why} (gave up after {} attempts)", attempt + 1));
         }
         attempt += 1;
-        tracing::warn!("GET {url}: {why}; retry {attempt}/{} in {}", b.retries, crate::duration::show(b.interval));
+        tracing::warn!("GET {shown}: {why}; retry {attempt}/{} in {}", b.retries, crate::duration::show(b.interval));
         tokio::time::sleep(b.interval).await;
     }
 }
 
-async fn once(client: &reqwest::Client, url: &str, headers: &[(&str, String)]) -> Result<Vec<u8>, String> {
+/// Why one request failed: worth another attempt, or not (a redirect stays one).
+enum Fail {
+    Retry(String),
+    Final(String),
+}
+
+async fn once(client: &reqwest::Client, url: &str, headers: &[(&str, String)]) -> Result<Vec<u8>, Fail> {
     let mut req = client.get(url);
     for (k, v) in headers {
         req = req.header(*k, v);
     }
-    let mut resp = req.send().await.map_err(|e| crate::error_line(&e))?;
+    // The URL is left out of reqwest's message: it may hold CATTLE_SERVER's userinfo.
+    let mut resp = req.send().await.map_err(|e| Fail::Retry(crate::error_line(&e.without_url())))?;
     let status = resp.status();
+    if status.is_redirection() {
+        let to = match resp.headers().get(reqwest::header::LOCATION).map(|l| l.to_str()) {
+            Some(Ok(l)) => shown_url(l),
+            Some(Err(_)) => "a Location that is not text".to_string(),
+            None => "no Location".to_string(),
+        };
+        return Err(Fail::Final(format!(
+            "answered HTTP {status} to {}: redirects are not followed (nothing was sent there); \
+             set CATTLE_SERVER to the server's own https:// address",
+            crate::quoted(&to)
+        )));
+    }
     if status != reqwest::StatusCode::OK {
         let hint = match status.as_u16() {
             401 | 403 => " (is CATTLE_TOKEN right?)",
             _ => "",
         };
-        return Err(format!("answered HTTP {status}{hint}"));
+        return Err(Fail::Retry(format!("answered HTTP {status}{hint}")));
     }
     let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| crate::error_line(&e))? {
+    while let Some(chunk) = resp.chunk().await.map_err(|e| Fail::Retry(crate::error_line(&e.without_url())))? {
         if body.len() + chunk.len() > MAX_ANSWER {
-            return Err(format!("the answer is larger than {MAX_ANSWER} bytes"));
+            return Err(Fail::Retry(format!("the answer is larger than {MAX_ANSWER} bytes")));
         }
         body.extend_from_slice(&chunk);
     }

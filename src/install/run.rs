@@ -130,7 +130,12 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
                 Error::Bad(format!("--kubeconfig {}: {}", shown(kubeconfig), e.replace("the answer's ", "")))
             };
             fetch::parse_connection(&json).map_err(bad)?;
-            fetch::check_client(&info).await.map_err(bad)?;
+            // The operator's kubeconfig may use a credential plugin (the agent runs it), but
+            // install never runs it.
+            if let Some(note) = fetch::check_client(&info, fetch::Plugins::NotRun).await.map_err(bad)? {
+                out.lines
+                    .push(format!("--kubeconfig {}: {note} (the agent runs it when it starts)", shown(kubeconfig)));
+            }
             (Some(json), None)
         }
         Source::Local => (None, None),

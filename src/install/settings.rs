@@ -65,7 +65,7 @@ pub struct Rancher {
 impl std::fmt::Debug for Rancher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rancher")
-            .field("server", &self.server)
+            .field("server", &shown_url(&self.server))
             .field("token", &"<redacted>")
             .field("ca_checksum", &self.ca_checksum)
             .field("id", &self.id)
@@ -284,7 +284,7 @@ fn rancher(get: &impl Fn(&str) -> Option<String>, flags: &Flags, problems: &mut 
     let server = server.trim_end_matches('/').to_string();
     match reqwest::Url::parse(&server) {
         Ok(u) if u.scheme() == "https" && u.host_str().is_some() && u.query().is_none() => {}
-        _ => problems.push(format!("CATTLE_SERVER: {} must be an https:// URL", crate::quoted(&server))),
+        _ => problems.push(format!("CATTLE_SERVER: {} must be an https:// URL", crate::quoted(&shown_url(&server)))),
     }
     let token = get("CATTLE_TOKEN").unwrap_or_default();
     if token.is_empty() {
@@ -352,6 +352,21 @@ fn duration(v: Option<String>, var: &str, default_secs: u64, problems: &mut Vec<
     }
 }
 
+/// `url` for a message: any userinfo (`https://user:password@host`, `https://token@host`) is
+/// shown as `***@`, so a password in `CATTLE_SERVER` (or in a redirect's `Location`) never reaches
+/// an error line or a log.
+pub fn shown_url(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => url.split_at(i + 3),
+        None => ("", url),
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}***{}", &rest[at..]),
+        None => url.to_string(),
+    }
+}
+
 /// Whether `v` may be sent as an HTTP header value (visible ASCII and spaces, no line breaks).
 fn header_value_ok(v: &str) -> bool {
     v.bytes().all(|b| b == b' ' || b == b'\t' || (0x21..0x7f).contains(&b))
@@ -402,6 +417,20 @@ mod tests {
         assert_eq!(s.log_level.as_deref(), Some("debug"));
         assert!(s.is_host() && !s.force && s.retries == 10);
         assert!(!format!("{r:?}").contains("tok\""), "the token is never shown");
+    }
+
+    #[test]
+    fn userinfo_is_masked() {
+        assert_eq!(shown_url("https://u:hunter2@r.example:8443/v3"), "https://***@r.example:8443/v3");
+        assert_eq!(shown_url("https://tok@r.example"), "https://***@r.example");
+        assert_eq!(shown_url("http://a:b@c@d/e@f"), "http://***@d/e@f");
+        assert_eq!(shown_url("https://r.example/x@y"), "https://r.example/x@y");
+        let e = Settings::resolve(
+            env(&[("CATTLE_SERVER", "http://u:hunter2@x"), ("CATTLE_TOKEN", "t")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(e.contains("***@x") && !e.contains("hunter2"), "{e}");
     }
 
     #[test]

@@ -202,21 +202,7 @@ impl SecretClient {
     /// namespace are used; proxy settings follow kube (kubeconfig `proxy-url`, then
     /// `HTTPS_PROXY`).
     pub async fn client_from_kubeconfig_yaml(yaml: &str) -> Result<kube::Client, String> {
-        // The kubeconfig holds tokens and keys, and the YAML parser's message can quote (or show a
-        // snippet of) the text: a parse error gives the position only.
-        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| match e {
-            kube::config::KubeconfigError::Parse(p) => match p.location() {
-                Some(l) => format!("kubeconfig: invalid YAML at line {} column {}", l.line(), l.column()),
-                None => "kubeconfig: invalid YAML (the text is not shown: it may hold credentials)".to_string(),
-            },
-            other => format!("kubeconfig: {}", crate::error_line(&other)),
-        })?;
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
-        if config.accept_invalid_certs {
-            return Err("kubeconfig: insecure-skip-tls-verify is not supported".to_string());
-        }
+        let (_, config) = config_from_kubeconfig_yaml(yaml).await?;
         crate::k8s::client(config).map_err(|e| format!("kube client: {}", kube_error_line(&e)))
     }
 
@@ -324,6 +310,67 @@ impl SecretClient {
     pub(crate) fn describe(&self) -> String {
         format!("{}/{}", self.secret.namespace, self.secret.name)
     }
+}
+
+/// The kubeconfig parsed and turned into a client configuration, with nothing run: kube runs a
+/// user's `exec` or `auth-provider` command only when a client is built from the configuration.
+async fn config_from_kubeconfig_yaml(yaml: &str) -> Result<(Kubeconfig, kube::Config), String> {
+    // The kubeconfig holds tokens and keys, and the YAML parser's message can quote (or show a
+    // snippet of) the text: a parse error gives the position only.
+    let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|e| match e {
+        kube::config::KubeconfigError::Parse(p) => match p.location() {
+            Some(l) => format!("kubeconfig: invalid YAML at line {} column {}", l.line(), l.column()),
+            None => "kubeconfig: invalid YAML (the text is not shown: it may hold credentials)".to_string(),
+        },
+        other => format!("kubeconfig: {}", crate::error_line(&other)),
+    })?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig.clone(), &KubeConfigOptions::default())
+        .await
+        .map_err(|e| format!("kubeconfig: {}", crate::error_line(&e)))?;
+    if config.accept_invalid_certs {
+        return Err("kubeconfig: insecure-skip-tls-verify is not supported".to_string());
+    }
+    Ok((kubeconfig, config))
+}
+
+/// What [`check_kubeconfig_yaml`] does with a user's credential plugin (`exec`, `auth-provider`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plugins {
+    /// Refused: the kubeconfig came from a server (Rancher's answer), and a plugin is a command
+    /// that root would run.
+    Refuse,
+    /// Allowed (the operator's own kubeconfig), but never run by the check.
+    NotRun,
+}
+
+/// Checks kubeconfig YAML as the agent's start does (contexts, credentials, TLS settings: a client
+/// is made) without running anything: the current user's `exec` or `auth-provider` plugin is
+/// left out of the client the check makes. With [`Plugins::Refuse`] a user with a plugin (any
+/// user of the file) is an error. Returns a note when a plugin was present and not run.
+pub async fn check_kubeconfig_yaml(yaml: &str, plugins: Plugins) -> Result<Option<String>, String> {
+    let (kubeconfig, mut config) = config_from_kubeconfig_yaml(yaml).await?;
+    if plugins == Plugins::Refuse {
+        for named in &kubeconfig.auth_infos {
+            let Some(a) = &named.auth_info else { continue };
+            let what = match (&a.exec, &a.auth_provider) {
+                (Some(_), _) => "an exec credential plugin",
+                (None, Some(_)) => "an auth-provider",
+                (None, None) => continue,
+            };
+            return Err(format!(
+                "kubeconfig: user {} has {what}, a command root would run: refused in connection info from a server \
+                 (Rancher's own answer carries a token)",
+                crate::quoted(&named.name)
+            ));
+        }
+    }
+    let note = match (config.auth_info.exec.take(), config.auth_info.auth_provider.take()) {
+        (Some(_), _) => Some("its user's exec credential plugin was not run".to_string()),
+        (None, Some(_)) => Some("its user's auth-provider was not run".to_string()),
+        (None, None) => None,
+    };
+    crate::k8s::client(config).map(drop).map_err(|e| format!("kube client: {}", kube_error_line(&e)))?;
+    Ok(note)
 }
 
 #[cfg(test)]
