@@ -134,7 +134,6 @@ pub(crate) fn line(level: tracing::Level, text: &str) {
         let mut b = Vec::with_capacity(text.len() + 1);
         b.extend_from_slice(text.as_bytes());
         b.push(b'\n');
-        let b = one_line(&b);
         around_progress(|| write(&b));
     }
 }
