@@ -270,6 +270,41 @@ mod tests {
         assert_eq!(read_control(&f).unwrap().as_deref(), Some("true"), "what `nodeplan plan` writes");
     }
 
+    /// As root, a control, `.pos` or reset file another user owns, or that group or others can
+    /// write, is ignored as if absent and named; root's own counts.
+    #[test]
+    fn files_beside_a_plan_count_only_when_roots() {
+        use std::os::unix::fs::PermissionsExt;
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let (c, p, r) = (d.path().join("x.canceled"), d.path().join("x.pos"), d.path().join("x.reset"));
+        std::fs::write(&c, CONTROL_TRUE).unwrap();
+        std::fs::write(&p, br#"{"appliedChecksum":"forged"}"#).unwrap();
+        std::fs::write(&r, b"").unwrap();
+        let mut ignored = Vec::new();
+        assert_eq!(read_control_trusted(&c, &mut ignored).unwrap().as_deref(), Some("true"));
+        assert_eq!(read_pos_trusted(&p, &mut ignored).unwrap().applied_checksum, "forged");
+        assert!(marker_trusted(&r, &mut ignored));
+        assert!(ignored.is_empty(), "{ignored:?}");
+        for f in [&c, &p] {
+            std::os::unix::fs::chown(f, Some(1000), None).unwrap();
+        }
+        std::fs::set_permissions(&r, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert_eq!(read_control_trusted(&c, &mut ignored).unwrap(), None);
+        assert_eq!(read_pos_trusted(&p, &mut ignored).unwrap(), Pos::default());
+        assert!(!marker_trusted(&r, &mut ignored));
+        assert_eq!(
+            ignored,
+            [
+                format!("{} is owned by uid 1000", c.display()),
+                format!("{} is owned by uid 1000", p.display()),
+                format!("{} is writable by group or others (mode 0666)", r.display()),
+            ]
+        );
+    }
+
     #[test]
     fn plan_files_siblings() {
         let f = PlanFiles::new(Path::new("/p/dir/web.plan")).unwrap();
