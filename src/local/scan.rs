@@ -27,17 +27,21 @@ pub struct Scan {
 }
 
 pub fn scan(dir: &Path) -> Scan {
+    scan_within(dir, MAX_ENTRIES, MAX_DEPTH)
+}
+
+/// [`scan`] with other bounds (tests).
+fn scan_within(dir: &Path, max_entries: usize, max_depth: usize) -> Scan {
+    let mut w = Walker { left: max_entries, max_entries, max_depth, all: Vec::new(), skips: HashSet::new() };
     let mut found = Scan::default();
-    let mut all = Vec::new();
-    let mut skips = HashSet::new();
-    let mut budget = MAX_ENTRIES;
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => match super::trust::dir(&m) {
-            Ok(()) => walk(dir, 0, &mut budget, &mut all, &mut skips, &mut found),
+            Ok(()) => w.walk(dir, 0, &mut found),
             Err(why) => found.untrusted.push(format!("{} {why}", dir.display())),
         },
         _ => return found,
     }
+    let Walker { mut all, skips, .. } = w;
     all.sort();
     found.plans = all
         .into_iter()
@@ -49,49 +53,57 @@ pub fn scan(dir: &Path) -> Scan {
     found
 }
 
-fn walk(
-    dir: &Path,
-    depth: usize,
-    budget: &mut usize,
-    out: &mut Vec<PathBuf>,
-    skips: &mut HashSet<String>,
-    found: &mut Scan,
-) {
-    let Ok(rd) = std::fs::read_dir(dir) else { return };
-    for e in rd.flatten() {
-        if *budget == 0 {
-            found.bounded.get_or_insert_with(|| {
-                format!("stopped after {MAX_ENTRIES} entries; {} and what follows it are not seen", e.path().display())
-            });
-            return;
-        }
-        *budget -= 1;
-        let path = e.path();
-        // DirEntry's metadata does not follow a link: a link is neither a directory nor a file here.
-        let Ok(m) = e.metadata() else { continue };
-        if m.is_dir() {
-            if e.file_name().as_encoded_bytes().starts_with(b".") {
-                continue;
-            }
-            if depth + 1 > MAX_DEPTH {
+struct Walker {
+    /// Entries this scan may still look at.
+    left: usize,
+    max_entries: usize,
+    max_depth: usize,
+    all: Vec<PathBuf>,
+    skips: HashSet<String>,
+}
+
+impl Walker {
+    fn walk(&mut self, dir: &Path, depth: usize, found: &mut Scan) {
+        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        for e in rd.flatten() {
+            if self.left == 0 {
                 found.bounded.get_or_insert_with(|| {
-                    format!("{} is more than {MAX_DEPTH} levels deep; it is not walked", path.display())
+                    format!(
+                        "stopped after {} entries; {} and what follows it are not seen",
+                        self.max_entries,
+                        e.path().display()
+                    )
                 });
-                continue;
+                return;
             }
-            match super::trust::dir(&m) {
-                Ok(()) => walk(&path, depth + 1, budget, out, skips, found),
-                Err(why) => found.untrusted.push(format!("{} {why}", path.display())),
-            }
-        } else if m.is_file() {
-            let name = e.file_name();
-            match name.to_str().and_then(|n| n.strip_suffix(".skip")) {
-                // A skip file counts only when it follows the plan file's owner and mode rule.
-                Some(skipped) if super::trust::owner_and_mode(m.uid(), m.mode()).is_ok() => {
-                    skips.insert(skipped.to_string());
+            self.left -= 1;
+            let path = e.path();
+            // DirEntry's metadata does not follow a link: a link is neither a directory nor a file here.
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                if e.file_name().as_encoded_bytes().starts_with(b".") {
+                    continue;
                 }
-                Some(_) => {}
-                None => out.push(path),
+                if depth >= self.max_depth {
+                    found.bounded.get_or_insert_with(|| {
+                        format!("{} is more than {} levels deep; it is not walked", path.display(), self.max_depth)
+                    });
+                    continue;
+                }
+                match super::trust::dir(&m) {
+                    Ok(()) => self.walk(&path, depth + 1, found),
+                    Err(why) => found.untrusted.push(format!("{} {why}", path.display())),
+                }
+            } else if m.is_file() {
+                let name = e.file_name();
+                match name.to_str().and_then(|n| n.strip_suffix(".skip")) {
+                    // A skip file counts only when it follows the plan file's owner and mode rule.
+                    Some(skipped) if super::trust::owner_and_mode(m.uid(), m.mode()).is_ok() => {
+                        self.skips.insert(skipped.to_string());
+                    }
+                    Some(_) => {}
+                    None => self.all.push(path),
+                }
             }
         }
     }
@@ -160,5 +172,25 @@ mod tests {
             ]
         );
         assert!(found.bounded.is_none());
+    }
+
+    /// A scan looks at a bounded number of entries and levels, and says what it left out.
+    #[test]
+    fn scans_are_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path();
+        std::fs::create_dir_all(p.join("a/b/c")).unwrap();
+        std::fs::write(p.join("a/b/c/deep.plan"), b"{}").unwrap();
+        std::fs::write(p.join("a/b/mid.plan"), b"{}").unwrap();
+        let found = scan_within(p, 100, 2);
+        assert_eq!(found.plans, [p.join("a/b/mid.plan")]);
+        let why = found.bounded.unwrap();
+        assert_eq!(why, format!("{} is more than 2 levels deep; it is not walked", p.join("a/b/c").display()));
+        for i in 0..10 {
+            std::fs::write(p.join(format!("{i}.plan")), b"{}").unwrap();
+        }
+        let found = scan_within(p, 5, 32);
+        assert!(found.plans.len() <= 5, "12 plans, 5 entries looked at: {:?}", found.plans);
+        assert!(found.bounded.unwrap().starts_with("stopped after 5 entries; "));
     }
 }
