@@ -1,5 +1,6 @@
 //! Change notification for the plan directory: inotify on the directory and every directory below
-//! it, delivered on the runtime (no thread of its own), with a mask of changes only. Opens and
+//! it that the scan walks (root's, not writable by group or others: another user's directories get
+//! no watch; SECURITY.md, "Local mode"), delivered on the runtime (no thread of its own), with a mask of changes only. Opens and
 //! reads are not watched, so the agent's own rescans never wake it, and the agent's own `.pos`
 //! writes (and dot-files such as their temp files) are not reported.
 
