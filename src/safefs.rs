@@ -553,6 +553,32 @@ pub fn read_small_in(dir: BorrowedFd<'_>, name: &OsStr, cap: u64) -> io::Result<
     read_regular(fd, cap).map(Some)
 }
 
+/// [`read_small`], where the file also has to pass `check` (its owner and mode, from the open
+/// descriptor, before a byte is read): `Ok(Some(Err(why)))` when it does not.
+pub fn read_small_checked(
+    path: &Path,
+    cap: u64,
+    check: impl FnOnce(u32, u32) -> Result<(), String>,
+) -> io::Result<Option<Result<Vec<u8>, String>>> {
+    let (parent, name) = split(path)?;
+    let dir = match open_dir(parent, None) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let fd = match rustix::fs::openat(dir.as_fd(), name, planted_flags(), Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(Errno::LOOP) => return Err(err(io::ErrorKind::InvalidInput, "is a symlink (not followed)".into())),
+        Err(e) => return Err(e.into()),
+    };
+    let st = rustix::fs::fstat(&fd)?;
+    if let Err(why) = check(st.st_uid, st.st_mode) {
+        return Ok(Some(Err(why)));
+    }
+    read_regular(fd, cap).map(|b| Some(Ok(b)))
+}
+
 /// Read a file named on the command line (a plan given to `nodeplan apply`): a link is followed,
 /// as for any path the operator typed, but the file is opened without blocking and must be a
 /// regular file of at most `cap` bytes, so a FIFO, a device or a directory gives one clear error at

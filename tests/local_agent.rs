@@ -636,3 +636,137 @@ fn plan_status_into_a_closed_stdout_does_not_panic() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Another local user (here: files and directories owned by uid 1000, as that user would leave
+/// them), SECURITY.md "Local mode".
+const OTHER: u32 = 1000;
+
+fn chmod(path: &str, mode: u32) {
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+}
+
+/// Issue 23, item 3. A sticky world-writable plan directory (as `/tmp`): root's plan is held, not
+/// run, whatever another user puts beside it. Made root's 0755 with the other user's files still
+/// there, the plan runs from its first instruction, once: their `.canceled`, `.reset`, forged
+/// `.pos` checkpoint and `.plan.skip` do not count (the first three are each said once).
+#[test]
+fn a_writable_plan_directory_holds_its_plans_and_only_roots_files_beside_a_plan_count() {
+    let s = Setup::new();
+    let (log, plans) = (s.p("log"), s.p("plans"));
+    let raw = s.plan(
+        "p",
+        serde_json::json!({"instructions": [
+            sh("security-check", &format!("echo check >> {log}")),
+            sh("two", &format!("echo two >> {log}")),
+        ]}),
+    );
+    chmod(&plans, 0o1777);
+    let checksum = nodeplan::plan::checksum(&raw);
+    let forged = nodeplan::local::pos::Pos {
+        plan_state: Some(PlanState::Paused),
+        plan_checksum: checksum.clone(),
+        checkpoint: Some(nodeplan::plan::Checkpoint {
+            checksum,
+            completed_instructions: 1,
+            total_instructions: 2,
+            resume_state: Some(PlanState::InProgress),
+            paused: true,
+            termination_incomplete: false,
+        }),
+        ..Default::default()
+    };
+    let theirs = [
+        ("p.canceled", b"true\n".to_vec()),
+        ("p.reset", Vec::new()),
+        ("p.plan.skip", Vec::new()),
+        ("p.pos", serde_json::to_vec(&forged).unwrap()),
+    ];
+    for (name, content) in &theirs {
+        let path = format!("{plans}/{name}");
+        std::fs::write(&path, content).unwrap();
+        std::os::unix::fs::chown(&path, Some(OTHER), Some(OTHER)).unwrap();
+    }
+    let mut agent = s.start();
+    agent.wait_log(&format!("{plans} is writable by group or others (mode 1777): not walked or watched"));
+    assert!(!Path::new(&log).exists(), "held: nothing ran");
+    chmod(&plans, 0o755);
+    for name in ["p.canceled", "p.reset", "p.pos"] {
+        agent.wait_log(&format!("{plans}/{name} is owned by uid {OTHER}: ignored"));
+    }
+    s.wait_pos("p", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded) && p.checkpoint.is_none());
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "check\ntwo\n", "from the first instruction, once");
+    assert!(Path::new(&format!("{plans}/p.reset")).exists(), "their reset was not acted on");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// The inotify watches the agent `pid` holds (one `inotify wd:` line per watch in fdinfo).
+fn inotify_watches(pid: u32) -> usize {
+    let mut n = 0;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+        let info = std::fs::read_to_string(e.path()).unwrap_or_default();
+        n += info.lines().filter(|l| l.starts_with("inotify wd:")).count();
+    }
+    n
+}
+
+/// Issue 23, item 4. A directory another user owns in the plan tree: their `a.plan.skip` does not
+/// skip root's `a.plan`, and neither it nor any of the directories below it is walked or watched
+/// (one line says which); root's own subdirectory is.
+#[test]
+fn another_users_directories_are_neither_walked_nor_watched() {
+    let s = Setup::new();
+    let plans = s.p("plans");
+    let (ran_a, ran_b) = (s.p("ran-a"), s.p("ran-b"));
+    s.plan("a", serde_json::json!({"instructions": [sh("a", &format!("touch {ran_a}"))]}));
+    std::fs::create_dir(format!("{plans}/mine")).unwrap();
+    let b = serde_json::json!({"instructions": [sh("b", &format!("touch {ran_b}"))]});
+    std::fs::write(format!("{plans}/mine/b.plan"), serde_json::to_vec(&b).unwrap()).unwrap();
+    let theirs = format!("{plans}/theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::write(format!("{theirs}/a.plan.skip"), b"").unwrap();
+    for i in 0..40 {
+        std::fs::create_dir_all(format!("{theirs}/d{i}/e")).unwrap();
+    }
+    for e in walkdir(&theirs) {
+        std::os::unix::fs::lchown(&e, Some(OTHER), Some(OTHER)).unwrap();
+    }
+    let mut agent = s.start();
+    agent.wait_log(&format!("{theirs} is owned by uid {OTHER}: not walked or watched"));
+    agent.wait_log(&format!("watching {plans} for changes"));
+    for name in ["a", "mine/b"] {
+        s.wait_pos(name, "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    }
+    assert!(Path::new(&ran_a).exists() && Path::new(&ran_b).exists());
+    assert_eq!(inotify_watches(agent.child.id()), 2, "plans and plans/mine only");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Every path below `dir`, `dir` included.
+fn walkdir(dir: &str) -> Vec<std::path::PathBuf> {
+    let mut out = vec![std::path::PathBuf::from(dir)];
+    let mut i = 0;
+    while i < out.len() {
+        if out[i].is_dir()
+            && let Ok(rd) = std::fs::read_dir(&out[i])
+        {
+            out.extend(rd.flatten().map(|e| e.path()));
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Issue 23, item 6. A file name with a line break forges no log line: the name is escaped.
+#[test]
+fn a_file_name_with_a_newline_forges_no_log_line() {
+    let s = Setup::new();
+    let name = "x\n1999-01-01T00:00:00.000000Z ERROR forged";
+    s.plan(name, serde_json::json!({"instructions": [sh("a", "true")]}));
+    chmod(s.plan_path(name).to_str().unwrap(), 0o666);
+    let mut agent = s.start();
+    let line = agent.wait_log("ERROR forged");
+    assert!(line.contains("plans/x\\n1999-01-01T00:00:00.000000Z ERROR forged.plan is writable"), "{line}");
+    assert_eq!(agent.stop(), 0);
+    agent.rest();
+    assert!(!agent.seen.iter().any(|l| l.starts_with("1999-01-01")), "a forged line:\n{}", agent.seen.join("\n"));
+}

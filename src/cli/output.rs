@@ -180,12 +180,40 @@ pub(crate) fn use_color(choice: ColorChoice, terminal: bool, no_color: Option<&s
     }
 }
 
-/// The tracing writer: each formatted event is one queued chunk, written around the bar.
+/// The tracing writer: each formatted event is one queued chunk, written around the bar, and
+/// stays one line: text from the outside world (a file name, a path, a value) may hold line
+/// breaks, which would otherwise forge whole log lines, so every `\n` and `\r` but the line's own
+/// end is written escaped (`\n`, `\r`), as are other control characters but ESC (which the
+/// formatter already escapes in messages and uses for colour) and tab. JSON lines are escaped by
+/// JSON itself.
 pub(crate) struct LogWriter;
+
+/// `buf` with every control character but tab, ESC and a final newline escaped.
+pub(crate) fn one_line(buf: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+    let bad = |b: u8| (b < 0x20 && b != b'\t' && b != 0x1b) || b == 0x7f;
+    if !body.iter().copied().any(bad) {
+        return std::borrow::Cow::Borrowed(buf);
+    }
+    let mut out = Vec::with_capacity(buf.len() + 16);
+    for &b in body {
+        match b {
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b if bad(b) => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+            b => out.push(b),
+        }
+    }
+    if body.len() < buf.len() {
+        out.push(b'\n');
+    }
+    std::borrow::Cow::Owned(out)
+}
 
 impl std::io::Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        around_progress(|| write(buf));
+        let line = one_line(buf);
+        around_progress(|| write(&line));
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -314,6 +342,13 @@ impl Visit for FieldMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_line_stays_one_line() {
+        assert_eq!(&*one_line(b"plain \x1b[1mbold\tok\n"), b"plain \x1b[1mbold\tok\n");
+        assert_eq!(&*one_line(b"a\nFORGED\r\x07\n"), b"a\\nFORGED\\r\\x07\n");
+        assert_eq!(&*one_line(b"no end\nhere"), b"no end\\nhere");
+    }
 
     #[test]
     fn colour_choice() {

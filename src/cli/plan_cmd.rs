@@ -400,7 +400,9 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     let raw = read_plan(&f.plan)?;
     let checksum = plan::checksum(&raw);
     let parsed = plan::parse(&raw);
-    let p = pos::read_pos(&f.pos()).map_err(|e| format!("{}: {e}", f.pos().display()))?;
+    // As the agent reads them: files beside the plan that fail its owner and mode rule are ignored.
+    let mut ignored = Vec::new();
+    let p = pos::read_pos_trusted(&f.pos(), &mut ignored).map_err(|e| format!("{}: {e}", f.pos().display()))?;
     let current = p.plan_checksum == checksum;
     crate::cli::out!("plan:       {} (checksum {})", f.plan.display(), &checksum[..12]);
     if let Err(e) = &parsed {
@@ -437,7 +439,8 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         Ok(Some(s)) => plan::shown_value(&s),
         Err(e) => e,
     };
-    let (pv, cv) = (pos::read_control(&f.paused()), pos::read_control(&f.canceled()));
+    let (pv, cv) =
+        (pos::read_control_trusted(&f.paused(), &mut ignored), pos::read_control_trusted(&f.canceled(), &mut ignored));
     let (pv2, cv2) = (pv.clone().ok().flatten(), cv.clone().ok().flatten());
     crate::cli::out!("control:    paused={} canceled={}", show(pv), show(cv));
     if let Err(mut e) = plan::resolve_annotations(&Annotations { paused: pv2.as_deref(), canceled: cv2.as_deref() }) {
@@ -448,8 +451,11 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         }
         crate::cli::out!("            invalid: {e} (the plan is held; nothing is written)");
     }
-    if f.reset().exists() {
+    if pos::marker_trusted(&f.reset(), &mut ignored) {
         crate::cli::out!("            reset requested (the agent has not picked it up yet)");
+    }
+    for i in &ignored {
+        crate::cli::out!("ignored:    {i} (only root's files, not writable by others, count)");
     }
     if current {
         crate::cli::out!(

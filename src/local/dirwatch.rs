@@ -1,5 +1,6 @@
 //! Change notification for the plan directory: inotify on the directory and every directory below
-//! it, delivered on the runtime (no thread of its own), with a mask of changes only. Opens and
+//! it that the scan walks (root's, not writable by group or others: another user's directories get
+//! no watch; SECURITY.md, "Local mode"), delivered on the runtime (no thread of its own), with a mask of changes only. Opens and
 //! reads are not watched, so the agent's own rescans never wake it, and the agent's own `.pos`
 //! writes (and dot-files such as their temp files) are not reported.
 
@@ -20,10 +21,17 @@ fn mask() -> WatchMask {
         | WatchMask::MOVE_SELF
 }
 
-/// Watch `dir` and the directories below it.
+/// Watch `dir` and the directories below it that the scan walks: only directories that pass
+/// [`super::trust::dir`] (another user's directory gets no watch, so it can neither use up root's
+/// `max_user_watches` nor wake the agent), within the scan's bounds.
 fn add_tree(watches: &mut Watches, dirs: &mut HashMap<inotify::WatchDescriptor, PathBuf>, dir: &Path) {
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
+    let trusted = |m: &std::fs::Metadata| m.is_dir() && super::trust::dir(m).is_ok();
+    if !std::fs::metadata(dir).is_ok_and(|m| trusted(&m)) {
+        return;
+    }
+    let mut budget = super::scan::MAX_ENTRIES;
+    let mut stack = vec![(dir.to_path_buf(), 0)];
+    while let Some((d, depth)) = stack.pop() {
         match watches.add(&d, mask() | WatchMask::ONLYDIR) {
             Ok(wd) => {
                 dirs.insert(wd, d.clone());
@@ -33,14 +41,20 @@ fn add_tree(watches: &mut Watches, dirs: &mut HashMap<inotify::WatchDescriptor, 
                 continue;
             }
         }
-        if let Ok(rd) = std::fs::read_dir(&d) {
-            stack.extend(
-                rd.flatten()
-                    .filter(|e| {
-                        e.file_type().is_ok_and(|t| t.is_dir()) && !e.file_name().to_string_lossy().starts_with('.')
-                    })
-                    .map(|e| e.path()),
-            );
+        if depth >= super::scan::MAX_DEPTH {
+            continue;
+        }
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            if budget == 0 {
+                return;
+            }
+            budget -= 1;
+            // DirEntry's metadata does not follow a link.
+            let dot = e.file_name().as_encoded_bytes().starts_with(b".");
+            if !dot && e.metadata().is_ok_and(|m| trusted(&m)) {
+                stack.push((e.path(), depth + 1));
+            }
         }
     }
 }

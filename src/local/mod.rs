@@ -22,7 +22,7 @@ use crate::probe::Prober;
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
 use pos::{PlanFiles, Pos};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,7 +81,7 @@ impl LocalAgent {
             );
         }
         let (events_tx, events) = mpsc::unbounded_channel();
-        let source = DirSource { cfg: self.cfg, events_tx, events, watcher: None };
+        let source = DirSource { cfg: self.cfg, events_tx, events, watcher: None, noted: HashSet::new() };
         Reconciler::new(source, self.app, self.prober, shutdown).run().await.0
     }
 }
@@ -92,21 +92,28 @@ pub struct DirSource {
     events_tx: mpsc::UnboundedSender<PathBuf>,
     events: mpsc::UnboundedReceiver<PathBuf>,
     watcher: Option<AbortOnDrop>,
+    /// Lines already logged about files and directories that do not count (each once).
+    noted: HashSet<String>,
 }
+
+/// The most distinct "does not count" lines remembered (then they may repeat).
+const NOTED_CAP: usize = 4096;
 
 /// Why a plan is held without anything being run or written (R3): an invalid control value, or a
 /// control file that cannot be read (a directory, a FIFO, a link, too large): a value nobody can
 /// read is as unknown as an invalid one.
-fn hold_of(files: &PlanFiles) -> Result<Hold, HoldError> {
-    let canceled = pos::read_control(&files.canceled());
+fn hold_of(files: &PlanFiles, ignored: &mut Vec<String>) -> Result<Hold, HoldError> {
+    let canceled = pos::read_control_trusted(&files.canceled(), ignored);
     // R2: a valid cancel wins, even over a paused file nobody can read.
     if let Ok(Some(v)) = &canceled
         && plan::parse_annotation_value(Some(v)) == Ok(true)
     {
         return Ok(Hold::Cancel);
     }
-    let (p, c) =
-        (pos::read_control(&files.paused()).map_err(HoldError::Unreadable)?, canceled.map_err(HoldError::Unreadable)?);
+    let (p, c) = (
+        pos::read_control_trusted(&files.paused(), ignored).map_err(HoldError::Unreadable)?,
+        canceled.map_err(HoldError::Unreadable)?,
+    );
     plan::resolve_annotations(&Annotations { paused: p.as_deref(), canceled: c.as_deref() })
         .map_err(|e| HoldError::Invalid(rename_keys(e, files)))
 }
@@ -135,7 +142,8 @@ fn rename_keys(e: plan::InvalidAnnotation, files: &PlanFiles) -> plan::InvalidAn
 /// logged and ignored, "never kill on a guess"); a valid cancel wins.
 fn interrupt_of(files: &PlanFiles) -> Interrupt {
     // An unreadable control file counts as absent here; the next reconcile holds the plan for it.
-    let read = |p: &Path| pos::read_control(p).ok().flatten();
+    // A control file that fails the owner and mode rule does not count (the next look says so).
+    let read = |p: &Path| pos::read_control_trusted(p, &mut Vec::new()).ok().flatten();
     let (p, c) = (read(&files.paused()), read(&files.canceled()));
     Interrupt {
         cancel: plan::parse_annotation_value(c.as_deref()) == Ok(true),
@@ -161,9 +169,30 @@ async fn store(path: PathBuf, p: Pos) -> Written {
 }
 
 impl DirSource {
+    /// Log `line` at warn level, once (while fewer than [`NOTED_CAP`] lines are remembered).
+    fn note_once(&mut self, line: String) {
+        if self.noted.len() >= NOTED_CAP {
+            self.noted.clear();
+        }
+        if self.noted.insert(line.clone()) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    fn note_ignored(&mut self, ignored: Vec<String>) {
+        for i in ignored {
+            self.note_once(format!(
+                "{i}: ignored (a file beside a plan counts only when owned by root and not writable by group or others)"
+            ));
+        }
+    }
+
     fn watch_directory(&mut self) {
-        if !self.cfg.inotify || self.watcher.as_ref().is_some_and(|w| !w.0.is_finished()) || !self.cfg.plan_dir.is_dir()
-        {
+        if !self.cfg.inotify || self.watcher.as_ref().is_some_and(|w| !w.0.is_finished()) {
+            return;
+        }
+        // An untrusted plan directory is not watched either (the scan says why).
+        if !std::fs::metadata(&self.cfg.plan_dir).is_ok_and(|m| m.is_dir() && trust::dir(&m).is_ok()) {
             return;
         }
         self.watcher = match dirwatch::start(&self.cfg.plan_dir, self.events_tx.clone()) {
@@ -182,7 +211,7 @@ impl DirSource {
     /// left alone (the next look holds the plan or sets it aside).
     async fn update(&self, files: &PlanFiles, f: impl FnOnce(&mut Pos)) -> Written {
         let path = files.pos();
-        let mut p = match pos::read_pos(&path) {
+        let mut p = match pos::read_pos_trusted(&path, &mut Vec::new()) {
             Ok(p) => p,
             Err(e) => return Written::failed(format!("{}: {e}", path.display())),
         };
@@ -209,14 +238,27 @@ impl PlanSource for DirSource {
     async fn keys(&mut self) -> Vec<PathBuf> {
         self.watch_directory();
         let dir = self.cfg.plan_dir.clone();
-        tokio::task::spawn_blocking(move || scan::scan(&dir)).await.unwrap_or_default()
+        let found = tokio::task::spawn_blocking(move || scan::scan(&dir)).await.unwrap_or_default();
+        for u in found.untrusted {
+            self.note_once(format!(
+                "{u}: not walked or watched; plans and skip files in it do not count (only directories owned by \
+                 root and not writable by group or others are)"
+            ));
+        }
+        if let Some(b) = found.bounded {
+            self.note_once(format!("scanning {}: {b}", self.cfg.plan_dir.display()));
+        }
+        found.plans
     }
 
     async fn look(&mut self, path: &PathBuf) -> Seen {
         let Some(files) = PlanFiles::new(path) else { return Seen::Nothing };
         // Anyone who can write the plan can run commands as root; a file that is not what it
         // should be (a FIFO, a link, too large) is refused without blocking. Both hold the plan.
-        let raw = match trust::check(path).map_err(PlanFileError::from).and_then(|()| read_plan(path)) {
+        let raw = match trust::check(&self.cfg.plan_dir, path)
+            .map_err(PlanFileError::from)
+            .and_then(|()| read_plan(path))
+        {
             Ok(r) => r,
             Err(e) => {
                 return Seen::Held(format!("{}: refused: {e}; the plan is held and nothing is run", path.display()));
@@ -228,7 +270,8 @@ impl PlanSource for DirSource {
             Err(e) => return Seen::Bad { error: format!("{}: {e}", path.display()), checksum },
         };
         // The .pos file: unusable → the plan is held; unreadable → kept aside, the plan starts over.
-        let mut stored = match pos::read_pos(&files.pos()) {
+        let mut ignored = Vec::new();
+        let mut stored = match pos::read_pos_trusted(&files.pos(), &mut ignored) {
             Ok(p) => p,
             Err(e @ pos::PosError::Unusable(_)) => {
                 return Seen::Held(format!("{}: {e}; the plan is held until it is removed", files.pos().display()));
@@ -242,7 +285,7 @@ impl PlanSource for DirSource {
         };
         // R3: an invalid or unreadable control value holds the plan: nothing is written or run.
         // (A control file nobody can read is as unknown as an invalid value.)
-        let hold = match hold_of(&files) {
+        let hold = match hold_of(&files, &mut ignored) {
             Ok(h) => Ok(h),
             Err(HoldError::Unreadable(e)) => {
                 return Seen::Held(format!("{}: {e}; the plan is held and nothing is written", path.display()));
@@ -250,7 +293,9 @@ impl PlanSource for DirSource {
             Err(HoldError::Invalid(e)) => Err(e),
         };
         // A reset is an orchestrator's write: not while an invalid control value holds the plan (R3).
-        if hold.is_ok() && files.reset().exists() {
+        let reset = pos::marker_trusted(&files.reset(), &mut ignored);
+        self.note_ignored(ignored);
+        if hold.is_ok() && reset {
             tracing::info!("{}: reset requested; the plan runs again from its first instruction", path.display());
             wire::reset(&mut stored);
             if let Written::Failed { error, .. } = store(files.pos(), stored.clone()).await {

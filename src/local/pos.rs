@@ -154,14 +154,57 @@ pub const RESET_REQUEST: &[u8] = b"";
 /// regular file, is a link, or is larger than [`CONTROL_CAP`] is an error naming the file.
 pub fn read_control(path: &Path) -> Result<Option<String>, String> {
     match crate::safefs::read_small(path, CONTROL_CAP) {
-        Ok(Some(raw)) if raw.is_empty() => Ok(Some("true".into())),
-        Ok(Some(raw)) => {
-            let s = String::from_utf8_lossy(&raw).into_owned();
-            Ok(Some(s.strip_suffix('\n').map(str::to_string).unwrap_or(s)))
-        }
+        Ok(Some(raw)) => Ok(Some(control_value(raw))),
         Ok(None) => Ok(None),
         Err(e) => Err(format!("cannot read {}: {e}", path.display())),
     }
+}
+
+/// What the agent reads beside a plan: the file counts only when it passes the plan file's owner
+/// and mode rule ([`super::trust::owner_and_mode`]); one that does not is ignored (as if absent)
+/// and its path and reason are added to `ignored`.
+fn read_sibling(path: &Path, cap: u64, ignored: &mut Vec<String>) -> std::io::Result<Option<Vec<u8>>> {
+    match crate::safefs::read_small_checked(path, cap, super::trust::owner_and_mode)? {
+        Some(Ok(raw)) => Ok(Some(raw)),
+        Some(Err(why)) => {
+            ignored.push(format!("{} {why}", path.display()));
+            Ok(None)
+        }
+        None => Ok(None),
+    }
+}
+
+/// [`read_pos`] as the agent reads it: a `.pos` that fails the owner and mode rule is ignored.
+pub fn read_pos_trusted(path: &Path, ignored: &mut Vec<String>) -> Result<Pos, PosError> {
+    match read_sibling(path, POS_CAP, ignored) {
+        Ok(Some(raw)) => parse_checked(&raw),
+        Ok(None) => Ok(Pos::default()),
+        Err(e) => Err(PosError::Unusable(e.to_string())),
+    }
+}
+
+/// [`read_control`] as the agent reads it: a control file that fails the owner and mode rule is
+/// ignored.
+pub fn read_control_trusted(path: &Path, ignored: &mut Vec<String>) -> Result<Option<String>, String> {
+    match read_sibling(path, CONTROL_CAP, ignored) {
+        Ok(raw) => Ok(raw.map(control_value)),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+    }
+}
+
+/// Whether a reset (or skip) file is there and counts: a regular file, not a link, that passes
+/// the owner and mode rule.
+pub fn marker_trusted(path: &Path, ignored: &mut Vec<String>) -> bool {
+    read_sibling(path, CONTROL_CAP, ignored).is_ok_and(|r| r.is_some())
+}
+
+/// A control file's value: empty → `"true"`; otherwise the content less one trailing newline.
+fn control_value(raw: Vec<u8>) -> String {
+    if raw.is_empty() {
+        return "true".into();
+    }
+    let s = String::from_utf8_lossy(&raw).into_owned();
+    s.strip_suffix('\n').map(str::to_string).unwrap_or(s)
 }
 
 #[cfg(test)]
@@ -225,6 +268,41 @@ mod tests {
         }
         std::fs::write(&f, CONTROL_TRUE).unwrap();
         assert_eq!(read_control(&f).unwrap().as_deref(), Some("true"), "what `nodeplan plan` writes");
+    }
+
+    /// As root, a control, `.pos` or reset file another user owns, or that group or others can
+    /// write, is ignored as if absent and named; root's own counts.
+    #[test]
+    fn files_beside_a_plan_count_only_when_roots() {
+        use std::os::unix::fs::PermissionsExt;
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let (c, p, r) = (d.path().join("x.canceled"), d.path().join("x.pos"), d.path().join("x.reset"));
+        std::fs::write(&c, CONTROL_TRUE).unwrap();
+        std::fs::write(&p, br#"{"appliedChecksum":"forged"}"#).unwrap();
+        std::fs::write(&r, b"").unwrap();
+        let mut ignored = Vec::new();
+        assert_eq!(read_control_trusted(&c, &mut ignored).unwrap().as_deref(), Some("true"));
+        assert_eq!(read_pos_trusted(&p, &mut ignored).unwrap().applied_checksum, "forged");
+        assert!(marker_trusted(&r, &mut ignored));
+        assert!(ignored.is_empty(), "{ignored:?}");
+        for f in [&c, &p] {
+            std::os::unix::fs::chown(f, Some(1000), None).unwrap();
+        }
+        std::fs::set_permissions(&r, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert_eq!(read_control_trusted(&c, &mut ignored).unwrap(), None);
+        assert_eq!(read_pos_trusted(&p, &mut ignored).unwrap(), Pos::default());
+        assert!(!marker_trusted(&r, &mut ignored));
+        assert_eq!(
+            ignored,
+            [
+                format!("{} is owned by uid 1000", c.display()),
+                format!("{} is owned by uid 1000", p.display()),
+                format!("{} is writable by group or others (mode 0666)", r.display()),
+            ]
+        );
     }
 
     #[test]

@@ -1,9 +1,15 @@
 //! Who may put a plan in front of the agent. Anyone who can write a plan file, or a directory on
 //! the way to it, can run commands as root, so when the agent runs as root a plan is refused
 //! unless the plan file and every directory from `/` down to it are owned by root (or the agent's
-//! user) and not writable by group or others. A world-writable directory with the sticky bit
-//! (`/tmp`) is accepted on the way: others cannot rename or remove root's entries there.
+//! user) and not writable by group or others. Above the plan directory a world-writable directory
+//! with the sticky bit (`/tmp`) is accepted on the way: others cannot rename or remove root's
+//! entries there. From the plan directory down it is not, sticky or not: others could create the
+//! files beside a plan (`NAME.pos`, `NAME.paused`, ...) or plans of their own there.
 //! A symlink on the way must be owned by root too.
+//!
+//! The files beside a plan (its `.pos`, control, reset and skip files) count only when they pass
+//! the plan file's owner and mode rule ([`owner_and_mode`]); a directory below the plan directory is walked
+//! and watched only when it passes it too ([`dir`]).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -25,8 +31,32 @@ pub enum TrustError {
     Writable { path: PathBuf, mode: u32 },
 }
 
-/// Why `plan` must not be trusted, or `Ok` when it may be.
-pub fn check(plan: &Path) -> Result<(), TrustError> {
+/// Whether the file or directory with owner `uid` and mode `mode` may speak for root: owned by
+/// root (or the agent's user) and not writable by group or others. Always, for an unprivileged
+/// agent (it runs commands as its own user: nothing to escalate to). The error is the reason,
+/// worded to follow a path ("is owned by uid 1000").
+pub fn owner_and_mode(uid: u32, mode: u32) -> Result<(), String> {
+    let me = rustix::process::geteuid().as_raw();
+    if me != 0 {
+        return Ok(());
+    }
+    if uid != 0 && uid != me {
+        return Err(format!("is owned by uid {uid}"));
+    }
+    if mode & 0o022 != 0 {
+        return Err(format!("is writable by group or others (mode {:04o})", mode & 0o7777));
+    }
+    Ok(())
+}
+
+/// Whether a directory at or below the plan directory may be walked and watched (see
+/// [`owner_and_mode`]; a sticky bit does not help).
+pub fn dir(m: &std::fs::Metadata) -> Result<(), String> {
+    owner_and_mode(m.uid(), m.mode())
+}
+
+/// Why `plan`, under the plan directory `plan_dir`, must not be trusted, or `Ok` when it may be.
+pub fn check(plan_dir: &Path, plan: &Path) -> Result<(), TrustError> {
     let me = rustix::process::geteuid().as_raw();
     if me != 0 {
         // An unprivileged agent runs commands as its own user: nothing to escalate to.
@@ -44,7 +74,8 @@ pub fn check(plan: &Path) -> Result<(), TrustError> {
         if m.uid() != 0 && m.uid() != me {
             return Err(TrustError::Foreign { path: prefix, uid: m.uid() });
         }
-        let sticky_dir = m.is_dir() && m.mode() & 0o1000 != 0;
+        // Above the plan directory a sticky directory (`/tmp`) is fine; at or below it, not.
+        let sticky_dir = m.is_dir() && m.mode() & 0o1000 != 0 && !prefix.starts_with(plan_dir);
         if m.mode() & 0o022 != 0 && !sticky_dir {
             return Err(TrustError::Writable { path: prefix, mode: m.mode() & 0o7777 });
         }
@@ -66,17 +97,25 @@ mod tests {
         std::fs::write(&plan, b"{}").unwrap();
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        assert!(check(&plan).is_ok(), "under /tmp (sticky) is fine");
+        assert!(check(&dir, &plan).is_ok(), "under /tmp (sticky) is fine");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let e = check(&dir, &plan).unwrap_err().to_string();
+        assert!(e.contains("plans is writable by group or others (mode 1777)"), "the plan directory, sticky: {e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o664)).unwrap();
-        assert!(check(&plan).unwrap_err().to_string().contains("a.plan is writable by group or others (mode 0664)"));
+        assert!(
+            check(&dir, &plan).unwrap_err().to_string().contains("a.plan is writable by group or others (mode 0664)")
+        );
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(check(&plan).unwrap_err().to_string().contains("plans is writable by group or others (mode 0777)"));
+        assert!(
+            check(&dir, &plan).unwrap_err().to_string().contains("plans is writable by group or others (mode 0777)")
+        );
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::os::unix::fs::chown(&plan, Some(1000), None).unwrap();
-        assert!(check(&plan).unwrap_err().to_string().contains("a.plan is owned by uid 1000"));
+        assert!(check(&dir, &plan).unwrap_err().to_string().contains("a.plan is owned by uid 1000"));
         std::os::unix::fs::chown(&plan, Some(0), None).unwrap();
         std::os::unix::fs::chown(&dir, Some(1000), None).unwrap();
-        assert!(check(&plan).unwrap_err().to_string().contains("plans is owned by uid 1000"));
+        assert!(check(&dir, &plan).unwrap_err().to_string().contains("plans is owned by uid 1000"));
     }
 }
