@@ -190,7 +190,7 @@ impl Prober {
         let url = match Url::parse(&probe.http_get.url) {
             Ok(url) => url,
             Err(err) => {
-                let shown = crate::image::redact_userinfo(&probe.http_get.url);
+                let shown = crate::redact_userinfo(&probe.http_get.url);
                 return ProbeResult::Failure(format!("invalid URL {shown:?}: {err}"));
             }
         };
@@ -418,7 +418,7 @@ async fn request(client: &Client, url: Url) -> ProbeResult {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| response.url().join(value).ok());
         if let Some(location) = location.filter(|l| l.host_str() != response.url().host_str()) {
-            let shown = crate::image::redact_userinfo(location.as_str());
+            let shown = crate::redact_userinfo(location.as_str());
             return ProbeResult::Failure(format!("redirect to other host {shown}"));
         }
         return ProbeResult::Failure(format!("HTTP {} (redirect not followed)", status.as_u16()));

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. Items of the crate root (`crate::error_line`, `crate::quoted`,
-/// `crate::AbortOnDrop`: small text and task helpers) are below everything.
+/// `crate::redact_userinfo`, `crate::AbortOnDrop`: small text and task helpers) are below everything.
 const LAYERS: &[(&str, &[&str])] = &[
     // Helpers with no knowledge of plans: durations, back-off, race-free files, log levels.
     ("base", &["duration", "backoff", "safefs", "logging"]),

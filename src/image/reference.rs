@@ -15,21 +15,7 @@ pub struct ImageRef {
 
 pub const DOCKER_HUB: &str = "docker.io";
 
-/// `user:password@` in a reference or URL (`https://u:p@host/…`, `u:p@host/…`) replaced by
-/// `***@`, for messages: a password someone put there must not reach a log.
-pub fn redact_userinfo(s: &str) -> String {
-    let (scheme, rest) = match s.find("://") {
-        Some(i) => s.split_at(i + 3),
-        None => ("", s),
-    };
-    let host_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..host_end].rfind('@') {
-        Some(at) if rest[..at].contains(':') && !rest[at + 1..].starts_with("sha256:") => {
-            format!("{scheme}***{}", &rest[at..])
-        }
-        _ => s.to_string(),
-    }
-}
+pub use crate::redact_userinfo;
 
 impl ImageRef {
     pub fn parse(raw: &str) -> Result<ImageRef, String> {
