@@ -255,6 +255,24 @@ async fn several_nodeplans_run_one_at_a_time_in_the_documented_order() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A NodePlan labelled for this node whose `spec.nodeName` names another node is not this node's
+/// (the object says two things): it never runs here. It has the higher priority, so the agent
+/// would run it first if it took it; the other NodePlan running alone shows it did not.
+#[tokio::test]
+async fn a_nodeplan_naming_another_node_in_its_spec_never_runs_here() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-othername").await;
+    let order = n.p("order");
+    let step = |name: &str| json!({"instructions": [sh(name, &format!("echo {name} >> {order}"))]});
+    n.create("a-other", "node-a", json!({"priority": 10, "nodeName": "node-b", "plan": step("other")})).await;
+    n.create("b-mine", "node-a", json!({"nodeName": "node-a", "plan": step("mine")})).await;
+    let mut agent = n.agent();
+    n.wait("b-mine", "Applied", phase("Applied")).await;
+    assert_eq!(std::fs::read_to_string(&order).unwrap(), "mine\n", "only this node's NodePlan ran");
+    assert!(n.status("a-other").await.plan_checksum.is_empty(), "nothing was written to the other node's");
+    assert_eq!(agent.stop(), 0);
+}
+
 /// Deleting a NodePlan while it runs cancels it through the stop ladder (no finalizer).
 #[tokio::test]
 async fn deleting_a_running_nodeplan_stops_it() {

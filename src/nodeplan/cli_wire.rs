@@ -486,6 +486,11 @@ mod tests {
             (o(json!({"cattle.io/node": hashed}), json!({})), long.as_str(), false, ""),
             // A short name under a hashed label is not what that node's agent selects.
             (o(json!({"cattle.io/node": hashed}), json!({"nodeName": "n"})), "n", false, "node n"),
+            // A spec that names the node agrees with its label; one that names another wins.
+            (o(json!({"cattle.io/node": "n"}), json!({"nodeName": "n"})), "n", true, "node n"),
+            (o(json!({"cattle.io/node": "n"}), json!({"nodeName": "m"})), "n", false, ""),
+            (o(json!({"cattle.io/node": "n"}), json!({"nodeName": "m"})), "m", false, ""),
+            (o(json!({"cattle.io/node": "n"}), json!({"nodeName": ""})), "n", true, "node n"),
         ];
         for (obj, node, want, who) in rows {
             assert_eq!(is_for_node(&obj, node), want, "{node} {:?}", obj.metadata.labels);

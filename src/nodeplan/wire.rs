@@ -147,13 +147,17 @@ fn preflight(checks: &[PreflightCheck]) -> Result<Vec<Preflight>, String> {
 }
 
 /// Whether `node`'s agent runs this NodePlan: its watch selects the label
-/// [`node_label_value`](super::source::node_label_value)`(node)`, and a hashed label must name the
-/// node in `spec.nodeName`.
+/// [`node_label_value`](super::resource::node_label_value)`(node)`, a hashed label must name the
+/// node in `spec.nodeName`, and a `spec.nodeName` that names another node wins over the label (the
+/// object says two things; it runs on neither guess).
 pub fn is_for_node(o: &kube::api::DynamicObject, node: &str) -> bool {
     let label = o.metadata.labels.as_ref().and_then(|l| l.get(super::resource::NODE_LABEL));
     let Some(label) = label else { return false };
-    let named = o.data.pointer("/spec/nodeName").and_then(serde_json::Value::as_str) == Some(node);
-    *label == super::resource::node_label_value(node) && (label == node || named)
+    let spec_name = o.data.pointer("/spec/nodeName").and_then(serde_json::Value::as_str).filter(|n| !n.is_empty());
+    if spec_name.is_some_and(|n| n != node) {
+        return false;
+    }
+    *label == super::resource::node_label_value(node) && (label == node || spec_name == Some(node))
 }
 
 /// What a NodePlan is ordered by ([`order`]): its priority, creation time and name.
