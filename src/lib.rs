@@ -100,6 +100,14 @@ pub fn redact_userinfo(s: &str) -> String {
     }
 }
 
+/// File I/O that may stall (fsyncs, a slow disk) run on the blocking pool, off the agent's one
+/// runtime thread; a task that panicked is an I/O error.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    tokio::task::spawn_blocking(f).await.map_err(std::io::Error::other)?
+}
+
 /// Aborts the task when dropped (a background task that lives as long as its owner).
 pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
 

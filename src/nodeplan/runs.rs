@@ -55,7 +55,7 @@ impl RunStore {
         let bytes =
             serde_json::to_vec(&crate::formats::stamp(v, crate::formats::SAVED_RUN)).map_err(|e| e.to_string())?;
         let shown = path.display().to_string();
-        blocking(move || {
+        crate::blocking(move || {
             crate::safefs::make_dir(&dir, 0o700, None)?;
             crate::safefs::write_atomic(&path, &bytes, 0o600)
         })
@@ -67,7 +67,7 @@ impl RunStore {
     pub async fn load(&self, name: &str, run: &str) -> Option<NodePlanSpec> {
         let path = self.path(name)?;
         let read_path = path.clone();
-        let bytes = match blocking(move || crate::safefs::read_small(&read_path, MAX_BYTES)).await {
+        let bytes = match crate::blocking(move || crate::safefs::read_small(&read_path, MAX_BYTES)).await {
             Ok(Some(b)) => b,
             Ok(None) => return None,
             Err(e) => {
@@ -88,14 +88,10 @@ impl RunStore {
     pub async fn remove(&self, name: &str) {
         let Some(path) = self.path(name) else { return };
         let shown = path.display().to_string();
-        if let Err(e) = blocking(move || crate::safefs::remove(&path, false)).await {
+        if let Err(e) = crate::blocking(move || crate::safefs::remove(&path, false)).await {
             tracing::warn!("{shown}: cannot remove it: {e}");
         }
     }
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> std::io::Result<T> {
-    tokio::task::spawn_blocking(f).await.map_err(std::io::Error::other)?
 }
 
 /// A saved run, believed only when it names this NodePlan and its content is the run `run`.

@@ -69,7 +69,7 @@ impl KeptStore {
         let bytes = serde_json::to_value(&record)
             .and_then(|v| serde_json::to_vec(&crate::formats::stamp(v, crate::formats::KEPT_OUTCOME)));
         let Ok(bytes) = bytes else { return };
-        let r = blocking(move || {
+        let r = crate::blocking(move || {
             if let Some(dir) = path.parent() {
                 crate::safefs::make_dir(dir, 0o700, None)?;
             }
@@ -85,7 +85,7 @@ impl KeptStore {
     pub async fn clear(&self) {
         let Some(path) = self.path.clone() else { return };
         let shown = path.display().to_string();
-        if let Err(e) = blocking(move || crate::safefs::remove(&path, false)).await {
+        if let Err(e) = crate::blocking(move || crate::safefs::remove(&path, false)).await {
             tracing::warn!("{shown}: cannot remove the kept outcome: {e}");
         }
     }
@@ -94,7 +94,7 @@ impl KeptStore {
     pub async fn load(&self) -> Option<Kept> {
         let path = self.path.clone()?;
         let read = path.clone();
-        let bytes = match blocking(move || crate::safefs::read_small(&read, MAX_BYTES)).await {
+        let bytes = match crate::blocking(move || crate::safefs::read_small(&read, MAX_BYTES)).await {
             Ok(Some(b)) => b,
             Ok(None) => return None,
             Err(e) => {
@@ -128,10 +128,6 @@ fn parse(bytes: &[u8], secret: &SecretRef) -> Result<Kept, String> {
         keys.insert(k, v);
     }
     Ok(Kept { uid: r.uid, checksum: r.checksum, keys })
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> std::io::Result<T> {
-    tokio::task::spawn_blocking(f).await.map_err(std::io::Error::other)?
 }
 
 #[cfg(test)]
