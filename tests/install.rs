@@ -306,6 +306,13 @@ async fn install_local(t: &Tree, more: &[&str], env: &[(&str, &str)]) -> Output 
     nodeplan(&args, env).await
 }
 
+/// `nodeplan install` into `t` from Rancher (as `env` says), retrying twice 10 ms apart.
+async fn install_retrying(t: &Tree, env: &[(&str, &str)]) -> Output {
+    let root = t.root().display().to_string();
+    let bin = t.bin().display().to_string();
+    nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "2", "--retry-interval", "10ms"], env).await
+}
+
 async fn uninstall(t: &Tree) -> Output {
     nodeplan(&["uninstall", "--root", &t.root().display().to_string()], &[]).await
 }
@@ -403,11 +410,7 @@ async fn a_wrong_token_is_retried_then_fails_clearly_and_writes_nothing() {
         ("CATTLE_CA_CHECKSUM", sum.as_str()),
         ("CATTLE_ID", "id-1"),
     ];
-    let root = t.root().display().to_string();
-    let bin = t.bin().display().to_string();
-    let o =
-        nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "2", "--retry-interval", "10ms"], &env)
-            .await;
+    let o = install_retrying(&t, &env).await;
     let (out, err) = text(&o);
     assert_eq!(code(&o), 1, "{out}\n{err}");
     assert_eq!(server.count("/v3/connect/agent"), 3);
@@ -1026,11 +1029,7 @@ async fn install_follows_no_redirect_and_never_sends_the_token_again() {
     let url = server.url("https");
     let env =
         [("CATTLE_SERVER", url.as_str()), ("CATTLE_TOKEN", TOKEN), ("CATTLE_CA_CHECKSUM", &sum), ("CATTLE_ID", "id-1")];
-    let root = t.root().display().to_string();
-    let bin = t.bin().display().to_string();
-    let o =
-        nodeplan(&["install", "--root", &root, "--binary", &bin, "--retries", "2", "--retry-interval", "10ms"], &env)
-            .await;
+    let o = install_retrying(&t, &env).await;
     let (out, err) = text(&o);
     assert_eq!(code(&o), 1, "{out}\n{err}");
     let location = format!("http://***@127.0.0.1:{}/v3/connect/agent", server.addr.port());
