@@ -44,20 +44,17 @@ func gunzip(raw []byte) ([]byte, error) {
 // decodeOneTimeOutput reads applied-output / failed-output: gzip of a JSON map of instruction
 // name to bytes (Go []byte, so base64 strings). Empty is no output.
 func decodeOneTimeOutput(raw []byte) (map[string][]byte, error) {
-	out := map[string][]byte{}
-	if len(raw) == 0 {
-		return out, nil
-	}
-	j, err := gunzip(raw)
-	if err != nil {
-		return nil, err
-	}
-	return out, strict(j, &out)
+	return decodeGzipMap[[]byte](raw)
 }
 
 // decodePeriodicOutput reads applied-periodic-output into Rancher's PeriodicInstructionOutput.
 func decodePeriodicOutput(raw []byte) (map[string]rplan.PeriodicInstructionOutput, error) {
-	out := map[string]rplan.PeriodicInstructionOutput{}
+	return decodeGzipMap[rplan.PeriodicInstructionOutput](raw)
+}
+
+// decodeGzipMap reads gzip of a JSON map of name to V, strictly. Empty is an empty map.
+func decodeGzipMap[V any](raw []byte) (map[string]V, error) {
+	out := map[string]V{}
 	if len(raw) == 0 {
 		return out, nil
 	}
