@@ -203,10 +203,13 @@ impl SecretSource {
         write::write(&mut target, base, reapply).await.into()
     }
 
-    /// Write an outcome that must not be lost: recorded on the node first (R17), kept when the
-    /// write fails and retried by [`Self::flush`], forgotten once it lands or no longer applies.
-    async fn write_outcome(&mut self, checksum: &str, keys: Keys) -> Written {
-        if let Some(uid) = self.current().map(|s| s.uid) {
+    /// Write an outcome that must not be lost: a run's outcome (`on_node`) is recorded on the
+    /// node first (R17); kept in memory when the write fails and retried by [`Self::flush`]; the
+    /// record on the node is forgotten once it lands or no longer applies. Probe statuses and
+    /// retries of a kept write are not recorded again (a restarted agent probes anew; the record
+    /// of a kept run outcome is there already).
+    async fn write_outcome(&mut self, checksum: &str, keys: Keys, on_node: bool) -> Written {
+        if on_node && let Some(uid) = self.current().map(|s| s.uid) {
             self.kept.save(&uid, checksum, &keys).await;
         }
         let w = self.write(checksum, keys.clone(), true).await;
@@ -393,7 +396,7 @@ impl PlanSource for SecretSource {
             }
             None => {}
         }
-        self.write_outcome(&look.checksum, keys).await
+        self.write_outcome(&look.checksum, keys, true).await
     }
 
     async fn not_started(&mut self, _: &(), _: &Look, _: &ApplyError) -> Option<Written> {
@@ -403,7 +406,7 @@ impl PlanSource for SecretSource {
     }
 
     async fn write_probes(&mut self, _: &(), checksum: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
-        self.write_outcome(checksum, wire::probe_keys(&statuses)).await
+        self.write_outcome(checksum, wire::probe_keys(&statuses), false).await
     }
 
     async fn flush(&mut self, _: &()) -> Written {
@@ -433,7 +436,7 @@ impl PlanSource for SecretSource {
             }
         }
         metrics::write_retried(WriteTarget::Secret, RetryReason::Error);
-        self.write_outcome(&p.checksum, p.keys).await
+        self.write_outcome(&p.checksum, p.keys, false).await
     }
 
     async fn set_blocked(&mut self, _: &(), _: Option<&str>) {}
@@ -697,7 +700,7 @@ mod tests {
             base
         };
         let checksum = plan::checksum(PLAN);
-        let (w, base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        let (w, base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded"), true), server);
         assert_eq!(base, "5");
         match w {
             Written::Failed { retry_after, .. } => assert_eq!(retry_after, Some(Duration::from_secs(7))),
@@ -722,7 +725,7 @@ mod tests {
         };
         let checksum = plan::checksum(PLAN);
         let client = async {
-            let first = source.write_outcome(&checksum, state_keys("succeeded")).await;
+            let first = source.write_outcome(&checksum, state_keys("succeeded"), true).await;
             assert!(matches!(first, Written::Failed { .. }), "{first:?}");
             assert_eq!(crate::metrics::sample(errors), before, "a first attempt is no retry");
             source.flush(&()).await
@@ -751,7 +754,7 @@ mod tests {
             send.send_response(r);
         };
         let checksum = plan::checksum(PLAN);
-        let (w, ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
+        let (w, ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded"), true), server);
         match w {
             Written::Failed { retry_after, .. } => assert_eq!(retry_after, None),
             other => panic!("{other:?}"),
