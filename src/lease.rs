@@ -721,3 +721,106 @@ mod tests {
         assert_ne!(long, lease_name(&"x".repeat(301)));
     }
 }
+
+/// Another program that acts on the same plan source when it runs on the node (Rancher's own
+/// agent, for the plan Secret): while it runs, this agent does not act.
+#[derive(Clone)]
+pub struct Rival {
+    /// Its name, as log lines and the advice to stop it show it.
+    pub program: String,
+    /// The pid of a running one, if any.
+    pub running: std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, Option<i32>> + Send + Sync>,
+}
+
+/// How often the gate looks for a rival on the node.
+const RIVAL_PERIOD: Duration = Duration::from_secs(5);
+
+/// The gate of a plan source (see [`crate::reconcile::gate`]): with `rival`, not while it runs
+/// (waiting for it to go, saying so once); then holding the source's Lease (waiting for it first;
+/// a shutdown meanwhile ends the task). Open, the fence follows the Lease's renewals (R26). If
+/// another agent takes the Lease, or the rival starts, the gate ends with the reason (its fence
+/// closes), and the loop stops the agent: its exit code makes systemd restart it, and it then waits
+/// again. The Lease is given up when the gate is stopped.
+pub fn guard(
+    lease: Option<(kube::Client, LeaseRef)>,
+    rival: Option<Rival>,
+    mut shutdown: watch::Receiver<bool>,
+) -> crate::reconcile::gate::Gate {
+    use crate::reconcile::gate::{Gate, GateState};
+    let (state_tx, state) = watch::channel(GateState::Waiting);
+    let (fence_tx, fence) = watch::channel(false);
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let mut told = false;
+        while let Some(r) = &rival
+            && let Some(pid) = (r.running)().await
+        {
+            if !told {
+                tracing::warn!(
+                    "waiting: {p} (pid {pid}) runs on this node and acts on the same plan Secret; stop and disable it (systemctl disable --now {p}) to let nodeplan act",
+                    p = r.program
+                );
+                told = true;
+            }
+            if tokio::time::timeout(RIVAL_PERIOD, shutdown.wait_for(|s| *s)).await.is_ok() {
+                return;
+            }
+        }
+        let held = match lease {
+            Some((client, r)) => match hold(client, r, shutdown.clone()).await {
+                Some(h) => Some(h),
+                None => return,
+            },
+            None => None,
+        };
+        let mut acting = held.as_ref().map_or_else(|| watch::channel(true).1, Held::acting);
+        // Only a Lease that was held can be lost (a closed channel is no loss).
+        let mut lost = held.as_ref().map(Held::lost);
+        fence_tx.send_replace(*acting.borrow());
+        state_tx.send_replace(GateState::Open);
+        let rival_started = async {
+            let Some(r) = &rival else { return std::future::pending().await };
+            loop {
+                tokio::time::sleep(RIVAL_PERIOD).await;
+                if let Some(pid) = (r.running)().await {
+                    return format!("{} (pid {pid}) started on this node", r.program);
+                }
+            }
+        };
+        let lease_lost = async {
+            let held = match lost.as_mut() {
+                Some(l) => l.wait_for(|l| *l).await.is_ok(),
+                None => false,
+            };
+            if !held {
+                std::future::pending::<()>().await;
+            }
+        };
+        let mut rival_started = std::pin::pin!(rival_started);
+        let mut lease_lost = std::pin::pin!(lease_lost);
+        let mut acting_alive = true;
+        let ended = loop {
+            tokio::select! {
+                _ = &mut stopped => break None,
+                r = acting.changed(), if acting_alive => {
+                    acting_alive = r.is_ok();
+                    fence_tx.send_replace(*acting.borrow());
+                }
+                () = &mut lease_lost => break Some("another agent took the plan source's Lease".to_string()),
+                what = &mut rival_started => {
+                    tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
+                    break Some(what);
+                }
+            }
+        };
+        if let Some(why) = ended {
+            fence_tx.send_replace(false);
+            state_tx.send_replace(GateState::Ended(why));
+            let _ = stopped.await;
+        }
+        if let Some(h) = held {
+            h.release().await;
+        }
+    });
+    Gate::new(state, fence, stop, task)
+}

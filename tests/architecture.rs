@@ -43,6 +43,7 @@ const SIDEWAYS: &[(&str, &str)] = &[
     ("local", "reconcile"),
     ("remote", "reconcile"),
     ("nodeplan", "reconcile"),
+    ("lease", "reconcile"),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -4,9 +4,12 @@ use super::exit;
 use crate::apply::AgentExit;
 use crate::apply::{ApplyConfig, Applyinator};
 use crate::config::{self, AgentConfig, CgroupRoot};
-use crate::local::{LocalAgent, LocalConfig};
+use crate::local::{DirSource, LocalConfig};
 use crate::probe::Prober;
 use crate::process::{CgroupMode, StopPolicy, Supervisor, SupervisorConfig};
+use crate::reconcile::Reconciler;
+use crate::reconcile::both::Both;
+use crate::reconcile::gate::Gated;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -125,59 +128,44 @@ pub async fn run(args: AgentArgs) -> u8 {
         }
     });
     tracing::info!("nodeplan agent starting (config {})", path.display());
-    let mut tasks = Vec::new();
-    if cfg.local_enabled {
+    // One loop for the node over every enabled source (one plan at a time by construction). A
+    // new source is one more `Both` here.
+    let local = cfg.local_enabled.then(|| {
         let mut lc = LocalConfig::new(&cfg.local_plan_directory);
         lc.rescan = cfg.rescan_period();
         lc.probe_period = cfg.probe_period();
         lc.retry_base = Duration::from_secs(cfg.local_retry_seconds);
         lc.inotify = std::env::var_os("NODEPLAN_NO_INOTIFY").is_none_or(|v| v != "1");
-        let agent = LocalAgent::new(lc, parts.app.clone(), parts.prober.clone());
-        let rx = sd_rx.clone();
-        tasks.push(tokio::spawn(stopping_all(sd_tx.clone(), agent.run(rx))));
-    }
-    if cfg.remote_enabled {
-        match remote_agent(&cfg, &parts).await {
-            Ok((agent, lease)) => {
-                let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(stopping_all(
-                    sd_tx.clone(),
-                    under_lease(lease, true, rx, move |rx, fence| agent.with_fence(fence).run(rx)),
-                )));
-            }
-            Err(e) => return refuse(&tasks, &e),
-        }
-    }
-    if cfg.node_plan_enabled {
-        match node_plan_agent(&cfg, &parts).await {
-            Ok((agent, lease)) => {
-                let rx = sd_rx.clone();
-                tasks.push(tokio::spawn(stopping_all(
-                    sd_tx.clone(),
-                    under_lease(lease, false, rx, move |rx, fence| agent.with_fence(fence).run(rx)),
-                )));
-            }
-            Err(e) => return refuse(&tasks, &e),
-        }
-    }
+        DirSource::new(lc)
+    });
+    let secret = match cfg.remote_enabled {
+        true => match secret_source(&cfg, &sd_rx).await {
+            Ok(s) => Some(s),
+            Err(e) => return refuse(&e),
+        },
+        false => None,
+    };
+    let node_plans = match cfg.node_plan_enabled {
+        true => match node_plan_source(&cfg, &parts, &sd_rx).await {
+            Ok(s) => Some(s),
+            Err(e) => return refuse(&e),
+        },
+        false => None,
+    };
+    let source = Both::new(local, Both::new(secret, node_plans));
+    let (exit, _) = Reconciler::new(source, parts.app.clone(), parts.prober.clone(), sd_rx).run().await;
     let mut code = exit::OK;
     let mut restart = false;
-    for t in tasks {
-        match t.await {
-            Ok(AgentExit::Clean) => {}
-            Ok(AgentExit::Restart) => restart = true,
-            Ok(AgentExit::Displaced(why)) => {
-                super::say(&format!("nodeplan: {why}; stopped (a restart waits until it may act again)"));
-                code = exit::FAILED;
-            }
-            Ok(AgentExit::Incomplete(e)) => {
-                super::say(&format!("nodeplan: a process could not be stopped: {e}"));
-                code = exit::FAILED;
-            }
-            Err(e) => {
-                super::say(&format!("nodeplan: internal error: {e}"));
-                code = exit::FAILED;
-            }
+    match exit {
+        AgentExit::Clean => {}
+        AgentExit::Restart => restart = true,
+        AgentExit::Displaced(why) => {
+            super::say(&format!("nodeplan: {why}; stopped (a restart waits until it may act again)"));
+            code = exit::FAILED;
+        }
+        AgentExit::Incomplete(e) => {
+            super::say(&format!("nodeplan: a process could not be stopped: {e}"));
+            code = exit::FAILED;
         }
     }
     if restart && code == exit::OK {
@@ -216,19 +204,6 @@ pub(crate) fn exec_again() -> String {
     format!("cannot start {} again: {e}", program.display())
 }
 
-/// Run one source's task; when it stops for a restart request or a lost Lease, stop the others
-/// too (the agent restarts as a whole).
-async fn stopping_all(
-    stop_all: Arc<watch::Sender<bool>>,
-    task: impl std::future::Future<Output = AgentExit>,
-) -> AgentExit {
-    let exit = task.await;
-    if matches!(exit, AgentExit::Restart | AgentExit::Displaced(_)) {
-        let _ = stop_all.send(true);
-    }
-    exit
-}
-
 /// The Lease of a remote or NodePlan source: where, and the client to take it with (`None`: no
 /// Lease, `leaseDuration: 0`).
 type SourceLease = Option<(kube::Client, crate::lease::LeaseRef)>;
@@ -258,105 +233,21 @@ fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, sourc
     })
 }
 
-/// How often remote mode looks for Rancher's own agent on the node.
-const RIVAL_PERIOD: Duration = Duration::from_secs(5);
-
-/// Run a source's loop while it may act alone on its plan source: with `rival` (remote mode), not
-/// while Rancher's own agent runs on this node (waiting for it to go before starting, saying so
-/// once); then holding the source's Lease (waiting for it first; a shutdown meanwhile ends
-/// cleanly). If another agent takes the Lease, or Rancher's agent starts, the loop is stopped (the
-/// running plan gets the stop ladder and resumes later) and [`AgentExit::Displaced`] stops the
-/// whole agent: its exit code makes systemd restart it, and it then waits again. The loop acts
-/// only while the Lease's fence is open (R26). The Lease is given up when the loop ends.
-async fn under_lease<F, Fut>(lease: SourceLease, rival: bool, mut shutdown: watch::Receiver<bool>, run: F) -> AgentExit
-where
-    F: FnOnce(watch::Receiver<bool>, watch::Receiver<bool>) -> Fut,
-    Fut: std::future::Future<Output = AgentExit>,
-{
+/// Rancher's own agent, which acts on the plan Secret when it runs on the node.
+fn rancher_agent() -> crate::lease::Rival {
     let program = crate::remote::rival::program();
-    let rival_pid = {
-        let program = program.clone();
-        move || {
-            let program = program.clone();
-            async move {
-                tokio::task::spawn_blocking(move || crate::remote::rival::running(Path::new("/proc"), &program))
+    let p = program.clone();
+    crate::lease::Rival {
+        program,
+        running: Arc::new(move || {
+            let p = p.clone();
+            Box::pin(async move {
+                tokio::task::spawn_blocking(move || crate::remote::rival::running(Path::new("/proc"), &p))
                     .await
                     .ok()
                     .flatten()
-            }
-        }
-    };
-    let mut told = false;
-    while rival && let Some(pid) = rival_pid().await {
-        if !told {
-            tracing::warn!(
-                "waiting: {program} (pid {pid}) runs on this node and acts on the same plan Secret; stop and disable it (systemctl disable --now {program}) to let nodeplan act"
-            );
-            told = true;
-        }
-        if tokio::time::timeout(RIVAL_PERIOD, shutdown.wait_for(|s| *s)).await.is_ok() {
-            return AgentExit::Clean;
-        }
-    }
-    let held = match lease {
-        Some((client, r)) => match crate::lease::hold(client, r, shutdown.clone()).await {
-            Some(h) => Some(h),
-            None => return AgentExit::Clean,
-        },
-        None => None,
-    };
-    let (tx, rx) = watch::channel(false);
-    let displaced: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
-    let (mut outer, lost, why) = (shutdown, held.as_ref().map(|h| h.lost()), displaced.clone());
-    let relay = tokio::spawn(async move {
-        // Only a Lease that was held can be lost (a closed channel is no loss: no Lease was held).
-        let lease_lost = async {
-            let held = match lost {
-                Some(mut l) => l.wait_for(|l| *l).await.is_ok(),
-                None => false,
-            };
-            if !held {
-                std::future::pending::<()>().await;
-            }
-        };
-        let rival_started = async {
-            if !rival {
-                return std::future::pending().await;
-            }
-            loop {
-                tokio::time::sleep(RIVAL_PERIOD).await;
-                if let Some(pid) = rival_pid().await {
-                    return pid;
-                }
-            }
-        };
-        let reason = tokio::select! {
-            _ = outer.wait_for(|s| *s) => None,
-            () = lease_lost => Some("another agent took the plan source's Lease".to_string()),
-            pid = rival_started => {
-                let what = format!("{program} (pid {pid}) started on this node");
-                tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
-                Some(what)
-            }
-        };
-        if let Ok(mut w) = why.lock() {
-            *w = reason;
-        }
-        let _ = tx.send(true);
-    });
-    let fence = match &held {
-        Some(h) => h.acting(),
-        None => watch::channel(true).1,
-    };
-    let exit = run(rx, fence).await;
-    relay.abort();
-    if let Some(h) = held {
-        h.release().await;
-    }
-    let reason = displaced.lock().ok().and_then(|mut w| w.take());
-    match (exit, reason) {
-        (AgentExit::Clean, Some(why)) => AgentExit::Displaced(why),
-        (other, _) => other,
+            })
+        }),
     }
 }
 
@@ -376,20 +267,18 @@ async fn start_metrics(cfg: &AgentConfig, shutdown: watch::Receiver<bool>) -> Re
     Ok(())
 }
 
-/// A mode that cannot start: say why and stop the tasks already started (nothing ran yet at this
-/// point).
-fn refuse(tasks: &[tokio::task::JoinHandle<AgentExit>], why: &str) -> u8 {
+/// A mode that cannot start: say why (nothing ran yet at this point).
+fn refuse(why: &str) -> u8 {
     super::say(&format!("nodeplan: {why}"));
-    for t in tasks {
-        t.abort();
-    }
     exit::BAD_INPUT
 }
 
-async fn remote_agent(
+/// The plan Secret as a source, behind its gate: not while Rancher's agent runs, and only
+/// holding the Secret's Lease.
+async fn secret_source(
     cfg: &AgentConfig,
-    parts: &Parts,
-) -> Result<(crate::remote::agent::RemoteAgent, SourceLease), String> {
+    shutdown: &watch::Receiver<bool>,
+) -> Result<Gated<crate::remote::agent::SecretSource>, String> {
     use crate::remote::client::{SecretClient, SecretRef};
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
@@ -405,15 +294,10 @@ async fn remote_agent(
         &secret.name,
         format!("secret {}/{}", secret.namespace, secret.name),
     );
-    let agent = crate::remote::agent::RemoteAgent::new(
-        SecretClient::new(client, secret),
-        parts.app.clone(),
-        parts.prober.clone(),
-        Duration::from_secs(5),
-    )
-    .with_kept_outcomes(non_empty(&cfg.applied_plan_directory).as_deref())
-    .with_events(&node_name(cfg));
-    Ok((agent, lease))
+    let source = crate::remote::agent::SecretSource::new(SecretClient::new(client, secret), Duration::from_secs(5))
+        .with_kept_outcomes(non_empty(&cfg.applied_plan_directory).as_deref())
+        .with_events(&node_name(cfg));
+    Ok(Gated::new(source, crate::lease::guard(lease, Some(rancher_agent()), shutdown.clone())))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.
@@ -427,10 +311,12 @@ fn node_name(cfg: &AgentConfig) -> String {
     }
 }
 
-async fn node_plan_agent(
+/// The node's NodePlans as a source, behind the Lease of the node's NodePlans.
+async fn node_plan_source(
     cfg: &AgentConfig,
     parts: &Parts,
-) -> Result<(crate::nodeplan::source::NodePlanAgent, SourceLease), String> {
+    shutdown: &watch::Receiver<bool>,
+) -> Result<Gated<crate::nodeplan::source::NodePlanSource>, String> {
     let conn = config::load_connection(&cfg.connection_info_file)
         .map_err(|e| format!("{e} (the installer should have created it)"))?;
     let client = crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&conn.kube_config)
@@ -439,16 +325,16 @@ async fn node_plan_agent(
     let node = node_name(cfg);
     let lease =
         source_lease(cfg, &client, &conn.namespace, &format!("node-{node}"), format!("the NodePlans of node {node}"));
-    let agent = crate::nodeplan::source::NodePlanAgent::new(
+    let source = crate::nodeplan::source::NodePlanSource::new(
         client,
         &conn.namespace,
         &node,
-        parts.app.clone(),
+        &parts.app,
         parts.prober.clone(),
         Duration::from_secs(5),
         crate::nodeplan::runs::dir_of(&cfg.node_plan_state_directory),
     );
-    Ok((agent, lease))
+    Ok(Gated::new(source, crate::lease::guard(lease, None, shutdown.clone())))
 }
 
 pub fn validate_config(args: ValidateArgs) -> u8 {

@@ -15,18 +15,16 @@ pub mod trust;
 pub mod wire;
 
 use crate::AbortOnDrop;
-use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
+use crate::apply::{ApplyError, Interrupt};
 use crate::flow::Commit;
 use crate::plan::{self, Annotations, Hold, ProbeStatus};
-use crate::probe::Prober;
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
 use pos::{PlanFiles, Pos};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use wire::RetryPolicy;
 
 #[derive(Debug, Clone)]
@@ -58,31 +56,6 @@ impl LocalConfig {
 
     fn retry(&self) -> RetryPolicy {
         RetryPolicy { base: self.retry_base, max: self.retry_max }
-    }
-}
-
-pub struct LocalAgent {
-    cfg: LocalConfig,
-    app: Arc<Applyinator>,
-    prober: Arc<Prober>,
-}
-
-impl LocalAgent {
-    pub fn new(cfg: LocalConfig, app: Arc<Applyinator>, prober: Arc<Prober>) -> LocalAgent {
-        LocalAgent { cfg, app, prober }
-    }
-
-    /// Run until `shutdown` becomes true.
-    pub async fn run(self, shutdown: watch::Receiver<bool>) -> AgentExit {
-        if !self.cfg.plan_dir.is_dir() {
-            tracing::warn!(
-                "local plan directory {} does not exist (yet); watching for it",
-                self.cfg.plan_dir.display()
-            );
-        }
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let source = DirSource { cfg: self.cfg, events_tx, events, watcher: None, noted: HashSet::new() };
-        Reconciler::new(source, self.app, self.prober, shutdown).run().await.0
     }
 }
 
@@ -169,6 +142,14 @@ async fn store(path: PathBuf, p: Pos) -> Written {
 }
 
 impl DirSource {
+    pub fn new(cfg: LocalConfig) -> DirSource {
+        if !cfg.plan_dir.is_dir() {
+            tracing::warn!("local plan directory {} does not exist (yet); watching for it", cfg.plan_dir.display());
+        }
+        let (events_tx, events) = mpsc::unbounded_channel();
+        DirSource { cfg, events_tx, events, watcher: None, noted: HashSet::new() }
+    }
+
     /// Log `line` at warn level, once (while fewer than [`NOTED_CAP`] lines are remembered).
     fn note_once(&mut self, line: String) {
         if self.noted.len() >= NOTED_CAP {
@@ -338,6 +319,7 @@ impl PlanSource for DirSource {
             periodic_output,
             probe_statuses: stored.probe_status,
             retry_in,
+            stop_after: None,
         }))
     }
 
@@ -424,6 +406,12 @@ impl PlanSource for DirSource {
 
     fn period(&self) -> Duration {
         self.cfg.rescan.min(self.cfg.probe_period)
+    }
+
+    /// Without a watch on the directory (inotify off, or it could not start), a running plan's
+    /// control files are read every second.
+    fn polled(&self, _: &PathBuf) -> bool {
+        self.watcher.as_ref().is_none_or(|w| w.0.is_finished())
     }
 }
 

@@ -12,7 +12,7 @@ use super::resource::{self, NODE_LABEL, NodePlanSpec, NodePlanStatus};
 pub use super::resource::{api_resource, node_label_value};
 use super::runs::RunStore;
 use super::wire::{self, Policy, PreflightResult, Target};
-use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
+use crate::apply::{ApplyError, Applyinator, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::k8s::base::WriteBase;
@@ -22,7 +22,7 @@ use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::probe::Prober;
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
 use kube::api::{Api, DynamicObject, PostParams};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -36,34 +36,19 @@ const API_TIMEOUT: Duration = Duration::from_secs(15);
 /// after its own write.
 type Latest = crate::k8s::watch::Latest<DynamicObject>;
 
-/// Runs the loop over a node's NodePlans.
-pub struct NodePlanAgent {
-    source: NodePlanSource,
-    app: Arc<Applyinator>,
-    prober: Arc<Prober>,
-    /// The Lease's fence (R26), when the agent holds one.
-    fence: Option<watch::Receiver<bool>>,
-}
-
-impl NodePlanAgent {
-    /// Act only while `fence` is true (R26: the plan source's Lease is renewed in time).
-    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> NodePlanAgent {
-        self.fence = Some(fence);
-        self
-    }
-
+impl NodePlanSource {
     /// `state_dir`: where runs in progress are kept ([`RunStore`]; `None`: not kept).
     pub fn new(
         client: kube::Client,
         namespace: &str,
         node: &str,
-        app: Arc<Applyinator>,
+        app: &Applyinator,
         prober: Arc<Prober>,
         probe_period: Duration,
         state_dir: Option<std::path::PathBuf>,
-    ) -> NodePlanAgent {
+    ) -> NodePlanSource {
         let api = Api::namespaced_with(client, namespace, &api_resource());
-        let source = NodePlanSource {
+        NodePlanSource {
             api,
             namespace: namespace.to_string(),
             node: node.to_string(),
@@ -72,32 +57,14 @@ impl NodePlanAgent {
             probe_period,
             pending: HashMap::new(),
             last_interrupt: HashMap::new(),
-            prober: prober.clone(),
+            prober,
             holder: app.lock_holder(),
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
             preflight: HashMap::new(),
             events: None,
-        };
-        NodePlanAgent { source, app, prober, fence: None }
-    }
-
-    pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
-        self.source.events = Some(EventSink::start(self.source.api.clone().into_client(), &self.source.node));
-        let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
-        let selector = format!("{NODE_LABEL}={}", node_label_value(&self.source.node));
-        let what = format!("NodePlans labelled {selector} in namespace {}", self.source.namespace);
-        let lw = crate::k8s::watch::KubeListWatch::labelled(self.source.api.clone(), &selector);
-        let pump = tokio::spawn(crate::k8s::watch::pump(lw, what, tx));
-        self.source.latest = Some(rx);
-        tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.source.namespace);
-        let mut reconciler = Reconciler::new(self.source, self.app, self.prober, shutdown);
-        if let Some(fence) = self.fence {
-            reconciler = reconciler.with_fence(fence);
+            pump: None,
         }
-        let (exit, _) = reconciler.run().await;
-        pump.abort();
-        exit
     }
 }
 
@@ -128,6 +95,8 @@ pub struct NodePlanSource {
     preflight: HashMap<String, (String, PreflightResult)>,
     /// Kubernetes Events about the NodePlans (started when the agent runs).
     events: Option<EventSink>,
+    /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
+    pump: Option<crate::AbortOnDrop>,
 }
 
 /// What the source remembers of the run it last showed the loop.
@@ -423,6 +392,18 @@ impl PlanSource for NodePlanSource {
         }
     }
 
+    /// Watch the node's NodePlans, and publish Events about them.
+    async fn start(&mut self) {
+        self.events = Some(EventSink::start(self.api.clone().into_client(), &self.node));
+        let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
+        let selector = format!("{NODE_LABEL}={}", node_label_value(&self.node));
+        let what = format!("NodePlans labelled {selector} in namespace {}", self.namespace);
+        let lw = crate::k8s::watch::KubeListWatch::labelled(self.api.clone(), &selector);
+        self.pump = Some(crate::AbortOnDrop(tokio::spawn(crate::k8s::watch::pump(lw, what, tx))));
+        self.latest = Some(rx);
+        tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.namespace);
+    }
+
     async fn keys(&mut self) -> Vec<String> {
         let Some(l) = &self.latest else { return Vec::new() };
         let objects: Vec<DynamicObject> = l.borrow().1.values().cloned().collect();
@@ -494,6 +475,7 @@ impl PlanSource for NodePlanSource {
             }
             self.preflight.insert(name.clone(), (checksum.clone(), result));
         }
+        let stop_after = wire::time_left(&status, &policy, chrono::Utc::now());
         self.runs.insert(name.clone(), RunInfo { checksum: checksum.clone(), policy, spec, timed_out: false });
         Seen::Plan(Box::new(Look {
             label,
@@ -513,6 +495,7 @@ impl PlanSource for NodePlanSource {
                 BTreeMap::new()
             },
             retry_in,
+            stop_after,
             checksum,
             plan: vp,
         }))
@@ -698,16 +681,15 @@ mod tests {
             crate::apply::ApplyConfig::new(dir.path().join("work")),
             crate::process::Supervisor::new(crate::process::SupervisorConfig::default()),
         ));
-        let agent = NodePlanAgent::new(
+        let mut source = NodePlanSource::new(
             kube::Client::new(svc, "ns"),
             "ns",
             "node-a",
-            app,
+            &app,
             Arc::new(Prober::new()),
             Duration::from_secs(5),
             None,
         );
-        let mut source = agent.source;
         let object: DynamicObject = serde_json::from_value(nodeplan_json("5")).unwrap();
         let (_tx, rx) = watch::channel::<Latest>((1, BTreeMap::from([("np".to_string(), object)])));
         source.latest = Some(rx);

@@ -260,6 +260,20 @@ pub fn timed_out(status: &NodePlanStatus, policy: &Policy, now: DateTime<Utc>) -
     now - started.with_timezone(&Utc) >= chrono::Duration::from_std(timeout).unwrap_or(chrono::Duration::MAX)
 }
 
+/// How long a run that goes on (or begins) now may still run before its timeout stops it: the
+/// whole timeout for a run that begins, what is left of it for one in progress since
+/// `status.executionState.started` (nothing left: zero).
+pub fn time_left(status: &NodePlanStatus, policy: &Policy, now: DateTime<Utc>) -> Option<Duration> {
+    let timeout = policy.timeout?;
+    let started = match &status.state {
+        Some(PlanState::InProgress) => DateTime::parse_from_rfc3339(&status.execution_state.started).ok(),
+        _ => None,
+    };
+    let Some(started) = started else { return Some(timeout) };
+    let elapsed = (now - started.with_timezone(&Utc)).to_std().unwrap_or_default();
+    Some(timeout.saturating_sub(elapsed))
+}
+
 /// A run stopped because it ran past its timeout is a failed run (it counts against the retry
 /// strategy's attempts), with reason `Timeout`.
 pub fn as_timeout(rec: &Record) -> Record {
@@ -752,6 +766,14 @@ mod tests {
         assert!(!timed_out(&st, &Policy::default(), now() + chrono::Duration::hours(1)), "no timeout set");
         let done = NodePlanStatus { state: Some(PlanState::Succeeded), ..st.clone() };
         assert!(!timed_out(&done, &pol, now() + chrono::Duration::hours(1)), "only a run in progress");
+        // What the loop waits before it asks the source whether the run timed out.
+        let left = |st: &NodePlanStatus, pol: &Policy, at| time_left(st, pol, at);
+        assert_eq!(left(&st, &pol, now()), Some(Duration::from_secs(1)), "what is left of a run in progress");
+        assert_eq!(left(&st, &pol, now() + chrono::Duration::hours(1)), Some(Duration::ZERO), "nothing left");
+        assert_eq!(left(&done, &pol, now()), Some(Duration::from_secs(60)), "a run that begins gets it all");
+        assert_eq!(left(&st, &Policy::default(), now()), None, "no timeout set");
+        let unreadable = NodePlanStatus { execution_state: Default::default(), ..st.clone() };
+        assert_eq!(left(&unreadable, &pol, now()), Some(Duration::from_secs(60)));
         let canceled = Record { state: Some(PlanState::Canceled), ..Default::default() };
         let t = Target { generation: 1, checksum: "c", total: 2 };
         let rec = as_timeout(&canceled);

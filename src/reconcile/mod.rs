@@ -47,6 +47,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+pub mod both;
+pub mod gate;
 #[cfg(test)]
 mod tests;
 
@@ -89,6 +91,9 @@ pub struct Look {
     pub probe_statuses: BTreeMap<String, ProbeStatus>,
     /// A failed plan the source retries on its own schedule (local mode): when it is due.
     pub retry_in: Option<Duration>,
+    /// The run's timeout, from now (NodePlan mode): once it has passed, the loop asks the source
+    /// for the running plan's interrupt (which then says cancel) every second, not before.
+    pub stop_after: Option<Duration>,
 }
 
 /// The result of looking at one plan.
@@ -214,6 +219,36 @@ pub trait PlanSource: Send {
     /// How long the loop waits for a change before it looks at every plan again (the rescan or
     /// probe period).
     fn period(&self) -> Duration;
+    /// How often the probes of this plan run (the source's period by default).
+    fn probe_period(&self, _key: &Self::Key) -> Duration {
+        self.period()
+    }
+    /// Start watching the storage (called once, before the first [`PlanSource::keys`]).
+    fn start(&mut self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+    /// Whether the agent may act on this plan now (R26: the Lease of its source is this agent's,
+    /// renewed in time). Closed, nothing starts or is written and a running plan stops at a
+    /// recorded boundary; [`PlanSource::changed`] returns when a fence opens or closes. Without
+    /// a Lease the fence never closes (the default: a receiver whose sender is gone).
+    fn fence(&self, _key: &Self::Key) -> watch::Receiver<bool> {
+        watch::channel(true).1
+    }
+    /// Whether a running plan of this source learns of pause and cancel only by polling (its
+    /// storage has no change notifications): the loop then asks every second.
+    fn polled(&self, _key: &Self::Key) -> bool {
+        false
+    }
+    /// Whether plans of the source became this agent's to act on since the last call (a gate
+    /// opened, see [`gate`]): the loop then recovers leftovers again before any of them runs (R17).
+    fn opened(&mut self) -> bool {
+        false
+    }
+    /// The loop ended: give up what the source holds (its Lease); `Some(why)` when the source
+    /// ended because another agent must act on it alone ([`AgentExit::Displaced`]).
+    fn close(&mut self) -> impl Future<Output = Option<String>> + Send {
+        async { None }
+    }
     /// Tell people what happened to a plan (a Kubernetes Event where the source has an object;
     /// nothing by default). Must not wait: the loop calls it between steps.
     fn event(&mut self, _key: &Self::Key, _reason: Reason, _note: &str) {}
@@ -391,9 +426,8 @@ pub struct Reconciler<S: PlanSource> {
     /// ... once the outcome of this plan, kept after a failed write, lands.
     restart_after_write: Option<S::Key>,
     shutdown: watch::Receiver<bool>,
-    /// Whether the agent may act on the source's plans now (R26: its Lease is its own, renewed in
-    /// time). Closed, nothing starts and a running plan is stopped at a recorded boundary.
-    fence: watch::Receiver<bool>,
+    /// A source ended while a plan ran ([`PlanSource::changed`] said so): the loop stops after it.
+    ended: bool,
     /// The source reported a change while a plan ran (delivered to it as an interrupt): the pass
     /// after the run looks at every plan again instead of waiting for the next change.
     dirty: bool,
@@ -459,36 +493,31 @@ impl<S: PlanSource> Reconciler<S> {
             restart: false,
             restart_after_write: None,
             shutdown,
-            fence: watch::channel(true).1,
+            ended: false,
             dirty: false,
             by_change: true,
             cancel_seen: None,
         }
     }
 
-    /// Act only while `fence` holds `true` (R26: the Lease of the plan source); without one the
-    /// loop always may.
-    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> Self {
-        self.fence = fence;
-        self
-    }
-
     /// Run until shutdown (or until the source ends).
     pub async fn run(mut self) -> (AgentExit, S) {
         // R17: whatever a previous agent left running is found and stopped before any plan runs.
         self.recover_all().await;
+        self.source.start().await;
         let mut shutdown = self.shutdown.clone();
-        let mut fence = self.fence.clone();
-        let mut fence_alive = true;
         'outer: loop {
-            if *shutdown.borrow() {
+            if *shutdown.borrow() || self.ended {
                 break;
             }
             let keys = self.source.keys().await;
+            if self.source.opened() {
+                self.recover_all().await;
+            }
             // A plan that is gone is forgotten, unless it is blocked: its leftovers still run.
             self.memory.retain(|k, m| keys.contains(k) || m.blocked.is_some());
             for key in keys {
-                if *shutdown.borrow() || self.restart {
+                if *shutdown.borrow() || self.restart || self.ended {
                     break 'outer;
                 }
                 let action = self.reconcile(&key).await;
@@ -528,17 +557,14 @@ impl<S: PlanSource> Reconciler<S> {
                 }
                 _ = tokio::time::sleep(next) => {}
                 r = shutdown.changed() => if r.is_err() { break },
-                r = fence.changed(), if fence_alive => {
-                    // A fence that can no longer change (none was given) is no change.
-                    fence_alive = r.is_ok();
-                    self.by_change = fence_alive;
-                }
             }
         }
-        let exit = match self.incomplete.take() {
-            Some(e) => AgentExit::Incomplete(e),
-            None if self.restart => AgentExit::Restart,
-            None => AgentExit::Clean,
+        let displaced = self.source.close().await;
+        let exit = match (self.incomplete.take(), displaced) {
+            (Some(e), _) => AgentExit::Incomplete(e),
+            (None, _) if self.restart => AgentExit::Restart,
+            (None, Some(why)) => AgentExit::Displaced(why),
+            (None, None) => AgentExit::Clean,
         };
         (exit, self.source)
     }
@@ -626,7 +652,7 @@ impl<S: PlanSource> Reconciler<S> {
         // R26: while the fence is closed the agent neither starts nor writes anything (a kept write
         // included: it lands once the Lease is renewed, or never if the Lease was lost); the loop
         // looks again when the fence opens.
-        if !*self.fence.borrow() {
+        if !*self.source.fence(key).borrow() {
             self.mem(key).warn_once(
                 "waiting: this agent's Lease on the plan source is not renewed in time; nothing starts and nothing is written until it is".to_string(),
             );
@@ -770,7 +796,7 @@ impl<S: PlanSource> Reconciler<S> {
     /// The probes of `key` when they are due (and marks them taken for this period).
     fn probe_due(&mut self, key: &S::Key) -> Option<Probes> {
         let now = Instant::now();
-        let period = self.source.period();
+        let period = self.source.probe_period(key);
         let mem = self.mem(key);
         if mem.next_probe.is_some_and(|t| now < t) {
             return None;
@@ -921,7 +947,7 @@ impl<S: PlanSource> Reconciler<S> {
         let initial = run.one_time() && result.interruption.is_none();
         let due = self.mem(key).next_probe.is_none_or(|t| Instant::now() >= t);
         let probes = if !look.plan.plan.probes.is_empty() && (initial || due) {
-            self.mem(key).next_probe = Some(Instant::now() + self.source.period());
+            self.mem(key).next_probe = Some(Instant::now() + self.source.probe_period(key));
             Some(self.prober.probe_all(&look.plan.plan.probes, &look.probe_statuses, initial).await)
         } else {
             None
@@ -985,7 +1011,7 @@ impl<S: PlanSource> Reconciler<S> {
         note(&mut notes, &first);
         let (tx, rx) = watch::channel(Interrupt {
             shutdown: *self.shutdown.borrow(),
-            fenced: !*self.fence.borrow(),
+            fenced: !*self.source.fence(key).borrow(),
             ..first.interrupt
         });
         let saved = match (&look.view, run.resume_from()) {
@@ -1009,7 +1035,9 @@ impl<S: PlanSource> Reconciler<S> {
         let app = self.app.clone();
         let mut apply = std::pin::pin!(app.apply(input));
         let mut shutdown = self.shutdown.clone();
-        let (mut fence, mut fence_alive) = (self.fence.clone(), true);
+        let (mut fence, mut fence_alive) = (self.source.fence(key), true);
+        let mut polled = self.source.polled(key);
+        let mut deadline = look.stop_after.map(|d| Instant::now() + d);
         let mut poll = tokio::time::interval(Duration::from_secs(1));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut source_alive = true;
@@ -1045,10 +1073,16 @@ impl<S: PlanSource> Reconciler<S> {
                 }
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
+                    self.ended |= !alive;
                     self.dirty = true;
                     true
                 }
-                _ = poll.tick() => true,
+                _ = poll.tick(), if polled => true,
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                    deadline = None;
+                    polled = true;
+                    true
+                }
                 r = shutdown.changed() => {
                     if r.is_ok() && *shutdown.borrow() {
                         tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));

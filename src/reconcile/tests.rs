@@ -3,6 +3,7 @@
 //! the middle of a run and the recovery after it. The source below is the whole of what a new
 //! plan source has to provide; nothing in the loop knows about it.
 
+use super::gate::{Gate, GateState, Gated};
 use super::*;
 use crate::apply::ApplyConfig;
 use crate::flow::{CheckpointWrite, Snapshot};
@@ -112,6 +113,7 @@ impl PlanSource for MemSource {
             periodic_output: BTreeMap::new(),
             probe_statuses: p.probes,
             retry_in: None,
+            stop_after: None,
         }))
     }
 
@@ -425,8 +427,11 @@ async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it
     );
     let (fence_tx, fence) = watch::channel(true);
     let (stop, rx) = watch::channel(false);
+    let (_state_tx, gate) = watch::channel(GateState::Open);
+    let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
     let source = MemSource(fx.store.clone(), Duration::from_secs(3600), None);
-    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).with_fence(fence);
+    let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
+    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx);
     let agent = tokio::spawn(r.run());
     running(&ready).await;
     let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();

@@ -17,19 +17,17 @@
 use super::client::{SecretClient, SecretSnapshot};
 use super::kept::KeptStore;
 use super::wire::{self, Keys};
-use crate::apply::{AgentExit, ApplyError, Applyinator, Interrupt};
+use crate::apply::{ApplyError, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::Commit;
 use crate::k8s::base::WriteBase;
 use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{self, ProbeStatus};
-use crate::probe::Prober;
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Reconciler, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
 use futures::StreamExt as _;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -45,72 +43,6 @@ struct Pending {
 
 /// The watch's latest snapshot, numbered so the source can tell whether it arrived after a write.
 type Latest = (u64, Option<SecretSnapshot>);
-
-pub struct RemoteAgent {
-    source: SecretSource,
-    app: Arc<Applyinator>,
-    prober: Arc<Prober>,
-    /// The Lease's fence (R26), when the agent holds one.
-    fence: Option<watch::Receiver<bool>>,
-}
-
-impl RemoteAgent {
-    /// Act only while `fence` is true (R26: the plan source's Lease is renewed in time).
-    pub fn with_fence(mut self, fence: watch::Receiver<bool>) -> RemoteAgent {
-        self.fence = Some(fence);
-        self
-    }
-
-    pub fn new(
-        client: SecretClient,
-        app: Arc<Applyinator>,
-        prober: Arc<Prober>,
-        probe_period: Duration,
-    ) -> RemoteAgent {
-        RemoteAgent { source: SecretSource::new(client, probe_period), app, prober, fence: None }
-    }
-
-    /// Keep an outcome on the node (in `dir`) until it is written, so a restart writes it instead of
-    /// running the plan again (R17).
-    pub fn with_kept_outcomes(mut self, dir: Option<&std::path::Path>) -> RemoteAgent {
-        self.source.kept = KeptStore::new(dir, self.source.client.secret_ref());
-        self
-    }
-
-    /// Publish Kubernetes Events regarding the Secret, reported as coming from `node`.
-    pub fn with_events(mut self, node: &str) -> RemoteAgent {
-        self.source.events = Some(EventSink::start(self.source.client.kube_client(), node));
-        self
-    }
-
-    pub async fn run(mut self, shutdown: watch::Receiver<bool>) -> AgentExit {
-        let (tx, rx) = watch::channel::<Latest>((0, None));
-        let stream = self.source.client.watch();
-        let pump = tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            let mut seq = 0;
-            while let Some(s) = stream.next().await {
-                seq += 1;
-                let _ = tx.send((seq, s));
-            }
-        });
-        self.source.latest = Some(rx);
-        if let Some(k) = self.source.kept.load().await {
-            tracing::info!(
-                "an outcome of plan {} was kept on the node by a previous agent; writing it before anything runs",
-                short(&k.checksum)
-            );
-            self.source.pending = Some(Pending { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
-        }
-        let mut reconciler = Reconciler::new(self.source, self.app, self.prober, shutdown);
-        if let Some(fence) = self.fence {
-            reconciler = reconciler.with_fence(fence);
-        }
-        let (exit, _) = reconciler.run().await;
-        pump.abort();
-        exit
-    }
-}
 
 /// The plan Secret as a plan source. It has one key: the Secret.
 pub struct SecretSource {
@@ -136,6 +68,8 @@ pub struct SecretSource {
     last_interrupt: Interrupt,
     /// Kubernetes Events regarding the Secret (off in tests that do not ask for them).
     events: Option<EventSink>,
+    /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
+    pump: Option<crate::AbortOnDrop>,
 }
 
 /// The pause/cancel values from the annotations: only valid values count (an invalid value in
@@ -153,7 +87,7 @@ fn short(checksum: &str) -> &str {
 }
 
 impl SecretSource {
-    fn new(client: SecretClient, probe_period: Duration) -> SecretSource {
+    pub fn new(client: SecretClient, probe_period: Duration) -> SecretSource {
         let kept = KeptStore::new(None, client.secret_ref());
         SecretSource {
             client,
@@ -169,7 +103,21 @@ impl SecretSource {
             kept,
             last_interrupt: Interrupt::default(),
             events: None,
+            pump: None,
         }
+    }
+
+    /// Keep an outcome on the node (in `dir`) until it is written, so a restart writes it instead of
+    /// running the plan again (R17).
+    pub fn with_kept_outcomes(mut self, dir: Option<&std::path::Path>) -> SecretSource {
+        self.kept = KeptStore::new(dir, self.client.secret_ref());
+        self
+    }
+
+    /// Publish Kubernetes Events regarding the Secret, reported as coming from `node`.
+    pub fn with_events(mut self, node: &str) -> SecretSource {
+        self.events = Some(EventSink::start(self.client.kube_client(), node));
+        self
     }
 
     /// The newest view of the Secret: our own last write's object, unless the watch delivered
@@ -286,6 +234,28 @@ impl PlanSource for SecretSource {
         vec![()]
     }
 
+    /// Watch the Secret, and take up an outcome a previous agent kept on the node.
+    async fn start(&mut self) {
+        let (tx, rx) = watch::channel::<Latest>((0, None));
+        let stream = self.client.watch();
+        self.pump = Some(crate::AbortOnDrop(tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            let mut seq = 0;
+            while let Some(s) = stream.next().await {
+                seq += 1;
+                let _ = tx.send((seq, s));
+            }
+        })));
+        self.latest = Some(rx);
+        if let Some(k) = self.kept.load().await {
+            tracing::info!(
+                "an outcome of plan {} was kept on the node by a previous agent; writing it before anything runs",
+                short(&k.checksum)
+            );
+            self.pending = Some(Pending { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
+        }
+    }
+
     async fn look(&mut self, _: &()) -> Seen {
         let Some(snap) = self.current() else { return Seen::Nothing };
         // UID guard: a recreated Secret starts over.
@@ -338,6 +308,7 @@ impl PlanSource for SecretSource {
             periodic_output: wire::periodic_output(&snap),
             probe_statuses: wire::probe_statuses(&snap),
             retry_in: None,
+            stop_after: None,
             plan: vp,
         }))
     }

@@ -1,0 +1,207 @@
+//! A plan source the agent may act on only while a gate is open: [`Gated`] wraps a source with a
+//! [`Gate`], a task that decides (in remote and NodePlan modes: no rival agent on the node, and
+//! the source's Lease held, see `crate::lease::guard`).
+//!
+//! Until the gate opens the source shows no plans and its storage is not watched; it starts the
+//! moment the gate opens, and the loop then recovers the source's leftovers before any of its
+//! plans runs (R17). While open, the gate's fence says whether the agent may act right now (R26).
+//! A gate that ends (another agent took the Lease, Rancher's agent started) ends the source, and
+//! with it the loop: the agent stops as a whole and its exit says why ([`crate::apply::AgentExit::Displaced`]).
+//! Closing the source stops the gate's task, which gives the Lease up.
+
+use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Written};
+use crate::apply::ApplyError;
+use crate::flow::Commit;
+use crate::plan::ProbeStatus;
+use crate::process::Owner;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+
+/// Where a gate stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateState {
+    /// Not yet this agent's to act on (it waits, and has said why).
+    Waiting,
+    Open,
+    /// Another agent must act on the source alone: why.
+    Ended(String),
+}
+
+/// The gate's task, as the source sees it.
+pub struct Gate {
+    state: watch::Receiver<GateState>,
+    fence: watch::Receiver<bool>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    state_alive: bool,
+    fence_alive: bool,
+}
+
+impl Gate {
+    /// A gate driven by `task`, which publishes `state` and `fence` and, once `stop` fires (or its
+    /// sender is dropped), gives up what it holds and ends.
+    pub fn new(
+        state: watch::Receiver<GateState>,
+        fence: watch::Receiver<bool>,
+        stop: oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<()>,
+    ) -> Gate {
+        Gate { state, fence, stop: Some(stop), task: Some(task), state_alive: true, fence_alive: true }
+    }
+
+    /// A gate that is open for good (tests; a source without Lease or rival).
+    pub fn open() -> Gate {
+        Gate {
+            state: watch::channel(GateState::Open).1,
+            fence: watch::channel(true).1,
+            stop: None,
+            task: None,
+            state_alive: false,
+            fence_alive: false,
+        }
+    }
+
+    fn state(&self) -> GateState {
+        self.state.borrow().clone()
+    }
+}
+
+/// A source behind a [`Gate`].
+pub struct Gated<S> {
+    inner: S,
+    gate: Gate,
+    started: bool,
+    /// The gate opened since the loop last asked ([`PlanSource::opened`]).
+    opened: bool,
+}
+
+impl<S> Gated<S> {
+    pub fn new(inner: S, gate: Gate) -> Gated<S> {
+        Gated { inner, gate, started: false, opened: false }
+    }
+
+    fn open(&self) -> bool {
+        self.gate.state() == GateState::Open
+    }
+}
+
+impl<S: PlanSource> PlanSource for Gated<S> {
+    type Key = S::Key;
+
+    async fn changed(&mut self) -> bool {
+        loop {
+            tokio::select! {
+                alive = self.inner.changed(), if self.started => return alive,
+                r = self.gate.state.changed(), if self.gate.state_alive => {
+                    // A task that ended while waiting (a shutdown) changes nothing any more.
+                    self.gate.state_alive = r.is_ok();
+                    if r.is_ok() {
+                        return !matches!(self.gate.state(), GateState::Ended(_));
+                    }
+                }
+                r = self.gate.fence.changed(), if self.gate.fence_alive => {
+                    // A fence that can no longer change is no change.
+                    self.gate.fence_alive = r.is_ok();
+                    if r.is_ok() {
+                        return true;
+                    }
+                }
+                // Nothing can change any more (an open gate for good, a source not started).
+                () = std::future::pending(), if !self.started && !self.gate.state_alive && !self.gate.fence_alive => {}
+            }
+        }
+    }
+
+    async fn keys(&mut self) -> Vec<S::Key> {
+        if !self.open() {
+            return Vec::new();
+        }
+        if !self.started {
+            self.inner.start().await;
+            self.started = true;
+            self.opened = true;
+        }
+        self.inner.keys().await
+    }
+
+    fn opened(&mut self) -> bool {
+        std::mem::take(&mut self.opened)
+    }
+
+    async fn look(&mut self, key: &S::Key) -> Seen {
+        self.inner.look(key).await
+    }
+
+    async fn commit(&mut self, key: &S::Key, look: &Look, commit: &Commit) -> Written {
+        self.inner.commit(key, look, commit).await
+    }
+
+    async fn record(&mut self, key: &S::Key, look: &Look, outcome: Outcome<'_>) -> Written {
+        self.inner.record(key, look, outcome).await
+    }
+
+    async fn not_started(&mut self, key: &S::Key, look: &Look, err: &ApplyError) -> Option<Written> {
+        self.inner.not_started(key, look, err).await
+    }
+
+    async fn write_probes(&mut self, key: &S::Key, checksum: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+        self.inner.write_probes(key, checksum, statuses).await
+    }
+
+    async fn flush(&mut self, key: &S::Key) -> Written {
+        self.inner.flush(key).await
+    }
+
+    async fn set_blocked(&mut self, key: &S::Key, why: Option<&str>) {
+        self.inner.set_blocked(key, why).await;
+    }
+
+    fn interrupt(&mut self, key: &S::Key, look: &Look) -> Observed {
+        self.inner.interrupt(key, look)
+    }
+
+    fn owner(&self, key: &S::Key, look: &Look) -> Owner {
+        self.inner.owner(key, look)
+    }
+
+    /// Nothing is claimed before the gate opens: another agent on this machine may hold the
+    /// source, and its processes are its own (the loop recovers once the gate opens).
+    fn claim(&self, owner: &Owner) -> Claim<S::Key> {
+        if self.started { self.inner.claim(owner) } else { Claim::NotMine }
+    }
+
+    fn period(&self) -> Duration {
+        self.inner.period()
+    }
+
+    fn probe_period(&self, key: &S::Key) -> Duration {
+        self.inner.probe_period(key)
+    }
+
+    fn fence(&self, _key: &S::Key) -> watch::Receiver<bool> {
+        self.gate.fence.clone()
+    }
+
+    fn polled(&self, key: &S::Key) -> bool {
+        self.inner.polled(key)
+    }
+
+    async fn close(&mut self) -> Option<String> {
+        let inner = self.inner.close().await;
+        if let Some(stop) = self.gate.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.gate.task.take() {
+            let _ = task.await;
+        }
+        match self.gate.state() {
+            GateState::Ended(why) => Some(why),
+            _ => inner,
+        }
+    }
+
+    fn event(&mut self, key: &S::Key, reason: Reason, note: &str) {
+        self.inner.event(key, reason, note);
+    }
+}
