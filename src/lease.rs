@@ -814,7 +814,8 @@ pub fn guard(
             }
         };
         if let Some(why) = ended {
-            fence_tx.send_replace(false);
+            // The fence stays as the Lease's renewals left it: the loop stops the running plan
+            // as at a shutdown, and a lost Lease has closed the fence already (R26).
             state_tx.send_replace(GateState::Ended(why));
             let _ = stopped.await;
         }

@@ -374,7 +374,8 @@ async fn wait_secret(client: &SecretClient, what: &str, pred: impl Fn(&SecretSna
 /// at the same time, whichever starts first. Each instruction writes `start NAME` and `end NAME`
 /// to one file; the file must be those pairs, never interleaved, and both plans finish. A gate
 /// holds the first plan's instruction until the other plan has been taken up and is waiting for its
-/// turn (a Secret plan marked started, a NodePlan Pending with a Waiting condition naming the holder).
+/// turn (a Secret plan still `pending` with a log line saying it waits, a NodePlan Pending with a
+/// Waiting condition naming the holder).
 #[tokio::test]
 async fn a_secret_plan_and_a_nodeplan_on_one_node_never_overlap() {
     let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
@@ -398,8 +399,11 @@ async fn a_secret_plan_and_a_nodeplan_on_one_node_never_overlap() {
     let checksum1 = plan::checksum(&raw1);
     let data = BTreeMap::from([("plan".to_string(), raw1), ("plan-state".to_string(), b"pending".to_vec())]);
     client.create(data, BTreeMap::new()).await.unwrap();
-    wait_secret(&client, "in-progress (taken up, waiting for its turn)", |s| val(s, "plan-state") == "in-progress")
-        .await;
+    // Taken up and waiting for its turn, with nothing committed meanwhile (no `in-progress`
+    // before its turn: the loop looks at it while the NodePlan runs, and says it waits).
+    agent.wait_log(&format!("plan {}: waiting for nodeplan {}/np1 to finish", &checksum1[..12], n.namespace));
+    let s = client.get().await.unwrap().unwrap();
+    assert_eq!(val(&s, "plan-state"), "pending", "nothing committed before its turn");
     assert!(!started("s1"), "the Secret's plan started while the NodePlan ran");
     release_fifo(&go1);
     checks_out(&n.wait("np1", "Applied", phase("Applied")).await, "2/2");

@@ -995,6 +995,34 @@ impl<S: PlanSource> Reconciler<S> {
         }
     }
 
+    /// While `running` applies: look at the other plans (a look only reads), so a plan that waits
+    /// for the node says so where its source shows it (a NodePlan's `Waiting` condition) and in
+    /// the log, once, as any held plan does. Nothing else of theirs happens before the run ends.
+    async fn look_at_others(&mut self, running: &S::Key, running_label: &str) {
+        for k in self.source.keys().await {
+            if k == *running {
+                continue;
+            }
+            match self.source.look(&k).await {
+                Seen::Held(why) => {
+                    self.mem(&k).warn_once(why);
+                }
+                Seen::Plan(other) => {
+                    let starts = match &other.view {
+                        View::Flow(snap) => matches!(flow::decide(snap), Decision::Run(r) if r.one_time()),
+                        View::Legacy { one_time } => *one_time,
+                    };
+                    // Nothing is committed before its turn (no `in-progress` while it waits).
+                    let line = format!("{}: waiting for {running_label} to finish (one plan at a time)", other.label);
+                    if starts && self.mem(&k).warned.insert(line.clone()) {
+                        tracing::info!("{line}");
+                    }
+                }
+                Seen::Nothing | Seen::Bad { .. } => {}
+            }
+        }
+    }
+
     /// Run the applyinator, feeding it the pause/cancel values as the source reports them (R15)
     /// and shutdown.
     async fn apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
@@ -1043,6 +1071,9 @@ impl<S: PlanSource> Reconciler<S> {
         let mut source_alive = true;
         // Other plans' probes keep running while this one applies (one at a time).
         let mut side: Option<SideProbe<S::Key>> = None;
+        // When the other plans are looked at next (after a change, at most once a second).
+        let mut others: Option<Instant> = None;
+        let mut others_last = Instant::now();
         loop {
             let next_side = if side.is_none() { self.next_side_probe(key) } else { None };
             let deliver = tokio::select! {
@@ -1073,9 +1104,21 @@ impl<S: PlanSource> Reconciler<S> {
                 }
                 alive = self.source.changed(), if source_alive => {
                     source_alive = alive;
-                    self.ended |= !alive;
+                    if !alive {
+                        // A source ended (its gate: another agent acts on it now): the agent stops
+                        // as a whole, the running plan as at a shutdown.
+                        self.ended = true;
+                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
                     self.dirty = true;
+                    others.get_or_insert(others_last + Duration::from_secs(1));
                     true
+                }
+                _ = tokio::time::sleep_until(others.unwrap_or_else(Instant::now)), if others.is_some() => {
+                    others = None;
+                    others_last = Instant::now();
+                    self.look_at_others(key, &look.label).await;
+                    false
                 }
                 _ = poll.tick(), if polled => true,
                 _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {

@@ -950,3 +950,80 @@ fn plan_states_and_their_metric() {
         assert_eq!(plan_metric(&state), want, "{state:?}");
     }
 }
+
+/// Two sources joined ([`super::both::Both`]) are served by one loop: a plan of one waits while a
+/// plan of the other runs (one plan at a time on the node by construction), and each source's
+/// writes go to that source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
+    let (fx, other) = (fixture(), fixture());
+    let (ready, gate, log) = (fx.fifo("ready"), fx.fifo("gate"), fx.path("log"));
+    fx.add("a", &[&format!("echo > {ready}; read x < {gate}; echo a-end >> {log}")]);
+    other.add("b", &[&format!("echo b >> {log}")]);
+    let (stop, rx) = watch::channel(false);
+    let source = super::both::Both::new(
+        MemSource(fx.store.clone(), Duration::from_secs(3600), None),
+        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+    );
+    let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
+    running(&ready).await;
+    // The other source's plan is not started while this one runs, even when its source says it
+    // changed.
+    other.set("b", |_| {});
+    open(&gate).await;
+    other.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "a-end\nb\n", "b ran after a, never beside it");
+    assert_eq!(fx.get("a").history, [PlanState::InProgress, PlanState::Succeeded]);
+    assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);
+    stop.send(true).unwrap();
+    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    assert_eq!(exit, AgentExit::Clean);
+}
+
+/// A gated source ([`super::gate::Gated`]) shows nothing while its gate waits (the other
+/// source's plans run meanwhile), runs once it opens, and when its gate ends (another agent took
+/// its Lease) the running plan is stopped as at a shutdown, the gate's task is told to give its
+/// Lease up, and the loop ends with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_holds_its_source_until_it_opens_and_its_end_stops_the_agent() {
+    let (fx, other) = (fixture(), fixture());
+    let (ready, pid, log) = (fx.fifo("ready"), fx.path("pid"), fx.path("log"));
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    other.add("b", &[&format!("echo b >> {log}")]);
+    let (state_tx, state) = watch::channel(GateState::Waiting);
+    let (_fence_tx, fence) = watch::channel(true);
+    let (task_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (released_tx, released) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        if stopped.await.is_ok() {
+            let _ = released_tx.send(());
+        }
+    });
+    let (stop, rx) = watch::channel(false);
+    let source = super::both::Both::new(
+        Gated::new(
+            MemSource(fx.store.clone(), Duration::from_secs(3600), None),
+            Gate::new(state, fence, task_stop, task),
+        ),
+        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+    );
+    let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
+    other.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    other.pass_again().await;
+    assert_eq!((fx.get("a").writes, *fx.store.passes.borrow()), (0, 0), "a waiting gate shows no plan");
+
+    state_tx.send(GateState::Open).unwrap();
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    fx.add("c", &[&format!("echo $$ > {pid}; echo > {ready}; exec sleep 300")]);
+    fx.set("c", |_| {});
+    running(&ready).await;
+    let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+
+    state_tx.send(GateState::Ended("another agent took the plan source's Lease".into())).unwrap();
+    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    assert_eq!(exit, AgentExit::Displaced("another agent took the plan source's Lease".into()));
+    assert!(!alive(long), "the running instruction is stopped");
+    assert_eq!(fx.get("c").history, [PlanState::InProgress], "stopped as at a shutdown: it runs again later");
+    tokio::time::timeout(GUARD, released).await.unwrap().expect("the gate's task was told to give its Lease up");
+    drop(stop);
+}
