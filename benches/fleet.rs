@@ -9,7 +9,9 @@
 //! 3. idle: API writes per agent-hour (Secrets and Leases, from a watch), agent RSS (sum and per
 //!    agent) and CPU, and the API server's CPU, over a window (NODEPLAN_BENCH_IDLE_SECS, default 60).
 //!
-//! Not a test: it asserts nothing. Run: `cargo bench --bench fleet [-- --agents 500]` (needs the
+//! With NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>, phases 2 and 3 run again with that
+//! build's agents (in a namespace of their own, after this build's have stopped) and the ratios are
+//! printed. Not a test: it asserts nothing. Run: `cargo bench --bench fleet [-- --agents 500]` (needs the
 //! cache built by tools/build-kube-apiserver.sh).
 
 #[path = "../tests/k8s_support/mod.rs"]
@@ -33,7 +35,7 @@ fn write_0600(path: &Path, bytes: &[u8]) {
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
 }
 
-fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str) -> Node {
+fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str, binary: &Path) -> Node {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path().display().to_string();
     let conn = serde_json::json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": ns, "secretName": name});
@@ -43,7 +45,7 @@ fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str) -> Node {
          appliedPlanDirectory: \"\"\ninterlockDirectory: \"\"\nstopTimeout: 1s\n"
     );
     write_0600(&dir.path().join("config.yaml"), cfg.as_bytes());
-    let agent = std::process::Command::new(NODEPLAN)
+    let agent = std::process::Command::new(binary)
         .args(["agent", "--config", &format!("{d}/config.yaml")])
         .env("NODEPLAN_LOG", "error")
         .env("CATTLE_NODE_NAME", name)
@@ -135,89 +137,69 @@ fn plan_file(dir: &Path, name: &str, plan: &serde_json::Value) -> (PathBuf, Vec<
     (path, raw)
 }
 
-#[tokio::main]
-async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let n: usize = args
-        .windows(2)
-        .find(|w| w[0] == "--agents")
-        .and_then(|w| w[1].parse().ok())
-        .or_else(|| std::env::var("NODEPLAN_BENCH_AGENTS").ok().and_then(|v| v.parse().ok()))
-        .unwrap_or(200);
-    let idle_secs: u64 = std::env::var("NODEPLAN_BENCH_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
-    let Some(cp) = k8s_support::ControlPlane::start().await else {
-        eprintln!("fleet: no kube-apiserver cache; run tools/build-kube-apiserver.sh first");
-        return;
-    };
+/// The plan Secrets of a fleet, labelled `bench=fleet`, in a namespace of their own.
+async fn fleet_secrets(cp: &k8s_support::ControlPlane, client: &kube::Client, n: usize) -> (String, Vec<String>) {
     let ns = cp.new_namespace("fleet").await;
-    let client = cp.client().await;
     let names: Vec<String> = (0..n).map(|i| format!("node-{i:04}")).collect();
-    let secret = |name: &str| SecretClient::new(client.clone(), SecretRef { namespace: ns.clone(), name: name.into() });
     for name in &names {
-        let c = secret(name);
+        let c = SecretClient::new(client.clone(), SecretRef { namespace: ns.clone(), name: name.clone() });
         c.create(BTreeMap::new(), BTreeMap::new()).await.expect("create");
         c.orchestrator_patch(serde_json::json!({"metadata": {"labels": {"bench": "fleet"}}})).await.expect("label");
     }
-    let t0 = Instant::now();
-    let mut nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name)).collect();
-    println!("fleet: {n} agents on one kube-apiserver (started in {:.1}s)", t0.elapsed().as_secs_f64());
-    let work = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = cp.kubeconfig_path();
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new(NODEPLAN)
-            .args(args)
-            .args(["-n", &ns, "--kubeconfig"])
-            .arg(&kubeconfig)
-            .output()
-            .expect("nodeplan");
-        if !out.status.success() {
-            eprintln!("fleet: {args:?} exited {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
-        }
-    };
+    (ns, names)
+}
 
-    // 1. Rollout of a trivial plan: directly, then through `nodeplan rollout`.
-    let direct = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["direct"]}]});
-    let (_, raw) = plan_file(work.path(), "direct.plan", &direct);
-    let sum = nodeplan::plan::checksum(&raw);
-    let started = Instant::now();
-    let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "succeeded", started));
-    push_all(&client, &ns, &names, &raw).await;
-    let at = waiter.await.expect("waiter");
-    let direct_s = at.values().max().copied().unwrap_or_default().as_secs_f64();
-    let rolled = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["rollout"]}]});
-    let (path, _) = plan_file(work.path(), "rollout.plan", &rolled);
-    let started = Instant::now();
-    cli(&["rollout", &path.to_string_lossy(), "-l", "bench=fleet", "--max-concurrent", "100%"]);
-    let rollout_s = started.elapsed().as_secs_f64();
-    println!(
-        "rollout of a trivial plan to {n} nodes: nodeplan rollout {rollout_s:.2}s | writing the Secrets directly {direct_s:.2}s ({} of {n} succeeded) | ratio {:.2}",
-        at.len(),
-        rollout_s / direct_s
-    );
+/// What the cancel fan-out and the idle window measured of one fleet.
+struct Measured {
+    cancel_p50_ms: f64,
+    cancel_p99_ms: f64,
+    canceled: usize,
+    writes_per_agent_hour: f64,
+    rss_mib_each: f64,
+    cpu_pct: f64,
+    api_cpu_pct: f64,
+}
 
-    // 2. Cancel fan-out over every node running a long instruction.
+/// Run `args` of the current `nodeplan` against the fleet's namespace.
+fn cli(ns: &str, kubeconfig: &Path, args: &[&str]) {
+    let out = std::process::Command::new(NODEPLAN)
+        .args(args)
+        .args(["-n", ns, "--kubeconfig"])
+        .arg(kubeconfig)
+        .output()
+        .expect("nodeplan");
+    if !out.status.success() {
+        eprintln!("fleet: {args:?} exited {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+/// Phase 2, the cancel fan-out over every node running a long instruction (this build's CLI,
+/// whatever the agents' build), and phase 3, idle writes, memory and CPU over `idle_secs`.
+async fn cancel_and_idle(
+    cp: &k8s_support::ControlPlane,
+    client: &kube::Client,
+    ns: &str,
+    names: &[String],
+    nodes: &[Node],
+    work: &Path,
+    idle_secs: u64,
+) -> Measured {
+    let n = names.len();
     let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600"]}]});
-    let (_, raw) = plan_file(work.path(), "long.plan", &long);
+    let (_, raw) = plan_file(work, "long.plan", &long);
     let sum = nodeplan::plan::checksum(&raw);
-    let running = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "in-progress", Instant::now()));
-    push_all(&client, &ns, &names, &raw).await;
+    let running = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "in-progress", Instant::now()));
+    push_all(client, ns, names, &raw).await;
     let _ = running.await;
     let started = Instant::now();
-    let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "canceled", started));
-    cli(&["plan", "cancel", "-l", "bench=fleet"]);
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "canceled", started));
+    cli(ns, &cp.kubeconfig_path(), &["plan", "cancel", "-l", "bench=fleet"]);
     let at = waiter.await.expect("waiter");
     let mut ms: Vec<f64> = at.values().map(|d| d.as_secs_f64() * 1000.0).collect();
-    println!(
-        "cancel fan-out to {n} running nodes: p50 {:.0} ms, p99 {:.0} ms ({} of {n} canceled; system-agent polls every 2 s)",
-        pct(&mut ms, 0.5),
-        pct(&mut ms, 0.99),
-        at.len()
-    );
 
-    // 3. Idle: writes, memory, CPU.
     let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counter = {
-        let (client, ns, writes) = (client.clone(), ns.clone(), writes.clone());
+        let (client, ns, writes) = (client.clone(), ns.to_string(), writes.clone());
         tokio::spawn(async move {
             use kube::runtime::{WatchStreamExt as _, watcher};
             let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> = kube::Api::namespaced(client.clone(), &ns);
@@ -247,21 +229,103 @@ async fn main() {
     counter.abort();
     let hz = 100.0; // USER_HZ
     let secs = idle_secs as f64;
-    let w = writes.load(std::sync::atomic::Ordering::Relaxed) as f64;
     let rss_total: u64 = after.iter().map(|(r, _)| r).sum();
     let cpu: f64 = after.iter().zip(&before).map(|(a, b)| (a.1.saturating_sub(b.1)) as f64 / hz).sum();
+    Measured {
+        cancel_p50_ms: pct(&mut ms, 0.5),
+        cancel_p99_ms: pct(&mut ms, 0.99),
+        canceled: at.len(),
+        writes_per_agent_hour: writes.load(std::sync::atomic::Ordering::Relaxed) as f64 / n as f64 * 3600.0 / secs,
+        rss_mib_each: rss_total as f64 / 1024.0 / n as f64,
+        cpu_pct: cpu / secs * 100.0,
+        api_cpu_pct: (api_after.saturating_sub(api_before)) as f64 / hz / secs * 100.0,
+    }
+}
+
+fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     println!(
-        "idle, {secs:.0}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is 360), agents' RSS {} MiB in all ({:.1} MiB each), agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
-        w / n as f64 * 3600.0 / secs,
-        rss_total / 1024,
-        rss_total as f64 / 1024.0 / n as f64,
-        cpu / secs * 100.0,
-        (api_after.saturating_sub(api_before)) as f64 / hz / secs * 100.0
+        "{what}: cancel fan-out to {n} running nodes: p50 {:.0} ms, p99 {:.0} ms ({} of {n} canceled; system-agent polls every 2 s)",
+        m.cancel_p50_ms, m.cancel_p99_ms, m.canceled
     );
-    for nd in &mut nodes {
+    println!(
+        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is 360), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+        m.writes_per_agent_hour, m.rss_mib_each, m.cpu_pct, m.api_cpu_pct
+    );
+}
+
+fn stop(nodes: Vec<Node>) {
+    for nd in &nodes {
         unsafe { libc::kill(nd.agent.id() as i32, libc::SIGTERM) };
     }
-    for nd in &mut nodes {
+    for mut nd in nodes {
         let _ = nd.agent.wait();
     }
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n: usize = args
+        .windows(2)
+        .find(|w| w[0] == "--agents")
+        .and_then(|w| w[1].parse().ok())
+        .or_else(|| std::env::var("NODEPLAN_BENCH_AGENTS").ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(200);
+    let idle_secs: u64 = std::env::var("NODEPLAN_BENCH_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    // An older build to measure beside this one (its agents only; the CLI is this build's).
+    let baseline = std::env::var_os("NODEPLAN_BENCH_BASELINE").map(PathBuf::from);
+    let Some(cp) = k8s_support::ControlPlane::start().await else {
+        eprintln!("fleet: no kube-apiserver cache; run tools/build-kube-apiserver.sh first");
+        return;
+    };
+    let client = cp.client().await;
+    let (ns, names) = fleet_secrets(&cp, &client, n).await;
+    let t0 = Instant::now();
+    let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, Path::new(NODEPLAN))).collect();
+    println!("fleet: {n} agents on one kube-apiserver (started in {:.1}s)", t0.elapsed().as_secs_f64());
+    let work = tempfile::tempdir().expect("tempdir");
+
+    // 1. Rollout of a trivial plan: directly, then through `nodeplan rollout`.
+    let direct = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["direct"]}]});
+    let (_, raw) = plan_file(work.path(), "direct.plan", &direct);
+    let sum = nodeplan::plan::checksum(&raw);
+    let started = Instant::now();
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "succeeded", started));
+    push_all(&client, &ns, &names, &raw).await;
+    let at = waiter.await.expect("waiter");
+    let direct_s = at.values().max().copied().unwrap_or_default().as_secs_f64();
+    let rolled = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["rollout"]}]});
+    let (path, _) = plan_file(work.path(), "rollout.plan", &rolled);
+    let started = Instant::now();
+    cli(
+        &ns,
+        &cp.kubeconfig_path(),
+        &["rollout", &path.to_string_lossy(), "-l", "bench=fleet", "--max-concurrent", "100%"],
+    );
+    let rollout_s = started.elapsed().as_secs_f64();
+    println!(
+        "rollout of a trivial plan to {n} nodes: nodeplan rollout {rollout_s:.2}s | writing the Secrets directly {direct_s:.2}s ({} of {n} succeeded) | ratio {:.2}",
+        at.len(),
+        rollout_s / direct_s
+    );
+
+    let now = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+    show("this build", n, idle_secs, &now);
+    stop(nodes);
+    let Some(baseline) = baseline else { return };
+    // The same fleet of the older build, on the same API server, one after the other (never both
+    // at once: they would share the cores).
+    let (ns, names) = fleet_secrets(&cp, &client, n).await;
+    let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, &baseline)).collect();
+    let then = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+    show(&format!("baseline {}", baseline.display()), n, idle_secs, &then);
+    stop(nodes);
+    println!(
+        "this build / baseline: idle agents' CPU {:.2}x, API server CPU {:.2}x, cancel p50 {:.2}x, p99 {:.2}x, RSS {:.2}x",
+        now.cpu_pct / then.cpu_pct,
+        now.api_cpu_pct / then.api_cpu_pct,
+        now.cancel_p50_ms / then.cancel_p50_ms,
+        now.cancel_p99_ms / then.cancel_p99_ms,
+        now.rss_mib_each / then.rss_mib_each
+    );
 }

@@ -728,9 +728,14 @@ mod tests {
 pub struct Rival {
     /// Its name, as log lines and the advice to stop it show it.
     pub program: String,
-    /// The pid of a running one, if any.
-    pub running: std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, Option<i32>> + Send + Sync>,
+    /// The pid of a running one, if any (looked for before acting: a thorough look).
+    pub running: RivalCheck,
+    /// The same, looked for every few seconds while the agent acts (a cheap look).
+    pub started: RivalCheck,
 }
+
+/// A look for a rival: the pid of a running one, if any.
+pub type RivalCheck = std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, Option<i32>> + Send + Sync>;
 
 /// How often the gate looks for a rival on the node.
 const RIVAL_PERIOD: Duration = Duration::from_secs(5);
@@ -782,7 +787,7 @@ pub fn guard(
             let Some(r) = &rival else { return std::future::pending().await };
             loop {
                 tokio::time::sleep(RIVAL_PERIOD).await;
-                if let Some(pid) = (r.running)().await {
+                if let Some(pid) = (r.started)().await {
                     return format!("{} (pid {pid}) started on this node", r.program);
                 }
             }

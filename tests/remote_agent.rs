@@ -12,7 +12,7 @@ use nodeplan::plan::{self, Checkpoint, PlanState};
 use nodeplan::remote::client::{SecretClient, SecretRef, SecretSnapshot};
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
@@ -1163,10 +1163,54 @@ async fn a_pause_during_the_agents_restart_is_recorded_at_the_restart_point() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A cgroup named as a program's systemd unit (`system.slice/<program>.service`, in the cgroup2
+/// hierarchy), made for one test and removed after it: a stand-in joins it as systemd starts the
+/// unit. What the test made is all it removes.
+struct UnitCgroup {
+    made: Vec<PathBuf>,
+}
+
+impl UnitCgroup {
+    fn new(program: &str) -> UnitCgroup {
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mount = mi
+            .lines()
+            .find_map(|l| {
+                let (pre, post) = l.split_once(" - ")?;
+                let mount = pre.split_whitespace().nth(4)?;
+                (post.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mount))
+            })
+            .expect("a cgroup2 hierarchy");
+        let mut made = Vec::new();
+        let mut dir = mount;
+        for part in ["system.slice".to_string(), format!("{program}.service")] {
+            dir = dir.join(part);
+            if !dir.exists() {
+                std::fs::create_dir(&dir).unwrap();
+                made.push(dir.clone());
+            }
+        }
+        UnitCgroup { made }
+    }
+
+    fn join(&self, pid: u32) {
+        std::fs::write(self.made.last().expect("the unit's cgroup").join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for UnitCgroup {
+    fn drop(&mut self) {
+        for d in self.made.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
 /// Rancher's `system-agent-upgrader` starts `rancher-system-agent` on the node, which takes no
 /// Lease: remote mode waits while it runs (saying so, acting on nothing), applies once it is gone,
-/// and stops (exit 1) when it starts again, so the two never act on one Secret. The program looked
-/// for is given a name of this test's own, so that no other test's agent sees the stand-in.
+/// and stops (exit 1) when it starts again as its systemd unit, so the two never act on one
+/// Secret. The program looked for is given a name of this test's own, so that no other test's
+/// agent sees the stand-in; it starts in a cgroup named as its unit, as systemd starts it.
 #[tokio::test]
 async fn remote_mode_never_acts_beside_rancher_system_agent() {
     let cp = control_plane!();
@@ -1184,11 +1228,15 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
     rival.kill().unwrap();
     rival.wait().unwrap();
     r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let unit = UnitCgroup::new(&name);
     let mut rival = start_rival();
-    agent.wait_log("started on this node");
+    unit.join(rival.id());
+    let line = agent.wait_log("started on this node");
+    assert!(line.contains(&format!("pid {}", rival.id())), "{line}");
     assert_eq!(agent.child.wait().unwrap().code(), Some(1));
     rival.kill().unwrap();
     rival.wait().unwrap();
+    drop(unit);
 }
 
 /// Many nodes at once (issue 14): four agents, each with its plan Secret labelled `pool=workers`

@@ -233,22 +233,27 @@ fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, sourc
     })
 }
 
-/// Rancher's own agent, which acts on the plan Secret when it runs on the node.
+/// Rancher's own agent, which acts on the plan Secret when it runs on the node: looked for among
+/// every process before acting, and in its systemd unit's cgroup while acting.
 fn rancher_agent() -> crate::lease::Rival {
-    let program = crate::remote::rival::program();
+    use crate::remote::rival;
+    let program = rival::program();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let unit = Arc::new(rival::unit_cgroups(&mountinfo, &program));
     let p = program.clone();
-    crate::lease::Rival {
-        program,
-        running: Arc::new(move || {
-            let p = p.clone();
-            Box::pin(async move {
-                tokio::task::spawn_blocking(move || crate::remote::rival::running(Path::new("/proc"), &p))
-                    .await
-                    .ok()
-                    .flatten()
-            })
-        }),
-    }
+    let running: crate::lease::RivalCheck = Arc::new(move || {
+        let p = p.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p)).await.ok().flatten()
+        })
+    });
+    let started: crate::lease::RivalCheck = Arc::new(move || {
+        let unit = unit.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || rival::in_unit(Path::new("/proc"), &unit)).await.ok().flatten()
+        })
+    });
+    crate::lease::Rival { program, running, started }
 }
 
 /// Bind the metrics endpoint when `metricsAddress` is set, and serve it until shutdown. Nothing

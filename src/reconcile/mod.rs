@@ -1,5 +1,8 @@
-//! The one reconcile loop, shared by every plan source (local mode's plan directory, remote
-//! mode's Secret, and any source added later).
+//! The one reconcile loop of the node, over all of its plan sources (local mode's plan directory,
+//! remote mode's Secret, the node's NodePlans, and any source added later), joined into one with
+//! [`both::Both`]; a source the agent may act on only under its Lease sits behind a [`gate::Gated`].
+//! One plan runs at a time by construction: the loop awaits it, and looks at the other plans
+//! meanwhile only to say that they wait.
 //!
 //! A source ([`PlanSource`]) reads and writes its own storage and nothing else: it lists its
 //! plans, shows what it sees of one ([`Look`]: the plan, a [`flow::Snapshot`], saved outputs and
@@ -12,7 +15,8 @@
 //! - the commit of a start or resume before anything runs, and a pause or cancel that landed
 //!   meanwhile taking effect before anything runs;
 //! - interrupt delivery to the running plan: every change the source reports, a poll every second
-//!   (so a source without change notifications still reaches a running plan), and shutdown (R15);
+//!   only where the source has no change notifications ([`PlanSource::polled`]), the run's timeout
+//!   ([`Look::stop_after`]), a source that ended (as a shutdown), and shutdown (R15);
 //! - back-off (one [`Backoff`] per reason) and warn-once for a held plan (R3), for an apply that
 //!   could not start, and for a write that did not land, with jitter so a fleet does not write in
 //!   the same millisecond when its API server comes back; a write that did not land is retried at
@@ -25,7 +29,8 @@
 //!
 //! # Adding a source
 //! Implement [`PlanSource`] for a type that owns the storage (its keys name plans within it), and
-//! run `Reconciler::new(source, app, prober, shutdown).run()`. The source decides nothing about
+//! join it to the others with one more [`both::Both`] where the agent builds its source
+//! (`cli/agent.rs`; behind a [`gate::Gated`] if it needs a Lease). The source decides nothing about
 //! states: it encodes [`Commit`] and [`Outcome`] into its storage and decodes its storage into a
 //! [`Look`]. `tests.rs` drives this loop with an in-memory source holding several plans through
 //! pause, cancel, a crash and recovery: it is the smallest complete example.

@@ -3,10 +3,15 @@
 //! tell that it runs. Remote mode does not act on Secrets while it does (never two agents running
 //! one plan): it waits before starting, and stops if one appears while it runs.
 //!
-//! This module only looks at `/proc` (read-only, bounded: the process names and the first
-//! argument); it never signals anything.
+//! Before acting, the agent looks at every process ([`running`]); while it acts, every few
+//! seconds, only at the cgroup systemd gives the program's unit ([`in_unit`]): Rancher's installer
+//! and upgrader start it as that unit, and a look at every process of the node every few seconds
+//! costs what the node runs (a fleet of agents on one host paid for each other's processes).
+//!
+//! This module only reads `/proc` and the cgroup trees (bounded: the process names, the first
+//! argument, a unit's `cgroup.procs`); it never signals anything.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The program system-agent's installer installs.
 pub const PROGRAM: &str = "rancher-system-agent";
@@ -48,6 +53,35 @@ pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
     None
 }
 
+/// Where systemd keeps the processes of `program`'s unit (`system.slice/<program>.service`) in
+/// each hierarchy it tracks units in (the cgroup2 mount, and v1's `name=systemd` on a hybrid
+/// host), from `/proc/self/mountinfo` content. Found once: the mounts do not move.
+pub fn unit_cgroups(mountinfo: &str, program: &str) -> Vec<PathBuf> {
+    let unit = Path::new("system.slice").join(format!("{program}.service"));
+    [
+        crate::process::cgroup::find_cgroup2_mount(mountinfo),
+        crate::process::cgroup::find_v1_mount(mountinfo, "name=systemd").map(|(_, m)| m),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|m| m.join(&unit))
+    .collect()
+}
+
+/// The pid of a live process in the unit's cgroup, if any: what only root can arrange (systemd,
+/// as root, makes the unit's cgroup under `system.slice`; a directory there that root does not own
+/// does not count). One read per hierarchy, however many processes the node runs: it is what the
+/// agent checks every few seconds while it acts.
+pub fn in_unit(proc_root: &Path, cgroups: &[PathBuf]) -> Option<i32> {
+    cgroups
+        .iter()
+        .filter(|d| {
+            std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir() && std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        })
+        .flat_map(|d| crate::process::cgroup::procs(d))
+        .find(|pid| !is_zombie(&proc_root.join(pid.to_string())))
+}
+
 fn is_zombie(dir: &Path) -> bool {
     // The state follows the last ')' of /proc/<pid>/stat.
     read_small(&dir.join("stat"))
@@ -79,6 +113,41 @@ mod tests {
         }
         std::fs::create_dir(d.path().join("self")).unwrap();
         d
+    }
+
+    /// The unit's cgroup in each hierarchy systemd tracks units in; a live process listed there
+    /// is the unit's (zombies, and a directory root does not own, are not).
+    #[test]
+    fn finds_the_unit_by_its_cgroup() {
+        let mi = "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n\
+                  40 31 0:37 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,name=systemd\n\
+                  41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n\
+                  42 31 0:39 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        assert_eq!(
+            unit_cgroups(mi, PROGRAM),
+            [
+                PathBuf::from("/sys/fs/cgroup/unified/system.slice/rancher-system-agent.service"),
+                PathBuf::from("/sys/fs/cgroup/systemd/system.slice/rancher-system-agent.service"),
+            ]
+        );
+        let v2 = "30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(unit_cgroups(v2, "rsa"), [PathBuf::from("/sys/fs/cgroup/system.slice/rsa.service")]);
+        assert!(unit_cgroups("", PROGRAM).is_empty(), "no cgroups: nothing to look at");
+
+        let proc_root = fake_proc(&[("7", "rancher-system-", "/x\0", "S"), ("8", "rancher-system-", "/x\0", "Z")]);
+        let cg = tempfile::tempdir().unwrap();
+        let (a, b) = (cg.path().join("a"), cg.path().join("b"));
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        std::fs::write(a.join("cgroup.procs"), "").unwrap();
+        let dirs = [a.clone(), b.clone(), cg.path().join("missing")];
+        assert_eq!(in_unit(proc_root.path(), &dirs), None, "an empty unit");
+        std::fs::write(b.join("cgroup.procs"), "8\n").unwrap();
+        assert_eq!(in_unit(proc_root.path(), &dirs), None, "a zombie");
+        std::fs::write(b.join("cgroup.procs"), "8\n7\n").unwrap();
+        assert_eq!(in_unit(proc_root.path(), &dirs), Some(7));
+        std::os::unix::fs::chown(&b, Some(1000), Some(1000)).unwrap();
+        assert_eq!(in_unit(proc_root.path(), &dirs), None, "a directory another user made");
     }
 
     #[test]
