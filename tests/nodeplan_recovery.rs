@@ -227,6 +227,47 @@ async fn an_apiserver_restart_mid_plan_loses_no_status() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// R17 in NodePlan mode: a run that finished while its status could not be written is recorded on
+/// the node, and an agent started after a crash writes that outcome instead of running the plan a
+/// second time. The agent's status writes are refused (its role loses `nodeplans/status`, its
+/// watch goes on) while the instruction finishes; once the refusal is logged, the agent is
+/// SIGKILLed, the role comes back and a new agent starts.
+#[tokio::test]
+async fn a_finished_run_is_written_after_a_crash_not_run_again() {
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let n = Node::new(cp, "np-kept", &cp.kubeconfig_yaml_as_agent(), "").await;
+    let as_agent: Api<DynamicObject> = Api::namespaced_with(cp.agent_client().await, &n.namespace, &api_resource());
+    grant(cp, &n.namespace, &["get", "update", "patch"]).await;
+    let (ready, go, marker) = (n.fifo("ready"), n.fifo("go"), n.p("marker"));
+    n.create(
+        "k",
+        json!({"instructions": [
+            sh("a", &format!("echo ran >> {marker}; echo > {ready}; cat {go} > /dev/null; echo done")),
+        ]}),
+    )
+    .await;
+    until_status_writable(&as_agent, "k", true).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    n.wait("k", "Executing", phase("Executing")).await;
+    grant(cp, &n.namespace, &[]).await;
+    until_status_writable(&as_agent, "k", false).await;
+    release_fifo(&go);
+    next_failure(&mut agent);
+    agent.crash();
+    grant(cp, &n.namespace, &["get", "update", "patch"]).await;
+    until_status_writable(&as_agent, "k", true).await;
+    assert_eq!(n.status("k").await.phase, "Executing", "the outcome did not land before the crash");
+
+    let mut agent = n.agent();
+    agent.wait_log("its outcome was kept on the node");
+    let s = n.wait("k", "Applied from the kept outcome", phase("Applied")).await;
+    checks_out(&s, "1/1");
+    assert_eq!(s.instructions[0].output, "done\n");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\n", "the finished run did not run again");
+    assert_eq!(agent.stop(), 0);
+}
+
 /// A silent partition in NodePlan mode, without a Lease (as under Rancher's per-machine role,
 /// which grants no Leases): only the watch's own liveness bound can notice it. A cancel written
 /// right after the heal stops the running instruction, and a new NodePlan created right after a

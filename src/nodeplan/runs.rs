@@ -3,12 +3,16 @@
 //! recovers the plan it was running, not whatever the newest spec says (a producer may have
 //! changed `spec.plan` meanwhile).
 //!
+//! When the run ends, its outcome (the status to write) is added to the same file before the
+//! status write, and the file is removed once the write lands: an agent restarted after a crash
+//! that left the outcome unwritten writes it instead of running the plan again (R17).
+//!
 //! Trust: the directory is the agent's own (made 0700, walked without following links); a file
 //! is read only as a regular file of bounded size, and is believed only when the run identity
 //! computed from its content is the one the NodePlan's status names. Anything else is ignored
 //! with a warning: the newest spec runs instead, which is what an agent without this store does.
 
-use super::resource::NodePlanSpec;
+use super::resource::{NodePlanSpec, NodePlanStatus};
 use super::wire;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -16,13 +20,16 @@ use std::path::{Path, PathBuf};
 /// The largest saved spec read back (a plan's files are inline: the object limit is 1.5 MiB).
 const MAX_BYTES: u64 = 4 << 20;
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Saved {
     namespace: String,
     name: String,
     run: String,
     spec: NodePlanSpec,
+    /// The run's outcome, once it ended (kept until it is written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    outcome: Option<NodePlanStatus>,
 }
 
 /// The saved runs of one namespace's NodePlans. `None` directory: nothing is kept.
@@ -44,12 +51,34 @@ impl RunStore {
 
     /// Save the spec of a run that begins (`run`: its identity).
     pub async fn save(&self, name: &str, run: &str, spec: &NodePlanSpec) -> Result<(), String> {
+        self.write(name, run, spec, None).await
+    }
+
+    /// Keep the outcome of a run that ended beside its spec, until [`RunStore::remove`].
+    pub async fn keep_outcome(
+        &self,
+        name: &str,
+        run: &str,
+        spec: &NodePlanSpec,
+        outcome: &NodePlanStatus,
+    ) -> Result<(), String> {
+        self.write(name, run, spec, Some(outcome.clone())).await
+    }
+
+    async fn write(
+        &self,
+        name: &str,
+        run: &str,
+        spec: &NodePlanSpec,
+        outcome: Option<NodePlanStatus>,
+    ) -> Result<(), String> {
         let (Some(dir), Some(path)) = (self.dir.clone(), self.path(name)) else { return Ok(()) };
         let saved = Saved {
             namespace: self.namespace.clone(),
             name: name.to_string(),
             run: run.to_string(),
             spec: NodePlanSpec { paused: false, canceled: false, ..spec.clone() },
+            outcome,
         };
         let v = serde_json::to_value(&saved).map_err(|e| e.to_string())?;
         let bytes =
@@ -65,6 +94,15 @@ impl RunStore {
 
     /// The saved spec of run `run` of `name`, if it is there and is that run.
     pub async fn load(&self, name: &str, run: &str) -> Option<NodePlanSpec> {
+        self.read(name, run).await.map(|s| s.spec)
+    }
+
+    /// The kept outcome of run `run` of `name`, if it ended and the outcome is not written yet.
+    pub async fn outcome(&self, name: &str, run: &str) -> Option<NodePlanStatus> {
+        self.read(name, run).await.and_then(|s| s.outcome)
+    }
+
+    async fn read(&self, name: &str, run: &str) -> Option<Saved> {
         let path = self.path(name)?;
         let read_path = path.clone();
         let bytes = match crate::blocking(move || crate::safefs::read_small(&read_path, MAX_BYTES)).await {
@@ -76,7 +114,7 @@ impl RunStore {
             }
         };
         match check(&bytes, &self.namespace, name, run) {
-            Ok(spec) => Some(spec),
+            Ok(saved) => Some(saved),
             Err(e) => {
                 tracing::warn!("{}: {e}; the newest spec runs instead", path.display());
                 None
@@ -95,7 +133,7 @@ impl RunStore {
 }
 
 /// A saved run, believed only when it names this NodePlan and its content is the run `run`.
-fn check(bytes: &[u8], namespace: &str, name: &str, run: &str) -> Result<NodePlanSpec, String> {
+fn check(bytes: &[u8], namespace: &str, name: &str, run: &str) -> Result<Saved, String> {
     let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| format!("not a saved run: {e}"))?;
     crate::formats::check(&v, "saved run", crate::formats::SAVED_RUN)?;
     let saved: Saved = serde_json::from_value(v).map_err(|e| format!("not a saved run: {e}"))?;
@@ -109,7 +147,10 @@ fn check(bytes: &[u8], namespace: &str, name: &str, run: &str) -> Result<NodePla
     if saved.run != run {
         return Err(format!("it holds run {}, not {}", short(&saved.run), short(run)));
     }
-    Ok(saved.spec)
+    if saved.outcome.as_ref().is_some_and(|o| o.plan_checksum != saved.run) {
+        return Err("its outcome is of another run (damaged)".into());
+    }
+    Ok(saved)
 }
 
 fn short(run: &str) -> &str {
@@ -151,6 +192,18 @@ mod tests {
         assert_eq!(store.load("p", &run).await, None);
         store.remove("p").await;
         assert!(!path.exists());
+        // The outcome of a run that ended is kept beside its spec, for that run only.
+        store.save("p", &run, &old).await.unwrap();
+        assert_eq!(store.outcome("p", &run).await, None, "a run in progress has no outcome");
+        let done = NodePlanStatus { plan_checksum: run.clone(), phase: "Applied".into(), ..Default::default() };
+        store.keep_outcome("p", &run, &old, &done).await.unwrap();
+        assert_eq!(store.outcome("p", &run).await, Some(done.clone()));
+        assert_eq!(store.load("p", &run).await, Some(old.clone()), "the spec stays readable");
+        assert_eq!(store.outcome("p", "another-run").await, None);
+        let other = NodePlanStatus { plan_checksum: "another-run".into(), ..done };
+        store.keep_outcome("p", &run, &old, &other).await.unwrap();
+        assert_eq!(store.outcome("p", &run).await, None, "an outcome of another run is not believed");
+        store.remove("p").await;
         // No directory configured: nothing is kept, nothing fails.
         let none = RunStore::new(None, "ns");
         none.save("p", &run, &old).await.unwrap();
@@ -161,8 +214,8 @@ mod tests {
     fn a_saved_run_for_another_object_is_refused() {
         let s = spec("x");
         let run = wire::plan_checksum(&s).unwrap();
-        let bytes =
-            serde_json::to_vec(&Saved { namespace: "a".into(), name: "p".into(), run: run.clone(), spec: s }).unwrap();
+        let saved = Saved { namespace: "a".into(), name: "p".into(), run: run.clone(), spec: s, outcome: None };
+        let bytes = serde_json::to_vec(&saved).unwrap();
         assert!(check(&bytes, "a", "p", &run).is_ok());
         assert!(check(&bytes, "b", "p", &run).unwrap_err().contains("not b/p"));
     }

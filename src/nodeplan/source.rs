@@ -64,6 +64,7 @@ impl NodePlanSource {
             preflight: HashMap::new(),
             events: None,
             pump: None,
+            restored: Default::default(),
         }
     }
 }
@@ -72,6 +73,8 @@ impl NodePlanSource {
 struct Pending {
     checksum: String,
     status: NodePlanStatus,
+    /// A run's outcome, kept on the node until it lands.
+    kept: bool,
 }
 
 pub struct NodePlanSource {
@@ -97,6 +100,8 @@ pub struct NodePlanSource {
     events: Option<EventSink>,
     /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
     pump: Option<crate::AbortOnDrop>,
+    /// The NodePlans whose kept outcome was looked for since the agent started.
+    restored: std::collections::HashSet<String>,
 }
 
 /// What the source remembers of the run it last showed the loop.
@@ -191,12 +196,38 @@ impl NodePlanSource {
     }
 
     /// Write an outcome that must not be lost: kept when it fails, retried through `flush`.
-    async fn write_outcome(&mut self, name: &str, checksum: &str, status: NodePlanStatus) -> Written {
+    /// Write an outcome that must not be lost: kept in memory when the write fails (retried by
+    /// `flush`); a run's outcome kept on the node (`kept`) is forgotten there once it lands or no
+    /// longer applies.
+    async fn write_outcome(&mut self, name: &str, checksum: &str, status: NodePlanStatus, kept: bool) -> Written {
         let w = self.write(name, checksum, &status, true).await;
         if matches!(w, Written::Failed { .. }) {
-            self.pending.insert(name.to_string(), Pending { checksum: checksum.to_string(), status });
+            self.pending.insert(name.to_string(), Pending { checksum: checksum.to_string(), status, kept });
+        } else if kept {
+            self.store.remove(name).await;
         }
         w
+    }
+
+    /// The outcome a previous agent kept on the node for the run the status shows in progress
+    /// (it finished, its write did not land before that agent stopped): written instead of
+    /// running the plan again (R17). Looked for once per NodePlan after the agent starts.
+    async fn restore(&mut self, name: &str) -> Option<Written> {
+        if !self.restored.insert(name.to_string()) {
+            return None;
+        }
+        let status = parts(&self.current(name)?).1;
+        if status.state != Some(PlanState::InProgress) || status.plan_checksum.is_empty() {
+            return None;
+        }
+        let run = status.plan_checksum;
+        let outcome = self.store.outcome(name, &run).await?;
+        tracing::info!(
+            "{}: run {} finished before the agent stopped and its outcome was kept on the node; writing it instead of running the plan again",
+            self.label(name),
+            &run[..run.len().min(12)]
+        );
+        Some(self.write_outcome(name, &run, outcome, true).await)
     }
 
     /// The spec that runs: the live one, unless the status shows another run in progress (the
@@ -416,6 +447,7 @@ impl PlanSource for NodePlanSource {
         self.runs.retain(|name, _| listed(name));
         self.preflight.retain(|name, _| listed(name));
         self.last_interrupt.retain(|name, _| listed(name));
+        self.restored.retain(|name| listed(name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
@@ -539,10 +571,15 @@ impl PlanSource for NodePlanSource {
         wire::mark_retry(&mut next, &policy);
         // A run that went on without a commit (a recovery) may still show that it waited.
         wire::set_lock_holder(&mut next, None, generation, now);
-        if rec.state.as_ref().is_some_and(|s| *s != PlanState::InProgress) {
-            self.store.remove(name).await;
+        // A run that ended is recorded on the node before its status is written (R17).
+        let ended = rec.state.as_ref().is_some_and(|s| *s != PlanState::InProgress);
+        if ended
+            && let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum)
+            && let Err(e) = self.store.keep_outcome(name, &look.checksum, &run.spec, &next).await
+        {
+            tracing::warn!("{}: cannot keep the outcome on this node ({e}); writing it", look.label);
         }
-        self.write_outcome(name, &look.checksum, next).await
+        self.write_outcome(name, &look.checksum, next, ended).await
     }
 
     async fn not_started(&mut self, _: &String, _: &Look, _: &ApplyError) -> Option<Written> {
@@ -557,13 +594,13 @@ impl PlanSource for NodePlanSource {
     ) -> Written {
         let mut next = self.status_of(name);
         next.probe_statuses = statuses;
-        self.write_outcome(name, checksum, next).await
+        self.write_outcome(name, checksum, next, false).await
     }
 
     async fn flush(&mut self, name: &String) -> Written {
-        let Some(p) = self.pending.remove(name) else { return Written::Done };
+        let Some(p) = self.pending.remove(name) else { return self.restore(name).await.unwrap_or(Written::Done) };
         metrics::write_retried(WriteTarget::NodePlan, RetryReason::Error);
-        self.write_outcome(name, &p.checksum, p.status).await
+        self.write_outcome(name, &p.checksum, p.status, p.kept).await
     }
 
     async fn set_blocked(&mut self, name: &String, why: Option<&str>) {
@@ -716,9 +753,9 @@ mod tests {
         };
         let status = NodePlanStatus { plan_checksum: "abc".into(), ..NodePlanStatus::default() };
         let client = async {
-            assert_eq!(source.write_outcome("np", "abc", status.clone()).await, Written::Done);
+            assert_eq!(source.write_outcome("np", "abc", status.clone(), false).await, Written::Done);
             assert!(crate::metrics::sample(&series("conflict")) > conflicts);
-            let failed = source.write_outcome("np", "abc", status.clone()).await;
+            let failed = source.write_outcome("np", "abc", status.clone(), false).await;
             assert!(matches!(failed, Written::Failed { .. }), "{failed:?}");
             assert_eq!(crate::metrics::sample(&series("error")), errors, "a first attempt is no retry");
             assert_eq!(source.flush(&"np".to_string()).await, Written::Done);
