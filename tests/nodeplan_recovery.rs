@@ -411,6 +411,37 @@ async fn wait_secret(client: &SecretClient, what: &str, pred: impl Fn(&SecretSna
     }
 }
 
+/// The one loop looks at the plan Secret while a NodePlan runs (to say that it waits); that look
+/// must not count as the legacy flow's first run after a start. A Secret without `plan-state`
+/// whose plan is already applied (its `applied-checksum`) is applied once more at every start, as
+/// system-agent does: here it arrives while a NodePlan runs, and runs once the NodePlan is done.
+#[tokio::test]
+async fn a_legacy_plan_seen_while_a_nodeplan_runs_is_still_applied_at_start() {
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let n = Node::new(cp, "np-legacy", &cp.kubeconfig_yaml(), "remoteEnabled: true\n").await;
+    let client =
+        SecretClient::new(cp.client().await, SecretRef { namespace: n.namespace.clone(), name: "machine-plan".into() });
+    let (ready, go, marker) = (n.fifo("ready"), n.fifo("go"), n.p("marker"));
+    n.create("hold", json!({"instructions": [sh("hold", &format!("echo > {ready}; cat {go} > /dev/null"))]})).await;
+    let mut agent = n.agent();
+    read_fifo(&ready);
+    let raw = serde_json::to_vec(&json!({"instructions": [sh("again", &format!("echo again >> {marker}"))]})).unwrap();
+    let checksum = plan::checksum(&raw);
+    let data =
+        BTreeMap::from([("plan".to_string(), raw), ("applied-checksum".to_string(), checksum.as_bytes().to_vec())]);
+    client.create(data, BTreeMap::new()).await.unwrap();
+    agent.wait_log(&format!("plan {}: waiting for nodeplan {}/hold to finish", &checksum[..12], n.namespace));
+    release_fifo(&go);
+    n.wait("hold", "Applied", phase("Applied")).await;
+    agent.wait_log(&format!("plan {}: applying (1 instructions)", &checksum[..12]));
+    let deadline = Instant::now() + GUARD;
+    while std::fs::read_to_string(&marker).unwrap_or_default() != "again\n" {
+        assert!(Instant::now() < deadline, "the legacy plan was not applied at start");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 /// One agent, two sources: the plan Secret (remote mode) and a NodePlan on the same node never run
 /// at the same time, whichever starts first. Each instruction writes `start NAME` and `end NAME`
 /// to one file; the file must be those pairs, never interleaved, and both plans finish. A gate

@@ -297,7 +297,6 @@ impl PlanSource for SecretSource {
                 (View::Legacy { one_time: d.needs_apply }, saved)
             }
         };
-        self.has_run_once = true;
         Seen::Plan(Box::new(Look {
             label: format!("plan {}", short(&checksum)),
             checksum,
@@ -334,6 +333,9 @@ impl PlanSource for SecretSource {
     }
 
     async fn record(&mut self, _: &(), look: &Look, outcome: Outcome<'_>) -> Written {
+        // Set by a run, not by a look: the loop looks at the Secret while another source's plan
+        // runs, and the legacy flow's first run after a start must still happen.
+        self.has_run_once = true;
         let Some(base) = self.current() else { return Written::Abandoned };
         let now = chrono::Utc::now();
         let mut keys = match (&outcome.record, &look.view) {
