@@ -55,8 +55,12 @@ impl Node {
         Node { node: ClusterNode::new(&mode, kubeconfig, &namespace), api, namespace }
     }
 
-    /// Create a NodePlan for `node` as a producer does.
-    async fn create(&self, name: &str, node: &str, spec: serde_json::Value) {
+    /// Create a NodePlan for `node` as a producer does: labelled for it, and naming it in
+    /// `spec.nodeName` unless `spec` names a node itself.
+    async fn create(&self, name: &str, node: &str, mut spec: serde_json::Value) {
+        if spec.get("nodeName").is_none() {
+            spec["nodeName"] = json!(node);
+        }
         let obj: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "agent.cattle.io/v1alpha1",
             "kind": "NodePlan",
@@ -154,7 +158,7 @@ async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_field
     let obj: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
         "metadata": {"name": "bad", "namespace": n.namespace, "labels": {"cattle.io/node": "node-a"}},
-        "spec": {"plan": {"instructions": [{"command": "true"}]}},
+        "spec": {"nodeName": "node-a", "plan": {"instructions": [{"command": "true"}]}},
     }))
     .unwrap();
     match n.api.create(&PostParams::default(), &obj).await {

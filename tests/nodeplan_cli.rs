@@ -149,7 +149,11 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
     let out = p.ok(&["plan", "push", &file1, "--nodeplan", &target, "--node", "node-a", "--priority", "3"]);
     let o = p.get("web").await;
     assert_eq!(label(&o).as_deref(), Some("node-a"));
-    assert_eq!(o.data["spec"], json!({"plan": plan1, "priority": 3}), "no nodeName for a name that is a label");
+    assert_eq!(
+        o.data["spec"],
+        json!({"plan": plan1, "priority": 3, "nodeName": "node-a"}),
+        "the node named in the spec"
+    );
     let checksum = nodeplan::nodeplan::cli_wire::plan_checksum(&o).unwrap();
     assert_eq!(
         out,

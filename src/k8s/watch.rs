@@ -1,6 +1,7 @@
 //! One list/watch for every object the agent follows (the plan Secret, a node's NodePlans): a
 //! list with the caller's label or field selector, then a watch from the list's resourceVersion,
-//! and a list again whenever the watch ends.
+//! and a list again whenever the watch ends. A field selector the API server may not support (a
+//! custom resource's selectable field) is tried first and dropped for good when refused.
 //!
 //! kube-runtime's `watcher` resumes a broken watch from the last resourceVersion and says nothing
 //! until the next change, so a write kept through an outage would wait for its own back-off step.
@@ -35,6 +36,7 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -91,17 +93,55 @@ pub struct KubeListWatch<K> {
     api: Api<K>,
     labels: Option<String>,
     fields: Option<String>,
+    /// A field selector to add where the API server supports it ([`KubeListWatch::preferring`]).
+    preferred: Option<Preferred>,
 }
+
+/// What [`KubeListWatch::preferring`] is told once it knows whether the API server selects by
+/// the preferred field selector: `Ok(())` it does, `Err(why)` it refused it (the watch goes on
+/// by the label selector alone).
+pub type Decided = Box<dyn Fn(Result<(), &str>) + Send + Sync>;
+
+/// A field selector the API server may not support (a custom resource's `selectableFields` need
+/// Kubernetes 1.31, and the definition installed must declare them).
+struct Preferred {
+    fields: String,
+    /// [`UNDECIDED`], [`BY_FIELDS`] or [`BY_LABELS`].
+    mode: AtomicU8,
+    decided: Decided,
+}
+
+const UNDECIDED: u8 = 0;
+const BY_FIELDS: u8 = 1;
+const BY_LABELS: u8 = 2;
 
 impl<K> KubeListWatch<K> {
     /// The objects whose labels match `selector`.
     pub fn labelled(api: Api<K>, selector: &str) -> Self {
-        KubeListWatch { api, labels: Some(selector.to_string()), fields: None }
+        KubeListWatch { api, labels: Some(selector.to_string()), fields: None, preferred: None }
+    }
+
+    /// The objects whose labels match `labels` and, where the API server supports the field
+    /// selector `fields`, whose fields match it too. Each list asks with both until the API server
+    /// refuses the field selector (400 Bad Request): from then on, labels alone (until the process
+    /// starts again). `decided` hears the outcome of the first list that answers, and of a later
+    /// refusal.
+    pub fn preferring(api: Api<K>, labels: &str, fields: &str, decided: Decided) -> Self {
+        let preferred = Preferred { fields: fields.to_string(), mode: AtomicU8::new(UNDECIDED), decided };
+        KubeListWatch { api, labels: Some(labels.to_string()), fields: None, preferred: Some(preferred) }
     }
 
     /// The one object named `name`.
     pub fn named(api: Api<K>, name: &str) -> Self {
-        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")) }
+        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")), preferred: None }
+    }
+
+    /// The field selector a request carries now.
+    fn fields_now(&self) -> Option<&str> {
+        match &self.preferred {
+            Some(p) if p.mode.load(Ordering::Relaxed) != BY_LABELS => Some(&p.fields),
+            _ => self.fields.as_deref(),
+        }
     }
 
     fn list_params(&self) -> ListParams {
@@ -110,7 +150,7 @@ impl<K> KubeListWatch<K> {
             Some(l) => lp.labels(l),
             None => lp,
         };
-        match &self.fields {
+        match self.fields_now() {
             Some(f) => lp.fields(f),
             None => lp,
         }
@@ -122,7 +162,7 @@ impl<K> KubeListWatch<K> {
             Some(l) => wp.labels(l),
             None => wp,
         };
-        match &self.fields {
+        match self.fields_now() {
             Some(f) => wp.fields(f),
             None => wp,
         }
@@ -143,7 +183,22 @@ where
     type Object = K;
 
     async fn list(&self) -> Result<Listed<K>, WatchError> {
-        let list = self.api.list(&self.list_params()).await.map_err(kube_error)?;
+        let answer = self.api.list(&self.list_params()).await;
+        let list = match (&self.preferred, answer) {
+            (Some(p), Err(kube::Error::Api(s))) if s.code == 400 && p.mode.load(Ordering::Relaxed) != BY_LABELS => {
+                p.mode.store(BY_LABELS, Ordering::Relaxed);
+                let why = super::error_line(&kube::Error::Api(s));
+                (p.decided)(Err(&why));
+                self.api.list(&self.list_params()).await
+            }
+            (Some(p), Ok(list)) if p.mode.load(Ordering::Relaxed) == UNDECIDED => {
+                p.mode.store(BY_FIELDS, Ordering::Relaxed);
+                (p.decided)(Ok(()));
+                Ok(list)
+            }
+            (_, answer) => answer,
+        };
+        let list = list.map_err(kube_error)?;
         Ok(Listed { resource_version: list.metadata.resource_version.unwrap_or_default(), items: list.items })
     }
 
