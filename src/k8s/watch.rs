@@ -361,7 +361,7 @@ async fn watch_from<L: ListWatch>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::api::DynamicObject;
+    use kube::api::{ApiResource, DynamicObject};
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
 
@@ -645,5 +645,68 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         drop(rx);
         tokio::time::timeout(Duration::from_secs(1), pump).await.expect("the pump ended").expect("no panic");
+    }
+
+    /// A preferred field selector goes with the label selector on every request while the API
+    /// server accepts it; refused (400), the same list is asked again at once by labels alone and
+    /// so is everything after it. Each outcome is told once.
+    #[tokio::test]
+    async fn a_refused_field_selector_falls_back_to_the_labels() {
+        use http::{Request, Response};
+        use kube::client::Body;
+        let list =
+            serde_json::json!({"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": "5"}, "items": []});
+        let refused = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "BadRequest",
+            "code": 400, "message": "field label not supported: spec.nodeName"});
+        let respond = |code: u16, v: &serde_json::Value| {
+            Response::builder().status(code).body(Body::from(serde_json::to_vec(v).unwrap_or_default())).unwrap()
+        };
+        let query = |r: &Request<Body>| {
+            let q = r.uri().query().unwrap_or_default().to_string();
+            (q.contains("labelSelector=l%3Da"), q.contains("fieldSelector=spec.nodeName%3Da"), q.contains("watch=true"))
+        };
+        // (the first list's answer, whether the fields are kept, what `decided` hears)
+        for (first, kept, told) in [
+            (200, true, "fields"),
+            (400, false, "labels: apiserver answered 400 BadRequest: field label not supported: spec.nodeName"),
+        ] {
+            let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let heard = Arc::new(Mutex::new(Vec::new()));
+            let h = heard.clone();
+            let decided: Decided = Box::new(move |o| {
+                h.lock().unwrap().push(o.map_or_else(|why| format!("labels: {why}"), |()| "fields".to_string()))
+            });
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                kube::Client::new(svc, "ns"),
+                "ns",
+                &ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&()),
+            );
+            let lw = KubeListWatch::preferring(api, "l=a", "spec.nodeName=a", decided);
+            let (list, refused) = (list.clone(), refused.clone());
+            let server = async move {
+                let mut handle = std::pin::pin!(handle);
+                let (req, send) = handle.as_mut().next_request().await.expect("a list");
+                assert_eq!(query(&req), (true, true, false), "{:?}", req.uri());
+                send.send_response(respond(first, if first == 200 { &list } else { &refused }));
+                if first == 400 {
+                    let (req, send) = handle.as_mut().next_request().await.expect("the list again");
+                    assert_eq!(query(&req), (true, false, false), "by labels alone: {:?}", req.uri());
+                    send.send_response(respond(200, &list));
+                }
+                let (req, send) = handle.as_mut().next_request().await.expect("a watch");
+                assert_eq!(query(&req), (true, kept, true), "{:?}", req.uri());
+                send.send_response(respond(200, &serde_json::json!({})));
+                let (req, send) = handle.as_mut().next_request().await.expect("a second list");
+                assert_eq!(query(&req), (true, kept, false), "{:?}", req.uri());
+                send.send_response(respond(200, &list));
+            };
+            let client = async {
+                assert_eq!(lw.list().await.map(|l| l.resource_version), Ok("5".to_string()));
+                let _ = lw.watch("5").await;
+                assert!(lw.list().await.is_ok());
+            };
+            tokio::join!(client, server);
+            assert_eq!(*heard.lock().unwrap(), [told], "told once");
+        }
     }
 }

@@ -65,6 +65,11 @@ const TOKEN: &str = "nodeplan-test-token";
 /// grants in a namespace: an agent whose writes can be refused while its watch goes on.
 pub const AGENT_USER: &str = "nodeplan-agent";
 const AGENT_TOKEN: &str = "nodeplan-agent-token";
+/// The agents of two nodes under the identity convention of the NodePlan status-writer policy
+/// (`nodeplan:node:<node>`, `deploy/nodeplan-status-policy.yaml`), with their tokens: no group,
+/// and no permission beyond what a test grants ([`ControlPlane::client_as`]).
+pub const NODE_AGENTS: [(&str, &str); 2] =
+    [("nodeplan:node:node-a", "node-a-agent-token"), ("nodeplan:node:node-b", "node-b-agent-token")];
 const DEFAULT_BIN: &str = "/var/tmp/nodeplan-k8s/bin";
 
 // ---------------------------------------------------------------------------------------------
@@ -416,7 +421,10 @@ impl ControlPlane {
                 .arg("-out")
                 .arg(dir.join("sa.pub")),
         );
-        let tokens = format!("{TOKEN},admin,admin-uid,system:masters\n{AGENT_TOKEN},{AGENT_USER},agent-uid\n");
+        let mut tokens = format!("{TOKEN},admin,admin-uid,system:masters\n{AGENT_TOKEN},{AGENT_USER},agent-uid\n");
+        for (i, (user, token)) in NODE_AGENTS.iter().enumerate() {
+            tokens.push_str(&format!("{token},{user},node-agent-uid-{i}\n"));
+        }
         fs::write(dir.join("tokens.csv"), tokens).unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
 
         let mut cp = ControlPlane {
@@ -590,6 +598,12 @@ impl ControlPlane {
     /// A client as [`AGENT_USER`].
     pub async fn agent_client(&self) -> kube::Client {
         client_from_yaml(&self.kubeconfig_yaml_as_agent()).await.unwrap_or_else(|e| panic!("agent kube client: {e}"))
+    }
+
+    /// A client as `user`, one of [`NODE_AGENTS`].
+    pub async fn client_as(&self, user: &str) -> kube::Client {
+        let (_, token) = NODE_AGENTS.iter().find(|(u, _)| *u == user).unwrap_or_else(|| panic!("no token for {user}"));
+        client_from_yaml(&self.kubeconfig(&self.ca_pem, token)).await.unwrap_or_else(|e| panic!("{user}'s client: {e}"))
     }
 
     /// Let [`AGENT_USER`] do `verbs` on the Secrets of `namespace` (and nothing else): a Role and
