@@ -420,7 +420,6 @@ async fn nodeplan_crd_prints_what_each_release_takes() {
 /// and `nodeplan crd --admission-policy --kube-version 1.20` refuses in one line.
 #[tokio::test]
 async fn only_the_nodes_own_agent_writes_a_nodeplan_status() {
-    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
     let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
     let (own, other_user) = (k8s_support::NODE_AGENTS[0].0, k8s_support::NODE_AGENTS[1].0);
     assert_eq!(own, nodeplan::nodeplan::resource::agent_user("node-a"));
@@ -434,64 +433,18 @@ async fn only_the_nodes_own_agent_writes_a_nodeplan_status() {
         ));
         return;
     }
-    let api = shipped_nodeplans(cp, "np-status-writer").await;
-    let ns = api.namespace().unwrap_or_else(|| panic!("namespaced")).to_string();
-    let (code, policy, err) = nodeplan_cmd(&["crd", "--admission-policy"]);
-    assert_eq!((code, err.as_str()), (0, ""));
-    let (ok, out) = kubectl_with_input(cp, &["apply", "-f", "-"], &policy).await;
-    assert!(ok, "the policy applies: {out}");
-
-    // Both agents may write NodePlans' status in this namespace as far as RBAC goes.
-    let client = cp.client().await;
-    let role: Role = serde_json::from_value(json!({
-        "metadata": {"name": "agents", "namespace": ns},
-        "rules": [{"apiGroups": ["agent.cattle.io"], "resources": ["nodeplans", "nodeplans/status"], "verbs": ["get"]},
-                  {"apiGroups": ["agent.cattle.io"], "resources": ["nodeplans/status"], "verbs": ["update", "patch"]}],
-    }))
-    .unwrap_or_else(|e| panic!("role: {e}"));
-    Api::<Role>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let binding: RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "agents", "namespace": ns},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "agents"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": own},
-                     {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": other_user}],
-    }))
-    .unwrap_or_else(|e| panic!("binding: {e}"));
-    Api::<RoleBinding>::namespaced(client, &ns)
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-
+    let ns = cp.new_namespace("np-status-writer").await;
+    // Both node agents may write NodePlans' status in `ns` as far as RBAC goes.
+    let api = cp.install_status_policy(&ns).await;
     let plan = json!({"instructions": [{"name": "a", "command": "true"}]});
-    for name in ["canary", "p"] {
-        api.create(&PostParams::default(), &shipped(name, json!({"nodeName": "node-a", "plan": plan})))
-            .await
-            .unwrap_or_else(|e| panic!("create {name}: {e}"));
-    }
+    api.create(&PostParams::default(), &shipped("p", json!({"nodeName": "node-a", "plan": plan})))
+        .await
+        .unwrap_or_else(|e| panic!("create p: {e}"));
     let as_other: Api<DynamicObject> =
         Api::namespaced_with(cp.client_as(other_user).await, &ns, &nodeplan::nodeplan::resource::api_resource());
     let as_own: Api<DynamicObject> =
         Api::namespaced_with(cp.client_as(own).await, &ns, &nodeplan::nodeplan::resource::api_resource());
     let status = |phase: &str| Patch::Merge(json!({"status": {"phase": phase}}));
-    let denied_by_policy = |e: &kube::Error| matches!(e, kube::Error::Api(s) if s.code == 403 && s.message.contains("ValidatingAdmissionPolicy 'nodeplan-status-writer'"));
-
-    // The API server takes up the binding (and RBAC its grant) asynchronously: the other node's
-    // agent writes the canary until the policy denies it (bounded).
-    let deadline = std::time::Instant::now() + GUARD;
-    loop {
-        match as_other.patch_status("canary", &PatchParams::default(), &status("Applied")).await {
-            Err(e) if denied_by_policy(&e) => break,
-            other => assert!(
-                std::time::Instant::now() < deadline,
-                "the policy never denied {other_user} within {GUARD:?}: last answer {:?}",
-                other.map(|o| o.data.get("status").cloned())
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 
     // Another node's agent is denied, by the policy, with the agent it expects named.
     let (code, message) =

@@ -112,6 +112,20 @@ async fn a_nodeplan_is_applied_with_its_results_readable_in_status() {
     n.create("install", "node-a", json!({"plan": plan})).await;
     n.create("elsewhere", "node-b", json!({"plan": {"instructions": [sh("x", &format!("echo x >> {marker}"))]}})).await;
     let mut agent = n.agent();
+    // The agent watches its node's NodePlans by field selector where the API server selects them
+    // by spec.nodeName (the definition's selectableFields: 1.31 and later), by label alone on 1.20.
+    if cp.version().at_least(1, 31) {
+        agent.wait_log(&format!(
+            "NodePlan mode: watching NodePlans labelled cattle.io/node=node-a in namespace {} with the field selector spec.nodeName=node-a",
+            n.namespace
+        ));
+    } else {
+        k8s_support::loud(&format!(
+            "kube-apiserver {}: no field selector on NodePlans, the agent selects by label",
+            cp.version()
+        ));
+        agent.wait_log("by label only: the API server does not select NodePlans by spec.nodeName");
+    }
     let s = n.wait("install", "Applied", phase("Applied")).await;
     assert_eq!((s.progress.as_str(), s.successes, s.attempts), ("2/2", 1, 1));
     assert_eq!(s.observed_generation, 1);
@@ -333,6 +347,47 @@ async fn the_shipped_agent_role_is_enough_and_no_more() {
         Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
         other => panic!("the agent's role may change a spec: {other:?}"),
     }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Under the status-writer policy (`nodeplan crd --admission-policy`, Kubernetes 1.30 and later),
+/// the real agent of node-a, authenticated as `nodeplan:node:node-a` with the shipped agent Role,
+/// applies its NodePlan and records the outcome. A control plane of its own: the policy is
+/// cluster-wide, and the other tests' agents write as the admin.
+#[tokio::test]
+async fn the_nodes_own_agent_writes_its_status_under_the_status_writer_policy() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let Some(cp) = ControlPlane::start_for_custom_resources().await else { return };
+    if !cp.version().at_least(1, 30) {
+        k8s_support::loud(&format!(
+            "kube-apiserver {} has no ValidatingAdmissionPolicy: nothing to prove",
+            cp.version()
+        ));
+        return;
+    }
+    let user = k8s_support::NODE_AGENTS[0].0;
+    let n = Node::named(&cp, "np-vap", &cp.kubeconfig_yaml_as(user), "node-a").await;
+    cp.install_status_policy(&n.namespace).await;
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nodeplan-rbac.yaml")).unwrap();
+    let doc = manifest.split("\n---\n").find(|d| d.contains("name: nodeplan-agent\n")).unwrap();
+    let role: Role = serde_yaml_ng::from_str(doc).unwrap();
+    Api::<Role>::namespaced(cp.client().await, &n.namespace).create(&PostParams::default(), &role).await.unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "node-a-agent", "namespace": n.namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "nodeplan-agent"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(cp.client().await, &n.namespace)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let marker = n.p("marker");
+    n.create("mine", "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
+    let mut agent = n.agent();
+    let s = n.wait("mine", "Applied, written by the node's own agent", phase("Applied")).await;
+    assert_eq!(s.progress, "1/1");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
     assert_eq!(agent.stop(), 0);
 }
 
