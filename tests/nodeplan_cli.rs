@@ -185,7 +185,10 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
     let file2 = p.plan_file("two.plan", &plan2);
     let out = p.ok(&["plan", "push", &file2, "--nodeplan", &target, "--node", "node-a"]);
     assert!(out.contains(": replaced spec.plan, cleared spec.canceled\n"), "{out}");
-    assert_eq!(p.spec("web").await, json!({"plan": plan2, "priority": 3, "paused": true, "canceled": false}));
+    assert_eq!(
+        p.spec("web").await,
+        json!({"plan": plan2, "priority": 3, "paused": true, "canceled": false, "nodeName": "node-a"})
+    );
     let out = p.ok(&["plan", "push", &file2, "--nodeplan", &target, "--priority", "-1"]);
     assert!(out.ends_with(": replaced spec.plan, spec.priority=-1\n"), "{out}");
     assert_eq!(p.spec("web").await["priority"], json!(-1));
