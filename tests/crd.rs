@@ -129,6 +129,17 @@ fn api_error<T: std::fmt::Debug>(what: &str, res: kube::Result<T>) -> (u16, Stri
     }
 }
 
+/// The names of the objects `api` lists.
+async fn names(api: &Api<DynamicObject>) -> Vec<String> {
+    api.list(&Default::default())
+        .await
+        .unwrap_or_else(|e| panic!("list: {e}"))
+        .items
+        .into_iter()
+        .filter_map(|o| o.metadata.name)
+        .collect()
+}
+
 /// Run the cache's kubectl against the control plane; its stdout (panics unless it exits 0).
 async fn kubectl(cp: &ControlPlane, args: &[&str]) -> String {
     let mut cmd = tokio::process::Command::from(cp.kubectl());
@@ -242,15 +253,7 @@ async fn object_violating_the_schema_is_rejected_with_422() {
     assert!(message.contains("status.phase"), "{message}");
 
     // Nothing invalid was stored.
-    let names: Vec<String> = api
-        .list(&Default::default())
-        .await
-        .unwrap_or_else(|e| panic!("list: {e}"))
-        .items
-        .into_iter()
-        .filter_map(|o| o.metadata.name)
-        .collect();
-    assert_eq!(names, ["good"]);
+    assert_eq!(names(&api).await, ["good"]);
     let good = api.get_status("good").await.unwrap_or_else(|e| panic!("get status: {e}"));
     assert!(good.data.get("status").is_none(), "the rejected status was not stored: {:?}", good.data);
 }
@@ -381,15 +384,7 @@ async fn the_nodeplan_definition_enforces_its_cel_rules() {
     api.patch("good", &PatchParams::default(), &Patch::Merge(json!({"spec": {"paused": true}})))
         .await
         .unwrap_or_else(|e| panic!("any other change of the spec: {e}"));
-    let names: Vec<String> = api
-        .list(&Default::default())
-        .await
-        .unwrap_or_else(|e| panic!("list: {e}"))
-        .items
-        .into_iter()
-        .filter_map(|o| o.metadata.name)
-        .collect();
-    assert_eq!(names, ["good"], "nothing refused was stored");
+    assert_eq!(names(&api).await, ["good"], "nothing refused was stored");
 }
 
 /// `nodeplan crd --kube-version V` prints what release V's kubectl takes (checked with the cache's

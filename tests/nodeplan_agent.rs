@@ -313,6 +313,18 @@ async fn deleting_a_running_nodeplan_stops_it() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A NodePlan `name` of node-a with one instruction, applied by the node's agent (started here and
+/// returned): `Applied` (`what`), `1/1`, the instruction run once.
+async fn applies_one_instruction(n: &Node, name: &str, what: &str) -> AgentProc {
+    let marker = n.p("marker");
+    n.create(name, "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
+    let agent = n.agent();
+    let s = n.wait(name, what, phase("Applied")).await;
+    assert_eq!(s.progress, "1/1");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    agent
+}
+
 /// The shipped `deploy/nodeplan-rbac.yaml` is enough for an agent: bound to `nodeplan-agent` in
 /// the node's namespace (and nothing else), it applies a NodePlan and writes its status, and it
 /// cannot change a NodePlan's spec.
@@ -335,12 +347,7 @@ async fn the_shipped_agent_role_is_enough_and_no_more() {
         assert!(Instant::now() < deadline, "the binding never took effect");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let marker = n.p("marker");
-    n.create("rbac", "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
-    let mut agent = n.agent();
-    let s = n.wait("rbac", "Applied", phase("Applied")).await;
-    assert_eq!(s.progress, "1/1");
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    let mut agent = applies_one_instruction(&n, "rbac", "Applied").await;
     // The agent's identity cannot rewrite the plan.
     let patch = Patch::Merge(json!({"spec": {"priority": 5}}));
     match as_agent.patch("rbac", &PatchParams::default(), &patch).await {
@@ -382,12 +389,7 @@ async fn the_nodes_own_agent_writes_its_status_under_the_status_writer_policy() 
         .create(&PostParams::default(), &binding)
         .await
         .unwrap();
-    let marker = n.p("marker");
-    n.create("mine", "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
-    let mut agent = n.agent();
-    let s = n.wait("mine", "Applied, written by the node's own agent", phase("Applied")).await;
-    assert_eq!(s.progress, "1/1");
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    let mut agent = applies_one_instruction(&n, "mine", "Applied, written by the node's own agent").await;
     assert_eq!(agent.stop(), 0);
 }
 
