@@ -11,7 +11,15 @@
 //!
 //! With NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>, phases 2 and 3 run again with that
 //! build's agents (in a namespace of their own, after this build's have stopped) and the ratios are
-//! printed. Not a test: it asserts nothing. Run: `cargo bench --bench fleet [-- --agents 500]` (needs the
+//! printed.
+//!
+//! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
+//! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
+//! (with the label, as the agent asks where it can) and, for reference, of the whole namespace,
+//! while every NodePlan's spec changes a few times. Field selectors on NodePlans need a current
+//! API server: `NODEPLAN_K8S_BIN=/var/tmp/nodeplan-k8s-1.37.2/bin`.
+//!
+//! Not a test: it asserts nothing. Run: `cargo bench --bench fleet [-- --agents 500]` (needs the
 //! cache built by tools/build-kube-apiserver.sh).
 
 #[path = "../tests/k8s_support/mod.rs"]
@@ -278,6 +286,10 @@ async fn main() {
         eprintln!("fleet: no kube-apiserver cache; run tools/build-kube-apiserver.sh first");
         return;
     };
+    if args.iter().any(|a| a == "--selectors") {
+        selectors(&cp, n).await;
+        return;
+    }
     let client = cp.client().await;
     let (ns, names) = fleet_secrets(&cp, &client, n).await;
     let t0 = Instant::now();
@@ -328,4 +340,166 @@ async fn main() {
         now.cancel_p99_ms / then.cancel_p99_ms,
         now.rss_mib_each / then.rss_mib_each
     );
+}
+
+/// The API server's counters of watch events sent for NodePlans: (events, bytes), summed over
+/// the label sets that name them (`apiserver_watch_events_total` and
+/// `apiserver_watch_events_sizes_sum`; 1.20 labels them by kind, later releases by resource).
+async fn watch_counters(client: &kube::Client) -> (f64, f64) {
+    let Ok(req) = http::Request::get("/metrics").body(Vec::new()) else { return (0.0, 0.0) };
+    let text = client.request_text(req).await.unwrap_or_default();
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && (l.contains("\"nodeplans\"") || l.contains("\"NodePlan\"")))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    (sum("apiserver_watch_events_total{"), sum("apiserver_watch_events_sizes_sum{"))
+}
+
+/// How one agent's NodePlans are selected in [`selectors`].
+#[derive(Clone, Copy, PartialEq)]
+enum Selection {
+    Label,
+    /// As the agent does where the API server can: the field selector spec.nodeName with the label.
+    Field,
+    /// The whole namespace (a reference: what no selector at all costs).
+    Everything,
+}
+
+/// The selector comparison (`-- --selectors`): `n` NodePlans, one per node, and for each way of
+/// selecting, `n` list/watches through the agent's own `k8s::watch::pump` while every NodePlan's
+/// spec changes `ROUNDS` times (each watch waits for its node's last change, or for all of them
+/// when it watches everything). Prints the API server's CPU and the watch events and bytes it
+/// sent, and the ratios against the label selector.
+async fn selectors(cp: &k8s_support::ControlPlane, n: usize) {
+    use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+    use nodeplan::k8s::watch::{KubeListWatch, Latest, pump};
+    use nodeplan::nodeplan::resource;
+    const ROUNDS: usize = 5;
+    cp.install_nodeplan_crd().await;
+    let ns = cp.new_namespace("selectors").await;
+    let client = cp.client().await;
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &resource::api_resource());
+    let names: Vec<String> = (0..n).map(|i| format!("node-{i:04}")).collect();
+    let parallel = nodeplan::fleet::objects::PARALLEL;
+    futures::stream::iter(names.iter().map(|node| {
+        let obj =
+            nodeplan::nodeplan::cli_wire::new_nodeplan(&ns, node, node, None, serde_json::json!({"instructions": []}));
+        let api = api.clone();
+        async move {
+            let obj: DynamicObject = serde_json::from_value(obj).expect("object");
+            api.create(&PostParams::default(), &obj).await.map(|_| ())
+        }
+    }))
+    .buffer_unordered(parallel)
+    .for_each(|r| async move { r.expect("create a NodePlan") })
+    .await;
+    let api_pid = apiserver_pid(cp.dir());
+    println!("selectors: {n} NodePlans, {n} watches, {ROUNDS} changes of every spec (kube-apiserver {})", cp.version());
+    let mut results: Vec<(Selection, f64, f64, f64)> = Vec::new();
+    for (round_base, selection) in [(0, Selection::Label), (100, Selection::Field), (200, Selection::Everything)] {
+        let field_ok = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut rxs = Vec::new();
+        let mut pumps = Vec::new();
+        for node in &names {
+            let (tx, rx) = tokio::sync::watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
+            let napi: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &resource::api_resource());
+            let label = format!("{}={}", resource::NODE_LABEL, resource::node_label_value(node));
+            let task = match selection {
+                Selection::Label => tokio::spawn(pump(KubeListWatch::labelled(napi, &label), node.clone(), tx)),
+                Selection::Everything => tokio::spawn(pump(KubeListWatch::labelled(napi, ""), node.clone(), tx)),
+                Selection::Field => {
+                    let ok = field_ok.clone();
+                    let decided: nodeplan::k8s::watch::Decided = Box::new(move |o| {
+                        if o.is_ok() {
+                            ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    });
+                    let lw = KubeListWatch::preferring(napi, &label, &format!("spec.nodeName={node}"), decided);
+                    tokio::spawn(pump(lw, node.clone(), tx))
+                }
+            };
+            pumps.push(task);
+            rxs.push(rx);
+        }
+        for rx in &mut rxs {
+            while rx.borrow().0 == 0 {
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        }
+        if selection == Selection::Field && field_ok.load(std::sync::atomic::Ordering::Relaxed) < n {
+            println!(
+                "selectors: this API server does not select NodePlans by spec.nodeName: no field selector to measure"
+            );
+            pumps.iter().for_each(|p| p.abort());
+            continue;
+        }
+        let (events0, bytes0) = watch_counters(&client).await;
+        let ticks0 = api_pid.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+        let started = Instant::now();
+        for round in 0..ROUNDS {
+            let token = format!("r{}", round_base + round);
+            futures::stream::iter(names.iter().map(|name| {
+                let (api, token) = (api.clone(), token.clone());
+                async move {
+                    let patch = Patch::Merge(serde_json::json!({"spec": {"runToken": token}}));
+                    api.patch(name, &PatchParams::default(), &patch).await.map(|_| ())
+                }
+            }))
+            .buffer_unordered(parallel)
+            .for_each(|r| async move { r.expect("patch a NodePlan") })
+            .await;
+        }
+        // Every watch has seen the last change of what it watches.
+        let last = format!("r{}", round_base + ROUNDS - 1);
+        let seen = |latest: &Latest<DynamicObject>, node: &str| {
+            let done = |o: &DynamicObject| o.data.pointer("/spec/runToken").and_then(|v| v.as_str()) == Some(&last);
+            match selection {
+                Selection::Everything => latest.1.len() == n && latest.1.values().all(done),
+                _ => latest.1.get(node).is_some_and(done),
+            }
+        };
+        for (rx, node) in rxs.iter_mut().zip(&names) {
+            while !seen(&rx.borrow(), node) {
+                if tokio::time::timeout(Duration::from_secs(120), rx.changed()).await.is_err() {
+                    eprintln!("selectors: the watch of {node} never saw {last}");
+                    break;
+                }
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let cpu = api_pid.map(|p| rss_and_ticks(p).1).unwrap_or(0).saturating_sub(ticks0) as f64 / 100.0;
+        let (events1, bytes1) = watch_counters(&client).await;
+        pumps.iter().for_each(|p| p.abort());
+        drop(rxs);
+        results.push((selection, cpu, events1 - events0, bytes1 - bytes0));
+        let name = match selection {
+            Selection::Label => "label selector",
+            Selection::Field => "field selector (with the label)",
+            Selection::Everything => "the whole namespace",
+        };
+        println!(
+            "selectors: {name}: API server CPU {cpu:.2}s over {secs:.1}s; {:.0} watch events, {:.1} MiB sent",
+            events1 - events0,
+            (bytes1 - bytes0) / 1048576.0
+        );
+    }
+    if let Some(&(_, cpu_l, ev_l, b_l)) = results.iter().find(|r| r.0 == Selection::Label) {
+        for (selection, cpu, ev, b) in &results {
+            let name = match selection {
+                Selection::Label => continue,
+                Selection::Field => "field/label",
+                Selection::Everything => "whole namespace/label",
+            };
+            println!(
+                "selectors: {name}: API server CPU {:.2}x, events {:.2}x, bytes {:.2}x",
+                cpu / cpu_l,
+                ev / ev_l,
+                b / b_l
+            );
+        }
+    }
 }

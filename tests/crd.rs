@@ -129,6 +129,17 @@ fn api_error<T: std::fmt::Debug>(what: &str, res: kube::Result<T>) -> (u16, Stri
     }
 }
 
+/// The names of the objects `api` lists.
+async fn names(api: &Api<DynamicObject>) -> Vec<String> {
+    api.list(&Default::default())
+        .await
+        .unwrap_or_else(|e| panic!("list: {e}"))
+        .items
+        .into_iter()
+        .filter_map(|o| o.metadata.name)
+        .collect()
+}
+
 /// Run the cache's kubectl against the control plane; its stdout (panics unless it exits 0).
 async fn kubectl(cp: &ControlPlane, args: &[&str]) -> String {
     let mut cmd = tokio::process::Command::from(cp.kubectl());
@@ -242,15 +253,220 @@ async fn object_violating_the_schema_is_rejected_with_422() {
     assert!(message.contains("status.phase"), "{message}");
 
     // Nothing invalid was stored.
-    let names: Vec<String> = api
-        .list(&Default::default())
-        .await
-        .unwrap_or_else(|e| panic!("list: {e}"))
-        .items
-        .into_iter()
-        .filter_map(|o| o.metadata.name)
-        .collect();
-    assert_eq!(names, ["good"]);
+    assert_eq!(names(&api).await, ["good"]);
     let good = api.get_status("good").await.unwrap_or_else(|e| panic!("get status: {e}"));
     assert!(good.data.get("status").is_none(), "the rejected status was not stored: {:?}", good.data);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shipped NodePlan definition (agent.cattle.io): its CEL rules, what `nodeplan crd` prints for
+// each release, and the status-writer policy.
+
+/// `nodeplan ARGS`: its exit code, stdout and stderr.
+fn nodeplan_cmd(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run nodeplan {args:?}: {e}"));
+    let text = |b: Vec<u8>| String::from_utf8(b).unwrap_or_else(|e| panic!("nodeplan {args:?} printed non-UTF-8: {e}"));
+    (out.status.code().unwrap_or(-1), text(out.stdout), text(out.stderr))
+}
+
+/// `kubectl ARGS` with `input` on stdin: whether it exited 0, and its stdout and stderr.
+async fn kubectl_with_input(cp: &ControlPlane, args: &[&str], input: &str) -> (bool, String) {
+    use tokio::io::AsyncWriteExt as _;
+    let mut cmd = tokio::process::Command::from(cp.kubectl());
+    cmd.args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("run kubectl {args:?}: {e}"));
+    let mut stdin = child.stdin.take().unwrap_or_else(|| panic!("kubectl's stdin"));
+    stdin.write_all(input.as_bytes()).await.unwrap_or_else(|e| panic!("write to kubectl: {e}"));
+    drop(stdin);
+    let out = tokio::time::timeout(GUARD, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("kubectl {args:?} did not finish within {GUARD:?}"))
+        .unwrap_or_else(|e| panic!("kubectl {args:?}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// The shipped NodePlan definition installed, and the NodePlans of a new namespace.
+async fn shipped_nodeplans(cp: &ControlPlane, test: &str) -> Api<DynamicObject> {
+    cp.install_nodeplan_crd().await;
+    let ns = cp.new_namespace(test).await;
+    Api::namespaced_with(cp.client().await, &ns, &nodeplan::nodeplan::resource::api_resource())
+}
+
+/// A NodePlan labelled for node-a with `spec`.
+fn shipped(name: &str, spec: Value) -> DynamicObject {
+    let mut o = DynamicObject::new(name, &nodeplan::nodeplan::resource::api_resource()).data(json!({"spec": spec}));
+    o.metadata.labels = Some([("cattle.io/node".to_string(), "node-a".to_string())].into());
+    o
+}
+
+/// The definition's CEL rules (`deploy/nodeplan-crd.yaml`) on a release that runs them (1.25 and
+/// later): each refuses its bad object with its message, a good object is stored, and
+/// `spec.nodeName` cannot change. 1.20 takes the same definition (it drops the rules) and so takes
+/// those objects: said loudly. The structural checks added with them hold on both.
+#[tokio::test]
+async fn the_nodeplan_definition_enforces_its_cel_rules() {
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let api = shipped_nodeplans(cp, "np-cel").await;
+    let pp = PostParams::default();
+    let plan = json!({"instructions": [{"name": "a", "command": "true"}]});
+    let node_a = |extra: Value| {
+        let mut spec = json!({"nodeName": "node-a", "plan": plan});
+        spec.as_object_mut()
+            .unwrap_or_else(|| panic!("an object"))
+            .extend(extra.as_object().cloned().unwrap_or_default());
+        spec
+    };
+    // Structural, so on every release.
+    for (case, spec, field) in [
+        (
+            "more than 100 attempts",
+            node_a(json!({"retryStrategy": {"maxAttempts": 101}})),
+            "spec.retryStrategy.maxAttempts",
+        ),
+        (
+            "a duration the agent cannot read",
+            node_a(json!({"retryStrategy": {"initialDelay": "1d"}})),
+            "spec.retryStrategy.initialDelay",
+        ),
+        (
+            "a timeout the agent cannot read",
+            node_a(json!({"execution": {"timeout": "5 min"}})),
+            "spec.execution.timeout",
+        ),
+    ] {
+        let (code, message) = api_error(case, api.create(&pp, &shipped("bad", spec)).await);
+        assert_eq!(code, 422, "{case}: {message}");
+        assert!(message.contains(field), "{case}: the message names {field}: {message}");
+    }
+    let rules = [
+        ("no spec.nodeName", json!({"plan": plan}), "spec.nodeName must name the node this NodePlan is for"),
+        (
+            "a first wait longer than the longest",
+            node_a(json!({"retryStrategy": {"initialDelay": "1h"}})),
+            "spec.retryStrategy.initialDelay (default 10s) must not be longer than maxDelay (default 10m)",
+        ),
+        (
+            "a longest wait under the 1 s floor",
+            node_a(json!({"retryStrategy": {"initialDelay": "100ms", "maxDelay": "500ms"}})),
+            "spec.retryStrategy.maxDelay must be at least 1s",
+        ),
+    ];
+    let good =
+        node_a(json!({"retryStrategy": {"initialDelay": "5", "maxDelay": "1m"}, "execution": {"timeout": "1.5h"}}));
+    api.create(&pp, &shipped("good", good)).await.unwrap_or_else(|e| panic!("a good NodePlan: {e}"));
+    if !cp.version().at_least(1, 25) {
+        k8s_support::loud(&format!(
+            "kube-apiserver {} runs no CEL rules: the definition is taken without them, and so are the NodePlans they refuse on 1.25 and later",
+            cp.version()
+        ));
+        for (i, (case, spec, _)) in rules.into_iter().enumerate() {
+            api.create(&pp, &shipped(&format!("taken-{i}"), spec)).await.unwrap_or_else(|e| panic!("{case}: {e}"));
+        }
+        return;
+    }
+    for (case, spec, message) in rules {
+        let (code, got) = api_error(case, api.create(&pp, &shipped("bad", spec)).await);
+        assert_eq!(code, 422, "{case}: {got}");
+        assert!(got.contains(message), "{case}: the rule's message {message:?} in {got}");
+    }
+    let moved = Patch::Merge(json!({"spec": {"nodeName": "node-b"}}));
+    let (code, got) = api_error("a NodePlan moved", api.patch("good", &PatchParams::default(), &moved).await);
+    assert_eq!(code, 422, "{got}");
+    assert!(got.contains("spec.nodeName cannot change once set"), "{got}");
+    api.patch("good", &PatchParams::default(), &Patch::Merge(json!({"spec": {"paused": true}})))
+        .await
+        .unwrap_or_else(|e| panic!("any other change of the spec: {e}"));
+    assert_eq!(names(&api).await, ["good"], "nothing refused was stored");
+}
+
+/// `nodeplan crd --kube-version V` prints what release V's kubectl takes (checked with the cache's
+/// kubectl, of the API server's release, as a server-side dry run); on 1.20 the full definition is
+/// refused by that kubectl, which is why the flag exists.
+#[tokio::test]
+async fn nodeplan_crd_prints_what_each_release_takes() {
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let v = cp.version();
+    let (code, crd, err) = nodeplan_cmd(&["crd", "--kube-version", &v.git]);
+    assert_eq!((code, err.as_str()), (0, ""), "nodeplan crd --kube-version {v}");
+    let (ok, out) = kubectl_with_input(cp, &["apply", "--dry-run=server", "-f", "-"], &crd).await;
+    assert!(ok, "kubectl {v} takes nodeplan crd --kube-version {v}: {out}");
+    let (_, full, _) = nodeplan_cmd(&["crd"]);
+    let (ok, out) = kubectl_with_input(cp, &["apply", "--dry-run=server", "-f", "-"], &full).await;
+    if v.at_least(1, 30) {
+        assert!(ok, "kubectl {v} takes the full definition: {out}");
+    } else {
+        k8s_support::loud(&format!("kubectl {v} refuses the full definition, as expected: {}", out.trim()));
+        assert!(!ok && out.contains("unknown field \"selectableFields\""), "{out}");
+    }
+}
+
+/// The done-when of issue 22's part 4: on an API server with ValidatingAdmissionPolicies (1.30
+/// and later), the policy `nodeplan crd --admission-policy` prints lets only the agent of the
+/// NodePlan's `spec.nodeName` (the user `nodeplan:node:<node>`) write its status. Both node agents
+/// hold the same RBAC grant, so a denial is the policy's. 1.20 has no such policies: said loudly,
+/// and `nodeplan crd --admission-policy --kube-version 1.20` refuses in one line.
+#[tokio::test]
+async fn only_the_nodes_own_agent_writes_a_nodeplan_status() {
+    let Some(cp) = ControlPlane::shared_for_custom_resources().await else { return };
+    let (own, other_user) = (k8s_support::NODE_AGENTS[0].0, k8s_support::NODE_AGENTS[1].0);
+    assert_eq!(own, nodeplan::nodeplan::resource::agent_user("node-a"));
+    if !cp.version().at_least(1, 30) {
+        let (code, out, err) = nodeplan_cmd(&["crd", "--admission-policy", "--kube-version", &cp.version().git]);
+        assert_eq!((code, out.as_str(), err.lines().count()), (2, "", 1), "{err}");
+        assert!(err.contains("has no ValidatingAdmissionPolicy"), "{err}");
+        k8s_support::loud(&format!(
+            "kube-apiserver {} has no ValidatingAdmissionPolicy: the status-writer policy is proven on 1.30 and later only",
+            cp.version()
+        ));
+        return;
+    }
+    let ns = cp.new_namespace("np-status-writer").await;
+    // Both node agents may write NodePlans' status in `ns` as far as RBAC goes.
+    let api = cp.install_status_policy(&ns).await;
+    let plan = json!({"instructions": [{"name": "a", "command": "true"}]});
+    api.create(&PostParams::default(), &shipped("p", json!({"nodeName": "node-a", "plan": plan})))
+        .await
+        .unwrap_or_else(|e| panic!("create p: {e}"));
+    let as_other: Api<DynamicObject> =
+        Api::namespaced_with(cp.client_as(other_user).await, &ns, &nodeplan::nodeplan::resource::api_resource());
+    let as_own: Api<DynamicObject> =
+        Api::namespaced_with(cp.client_as(own).await, &ns, &nodeplan::nodeplan::resource::api_resource());
+    let status = |phase: &str| Patch::Merge(json!({"status": {"phase": phase}}));
+
+    // Another node's agent is denied, by the policy, with the agent it expects named.
+    let (code, message) =
+        api_error("another node's agent", as_other.patch_status("p", &PatchParams::default(), &status("Failed")).await);
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(&format!(
+            "only {own}, the agent of node node-a, may write this NodePlan status; {other_user} may not"
+        )),
+        "{message}"
+    );
+    // A replace is the same operation to admission.
+    let mut whole = api.get_status("p").await.unwrap_or_else(|e| panic!("{e}"));
+    whole.data["status"] = json!({"phase": "Failed"});
+    let (code, _) =
+        api_error("another node's agent's PUT", as_other.replace_status("p", &PostParams::default(), &whole).await);
+    assert_eq!(code, 403);
+    // The node's own agent writes it.
+    let written = as_own
+        .patch_status("p", &PatchParams::default(), &status("Applied"))
+        .await
+        .unwrap_or_else(|e| panic!("the node's own agent: {e}"));
+    assert_eq!(written.data["status"]["phase"], "Applied");
+    // Nobody else, cluster admins included (delete the binding to write a status by hand).
+    let (code, message) =
+        api_error("an admin", api.patch_status("p", &PatchParams::default(), &status("Failed")).await);
+    assert_eq!(code, 403, "{message}");
+    let stored = api.get_status("p").await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stored.data["status"], json!({"phase": "Applied"}), "only the own agent's write landed");
 }

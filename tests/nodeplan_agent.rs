@@ -55,8 +55,12 @@ impl Node {
         Node { node: ClusterNode::new(&mode, kubeconfig, &namespace), api, namespace }
     }
 
-    /// Create a NodePlan for `node` as a producer does.
-    async fn create(&self, name: &str, node: &str, spec: serde_json::Value) {
+    /// Create a NodePlan for `node` as a producer does: labelled for it, and naming it in
+    /// `spec.nodeName` unless `spec` names a node itself.
+    async fn create(&self, name: &str, node: &str, mut spec: serde_json::Value) {
+        if spec.get("nodeName").is_none() {
+            spec["nodeName"] = json!(node);
+        }
         let obj: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "agent.cattle.io/v1alpha1",
             "kind": "NodePlan",
@@ -108,6 +112,20 @@ async fn a_nodeplan_is_applied_with_its_results_readable_in_status() {
     n.create("install", "node-a", json!({"plan": plan})).await;
     n.create("elsewhere", "node-b", json!({"plan": {"instructions": [sh("x", &format!("echo x >> {marker}"))]}})).await;
     let mut agent = n.agent();
+    // The agent watches its node's NodePlans by field selector where the API server selects them
+    // by spec.nodeName (the definition's selectableFields: 1.31 and later), by label alone on 1.20.
+    if cp.version().at_least(1, 31) {
+        agent.wait_log(&format!(
+            "NodePlan mode: watching NodePlans labelled cattle.io/node=node-a in namespace {} with the field selector spec.nodeName=node-a",
+            n.namespace
+        ));
+    } else {
+        k8s_support::loud(&format!(
+            "kube-apiserver {}: no field selector on NodePlans, the agent selects by label",
+            cp.version()
+        ));
+        agent.wait_log("by label only: the API server does not select NodePlans by spec.nodeName");
+    }
     let s = n.wait("install", "Applied", phase("Applied")).await;
     assert_eq!((s.progress.as_str(), s.successes, s.attempts), ("2/2", 1, 1));
     assert_eq!(s.observed_generation, 1);
@@ -154,7 +172,7 @@ async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_field
     let obj: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
         "metadata": {"name": "bad", "namespace": n.namespace, "labels": {"cattle.io/node": "node-a"}},
-        "spec": {"plan": {"instructions": [{"command": "true"}]}},
+        "spec": {"nodeName": "node-a", "plan": {"instructions": [{"command": "true"}]}},
     }))
     .unwrap();
     match n.api.create(&PostParams::default(), &obj).await {
@@ -295,6 +313,18 @@ async fn deleting_a_running_nodeplan_stops_it() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A NodePlan `name` of node-a with one instruction, applied by the node's agent (started here and
+/// returned): `Applied` (`what`), `1/1`, the instruction run once.
+async fn applies_one_instruction(n: &Node, name: &str, what: &str) -> AgentProc {
+    let marker = n.p("marker");
+    n.create(name, "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
+    let agent = n.agent();
+    let s = n.wait(name, what, phase("Applied")).await;
+    assert_eq!(s.progress, "1/1");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    agent
+}
+
 /// The shipped `deploy/nodeplan-rbac.yaml` is enough for an agent: bound to `nodeplan-agent` in
 /// the node's namespace (and nothing else), it applies a NodePlan and writes its status, and it
 /// cannot change a NodePlan's spec.
@@ -317,18 +347,49 @@ async fn the_shipped_agent_role_is_enough_and_no_more() {
         assert!(Instant::now() < deadline, "the binding never took effect");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let marker = n.p("marker");
-    n.create("rbac", "node-a", json!({"plan": {"instructions": [sh("a", &format!("echo a >> {marker}"))]}})).await;
-    let mut agent = n.agent();
-    let s = n.wait("rbac", "Applied", phase("Applied")).await;
-    assert_eq!(s.progress, "1/1");
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "a\n");
+    let mut agent = applies_one_instruction(&n, "rbac", "Applied").await;
     // The agent's identity cannot rewrite the plan.
     let patch = Patch::Merge(json!({"spec": {"priority": 5}}));
     match as_agent.patch("rbac", &PatchParams::default(), &patch).await {
         Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
         other => panic!("the agent's role may change a spec: {other:?}"),
     }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Under the status-writer policy (`nodeplan crd --admission-policy`, Kubernetes 1.30 and later),
+/// the real agent of node-a, authenticated as `nodeplan:node:node-a` with the shipped agent Role,
+/// applies its NodePlan and records the outcome. A control plane of its own: the policy is
+/// cluster-wide, and the other tests' agents write as the admin.
+#[tokio::test]
+async fn the_nodes_own_agent_writes_its_status_under_the_status_writer_policy() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let Some(cp) = ControlPlane::start_for_custom_resources().await else { return };
+    if !cp.version().at_least(1, 30) {
+        k8s_support::loud(&format!(
+            "kube-apiserver {} has no ValidatingAdmissionPolicy: nothing to prove",
+            cp.version()
+        ));
+        return;
+    }
+    let user = k8s_support::NODE_AGENTS[0].0;
+    let n = Node::named(&cp, "np-vap", &cp.kubeconfig_yaml_as(user), "node-a").await;
+    cp.install_status_policy(&n.namespace).await;
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nodeplan-rbac.yaml")).unwrap();
+    let doc = manifest.split("\n---\n").find(|d| d.contains("name: nodeplan-agent\n")).unwrap();
+    let role: Role = serde_yaml_ng::from_str(doc).unwrap();
+    Api::<Role>::namespaced(cp.client().await, &n.namespace).create(&PostParams::default(), &role).await.unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "node-a-agent", "namespace": n.namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "nodeplan-agent"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(cp.client().await, &n.namespace)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let mut agent = applies_one_instruction(&n, "mine", "Applied, written by the node's own agent").await;
     assert_eq!(agent.stop(), 0);
 }
 

@@ -149,7 +149,11 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
     let out = p.ok(&["plan", "push", &file1, "--nodeplan", &target, "--node", "node-a", "--priority", "3"]);
     let o = p.get("web").await;
     assert_eq!(label(&o).as_deref(), Some("node-a"));
-    assert_eq!(o.data["spec"], json!({"plan": plan1, "priority": 3}), "no nodeName for a name that is a label");
+    assert_eq!(
+        o.data["spec"],
+        json!({"plan": plan1, "priority": 3, "nodeName": "node-a"}),
+        "the node named in the spec"
+    );
     let checksum = nodeplan::nodeplan::cli_wire::plan_checksum(&o).unwrap();
     assert_eq!(
         out,
@@ -181,7 +185,10 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
     let file2 = p.plan_file("two.plan", &plan2);
     let out = p.ok(&["plan", "push", &file2, "--nodeplan", &target, "--node", "node-a"]);
     assert!(out.contains(": replaced spec.plan, cleared spec.canceled\n"), "{out}");
-    assert_eq!(p.spec("web").await, json!({"plan": plan2, "priority": 3, "paused": true, "canceled": false}));
+    assert_eq!(
+        p.spec("web").await,
+        json!({"plan": plan2, "priority": 3, "paused": true, "canceled": false, "nodeName": "node-a"})
+    );
     let out = p.ok(&["plan", "push", &file2, "--nodeplan", &target, "--priority", "-1"]);
     assert!(out.ends_with(": replaced spec.plan, spec.priority=-1\n"), "{out}");
     assert_eq!(p.spec("web").await["priority"], json!(-1));

@@ -47,7 +47,7 @@ impl Node {
             "apiVersion": "agent.cattle.io/v1alpha1",
             "kind": "NodePlan",
             "metadata": {"name": name, "namespace": self.namespace, "labels": {"cattle.io/node": "node-a"}},
-            "spec": {"plan": plan},
+            "spec": {"plan": plan, "nodeName": "node-a"},
         }))
         .unwrap();
         self.api.create(&PostParams::default(), &obj).await.unwrap();

@@ -125,8 +125,10 @@ enum Command {
     /// Remove what `nodeplan install` wrote (files changed since are kept and named).
     #[command(after_help = install::UNINSTALL_EXIT_CODES)]
     Uninstall(install::UninstallArgs),
-    /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it).
-    Crd,
+    /// Print the NodePlan CustomResourceDefinition (`kubectl apply -f -` installs it), or with
+    /// --admission-policy the policy that lets only a node's own agent write its NodePlans' status.
+    #[command(after_help = CRD_HELP)]
+    Crd(CrdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
     Completions {
         #[arg(value_enum)]
@@ -134,6 +136,47 @@ enum Command {
     },
     /// Print the man page (roff; `nodeplan man | man -l -`).
     Man,
+}
+
+/// `nodeplan crd`'s options.
+#[derive(clap::Args, Debug)]
+pub struct CrdArgs {
+    /// The API server's release (`1.20`, `v1.37.2`): leave out what it does not know (CEL rules
+    /// before 1.25, the selectable field before 1.30). Default: a current release.
+    #[arg(long, value_name = "VERSION", value_parser = crate::nodeplan::resource::parse_kube_version)]
+    kube_version: Option<(u32, u32)>,
+    /// Print the ValidatingAdmissionPolicy and its binding instead (Kubernetes 1.30 and later).
+    #[arg(long)]
+    admission_policy: bool,
+}
+
+const CRD_HELP: &str = "Exit codes:
+  0  printed
+  2  bad arguments, or --admission-policy for a release without ValidatingAdmissionPolicies
+
+Install both on a current API server:
+  nodeplan crd | kubectl apply -f -
+  nodeplan crd --admission-policy | kubectl apply -f -
+On Kubernetes 1.20: nodeplan crd --kube-version 1.20 | kubectl apply -f -";
+
+/// `nodeplan crd`: the definition or the policy on stdout.
+fn crd(args: &CrdArgs) -> u8 {
+    use crate::nodeplan::resource;
+    let text = if args.admission_policy {
+        resource::status_policy_yaml(args.kube_version).map(str::to_string)
+    } else {
+        resource::crd_yaml(args.kube_version)
+    };
+    match text {
+        Ok(t) => {
+            out!("{}", t.trim_end());
+            exit::OK
+        }
+        Err(e) => {
+            say(&format!("nodeplan: {e}"));
+            exit::BAD_INPUT
+        }
+    }
 }
 
 /// `apply --help`'s list of [`exit`] codes (the README's list says the same).
@@ -253,10 +296,7 @@ pub fn main() -> ExitCode {
             Command::Rollout(r) => rollout::run(r).await,
             Command::Install(a) => install::install(a).await,
             Command::Uninstall(a) => install::uninstall(a),
-            Command::Crd => {
-                out!("{}", crate::nodeplan::resource::CRD_YAML.trim_end());
-                exit::OK
-            }
+            Command::Crd(a) => crd(&a),
             Command::Completions { shell } => generated(|w| {
                 clap_complete::generate(shell, &mut Cli::command(), "nodeplan", w);
                 Ok(())

@@ -1,6 +1,7 @@
 //! One list/watch for every object the agent follows (the plan Secret, a node's NodePlans): a
 //! list with the caller's label or field selector, then a watch from the list's resourceVersion,
-//! and a list again whenever the watch ends.
+//! and a list again whenever the watch ends. A field selector the API server may not support (a
+//! custom resource's selectable field) is tried first and dropped for good when refused.
 //!
 //! kube-runtime's `watcher` resumes a broken watch from the last resourceVersion and says nothing
 //! until the next change, so a write kept through an outage would wait for its own back-off step.
@@ -35,6 +36,7 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -91,17 +93,55 @@ pub struct KubeListWatch<K> {
     api: Api<K>,
     labels: Option<String>,
     fields: Option<String>,
+    /// A field selector to add where the API server supports it ([`KubeListWatch::preferring`]).
+    preferred: Option<Preferred>,
 }
+
+/// What [`KubeListWatch::preferring`] is told once it knows whether the API server selects by
+/// the preferred field selector: `Ok(())` it does, `Err(why)` it refused it (the watch goes on
+/// by the label selector alone).
+pub type Decided = Box<dyn Fn(Result<(), &str>) + Send + Sync>;
+
+/// A field selector the API server may not support (a custom resource's `selectableFields` need
+/// Kubernetes 1.31, and the definition installed must declare them).
+struct Preferred {
+    fields: String,
+    /// [`UNDECIDED`], [`BY_FIELDS`] or [`BY_LABELS`].
+    mode: AtomicU8,
+    decided: Decided,
+}
+
+const UNDECIDED: u8 = 0;
+const BY_FIELDS: u8 = 1;
+const BY_LABELS: u8 = 2;
 
 impl<K> KubeListWatch<K> {
     /// The objects whose labels match `selector`.
     pub fn labelled(api: Api<K>, selector: &str) -> Self {
-        KubeListWatch { api, labels: Some(selector.to_string()), fields: None }
+        KubeListWatch { api, labels: Some(selector.to_string()), fields: None, preferred: None }
+    }
+
+    /// The objects whose labels match `labels` and, where the API server supports the field
+    /// selector `fields`, whose fields match it too. Each list asks with both until the API server
+    /// refuses the field selector (400 Bad Request): from then on, labels alone (until the process
+    /// starts again). `decided` hears the outcome of the first list that answers, and of a later
+    /// refusal.
+    pub fn preferring(api: Api<K>, labels: &str, fields: &str, decided: Decided) -> Self {
+        let preferred = Preferred { fields: fields.to_string(), mode: AtomicU8::new(UNDECIDED), decided };
+        KubeListWatch { api, labels: Some(labels.to_string()), fields: None, preferred: Some(preferred) }
     }
 
     /// The one object named `name`.
     pub fn named(api: Api<K>, name: &str) -> Self {
-        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")) }
+        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")), preferred: None }
+    }
+
+    /// The field selector a request carries now.
+    fn fields_now(&self) -> Option<&str> {
+        match &self.preferred {
+            Some(p) if p.mode.load(Ordering::Relaxed) != BY_LABELS => Some(&p.fields),
+            _ => self.fields.as_deref(),
+        }
     }
 
     fn list_params(&self) -> ListParams {
@@ -110,7 +150,7 @@ impl<K> KubeListWatch<K> {
             Some(l) => lp.labels(l),
             None => lp,
         };
-        match &self.fields {
+        match self.fields_now() {
             Some(f) => lp.fields(f),
             None => lp,
         }
@@ -122,7 +162,7 @@ impl<K> KubeListWatch<K> {
             Some(l) => wp.labels(l),
             None => wp,
         };
-        match &self.fields {
+        match self.fields_now() {
             Some(f) => wp.fields(f),
             None => wp,
         }
@@ -143,7 +183,22 @@ where
     type Object = K;
 
     async fn list(&self) -> Result<Listed<K>, WatchError> {
-        let list = self.api.list(&self.list_params()).await.map_err(kube_error)?;
+        let answer = self.api.list(&self.list_params()).await;
+        let list = match (&self.preferred, answer) {
+            (Some(p), Err(kube::Error::Api(s))) if s.code == 400 && p.mode.load(Ordering::Relaxed) != BY_LABELS => {
+                p.mode.store(BY_LABELS, Ordering::Relaxed);
+                let why = super::error_line(&kube::Error::Api(s));
+                (p.decided)(Err(&why));
+                self.api.list(&self.list_params()).await
+            }
+            (Some(p), Ok(list)) if p.mode.load(Ordering::Relaxed) == UNDECIDED => {
+                p.mode.store(BY_FIELDS, Ordering::Relaxed);
+                (p.decided)(Ok(()));
+                Ok(list)
+            }
+            (_, answer) => answer,
+        };
+        let list = list.map_err(kube_error)?;
         Ok(Listed { resource_version: list.metadata.resource_version.unwrap_or_default(), items: list.items })
     }
 
@@ -306,7 +361,7 @@ async fn watch_from<L: ListWatch>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::api::DynamicObject;
+    use kube::api::{ApiResource, DynamicObject};
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
 
@@ -590,5 +645,68 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         drop(rx);
         tokio::time::timeout(Duration::from_secs(1), pump).await.expect("the pump ended").expect("no panic");
+    }
+
+    /// A preferred field selector goes with the label selector on every request while the API
+    /// server accepts it; refused (400), the same list is asked again at once by labels alone and
+    /// so is everything after it. Each outcome is told once.
+    #[tokio::test]
+    async fn a_refused_field_selector_falls_back_to_the_labels() {
+        use http::{Request, Response};
+        use kube::client::Body;
+        let list =
+            serde_json::json!({"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": "5"}, "items": []});
+        let refused = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "BadRequest",
+            "code": 400, "message": "field label not supported: spec.nodeName"});
+        let respond = |code: u16, v: &serde_json::Value| {
+            Response::builder().status(code).body(Body::from(serde_json::to_vec(v).unwrap_or_default())).unwrap()
+        };
+        let query = |r: &Request<Body>| {
+            let q = r.uri().query().unwrap_or_default().to_string();
+            (q.contains("labelSelector=l%3Da"), q.contains("fieldSelector=spec.nodeName%3Da"), q.contains("watch=true"))
+        };
+        // (the first list's answer, whether the fields are kept, what `decided` hears)
+        for (first, kept, told) in [
+            (200, true, "fields"),
+            (400, false, "labels: apiserver answered 400 BadRequest: field label not supported: spec.nodeName"),
+        ] {
+            let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let heard = Arc::new(Mutex::new(Vec::new()));
+            let h = heard.clone();
+            let decided: Decided = Box::new(move |o| {
+                h.lock().unwrap().push(o.map_or_else(|why| format!("labels: {why}"), |()| "fields".to_string()))
+            });
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                kube::Client::new(svc, "ns"),
+                "ns",
+                &ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&()),
+            );
+            let lw = KubeListWatch::preferring(api, "l=a", "spec.nodeName=a", decided);
+            let (list, refused) = (list.clone(), refused.clone());
+            let server = async move {
+                let mut handle = std::pin::pin!(handle);
+                let (req, send) = handle.as_mut().next_request().await.expect("a list");
+                assert_eq!(query(&req), (true, true, false), "{:?}", req.uri());
+                send.send_response(respond(first, if first == 200 { &list } else { &refused }));
+                if first == 400 {
+                    let (req, send) = handle.as_mut().next_request().await.expect("the list again");
+                    assert_eq!(query(&req), (true, false, false), "by labels alone: {:?}", req.uri());
+                    send.send_response(respond(200, &list));
+                }
+                let (req, send) = handle.as_mut().next_request().await.expect("a watch");
+                assert_eq!(query(&req), (true, kept, true), "{:?}", req.uri());
+                send.send_response(respond(200, &serde_json::json!({})));
+                let (req, send) = handle.as_mut().next_request().await.expect("a second list");
+                assert_eq!(query(&req), (true, kept, false), "{:?}", req.uri());
+                send.send_response(respond(200, &list));
+            };
+            let client = async {
+                assert_eq!(lw.list().await.map(|l| l.resource_version), Ok("5".to_string()));
+                let _ = lw.watch("5").await;
+                assert!(lw.list().await.is_ok());
+            };
+            tokio::join!(client, server);
+            assert_eq!(*heard.lock().unwrap(), [told], "told once");
+        }
     }
 }

@@ -45,15 +45,12 @@ pub fn reset_patch(token: &str) -> Value {
     json!({"spec": {"runToken": token, "paused": false, "canceled": false}})
 }
 
-/// A NodePlan to create for `node`: labelled with [`node_label_value`] (the agent's watch selects
-/// by it), `spec.nodeName` when the label is a hash (the agent then matches the full name),
-/// `spec.plan` the plan JSON as an object.
+/// A NodePlan to create for `node`: labelled with [`node_label_value`] and naming the node in
+/// `spec.nodeName` (the agent's watch selects by both; the definition's CEL rules require the
+/// name, and the status-writer policy reads it), `spec.plan` the plan JSON as an object.
 pub fn new_nodeplan(namespace: &str, name: &str, node: &str, priority: Option<i32>, plan: Value) -> Value {
     let label = node_label_value(node);
-    let mut spec = json!({"plan": plan});
-    if label != node {
-        spec["nodeName"] = json!(node);
-    }
+    let mut spec = json!({"plan": plan, "nodeName": node});
     if let Some(p) = priority {
         spec["priority"] = json!(p);
     }
@@ -76,8 +73,17 @@ pub fn replace_plan(existing: &DynamicObject, plan: Value, priority: Option<i32>
     if !next.data.get("spec").is_some_and(Value::is_object) {
         next.data["spec"] = json!({});
     }
+    // A NodePlan written before spec.nodeName was required gets it from its label (a hashed
+    // label has it already): the definition's CEL rules refuse a spec without it.
+    let node = match spec_node_name(existing) {
+        None => node_name(existing).map(str::to_string),
+        Some(_) => None,
+    };
     let spec = &mut next.data["spec"];
     spec["plan"] = plan;
+    if let Some(node) = node {
+        spec["nodeName"] = json!(node);
+    }
     if spec.get("canceled").is_some() {
         spec["canceled"] = json!(false);
     }
@@ -420,8 +426,13 @@ mod tests {
     fn a_new_nodeplan_is_labelled_for_its_node_and_names_a_long_one_in_the_spec() {
         let long = format!("node-{}", "x".repeat(70));
         let rows = [
-            ("node-a", None, json!({"cattle.io/node": "node-a"}), json!({"plan": plan_a()})),
-            ("node-a", Some(-3), json!({"cattle.io/node": "node-a"}), json!({"plan": plan_a(), "priority": -3})),
+            ("node-a", None, json!({"cattle.io/node": "node-a"}), json!({"plan": plan_a(), "nodeName": "node-a"})),
+            (
+                "node-a",
+                Some(-3),
+                json!({"cattle.io/node": "node-a"}),
+                json!({"plan": plan_a(), "priority": -3, "nodeName": "node-a"}),
+            ),
             (
                 long.as_str(),
                 Some(7),
@@ -469,6 +480,13 @@ mod tests {
         assert_eq!(replace_plan(&bare, new_plan.clone(), None).data["spec"], json!({"plan": new_plan}));
         let none = object(json!({"metadata": {"name": "p"}}));
         assert_eq!(replace_plan(&none, new_plan.clone(), None).data["spec"], json!({"plan": new_plan}));
+        // A NodePlan written before spec.nodeName was required gets it from its label.
+        let labelled =
+            object(json!({"metadata": {"name": "p", "labels": {"cattle.io/node": "n"}}, "spec": {"plan": plan_a()}}));
+        assert_eq!(
+            replace_plan(&labelled, new_plan.clone(), None).data["spec"],
+            json!({"plan": new_plan, "nodeName": "n"})
+        );
     }
 
     #[test]

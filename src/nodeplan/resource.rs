@@ -3,8 +3,9 @@
 //! does not support yet are refused, never ignored (a newer producer's plan must not run as a
 //! smaller one).
 
+use crate::k8s::watch::{Decided, KubeListWatch};
 use crate::plan::{Checkpoint, PeriodicInstructionOutput, ProbeStatus};
-use kube::api::ApiResource;
+use kube::api::{Api, ApiResource, DynamicObject};
 use kube::core::GroupVersionKind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -41,8 +42,128 @@ pub const NODE_LABEL: &str = "cattle.io/node";
 /// `"true"`: stop the running plan through the stop ladder and start the new spec at once.
 pub const FORCE_UPDATE: &str = "agent.cattle.io/force-update";
 
-/// The CustomResourceDefinition (`nodeplan crd`, `deploy/nodeplan-crd.yaml`).
+/// The CustomResourceDefinition (`nodeplan crd`, `deploy/nodeplan-crd.yaml`), for API servers
+/// that enforce its CEL rules and select by its selectable field; [`crd_yaml`] gives older ones
+/// theirs.
 pub const CRD_YAML: &str = include_str!("../../deploy/nodeplan-crd.yaml");
+
+/// The ValidatingAdmissionPolicy and its binding that let only a node's own agent write its
+/// NodePlans' status (`nodeplan crd --admission-policy`, `deploy/nodeplan-status-policy.yaml`).
+pub const STATUS_POLICY_YAML: &str = include_str!("../../deploy/nodeplan-status-policy.yaml");
+
+/// The user name of node `node`'s agent, the identity [`STATUS_POLICY_YAML`] lets write the
+/// status of the NodePlans whose `spec.nodeName` is `node`.
+pub fn agent_user(node: &str) -> String {
+    format!("nodeplan:node:{node}")
+}
+
+/// The first release whose API server runs the definition's CEL rules (`x-kubernetes-validations`,
+/// on by default since 1.25); before it, the field is unknown and kubectl refuses the definition.
+pub const CEL_SINCE: (u32, u32) = (1, 25);
+/// The first release that knows `selectableFields` (1.30 alpha, on by default from 1.31).
+pub const SELECTABLE_SINCE: (u32, u32) = (1, 30);
+/// The first release with `admissionregistration.k8s.io/v1` ValidatingAdmissionPolicies.
+pub const POLICY_SINCE: (u32, u32) = (1, 30);
+
+/// A Kubernetes release as `1.20`, `v1.20.2` or `1.37.2`: (major, minor).
+pub fn parse_kube_version(text: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{} is not a Kubernetes version such as 1.20 or v1.37.2", crate::quoted(text));
+    let parts: Vec<&str> = text.strip_prefix('v').unwrap_or(text).split('.').collect();
+    let numbers = (2..=3).contains(&parts.len())
+        && parts.iter().all(|p| !p.is_empty() && p.len() <= 9 && p.bytes().all(|b| b.is_ascii_digit()));
+    match parts.as_slice() {
+        [major, minor, ..] if numbers => Ok((major.parse().map_err(|_| bad())?, minor.parse().map_err(|_| bad())?)),
+        _ => Err(bad()),
+    }
+}
+
+/// The definition for an API server of release `kube` (`None`: a current one): [`CRD_YAML`]
+/// itself, or for a release that does not know them, without the CEL rules ([`CEL_SINCE`]) and
+/// the selectable field ([`SELECTABLE_SINCE`]). A 1.20 API server would drop them itself, but its
+/// kubectl refuses a definition with fields it does not know.
+pub fn crd_yaml(kube: Option<(u32, u32)>) -> Result<String, String> {
+    let Some(version) = kube.filter(|v| *v < SELECTABLE_SINCE) else { return Ok(CRD_YAML.to_string()) };
+    let mut crd: Value = serde_yaml_ng::from_str(CRD_YAML).map_err(|e| format!("the shipped definition: {e}"))?;
+    if let Some(versions) = crd.pointer_mut("/spec/versions").and_then(Value::as_array_mut) {
+        for v in versions.iter_mut().filter_map(Value::as_object_mut) {
+            v.remove("selectableFields");
+        }
+    }
+    if version < CEL_SINCE {
+        drop_key(&mut crd, "x-kubernetes-validations");
+    }
+    let body = serde_yaml_ng::to_string(&crd).map_err(|e| format!("the definition: {e}"))?;
+    Ok(format!(
+        "# The NodePlan custom resource for Kubernetes {}.{} (`nodeplan crd --kube-version`), without\n\
+         # what this release does not know: {}.\n\
+         # deploy/nodeplan-crd.yaml is the commented original.\n{body}",
+        version.0,
+        version.1,
+        if version < CEL_SINCE {
+            "the CEL rules and the selectable field spec.nodeName"
+        } else {
+            "the selectable field spec.nodeName"
+        },
+    ))
+}
+
+/// Remove every member named `key`, at every depth.
+fn drop_key(v: &mut Value, key: &str) {
+    match v {
+        Value::Object(m) => {
+            m.remove(key);
+            m.values_mut().for_each(|x| drop_key(x, key));
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| drop_key(x, key)),
+        _ => {}
+    }
+}
+
+/// The status-writer policy for an API server of release `kube` (`None`: a current one); a
+/// release without ValidatingAdmissionPolicies ([`POLICY_SINCE`]) has none.
+pub fn status_policy_yaml(kube: Option<(u32, u32)>) -> Result<&'static str, String> {
+    match kube {
+        Some(v) if v < POLICY_SINCE => Err(format!(
+            "Kubernetes {}.{} has no ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1 needs {}.{} or later): \
+             only RBAC guards NodePlans' status there (see SECURITY.md)",
+            v.0, v.1, POLICY_SINCE.0, POLICY_SINCE.1
+        )),
+        _ => Ok(STATUS_POLICY_YAML),
+    }
+}
+
+/// A field selector's value with `\\`, `,` and `=` escaped (as Kubernetes' `fields.EscapeValue`).
+fn field_value(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        if matches!(c, '\\' | ',' | '=') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The list/watch of node `node`'s NodePlans in `namespace`, and what log lines call it: those
+/// labelled [`NODE_LABEL`] for the node and, where the API server selects NodePlans by
+/// `spec.nodeName` (a definition with `selectableFields` on Kubernetes 1.31 or later), whose
+/// `spec.nodeName` is the node. One log line says which, once the first list answers. Either way
+/// the agent still checks each NodePlan's label and `spec.nodeName` itself
+/// ([`super::wire::is_for_node`]).
+pub fn node_watch(api: Api<DynamicObject>, node: &str, namespace: &str) -> (KubeListWatch<DynamicObject>, String) {
+    let labels = format!("{NODE_LABEL}={}", node_label_value(node));
+    let fields = format!("spec.nodeName={}", field_value(node));
+    let what = format!("NodePlans labelled {labels} in namespace {namespace}");
+    let (said, selector) = (what.clone(), fields.clone());
+    let decided: Decided = Box::new(move |outcome| match outcome {
+        Ok(()) => tracing::info!("NodePlan mode: watching {said} with the field selector {selector}"),
+        Err(why) => tracing::info!(
+            "NodePlan mode: watching {said} by label only: the API server does not select NodePlans by spec.nodeName ({why})"
+        ),
+    });
+    let lw = KubeListWatch::preferring(api, &labels, &fields, decided);
+    (lw, what)
+}
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
@@ -361,6 +482,104 @@ mod tests {
         for (spec, want) in rows {
             assert_eq!(check_spec(&spec), want, "{spec}");
         }
+    }
+
+    /// Every member named `key`, at any depth, with its path.
+    fn find_key(v: &Value, key: &str, at: &str, found: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m {
+                    if k == key {
+                        found.push(format!("{at}.{k}"));
+                    }
+                    find_key(x, key, &format!("{at}.{k}"), found);
+                }
+            }
+            Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| find_key(x, key, &format!("{at}[{i}]"), found)),
+            _ => {}
+        }
+    }
+
+    fn keys(yaml: &str, key: &str) -> Vec<String> {
+        let v: Value = serde_yaml_ng::from_str(yaml).unwrap();
+        let mut found = Vec::new();
+        find_key(&v, key, "", &mut found);
+        found
+    }
+
+    #[test]
+    fn each_release_gets_the_definition_it_knows() {
+        let full = crd_yaml(None).unwrap();
+        assert_eq!(full, CRD_YAML);
+        let rules = keys(&full, "x-kubernetes-validations");
+        assert_eq!(
+            rules,
+            [
+                ".spec.versions[0].schema.openAPIV3Schema.properties.spec.properties.retryStrategy.x-kubernetes-validations",
+                ".spec.versions[0].schema.openAPIV3Schema.properties.spec.x-kubernetes-validations"
+            ]
+        );
+        assert_eq!(keys(&full, "selectableFields"), [".spec.versions[0].selectableFields"]);
+        // (release, CEL rules kept, selectable field kept)
+        for (release, cel, selectable) in [
+            ((1, 20), false, false),
+            ((1, 24), false, false),
+            ((1, 25), true, false),
+            ((1, 29), true, false),
+            ((1, 30), true, true),
+            ((1, 37), true, true),
+        ] {
+            let text = crd_yaml(Some(release)).unwrap();
+            assert_eq!(!keys(&text, "x-kubernetes-validations").is_empty(), cel, "{release:?}");
+            assert_eq!(!keys(&text, "selectableFields").is_empty(), selectable, "{release:?}");
+            // Everything else is the same definition.
+            let mut want: Value = serde_yaml_ng::from_str(CRD_YAML).unwrap();
+            let got: Value = serde_yaml_ng::from_str(&text).unwrap();
+            if !cel {
+                drop_key(&mut want, "x-kubernetes-validations");
+            }
+            if !selectable {
+                drop_key(&mut want, "selectableFields");
+            }
+            assert_eq!(got, want, "{release:?}");
+        }
+    }
+
+    #[test]
+    fn the_status_policy_is_only_for_releases_that_have_policies() {
+        assert_eq!(status_policy_yaml(None), Ok(STATUS_POLICY_YAML));
+        assert_eq!(status_policy_yaml(Some((1, 30))), Ok(STATUS_POLICY_YAML));
+        let e = status_policy_yaml(Some((1, 20))).unwrap_err();
+        assert!(e.starts_with("Kubernetes 1.20 has no ValidatingAdmissionPolicy") && !e.contains('\n'), "{e}");
+        // The policy and its binding, for the resource's status, naming the agent as agent_user does.
+        let docs: Vec<Value> =
+            serde_yaml_ng::Deserializer::from_str(STATUS_POLICY_YAML).map(|d| Value::deserialize(d).unwrap()).collect();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(docs[0]["kind"], "ValidatingAdmissionPolicy");
+        assert_eq!(docs[1]["kind"], "ValidatingAdmissionPolicyBinding");
+        assert_eq!(docs[1]["spec"]["policyName"], docs[0]["metadata"]["name"]);
+        let rule = &docs[0]["spec"]["matchConstraints"]["resourceRules"][0];
+        assert_eq!(rule["resources"], json!([format!("{PLURAL}/status")]));
+        assert_eq!(rule["apiGroups"], json!([GROUP]));
+        let agent = docs[0]["spec"]["variables"][0]["expression"].as_str().unwrap();
+        assert!(agent.contains(&format!("'{}' + oldObject.spec.nodeName", agent_user(""))), "{agent}");
+    }
+
+    #[test]
+    fn kubernetes_versions() {
+        for (text, want) in [("1.20", Ok((1, 20))), ("v1.37.2", Ok((1, 37))), ("1.31.0", Ok((1, 31)))] {
+            assert_eq!(parse_kube_version(text), want, "{text}");
+        }
+        for bad in ["", "1", "1.", "v", "1.x", "1.2.3.4", "1.-2", " 1.20", "99999999999.1", "1.20 "] {
+            let e = parse_kube_version(bad).unwrap_err();
+            assert!(e.contains("is not a Kubernetes version") && !e.contains('\n'), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn field_selector_values_are_escaped() {
+        assert_eq!(field_value("node-a"), "node-a");
+        assert_eq!(field_value(r"a,b=c\d"), r"a\,b\=c\\d");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! retried by the loop. A NodePlan deleted while it runs is canceled through the stop ladder (no
 //! finalizer: a dead node must not leave objects stuck in Terminating).
 
-use super::resource::{self, NODE_LABEL, NodePlanSpec, NodePlanStatus};
+use super::resource::{self, NodePlanSpec, NodePlanStatus};
 pub use super::resource::{api_resource, node_label_value};
 use super::runs::RunStore;
 use super::wire::{self, Policy, PreflightResult, Target};
@@ -427,12 +427,9 @@ impl PlanSource for NodePlanSource {
     async fn start(&mut self) {
         self.events = Some(EventSink::start(self.api.clone().into_client(), &self.node));
         let (tx, rx) = watch::channel::<Latest>((0, BTreeMap::new()));
-        let selector = format!("{NODE_LABEL}={}", node_label_value(&self.node));
-        let what = format!("NodePlans labelled {selector} in namespace {}", self.namespace);
-        let lw = crate::k8s::watch::KubeListWatch::labelled(self.api.clone(), &selector);
+        let (lw, what) = resource::node_watch(self.api.clone(), &self.node, &self.namespace);
         self.pump = Some(crate::AbortOnDrop(tokio::spawn(crate::k8s::watch::pump(lw, what, tx))));
         self.latest = Some(rx);
-        tracing::info!("NodePlan mode: watching NodePlans labelled {selector} in namespace {}", self.namespace);
     }
 
     async fn keys(&mut self) -> Vec<String> {
@@ -690,6 +687,7 @@ impl PlanSource for NodePlanSource {
 
 #[cfg(test)]
 mod tests {
+    use super::resource::NODE_LABEL;
     use super::*;
     use http::{Request, Response};
     use kube::client::Body;

@@ -65,6 +65,11 @@ const TOKEN: &str = "nodeplan-test-token";
 /// grants in a namespace: an agent whose writes can be refused while its watch goes on.
 pub const AGENT_USER: &str = "nodeplan-agent";
 const AGENT_TOKEN: &str = "nodeplan-agent-token";
+/// The agents of two nodes under the identity convention of the NodePlan status-writer policy
+/// (`nodeplan:node:<node>`, `deploy/nodeplan-status-policy.yaml`), with their tokens: no group,
+/// and no permission beyond what a test grants ([`ControlPlane::client_as`]).
+pub const NODE_AGENTS: [(&str, &str); 2] =
+    [("nodeplan:node:node-a", "node-a-agent-token"), ("nodeplan:node:node-b", "node-b-agent-token")];
 const DEFAULT_BIN: &str = "/var/tmp/nodeplan-k8s/bin";
 
 // ---------------------------------------------------------------------------------------------
@@ -416,7 +421,10 @@ impl ControlPlane {
                 .arg("-out")
                 .arg(dir.join("sa.pub")),
         );
-        let tokens = format!("{TOKEN},admin,admin-uid,system:masters\n{AGENT_TOKEN},{AGENT_USER},agent-uid\n");
+        let mut tokens = format!("{TOKEN},admin,admin-uid,system:masters\n{AGENT_TOKEN},{AGENT_USER},agent-uid\n");
+        for (i, (user, token)) in NODE_AGENTS.iter().enumerate() {
+            tokens.push_str(&format!("{token},{user},node-agent-uid-{i}\n"));
+        }
         fs::write(dir.join("tokens.csv"), tokens).unwrap_or_else(|e| panic!("write tokens.csv: {e}"));
 
         let mut cp = ControlPlane {
@@ -590,6 +598,105 @@ impl ControlPlane {
     /// A client as [`AGENT_USER`].
     pub async fn agent_client(&self) -> kube::Client {
         client_from_yaml(&self.kubeconfig_yaml_as_agent()).await.unwrap_or_else(|e| panic!("agent kube client: {e}"))
+    }
+
+    /// The kubeconfig of `user`, one of [`NODE_AGENTS`].
+    pub fn kubeconfig_yaml_as(&self, user: &str) -> String {
+        let (_, token) = NODE_AGENTS.iter().find(|(u, _)| *u == user).unwrap_or_else(|| panic!("no token for {user}"));
+        self.kubeconfig(&self.ca_pem, token)
+    }
+
+    /// A client as `user`, one of [`NODE_AGENTS`].
+    pub async fn client_as(&self, user: &str) -> kube::Client {
+        client_from_yaml(&self.kubeconfig_yaml_as(user)).await.unwrap_or_else(|e| panic!("{user}'s client: {e}"))
+    }
+
+    /// Apply the NodePlan status-writer policy (`nodeplan crd --admission-policy`, cluster-wide;
+    /// the NodePlan definition installed first) and wait (bounded) until it is in force: the API
+    /// server takes a binding up asynchronously, so the agent of node-b, granted status writes in
+    /// `namespace` (a Role `status-writers` bound to both [`NODE_AGENTS`]), writes the status of a
+    /// NodePlan `policy-canary` of node-a until the policy denies it. Returns the NodePlans of
+    /// `namespace` as the admin.
+    pub async fn install_status_policy(&self, namespace: &str) -> Api<kube::api::DynamicObject> {
+        use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+        use kube::api::{DynamicObject, Patch, PatchParams};
+        self.install_nodeplan_crd().await;
+        let policy = Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+            .args(["crd", "--admission-policy"])
+            .output()
+            .unwrap_or_else(|e| panic!("nodeplan crd --admission-policy: {e}"));
+        assert!(
+            policy.status.success(),
+            "nodeplan crd --admission-policy: {}",
+            String::from_utf8_lossy(&policy.stderr)
+        );
+        let mut kubectl = self
+            .kubectl()
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("kubectl: {e}"));
+        if let Some(mut stdin) = kubectl.stdin.take() {
+            stdin.write_all(&policy.stdout).unwrap_or_else(|e| panic!("write to kubectl: {e}"));
+        }
+        let out = kubectl.wait_with_output().unwrap_or_else(|e| panic!("kubectl: {e}"));
+        assert!(out.status.success(), "kubectl apply of the policy: {}", String::from_utf8_lossy(&out.stderr));
+
+        let client = self.client().await;
+        let pp = PostParams::default();
+        let role: Role = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "status-writers", "namespace": namespace},
+            "rules": [{"apiGroups": ["agent.cattle.io"], "resources": ["nodeplans", "nodeplans/status"], "verbs": ["get"]},
+                      {"apiGroups": ["agent.cattle.io"], "resources": ["nodeplans/status"], "verbs": ["update", "patch"]}],
+        }))
+        .unwrap_or_else(|e| panic!("role: {e}"));
+        Api::<Role>::namespaced(client.clone(), namespace).create(&pp, &role).await.unwrap_or_else(|e| panic!("{e}"));
+        let subjects: Vec<_> = NODE_AGENTS
+            .iter()
+            .map(|(user, _)| serde_json::json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}))
+            .collect();
+        let binding: RoleBinding = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "status-writers", "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "status-writers"},
+            "subjects": subjects,
+        }))
+        .unwrap_or_else(|e| panic!("binding: {e}"));
+        Api::<RoleBinding>::namespaced(client.clone(), namespace)
+            .create(&pp, &binding)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+
+        let resource = nodeplan::nodeplan::resource::api_resource();
+        let api: Api<DynamicObject> = Api::namespaced_with(client, namespace, &resource);
+        let canary: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+            "metadata": {"name": "policy-canary", "labels": {"cattle.io/node": "node-a"}},
+            "spec": {"nodeName": "node-a", "plan": {"instructions": []}},
+        }))
+        .unwrap_or_else(|e| panic!("canary: {e}"));
+        api.create(&pp, &canary).await.unwrap_or_else(|e| panic!("create the canary: {e}"));
+        let as_b: Api<DynamicObject> =
+            Api::namespaced_with(self.client_as(NODE_AGENTS[1].0).await, namespace, &resource);
+        let write = Patch::Merge(serde_json::json!({"status": {"phase": "Applied"}}));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match as_b.patch_status("policy-canary", &PatchParams::default(), &write).await {
+                Err(kube::Error::Api(s))
+                    if s.code == 403 && s.message.contains("ValidatingAdmissionPolicy 'nodeplan-status-writer'") =>
+                {
+                    return api;
+                }
+                other => assert!(
+                    Instant::now() < deadline,
+                    "the status-writer policy never denied {} within 30 s: last answer {:?}",
+                    NODE_AGENTS[1].0,
+                    other.map(|o| o.data.get("status").cloned())
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Let [`AGENT_USER`] do `verbs` on the Secrets of `namespace` (and nothing else): a Role and
