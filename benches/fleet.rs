@@ -52,7 +52,13 @@ fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str, binary: &Pat
         "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\npidDirectory: {d}/pids\n\
          appliedPlanDirectory: \"\"\ninterlockDirectory: \"\"\nstopTimeout: 1s\n"
     );
-    write_0600(&dir.path().join("config.yaml"), cfg.as_bytes());
+    // More config lines for this build's agents (NODEPLAN_BENCH_CONFIG, e.g. `leaseDuration: 0s` to
+    // measure what the Lease costs; a baseline build may not know them).
+    let extra = match std::env::var("NODEPLAN_BENCH_CONFIG") {
+        Ok(c) if binary == Path::new(NODEPLAN) => format!("{c}\n"),
+        _ => String::new(),
+    };
+    write_0600(&dir.path().join("config.yaml"), format!("{cfg}{extra}").as_bytes());
     let agent = std::process::Command::new(binary)
         .args(["agent", "--config", &format!("{d}/config.yaml")])
         .env("NODEPLAN_LOG", "error")
