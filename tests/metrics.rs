@@ -204,7 +204,7 @@ fn a_leftover_stopped_at_restart_is_counted() {
         "stuck",
         serde_json::json!({"instructions": [{"name": "stuck", "command": HELPER, "args": ["term-ignore"]}]}),
     );
-    let mut first = s.start();
+    let mut first = AgentProc::start_with(&s.config(), &[OUTPUT_LOGGED]);
     let leftover: i32 = first.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
     first.crash();
     assert!(alive(leftover));

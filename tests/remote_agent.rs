@@ -453,7 +453,7 @@ async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
         "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
     });
     let checksum = r.create(&plan, Some("pending"), &[]).await;
-    let mut agent = r.agent();
+    let mut agent = AgentProc::start_with(&r.config, &[OUTPUT_LOGGED]);
     let gc: i32 = agent.wait_log("grandchild ").split_whitespace().last().unwrap().parse().unwrap();
     let leader: i32 = agent.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
