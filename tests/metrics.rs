@@ -299,6 +299,51 @@ fn an_image_pull_is_counted() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A connection flood leaves the endpoint scrapeable: more idle connections than the cap (they
+/// used to take every slot, and every scrape was closed unanswered), each with the first byte of
+/// a request sent, are closed oldest first to make room, and scrapes are answered; a connection
+/// that pipelines requests gets its budget of answers and is closed (it used to be served for as
+/// long as it sent).
+#[test]
+fn a_connection_flood_leaves_the_endpoint_scrapeable() {
+    use nodeplan::metrics::server::{MAX_CONNECTIONS, REQUESTS_PER_CONNECTION};
+    let s = Setup::new();
+    let mut agent = s.start();
+    let flood = MAX_CONNECTIONS + 8;
+    let mut idle: Vec<std::net::TcpStream> = (0..flood)
+        .map(|_| {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+            c.write_all(b"G").unwrap();
+            c
+        })
+        .collect();
+    for _ in 0..10 {
+        scrape(s.port);
+    }
+    // The oldest made room; the newest is still open (the header timeout is seconds away).
+    for (i, c) in idle.iter_mut().take(8).enumerate() {
+        c.set_read_timeout(Some(GUARD)).unwrap();
+        // Closed with its byte unread: an end of file or a reset.
+        let r = c.read(&mut [0u8; 1]).map_err(|e| e.kind());
+        assert!(matches!(r, Ok(0) | Err(std::io::ErrorKind::ConnectionReset)), "idle connection {i}: {r:?}");
+    }
+    let newest = &mut idle[flood - 1];
+    newest.set_nonblocking(true).unwrap();
+    let open = newest.read(&mut [0u8; 1]).map_err(|e| e.kind());
+    assert_eq!(open, Err(std::io::ErrorKind::WouldBlock), "the newest idle connection was closed");
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    c.set_read_timeout(Some(GUARD)).unwrap();
+    let budget = REQUESTS_PER_CONNECTION as usize;
+    c.write_all("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(budget + 5).as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    c.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), budget, "answers on one pipelined connection");
+    assert_eq!(text.to_ascii_lowercase().matches("connection: close").count(), 1, "the last answer closes");
+    drop(idle);
+    assert_eq!(agent.stop(), 0);
+}
+
 /// Without `metricsAddress` nothing listens: the agent runs, the port stays closed.
 #[test]
 fn off_by_default() {
