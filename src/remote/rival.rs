@@ -120,7 +120,8 @@ fn real_uid(dir: &Path) -> Option<u32> {
 /// itself) is a regular file owned by root and not writable by group or others, and every
 /// directory from `/` down to it (the link's target) is owned by root and not writable by group
 /// or others, unless it has the sticky bit (`/tmp`: no one else can replace root's entry there).
-/// A target that is no longer there (a replaced binary) or a link on the way is not trusted.
+/// Links on the way are resolved (the real directories are checked); a target that is no longer
+/// there (a replaced binary) is not trusted.
 fn trusted_executable(dir: &Path) -> bool {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let exe = dir.join("exe");
@@ -129,15 +130,7 @@ fn trusted_executable(dir: &Path) -> bool {
         return false;
     }
     let Ok(target) = std::fs::read_link(&exe) else { return false };
-    if !target.is_absolute() {
-        return false;
-    }
-    let mut ancestors = target.ancestors().skip(1);
-    ancestors.all(|d| {
-        let Ok(m) = std::fs::symlink_metadata(d) else { return false };
-        let mode = m.permissions().mode();
-        m.is_dir() && m.uid() == 0 && (mode & 0o022 == 0 || mode & 0o1000 != 0)
-    })
+    target.is_absolute() && matches!(crate::safefs::changeable_by_others(&target, &[0]), Ok(None))
 }
 
 fn is_zombie(dir: &Path) -> bool {
