@@ -299,6 +299,36 @@ fn an_image_pull_is_counted() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// Two probes whose names share their first 64 characters are two series (they were one, cut to
+/// the same label, each overwriting the other's health): one healthy, one not.
+#[test]
+fn probes_with_a_long_common_prefix_are_distinct_series() {
+    let s = Setup::new();
+    let (up, down) = (http_server(Arc::new(AtomicU16::new(200))), http_server(Arc::new(AtomicU16::new(500))));
+    let common = "p".repeat(64);
+    let probe = |port: u16| serde_json::json!({"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1});
+    s.plan(
+        "twins",
+        serde_json::json!({
+            "instructions": [sh("works", "true")],
+            "probes": {format!("{common}-up"): probe(up), format!("{common}-down"): probe(down)}
+        }),
+    );
+    let mut agent = s.start();
+    let series = |t: &str| -> Vec<String> {
+        t.lines().filter(|l| l.starts_with("nodeplan_probe_healthy{")).map(str::to_string).collect()
+    };
+    let t = wait_metrics(s.port, "both probes, one healthy", |t| {
+        let v = series(t);
+        v.len() == 2 && v.iter().any(|l| l.ends_with(" 1")) && v.iter().any(|l| l.ends_with(" 0"))
+    });
+    for l in series(&t) {
+        let label = l.split("probe=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or_default();
+        assert!(label.starts_with(&"p".repeat(55)) && label.chars().count() <= 64, "{l}");
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 /// A connection flood leaves the endpoint scrapeable: more idle connections than the cap (they
 /// used to take every slot, and every scrape was closed unanswered), each with the first byte of
 /// a request sent, are closed oldest first to make room, and scrapes are answered; a connection
