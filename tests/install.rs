@@ -1259,6 +1259,7 @@ async fn another_users_tree_binary_and_planted_files_are_never_trusted() {
     let (out, err) = text(&o);
     assert_eq!(code(&o), 0, "{out}\n{err}");
     assert!(out.contains("unchanged config") && out.contains("unchanged unit"), "{out}");
+    assert!(out.contains(&format!("owner set to uid 0 (was {}), mode 0600 (was 0666)", other.uid)), "{out}");
     for (p, mode) in planted.iter().zip(wanted) {
         let m = std::fs::metadata(t.at(p)).unwrap();
         assert_eq!((m.uid(), m.gid(), t.mode(p)), (0, 0, mode), "{p}");

@@ -277,9 +277,22 @@ fn write_steps(
                 let shown = tree.shown(path);
                 match action {
                     Action::Unchanged => {
-                        // Content as wanted: the mode is set again all the same.
+                        // Content as wanted: the owner and mode are set again all the same, and a
+                        // file someone else owned (or with another mode) is said to have changed.
+                        let before = tree.owner_mode(path).map_err(failed)?;
                         tree.write(path, content, *mode).map_err(failed)?;
-                        out.lines.push(format!("unchanged {what} {}", shown.display()));
+                        let uid = rustix::process::geteuid().as_raw();
+                        match before {
+                            Some((u, m)) if (u, m) != (uid, *mode) => {
+                                out.lines.push(format!(
+                                    "unchanged {what} {}: owner set to uid {uid} (was {u}), mode {:04o} (was {m:04o})",
+                                    shown.display(),
+                                    *mode
+                                ));
+                                out.changed = true;
+                            }
+                            _ => out.lines.push(format!("unchanged {what} {}", shown.display())),
+                        }
                     }
                     Action::Create | Action::Replace => {
                         tree.write(path, content, *mode).map_err(failed)?;

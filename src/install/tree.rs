@@ -165,6 +165,17 @@ impl Tree {
         Ok(st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY))
     }
 
+    /// The owner (uid) and permission bits of what is at `p`, not following a link; `None` when
+    /// absent.
+    pub fn owner_mode(&self, p: &Path) -> io::Result<Option<(u32, u32)>> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(None) };
+        match rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some((st.st_uid, st.st_mode & 0o7777))),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(with_path(e.into(), &self.shown(p))),
+        }
+    }
+
     /// The target of the symlink `p`; `None` when `p` is absent or not a link.
     pub fn link_target(&self, p: &Path) -> io::Result<Option<PathBuf>> {
         let (Some(dir), name) = self.parent(p, false)? else { return Ok(None) };
