@@ -48,15 +48,20 @@ pub fn parse_positive(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `10s`, `250ms`, `1500ms`: the form [`parse`] reads back.
+/// `10s`, `250ms`, `1.5s`, `0.000001s`: the form [`parse`] reads back, exactly. Whole seconds
+/// are `Ns`; less than a second in whole milliseconds is `Nms`; anything else is seconds with the
+/// nanoseconds as decimals, trailing zeros trimmed (integer arithmetic: never
+/// `2147483646.9999971s` for a duration just short of 2147483647 s).
 pub fn show(d: Duration) -> String {
-    if d.subsec_nanos() == 0 {
-        format!("{}s", d.as_secs())
-    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
-        format!("{}ms", d.as_millis())
-    } else {
-        format!("{}s", d.as_secs_f64())
+    let (secs, nanos) = (d.as_secs(), d.subsec_nanos());
+    if nanos == 0 {
+        return format!("{secs}s");
     }
+    if secs == 0 && nanos.is_multiple_of(1_000_000) {
+        return format!("{}ms", nanos / 1_000_000);
+    }
+    let frac = format!("{nanos:09}");
+    format!("{secs}.{}s", frac.trim_end_matches('0'))
 }
 
 /// A duration for people: `120ms`, `3.8s`, `10s`, `2m05s`, `1h02m` (rounded down to what is shown).
@@ -115,13 +120,26 @@ mod tests {
     }
 
     #[test]
-    fn show_reads_back() {
-        for d in [Duration::from_secs(10), Duration::from_millis(250), Duration::from_millis(1500), Duration::new(1, 5)]
-        {
-            assert_eq!(parse(&show(d)), Ok(d), "{d:?}");
+    fn show_is_exact_and_reads_back() {
+        let cases = [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(10), "10s"),
+            (Duration::from_millis(250), "250ms"),
+            (Duration::from_millis(1), "1ms"),
+            (Duration::from_millis(1500), "1.5s"),
+            (Duration::from_millis(60_001), "60.001s"),
+            (Duration::from_micros(1), "0.000001s"),
+            (Duration::from_nanos(1), "0.000000001s"),
+            (Duration::new(1, 5), "1.000000005s"),
+            (Duration::from_secs(2_147_483_647), "2147483647s"),
+            (Duration::new(2_147_483_646, 999_997_100), "2147483646.9999971s"),
+            (Duration::new(2_147_483_646, 999_999_999), "2147483646.999999999s"),
+            (Duration::new(u64::MAX, 999_999_999), "18446744073709551615.999999999s"),
+        ];
+        for (d, want) in cases {
+            assert_eq!(show(d), want, "{d:?}");
+            assert_eq!(parse(&show(d)), Ok(d), "{d:?} reads back");
         }
-        assert_eq!(show(Duration::from_secs(10)), "10s");
-        assert_eq!(show(Duration::from_millis(250)), "250ms");
     }
 
     #[test]

@@ -606,6 +606,30 @@ fn read_regular(fd: OwnedFd, cap: u64) -> io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Whether a user other than `owners` could change what is at `path`: `Some(why)` names the
+/// first file or directory from `/` down to it (links resolved) that another user owns, or that
+/// group or others may write. A directory with the sticky bit (`/tmp`) is accepted on the way: no
+/// one else can replace its owner's entries there. The check is on names, once: use it where what
+/// it guards is read right after (a binary to install) or cannot change (a running executable).
+pub fn changeable_by_others(path: &Path, owners: &[u32]) -> io::Result<Option<String>> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let real = std::fs::canonicalize(path)?;
+    let mut chain: Vec<&Path> = real.ancestors().collect();
+    chain.reverse();
+    for (i, p) in chain.iter().enumerate() {
+        let m = std::fs::symlink_metadata(p)?;
+        let mode = m.permissions().mode();
+        let last = i + 1 == chain.len();
+        if !owners.contains(&m.uid()) {
+            return Ok(Some(format!("{} is owned by uid {}", p.display(), m.uid())));
+        }
+        if mode & 0o022 != 0 && (last || !m.is_dir() || mode & 0o1000 == 0) {
+            return Ok(Some(format!("{} is writable by group or others (mode {:04o})", p.display(), mode & 0o7777)));
+        }
+    }
+    Ok(None)
+}
+
 /// A file type as a person names it.
 pub fn kind_name(kind: FileType) -> &'static str {
     match kind {

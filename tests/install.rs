@@ -1207,3 +1207,82 @@ async fn a_step_that_fails_midway_leaves_a_manifest_of_what_was_written() {
     assert_eq!(code(&o), 0, "{:?}", text(&o));
     assert!(!t.at("/etc/systemd/system/nodeplan.service").exists() && !t.at("/usr/local/bin/nodeplan").exists());
 }
+
+/// A local user made for one test (`useradd`), removed when the test ends however it ends.
+struct OtherUser {
+    name: String,
+    uid: u32,
+}
+
+impl OtherUser {
+    fn new() -> OtherUser {
+        let name = format!("np23u{}", std::process::id());
+        let o = std::process::Command::new("useradd")
+            .args(["--no-create-home", "--shell", "/usr/sbin/nologin", &name])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "useradd: {}", String::from_utf8_lossy(&o.stderr));
+        let id = std::process::Command::new("id").args(["-u", &name]).output().unwrap();
+        let uid = String::from_utf8_lossy(&id.stdout).trim().parse().unwrap();
+        OtherUser { name, uid }
+    }
+}
+
+impl Drop for OtherUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("userdel").arg(&self.name).output();
+    }
+}
+
+/// Another user's hand on an install: missing parents of the var dir are made 0755 (they were
+/// 0700, as the var dir itself); files planted with the right content become root's with the
+/// installed mode (they stayed the other user's, reported unchanged); a `--root` or a `--binary`
+/// another user owns or can write is refused with one line and nothing written (it proceeded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_users_tree_binary_and_planted_files_are_never_trusted() {
+    use std::os::unix::fs::MetadataExt;
+    let other = OtherUser::new();
+    let t = Tree::new();
+    let o = install_local(&t, &[], &[]).await;
+    assert_eq!(code(&o), 0, "{:?}", text(&o));
+    let modes = ["/var", "/var/lib", "/var/lib/rancher", "/var/lib/rancher/agent"].map(|p| t.mode(p));
+    assert_eq!(modes, [0o755, 0o755, 0o755, 0o700]);
+
+    // Files with the right content, planted by the other user.
+    let planted = ["/etc/rancher/agent/config.yaml", "/etc/systemd/system/nodeplan.service"];
+    let wanted: Vec<u32> = planted.iter().map(|p| t.mode(p)).collect();
+    for p in planted {
+        std::os::unix::fs::chown(t.at(p), Some(other.uid), Some(other.uid)).unwrap();
+        std::fs::set_permissions(t.at(p), std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let o = install_local(&t, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 0, "{out}\n{err}");
+    assert!(out.contains("unchanged config") && out.contains("unchanged unit"), "{out}");
+    assert!(out.contains(&format!("owner set to uid 0 (was {}), mode 0600 (was 0666)", other.uid)), "{out}");
+    for (p, mode) in planted.iter().zip(wanted) {
+        let m = std::fs::metadata(t.at(p)).unwrap();
+        assert_eq!((m.uid(), m.gid(), t.mode(p)), (0, 0, mode), "{p}");
+    }
+
+    // A --root the other user owns, a --binary they own or anyone can write.
+    let theirs = Tree::new();
+    std::os::unix::fs::chown(theirs.root(), Some(other.uid), None).unwrap();
+    let o = install_local(&theirs, &[], &[]).await;
+    let (out, err) = text(&o);
+    assert_eq!(code(&o), 2, "{out}\n{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("--root") && err.contains(&format!("is owned by uid {}", other.uid)), "{err}");
+    assert_eq!(std::fs::read_dir(theirs.root()).unwrap().count(), 0, "nothing written");
+    for (what, uid, mode) in [("owned by uid", other.uid, 0o755), ("writable by group or others", 0, 0o757)] {
+        let b = Tree::new();
+        std::os::unix::fs::chown(b.bin(), Some(uid), None).unwrap();
+        std::fs::set_permissions(b.bin(), std::fs::Permissions::from_mode(mode)).unwrap();
+        let o = install_local(&b, &[], &[]).await;
+        let (out, err) = text(&o);
+        assert_eq!(code(&o), 2, "{what}: {out}\n{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains("--binary") && err.contains(what), "{err}");
+        assert_eq!(std::fs::read_dir(b.root()).unwrap().count(), 0, "nothing written");
+    }
+}

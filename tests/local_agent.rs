@@ -226,7 +226,7 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
         ]}),
     );
     let plan = s.plan_path("c");
-    let mut agent = s.start();
+    let mut agent = AgentProc::start_with(&s.config(), &[OUTPUT_LOGGED]);
     let gc = last_pid(&agent.wait_log("grandchild "));
     let leader = last_pid(&agent.wait_log("ready "));
     assert!(alive(gc) && alive(leader));
@@ -589,6 +589,40 @@ fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
         let periodic = log.contains("periodic instruction 1/1 tick: started")
             && log.contains("periodic instruction 1/1 tick: ok (exit status 0, ");
         assert_eq!(periodic, level == "debug", "{level}: {log}");
+    }
+}
+
+/// Instruction output goes to the agent's log at debug only: at the default level (info) a line
+/// a successful instruction prints is not in the log, and a failed instruction's last 10 lines
+/// (and none before them) follow its failure line. At debug every line is there.
+#[test]
+fn instruction_output_is_logged_at_debug_and_a_failures_last_lines_at_error() {
+    let secret = "password=hunter2-not-for-logs";
+    let lines = "for i in $(seq -w 1 15); do echo out-$i-end; done";
+    for level in ["info", "debug"] {
+        let s = Setup::new();
+        s.plan("quiet", serde_json::json!({"instructions": [sh("talk", &format!("echo {secret}"))]}));
+        s.plan("loud", serde_json::json!({"instructions": [sh("break", &format!("{lines}; exit 3"))]}));
+        let mut agent = AgentProc::start_with(&s.config(), &[("NODEPLAN_LOG", level)]);
+        s.wait_pos("quiet", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+        s.wait_pos("loud", "failed", |p| p.plan_state == Some(PlanState::Failed));
+        assert_eq!(agent.stop(), 0);
+        let log = agent.rest();
+        let all = log.join("\n");
+        assert!(all.contains("instruction 1/1 talk: ok (exit status 0, "), "{level}: {all}");
+        assert_eq!(all.contains(secret), level == "debug", "{level}: {all}");
+        let failed = log
+            .iter()
+            .position(|l| l.contains("instruction 1/1 break: FAILED (exit status 3, "))
+            .unwrap_or_else(|| panic!("{level}: {all}"));
+        assert!(log[failed].contains("ERROR"), "{level}: {}", log[failed]);
+        let tail: Vec<&String> = log[failed + 1..].iter().filter(|l| l.contains("instruction 1/1 break: | ")).collect();
+        assert_eq!(tail.len(), 10, "{level}: {all}");
+        for (i, l) in tail.iter().enumerate() {
+            assert!(l.contains("ERROR") && l.ends_with(&format!("| out-{:02}-end", i + 6)), "{level}: {l}");
+        }
+        let out_lines = log.iter().filter(|l| l.contains("-end") && l.contains("out-")).count();
+        assert_eq!(out_lines, if level == "debug" { 25 } else { 10 }, "{level}: {all}");
     }
 }
 

@@ -204,7 +204,7 @@ fn a_leftover_stopped_at_restart_is_counted() {
         "stuck",
         serde_json::json!({"instructions": [{"name": "stuck", "command": HELPER, "args": ["term-ignore"]}]}),
     );
-    let mut first = s.start();
+    let mut first = AgentProc::start_with(&s.config(), &[OUTPUT_LOGGED]);
     let leftover: i32 = first.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
     first.crash();
     assert!(alive(leftover));
@@ -296,6 +296,81 @@ fn an_image_pull_is_counted() {
     });
     assert_eq!(value(&t, "nodeplan_image_pull_bytes_total"), Some(layer_bytes as f64), "{t}");
     assert_eq!(value(&t, "nodeplan_image_pull_duration_seconds_count{result=\"error\"}"), None, "{t}");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Two probes whose names share their first 64 characters are two series (they were one, cut to
+/// the same label, each overwriting the other's health): one healthy, one not.
+#[test]
+fn probes_with_a_long_common_prefix_are_distinct_series() {
+    let s = Setup::new();
+    let (up, down) = (http_server(Arc::new(AtomicU16::new(200))), http_server(Arc::new(AtomicU16::new(500))));
+    let common = "p".repeat(64);
+    let probe = |port: u16| serde_json::json!({"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1});
+    s.plan(
+        "twins",
+        serde_json::json!({
+            "instructions": [sh("works", "true")],
+            "probes": {format!("{common}-up"): probe(up), format!("{common}-down"): probe(down)}
+        }),
+    );
+    let mut agent = s.start();
+    let series = |t: &str| -> Vec<String> {
+        t.lines().filter(|l| l.starts_with("nodeplan_probe_healthy{")).map(str::to_string).collect()
+    };
+    let t = wait_metrics(s.port, "both probes, one healthy", |t| {
+        let v = series(t);
+        v.len() == 2 && v.iter().any(|l| l.ends_with(" 1")) && v.iter().any(|l| l.ends_with(" 0"))
+    });
+    for l in series(&t) {
+        let label = l.split("probe=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or_default();
+        assert!(label.starts_with(&"p".repeat(55)) && label.chars().count() <= 64, "{l}");
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A connection flood leaves the endpoint scrapeable: more idle connections than the cap (they
+/// used to take every slot, and every scrape was closed unanswered), each with the first byte of
+/// a request sent, are closed oldest first to make room, and scrapes are answered; a connection
+/// that pipelines requests gets its budget of answers and is closed (it used to be served for as
+/// long as it sent).
+#[test]
+fn a_connection_flood_leaves_the_endpoint_scrapeable() {
+    use nodeplan::metrics::server::{MAX_CONNECTIONS, REQUESTS_PER_CONNECTION};
+    let s = Setup::new();
+    let mut agent = s.start();
+    let flood = MAX_CONNECTIONS + 8;
+    let mut idle: Vec<std::net::TcpStream> = (0..flood)
+        .map(|_| {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+            c.write_all(b"G").unwrap();
+            c
+        })
+        .collect();
+    for _ in 0..10 {
+        scrape(s.port);
+    }
+    // The oldest made room; the newest is still open (the header timeout is seconds away).
+    for (i, c) in idle.iter_mut().take(8).enumerate() {
+        c.set_read_timeout(Some(GUARD)).unwrap();
+        // Closed with its byte unread: an end of file or a reset.
+        let r = c.read(&mut [0u8; 1]).map_err(|e| e.kind());
+        assert!(matches!(r, Ok(0) | Err(std::io::ErrorKind::ConnectionReset)), "idle connection {i}: {r:?}");
+    }
+    let newest = &mut idle[flood - 1];
+    newest.set_nonblocking(true).unwrap();
+    let open = newest.read(&mut [0u8; 1]).map_err(|e| e.kind());
+    assert_eq!(open, Err(std::io::ErrorKind::WouldBlock), "the newest idle connection was closed");
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    c.set_read_timeout(Some(GUARD)).unwrap();
+    let budget = REQUESTS_PER_CONNECTION as usize;
+    c.write_all("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(budget + 5).as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    c.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), budget, "answers on one pipelined connection");
+    assert_eq!(text.to_ascii_lowercase().matches("connection: close").count(), 1, "the last answer closes");
+    drop(idle);
     assert_eq!(agent.stop(), 0);
 }
 

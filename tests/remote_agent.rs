@@ -453,7 +453,7 @@ async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
         "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
     });
     let checksum = r.create(&plan, Some("pending"), &[]).await;
-    let mut agent = r.agent();
+    let mut agent = AgentProc::start_with(&r.config, &[OUTPUT_LOGGED]);
     let gc: i32 = agent.wait_log("grandchild ").split_whitespace().last().unwrap().parse().unwrap();
     let leader: i32 = agent.wait_log("ready ").split_whitespace().last().unwrap().parse().unwrap();
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
@@ -1211,32 +1211,55 @@ impl Drop for UnitCgroup {
 /// and stops (exit 1) when it starts again as its systemd unit, so the two never act on one
 /// Secret. The program looked for is given a name of this test's own, so that no other test's
 /// agent sees the stand-in; it starts in a cgroup named as its unit, as systemd starts it.
+/// Meanwhile an impostor runs: another user's process of that name with an effective uid of 0 (a
+/// setuid-root program run through a link of that name); it makes nothing wait (it used to hold
+/// remote mode for as long as it ran).
 #[tokio::test]
 async fn remote_mode_never_acts_beside_rancher_system_agent() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
     let cp = control_plane!();
     let r = Remote::new(cp, "rival").await;
     let name = format!("rsa{}", std::process::id());
     let stand_in = r.p(&name);
     std::fs::copy("/bin/sleep", &stand_in).unwrap();
-    let start_rival = || std::process::Command::new(&stand_in).arg("300").spawn().unwrap();
-    let mut rival = start_rival();
+    let (setuid, links) = (r.p("setuid-sleep"), r.p("links"));
+    std::fs::copy("/bin/sleep", &setuid).unwrap();
+    std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    std::fs::create_dir(&links).unwrap();
+    for d in [r.dir.path(), Path::new(&links)] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let link = Path::new(&links).join(&name);
+    std::os::unix::fs::symlink(&setuid, &link).unwrap();
+    /// A child killed when the test ends, however it ends.
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut impostor = Reaped(std::process::Command::new(&link).arg("300").uid(65534).gid(65534).spawn().unwrap());
+    let start_rival = || Reaped(std::process::Command::new(&stand_in).arg("300").spawn().unwrap());
+    let rival = start_rival();
     r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
     let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
     let line = agent.wait_log("acts on the same plan Secret");
-    assert!(line.contains(&format!("pid {}", rival.id())), "{line}");
+    assert!(line.contains(&format!("pid {}", rival.0.id())), "{line}");
     assert_eq!(state(&r.get().await), "pending", "nothing is done while it runs");
-    rival.kill().unwrap();
-    rival.wait().unwrap();
+    drop(rival);
     r.wait("succeeded", |s| state(s) == "succeeded").await;
     let unit = UnitCgroup::new(&name);
-    let mut rival = start_rival();
-    unit.join(rival.id());
+    let rival = start_rival();
+    unit.join(rival.0.id());
     let line = agent.wait_log("started on this node");
-    assert!(line.contains(&format!("pid {}", rival.id())), "{line}");
+    assert!(line.contains(&format!("pid {}", rival.0.id())), "{line}");
     assert_eq!(agent.child.wait().unwrap().code(), Some(1));
-    rival.kill().unwrap();
-    rival.wait().unwrap();
+    drop(rival);
     drop(unit);
+    let impostor_ran = impostor.0.try_wait().unwrap().is_none();
+    assert!(impostor_ran, "the impostor ran all along");
 }
 
 /// Many nodes at once (issue 14): four agents, each with its plan Secret labelled `pool=workers`

@@ -46,6 +46,10 @@ pub struct ApplyConfig {
     /// Offer one-time instructions a restart request ([`RESTART_REQUEST_ENV`]): the agent sets
     /// this; `nodeplan apply` (which has nothing to restart) does not.
     pub restart_requests: bool,
+    /// The level instruction output is logged at, line by line: debug for the agent (a fleet's
+    /// logs stay small, and output may hold what should not be shipped; [`LogObserver`] logs the
+    /// last lines of a failure), info for `nodeplan apply`, whose operator watches it.
+    pub output_level: tracing::Level,
 }
 
 /// The variable naming the file a one-time instruction creates to have the agent restart (re-exec
@@ -64,6 +68,7 @@ impl ApplyConfig {
             base_env: std::env::vars_os().collect(),
             images: crate::image::ImageConfig::default(),
             restart_requests: false,
+            output_level: tracing::Level::DEBUG,
         }
     }
 }
@@ -158,8 +163,15 @@ impl Observer for NoObserver {}
 
 /// The agent's observer: each one-time instruction's start and end at info (a failure at error),
 /// periodic instructions at debug (a failure at info), so a fleet's logs stay small. Instructions
-/// are numbered `i/n` from 1; durations are [`crate::duration::human`]s.
+/// are numbered `i/n` from 1; durations are [`crate::duration::human`]s. Output is logged line by
+/// line at debug only (`ApplyConfig::output_level`); a failure (not a cancel or a stop) is
+/// followed by the last [`FAILURE_TAIL_LINES`] lines of its output, at the failure's level.
 pub struct LogObserver;
+
+/// Lines of a failed instruction's output that [`LogObserver`] logs with the failure.
+pub const FAILURE_TAIL_LINES: usize = 10;
+/// Characters of one such line logged, at most (the rest is cut with `…`).
+const FAILURE_TAIL_LINE_CHARS: usize = 512;
 
 impl Observer for LogObserver {
     fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
@@ -172,16 +184,49 @@ impl Observer for LogObserver {
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
-        let line =
-            format!("{what}: {} ({}, {})", result_word(&r.outcome), r.outcome, crate::duration::human(r.elapsed));
-        match (result_word(&r.outcome), r.periodic) {
+        let word = result_word(&r.outcome);
+        let line = format!("{what}: {word} ({}, {})", r.outcome, crate::duration::human(r.elapsed));
+        let tail = if word == "FAILED" { output_tail(&r.output.combined, FAILURE_TAIL_LINES) } else { Vec::new() };
+        let tail = tail.iter().map(|l| format!("{what}: | {l}"));
+        match (word, r.periodic) {
             ("ok", false) => tracing::info!("{line}"),
             ("ok", true) => tracing::debug!("{line}"),
-            ("FAILED", false) => tracing::error!("{line}"),
+            ("FAILED", false) => {
+                tracing::error!("{line}");
+                tail.for_each(|l| tracing::error!("{l}"));
+            }
+            ("FAILED", true) => {
+                tracing::info!("{line}");
+                tail.for_each(|l| tracing::info!("{l}"));
+            }
             (_, true) => tracing::info!("{line}"),
             (_, false) => tracing::warn!("{line}"),
         }
     }
+}
+
+/// The last `n` lines of `output` (a final newline ends the last line, it does not start an empty
+/// one), each cut to [`FAILURE_TAIL_LINE_CHARS`] characters.
+fn output_tail(output: &[u8], n: usize) -> Vec<String> {
+    let text = String::from_utf8_lossy(output);
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    if text.is_empty() {
+        return Vec::new();
+    }
+    let mut lines: Vec<String> = text
+        .rsplit('\n')
+        .take(n)
+        .map(|l| {
+            let l = l.strip_suffix('\r').unwrap_or(l);
+            if l.chars().count() > FAILURE_TAIL_LINE_CHARS {
+                l.chars().take(FAILURE_TAIL_LINE_CHARS).chain(std::iter::once('…')).collect()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect();
+    lines.reverse();
+    lines
 }
 
 /// How an instruction ended, in one word: `ok`, `canceled` or `stopped` (the agent shutting down)
@@ -822,7 +867,7 @@ impl Applyinator {
             cwd: Some(dir.to_path_buf()),
             owner: input.owner.with_slot(Slot::new(index, periodic)),
             timeout: remaining,
-            sink: Arc::new(LogSink { prefix }),
+            sink: Arc::new(LogSink { prefix, level: self.config.output_level }),
         };
         let (i, name) = (index + 1, display_name(&ins.name));
         let span = if periodic {

@@ -268,6 +268,8 @@ pub async fn run(args: ApplyArgs) -> u8 {
 
     let mut cfg = ApplyConfig::new(&args.work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
+    // The operator watches this run: its output is logged as it comes (the agent's, at debug).
+    cfg.output_level = tracing::Level::INFO;
     cfg.images = crate::image::ImageConfig {
         images_dir: Some(args.images_dir.clone()),
         registries_file: Some(args.registries.clone()),

@@ -70,6 +70,9 @@ fn random_id() -> Result<String, Error> {
 
 /// Install as `s` says.
 pub async fn install(s: &Settings) -> Result<Outcome, Error> {
+    if s.root != Path::new("/") && s.root.exists() {
+        refuse_if_others_can_change("--root", &s.root)?;
+    }
     let tree = Tree::open(&s.root, true).map_err(|e| Error::Bad(format!("--root: {e}")))?;
     let mut out = Outcome::default();
     let old = read_manifest(&tree, &s.config_dir)?.unwrap_or_default();
@@ -90,6 +93,9 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
         Some(p) => p.clone(),
         None => std::env::current_exe().map_err(|e| Error::Bad(format!("cannot find the running binary: {e}")))?,
     };
+    if s.binary.is_some() {
+        refuse_if_others_can_change("--binary", &source)?;
+    }
     let binary = crate::safefs::read_named(&source, READ_CAP)
         .map_err(|e| Error::Bad(format!("binary {}: {e}", shown(&source))))?;
 
@@ -225,6 +231,22 @@ pub async fn install(s: &Settings) -> Result<Outcome, Error> {
     Ok(out)
 }
 
+/// Root installs from `--binary` and into `--root` only what no other user can change: the path
+/// and every directory above it must be root's (or the installer's user's) and not writable by
+/// group or others (a sticky directory such as `/tmp` is accepted on the way). One line says
+/// which path fails and why.
+fn refuse_if_others_can_change(flag: &str, path: &Path) -> Result<(), Error> {
+    let uid = rustix::process::geteuid().as_raw();
+    match crate::safefs::changeable_by_others(path, &[0, uid]) {
+        Ok(None) => Ok(()),
+        Ok(Some(why)) => Err(Error::Bad(format!(
+            "{flag} {}: refused: {why}, so another user could change what root installs",
+            shown(path)
+        ))),
+        Err(e) => Err(Error::Bad(format!("{flag} {}: {e}", shown(path)))),
+    }
+}
+
 /// Carries out `steps` (with the [`Action`]s decided for their files, in order), recording in
 /// `manifest` what it wrote; returns whether the unit or its environment changed.
 fn write_steps(
@@ -255,9 +277,22 @@ fn write_steps(
                 let shown = tree.shown(path);
                 match action {
                     Action::Unchanged => {
-                        // Content as wanted: the mode is set again all the same.
+                        // Content as wanted: the owner and mode are set again all the same, and a
+                        // file someone else owned (or with another mode) is said to have changed.
+                        let before = tree.owner_mode(path).map_err(failed)?;
                         tree.write(path, content, *mode).map_err(failed)?;
-                        out.lines.push(format!("unchanged {what} {}", shown.display()));
+                        let uid = rustix::process::geteuid().as_raw();
+                        match before {
+                            Some((u, m)) if (u, m) != (uid, *mode) => {
+                                out.lines.push(format!(
+                                    "unchanged {what} {}: owner set to uid {uid} (was {u}), mode {:04o} (was {m:04o})",
+                                    shown.display(),
+                                    *mode
+                                ));
+                                out.changed = true;
+                            }
+                            _ => out.lines.push(format!("unchanged {what} {}", shown.display())),
+                        }
                     }
                     Action::Create | Action::Replace => {
                         tree.write(path, content, *mode).map_err(failed)?;

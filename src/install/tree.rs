@@ -118,21 +118,28 @@ impl Tree {
         safefs::read_small_in(dir.as_fd(), name, cap).map_err(|e| with_path(e, &self.shown(p)))
     }
 
-    /// Replace `p` with `data` (atomically, mode `mode`, owned by root); missing parents are made
-    /// 0755. Returns whether the content changed.
+    /// Replace `p` with `data` (atomically, mode `mode`, owned by the installer's user: root);
+    /// missing parents are made 0755. A file that already holds `data` gets that owner and mode
+    /// (a file another user planted with the right content becomes root's, or is replaced when
+    /// it has other links). Returns whether the content changed.
     pub fn write(&self, p: &Path, data: &[u8], mode: u32) -> io::Result<bool> {
         let (dir, name) = self.parent(p, true)?;
         let dir = dir.ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        safefs::write_file_in(dir.as_fd(), name, data, mode, None).map_err(|e| with_path(e, &self.shown(p)))
+        let owner =
+            safefs::Owner { uid: rustix::process::geteuid().as_raw(), gid: rustix::process::getegid().as_raw() };
+        safefs::write_file_in(dir.as_fd(), name, data, mode, Some(owner)).map_err(|e| with_path(e, &self.shown(p)))
     }
 
-    /// Make the directories of `p` that are missing, each with `mode`; returns those it made,
-    /// outermost first.
+    /// Make the directories of `p` that are missing: `p` itself with `mode`, missing parents 0755
+    /// (as a distribution's `/var` and `/var/lib`); returns those it made, outermost first.
     pub fn ensure_dir(&self, p: &Path, mode: u32) -> io::Result<Vec<PathBuf>> {
         let mut made = Vec::new();
         let mut cur = PathBuf::from("/");
+        let mut rest = p.components().filter(|c| matches!(c, Component::Normal(_))).count();
         for comp in p.components() {
             let Component::Normal(name) = comp else { continue };
+            rest -= 1;
+            let mode = if rest == 0 { mode } else { 0o755 };
             let parent = self.dir(&cur, None)?;
             cur.push(name);
             match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(mode)) {
@@ -156,6 +163,17 @@ impl Tree {
         let fd = self.dir(p, None)?;
         let st = rustix::fs::fstatvfs(&fd).map_err(|e| with_path(e.into(), &self.shown(p)))?;
         Ok(st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY))
+    }
+
+    /// The owner (uid) and permission bits of what is at `p`, not following a link; `None` when
+    /// absent.
+    pub fn owner_mode(&self, p: &Path) -> io::Result<Option<(u32, u32)>> {
+        let (Some(dir), name) = self.parent(p, false)? else { return Ok(None) };
+        match rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some((st.st_uid, st.st_mode & 0o7777))),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(with_path(e.into(), &self.shown(p))),
+        }
     }
 
     /// The target of the symlink `p`; `None` when `p` is absent or not a link.
@@ -219,11 +237,13 @@ mod tests {
         assert!(!t.is_host());
         assert_eq!(t.shown(Path::new("/etc/x")), dir.path().join("etc/x"));
 
-        // Directories made are reported outermost first, with the mode asked for.
+        // Directories made are reported outermost first: the last with the mode asked for, the
+        // parents 0755.
         let made = t.ensure_dir(Path::new("/a/b/c"), 0o700).unwrap();
         assert_eq!(made, vec![PathBuf::from("/a"), PathBuf::from("/a/b"), PathBuf::from("/a/b/c")]);
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(dir.path().join("a/b")).unwrap().permissions().mode() & 0o777, 0o700);
+        let mode = |p: &str| std::fs::metadata(dir.path().join(p)).unwrap().permissions().mode() & 0o777;
+        assert_eq!((mode("a"), mode("a/b"), mode("a/b/c")), (0o755, 0o755, 0o700));
         assert!(t.ensure_dir(Path::new("/a/b/c"), 0o700).unwrap().is_empty());
 
         // A link on the way (absolute, pointing out of the tree) is refused, never followed.

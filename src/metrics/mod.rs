@@ -13,7 +13,9 @@
 //! probe's name and health); each module that owns a fact maps it to its label.
 //!
 //! Labels are bounded: plans are named by their 12-character id (the start of the checksum),
-//! probes by their name in the plan; every other label takes a fixed set of values.
+//! probes by their name in the plan (a name over 64 characters by its first 55, `~` and 8 hex
+//! digits of its SHA-256, so distinct names stay distinct series); every other label takes a
+//! fixed set of values.
 //!
 //! | metric | type | labels | meaning |
 //! |---|---|---|---|
@@ -51,8 +53,10 @@ const CANCEL_BUCKETS: [f64; 11] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5,
 /// Buckets of image pulls: a cached small image to a multi-GB installer on a slow link.
 const PULL_BUCKETS: [f64; 10] = [0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0];
 /// Probe names longer than this are cut in labels (a plan is trusted, but a label is no place for
-/// a paragraph).
+/// a paragraph); see [`probe_label`].
 const MAX_LABEL_CHARS: usize = 64;
+/// Hex digits of the name's SHA-256 that end a cut probe name.
+const LABEL_HASH_CHARS: usize = 8;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
@@ -384,6 +388,23 @@ pub fn plan_id(checksum: &str) -> String {
     checksum.chars().take(12).collect()
 }
 
+/// The `probe` label of a probe's name: the name itself when it has at most [`MAX_LABEL_CHARS`]
+/// characters; otherwise its start, `~` and the first [`LABEL_HASH_CHARS`] hex digits of the
+/// whole name's SHA-256, [`MAX_LABEL_CHARS`] characters in all. Two names that share their start
+/// (and a short name that looks like a cut one) stay two series.
+fn probe_label(name: &str) -> String {
+    if name.chars().count() <= MAX_LABEL_CHARS {
+        return name.to_string();
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(name.as_bytes());
+    let hash: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let mut label: String = name.chars().take(MAX_LABEL_CHARS - LABEL_HASH_CHARS - 1).collect();
+    label.push('~');
+    label.push_str(&hash[..LABEL_HASH_CHARS]);
+    label
+}
+
 // ---- hooks: one line at the place that knows the fact; nothing happens without `install` ----
 
 /// A plan state that is an outcome was recorded for a plan (after a run, or a pause or cancel
@@ -469,9 +490,7 @@ impl ProbeHealth {
         let plan = plan_id(checksum);
         let now: Vec<(ProbeLabels, bool)> = probes
             .into_iter()
-            .map(|(name, healthy)| {
-                (ProbeLabels { plan: plan.clone(), probe: name.chars().take(MAX_LABEL_CHARS).collect() }, healthy)
-            })
+            .map(|(name, healthy)| (ProbeLabels { plan: plan.clone(), probe: probe_label(name) }, healthy))
             .collect();
         for old in self.shown.iter().filter(|o| !now.iter().any(|(l, _)| l == *o)) {
             m.remove_probe(old);

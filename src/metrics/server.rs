@@ -1,10 +1,17 @@
 //! The metrics endpoint: `GET /metrics` on `metricsAddress`, nothing else (every other method or
 //! path is 404). It owns the listening socket and its connections, and must never hold up the
-//! reconcile loop: it runs as its own task, encodes on the blocking pool, and bounds what a slow
-//! or hostile client can hold: at most [`MAX_CONNECTIONS`] connections at once (more are closed
-//! at once), [`HEADER_TIMEOUT`] to send a request's head (an idle keep-alive connection is
-//! closed after as long), [`MAX_HEAD_BYTES`] of it buffered, and [`CONNECTION_TIMEOUT`] for a
-//! whole connection, however busy.
+//! reconcile loop: it runs as its own task, encodes on the blocking pool, and stays scrapeable
+//! whatever a hostile client does:
+//! - at most [`MAX_CONNECTIONS`] connections at once; a new one beyond that takes the place of the
+//!   oldest idle one (not being answered: waiting for its first request or its next), which is
+//!   closed; only when every connection is being answered is the new one closed at once;
+//! - [`FIRST_BYTE_TIMEOUT`] for a new connection's first byte, [`HEADER_TIMEOUT`] to send a
+//!   request's head (an idle keep-alive connection is closed after as long), [`MAX_HEAD_BYTES`] of
+//!   it buffered, and [`CONNECTION_TIMEOUT`] for a whole connection, however busy;
+//! - at most [`REQUESTS_PER_CONNECTION`] requests on one connection: the last answer says
+//!   `Connection: close` and the connection ends (pipelined requests beyond it are not read);
+//! - the exposition is rendered at most once per [`CACHE_FOR`] per format; requests meanwhile get
+//!   the same bytes, so a flood of requests costs copies, not renders.
 //!
 //! The answer is the Prometheus text format (0.0.4), or OpenMetrics 1.0 when the client's
 //! `Accept` asks for it (Prometheus does), chosen by [`negotiate`].
@@ -16,19 +23,31 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 
-/// Connections served at once; more are closed as soon as they are accepted.
+/// Connections open at once; a new one beyond this replaces the oldest idle one.
 pub const MAX_CONNECTIONS: usize = 16;
+/// Time a new connection has to send its first byte.
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time a client has to send the head of a request.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time a connection may stay open, however busy.
 pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bytes of a request head buffered, at most.
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// Requests answered on one connection; the last answer closes it. (A scraper reconnects: at one
+/// scrape every 15 s and [`CONNECTION_TIMEOUT`], it makes at most 2 on one connection.)
+pub const REQUESTS_PER_CONNECTION: u32 = 8;
+/// How long a rendered exposition is served again before it is rendered anew.
+pub const CACHE_FOR: Duration = Duration::from_secs(1);
 
 /// The exposition format of an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,9 +99,129 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
     TcpListener::bind(addr).await.map_err(|e| format!("metricsAddress {addr}: cannot listen: {e}"))
 }
 
+/// One open connection, as the accept loop sees it.
+struct Conn {
+    /// Being answered now (never chosen to make room).
+    answering: AtomicBool,
+    /// When it last started waiting for a request (admitted, or answered): a tick of
+    /// [`Conns::ticks`], so the oldest idle connection is the one with the lowest.
+    idle_since: AtomicU64,
+    /// Requests it has sent.
+    requests: AtomicU32,
+    /// It has sent a byte.
+    read_any: AtomicBool,
+    /// Closes it (to make room for a new one).
+    close: Notify,
+}
+
+/// The open connections; the accept loop admits, the connections remove themselves.
+struct Conns {
+    /// A clock that only counts: one tick per admission or answer.
+    ticks: AtomicU64,
+    open: Mutex<Vec<Arc<Conn>>>,
+}
+
+impl Conns {
+    fn now(&self) -> u64 {
+        self.ticks.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// A slot for a new connection: when all are taken, the oldest idle connection is closed to
+    /// make room; `None` when every connection is being answered.
+    fn admit(&self) -> Option<Arc<Conn>> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if open.len() >= MAX_CONNECTIONS {
+            let oldest = open
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| !c.answering.load(Ordering::SeqCst))
+                .min_by_key(|(_, c)| c.idle_since.load(Ordering::SeqCst))
+                .map(|(i, _)| i)?;
+            open.swap_remove(oldest).close.notify_one();
+        }
+        let c = Arc::new(Conn {
+            answering: AtomicBool::new(false),
+            idle_since: AtomicU64::new(self.now()),
+            requests: AtomicU32::new(0),
+            read_any: AtomicBool::new(false),
+            close: Notify::new(),
+        });
+        open.push(c.clone());
+        Some(c)
+    }
+
+    fn remove(&self, c: &Arc<Conn>) {
+        self.open.lock().unwrap_or_else(|e| e.into_inner()).retain(|o| !Arc::ptr_eq(o, c));
+    }
+}
+
+/// The last rendering of each format, and when it was made.
+struct Cache {
+    metrics: Arc<Metrics>,
+    renders: tokio::sync::Mutex<[Option<(Instant, Bytes)>; 2]>,
+}
+
+impl Cache {
+    /// The exposition in `format`: the cached one when it is younger than [`CACHE_FOR`], else a
+    /// new rendering (one at a time; requests meanwhile wait for it and share it).
+    async fn get(&self, format: Format) -> Result<Bytes, tokio::task::JoinError> {
+        let mut renders = self.renders.lock().await;
+        let slot = &mut renders[format as usize];
+        if let Some((at, b)) = slot.as_ref()
+            && at.elapsed() < CACHE_FOR
+        {
+            return Ok(b.clone());
+        }
+        let m = self.metrics.clone();
+        let text = Bytes::from(tokio::task::spawn_blocking(move || m.encode(format)).await?);
+        *slot = Some((Instant::now(), text.clone()));
+        Ok(text)
+    }
+}
+
+/// A connection's socket that notes its first byte read.
+struct Watched {
+    inner: tokio::net::TcpStream,
+    conn: Arc<Conn>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.conn.read_any.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Serve `metrics` on `listener` until `shutdown` turns true (or its sender is gone).
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, mut shutdown: watch::Receiver<bool>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let conns = Arc::new(Conns { ticks: AtomicU64::new(0), open: Mutex::new(Vec::new()) });
+    let cache = Arc::new(Cache { metrics, renders: tokio::sync::Mutex::new([None, None]) });
     let mut full_warned = false;
     loop {
         if *shutdown.borrow() {
@@ -104,34 +243,71 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, mut shutdown: w
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Some(conn) = conns.admit() else {
             if !std::mem::replace(&mut full_warned, true) {
-                tracing::warn!("metrics endpoint: {MAX_CONNECTIONS} connections open; closing new ones until one ends");
+                tracing::warn!(
+                    "metrics endpoint: {MAX_CONNECTIONS} connections being answered; closing new ones until one ends"
+                );
             }
             drop(stream);
             continue;
         };
         full_warned = false;
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| answer(req, m.clone()));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .max_buf_size(MAX_HEAD_BYTES)
-                .serve_connection(TokioIo::new(stream), service);
-            // A connection past its time is dropped, whatever it is doing.
-            let _ = tokio::time::timeout(CONNECTION_TIMEOUT, conn).await;
-            drop(slot);
-        });
+        tokio::spawn(connection(stream, conn, conns.clone(), cache.clone()));
     }
 }
 
-async fn answer(req: Request<Incoming>, m: Arc<Metrics>) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+/// Serve one connection until it ends, is closed to make room, sends nothing within
+/// [`FIRST_BYTE_TIMEOUT`] or outlives [`CONNECTION_TIMEOUT`].
+async fn connection(stream: tokio::net::TcpStream, conn: Arc<Conn>, conns: Arc<Conns>, cache: Arc<Cache>) {
+    let service = {
+        let (conn, conns) = (conn.clone(), conns.clone());
+        hyper::service::service_fn(move |req| {
+            let (conn, conns, cache) = (conn.clone(), conns.clone(), cache.clone());
+            async move {
+                conn.answering.store(true, Ordering::SeqCst);
+                let last = conn.requests.fetch_add(1, Ordering::SeqCst) + 1 >= REQUESTS_PER_CONNECTION;
+                let r = answer(req, &cache, last).await;
+                conn.idle_since.store(conns.now(), Ordering::SeqCst);
+                conn.answering.store(false, Ordering::SeqCst);
+                r
+            }
+        })
+    };
+    let served = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES)
+        .serve_connection(TokioIo::new(Watched { inner: stream, conn: conn.clone() }), service);
+    let silent = async {
+        tokio::time::sleep(FIRST_BYTE_TIMEOUT).await;
+        if conn.read_any.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+    };
+    // Whichever ends first drops the connection, whatever it is doing.
+    tokio::select! {
+        _ = served => {}
+        () = conn.close.notified() => {}
+        () = silent => {}
+        () = tokio::time::sleep(CONNECTION_TIMEOUT) => {}
+    }
+    conns.remove(&conn);
+}
+
+async fn answer(
+    req: Request<Incoming>,
+    cache: &Cache,
+    last: bool,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     let reply = |status: StatusCode, content_type: &'static str, body: Bytes| {
         let mut r = Response::new(Full::new(body));
         *r.status_mut() = status;
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+        let h = r.headers_mut();
+        h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+        if last {
+            h.insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+        }
         Ok(r)
     };
     if route(req.method(), req.uri().path()) == Route::NotFound {
@@ -139,8 +315,8 @@ async fn answer(req: Request<Incoming>, m: Arc<Metrics>) -> Result<Response<Full
     }
     let accept = req.headers().get(hyper::header::ACCEPT).and_then(|v| v.to_str().ok());
     let format = negotiate(accept);
-    match tokio::task::spawn_blocking(move || m.encode(format)).await {
-        Ok(text) => reply(StatusCode::OK, format.content_type(), Bytes::from(text)),
+    match cache.get(format).await {
+        Ok(text) => reply(StatusCode::OK, format.content_type(), text),
         Err(e) => {
             tracing::warn!("metrics endpoint: encoding failed: {e}");
             reply(StatusCode::INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8", Bytes::from_static(b"error\n"))
@@ -242,38 +418,40 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn connections_beyond_the_limit_are_closed_and_the_endpoint_keeps_serving() {
+    async fn a_connection_beyond_the_limit_replaces_the_oldest_idle_one() {
         let (port, _tx, _server) = serving(Arc::new(Metrics::new(super::super::Directories::default()))).await;
-        // Idle clients that never send a request take every slot.
+        // Idle clients that never send a request take every slot; the first is admitted first.
         let mut idle = Vec::new();
         for _ in 0..MAX_CONNECTIONS {
             idle.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
         }
-        // One more is closed by the server without an answer (read ends at EOF, not a timeout).
-        let extra = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
-        assert!(extra.is_empty(), "{extra}");
-        drop(idle);
-        // Once they are gone the endpoint serves again (the server notices the closed sockets as
-        // their connections end: retried with a bound, each try a real request).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let a = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
-            if a.starts_with("HTTP/1.1 200") {
-                break;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "the endpoint never served again");
-            tokio::task::yield_now().await;
-        }
+        // One more is served: the oldest idle connection makes room (its read ends at EOF).
+        let a = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), idle[0].read_to_end(&mut out)).await;
+        assert!(matches!(read, Ok(Ok(0))), "the oldest idle connection was closed: {read:?}");
     }
 
-    /// A client that sends nothing, half a request head, or keeps its connection open after an
-    /// answer is dropped by the header timeout. On a paused clock: the times are exact and the
+    /// Pipelined requests on one connection: [`REQUESTS_PER_CONNECTION`] answers, the last with
+    /// `Connection: close`, then the connection ends (the rest is never read).
+    #[tokio::test]
+    async fn a_connection_is_closed_after_its_request_budget() {
+        let (port, _tx, _server) = serving(Arc::new(Metrics::new(super::super::Directories::default()))).await;
+        let one = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+        let a = exchange(port, &one.repeat(REQUESTS_PER_CONNECTION as usize + 5)).await;
+        assert_eq!(a.matches("HTTP/1.1 200").count(), REQUESTS_PER_CONNECTION as usize, "{a}");
+        assert_eq!(a.matches("connection: close").count(), 1, "{a}");
+    }
+
+    /// A client that sends nothing is dropped by the first-byte timeout; one that sends half a
+    /// request head, or keeps its connection open after an answer, by the header timeout. On a paused clock: the times are exact and the
     /// test takes no wall time.
     #[tokio::test(start_paused = true)]
     async fn slow_clients_are_dropped_on_time() {
         let (port, _tx, _server) = serving(Arc::new(Metrics::new(super::super::Directories::default()))).await;
         let cases: [(&str, &[u8], Duration); 3] = [
-            ("nothing", b"", HEADER_TIMEOUT),
+            ("nothing", b"", FIRST_BYTE_TIMEOUT),
             ("half a head", b"GET /metrics HTTP/1.1\r\nHost: x\r\n", HEADER_TIMEOUT),
             ("an idle keep-alive connection", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", HEADER_TIMEOUT),
         ];

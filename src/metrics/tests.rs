@@ -63,13 +63,30 @@ fn probe_gauges_follow_the_plans_probes() {
 }
 
 #[test]
-fn long_probe_names_are_cut() {
+fn long_probe_names_are_cut_and_stay_distinct() {
     let m = Metrics::new(Directories::default());
     let mut h = ProbeHealth::default();
-    let long = "p".repeat(500);
-    h.set_in(&m, "abc", [(long.as_str(), false)]);
+    let common = "p".repeat(MAX_LABEL_CHARS);
+    let (a, b) = (format!("{common}-a"), format!("{common}-b"));
+    let exact = "q".repeat(MAX_LABEL_CHARS);
+    h.set_in(&m, "abc", [(a.as_str(), false), (b.as_str(), true), (exact.as_str(), true)]);
     let t = text(&m);
-    assert!(t.contains(&format!("probe=\"{}\"", "p".repeat(MAX_LABEL_CHARS))), "{t}");
+    let series: Vec<&str> = t.lines().filter(|l| l.starts_with("nodeplan_probe_healthy{")).collect();
+    assert_eq!(series.len(), 3, "one series per probe:\n{t}");
+    let label = |l: &str| l.split("probe=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or_default().to_string();
+    let labels: Vec<String> = series.iter().map(|l| label(l)).collect();
+    for l in &labels {
+        assert!(l.chars().count() <= MAX_LABEL_CHARS, "{l}");
+    }
+    // A name of exactly the limit is shown as it is; longer ones are cut with a hash of the name.
+    assert!(labels.contains(&exact), "{t}");
+    let cut_a = probe_label(&a);
+    assert_eq!(cut_a.chars().count(), MAX_LABEL_CHARS);
+    assert!(cut_a.starts_with(&"p".repeat(MAX_LABEL_CHARS - LABEL_HASH_CHARS - 1)), "{cut_a}");
+    assert_ne!(cut_a, probe_label(&b));
+    assert_eq!(cut_a, probe_label(&a), "the same name, the same label");
+    assert!(t.contains(&format!("probe=\"{cut_a}\"}} 0")), "{t}");
+    assert!(t.contains(&format!("probe=\"{}\"}} 1", probe_label(&b))), "{t}");
     assert!(!t.contains(&"p".repeat(MAX_LABEL_CHARS + 1)), "{t}");
     h.clear_in(&m);
 }

@@ -29,17 +29,33 @@ pub trait LineSink: Send + Sync {
     }
 }
 
-/// Logs every line at `info` as `[<prefix>:stdout]: <line>`, like system-agent.
+/// Logs every line at `level` as `[<prefix>:stdout]: <line>`, like system-agent (which logs at
+/// info). The agent logs instruction output at debug; `nodeplan supervise` and `nodeplan apply`,
+/// whose output is what their operator watches, at info.
 pub struct LogSink {
     pub prefix: String,
+    pub level: tracing::Level,
 }
 
 impl LineSink for LogSink {
     fn line(&self, stream: Stream, line: &[u8]) {
-        tracing::info!("[{}:{}]: {}", self.prefix, stream.as_str(), String::from_utf8_lossy(line));
+        let (prefix, stream, line) = (&self.prefix, stream.as_str(), String::from_utf8_lossy(line));
+        match self.level {
+            tracing::Level::ERROR => tracing::error!("[{prefix}:{stream}]: {line}"),
+            tracing::Level::WARN => tracing::warn!("[{prefix}:{stream}]: {line}"),
+            tracing::Level::INFO => tracing::info!("[{prefix}:{stream}]: {line}"),
+            tracing::Level::DEBUG => tracing::debug!("[{prefix}:{stream}]: {line}"),
+            _ => tracing::trace!("[{prefix}:{stream}]: {line}"),
+        }
     }
     fn enabled(&self) -> bool {
-        tracing::enabled!(tracing::Level::INFO)
+        match self.level {
+            tracing::Level::ERROR => tracing::enabled!(tracing::Level::ERROR),
+            tracing::Level::WARN => tracing::enabled!(tracing::Level::WARN),
+            tracing::Level::INFO => tracing::enabled!(tracing::Level::INFO),
+            tracing::Level::DEBUG => tracing::enabled!(tracing::Level::DEBUG),
+            _ => tracing::enabled!(tracing::Level::TRACE),
+        }
     }
 }
 

@@ -25,10 +25,12 @@ pub fn program() -> String {
         .unwrap_or_else(|| PROGRAM.into())
 }
 
-/// The pid of a running `program` under `proc_root` (normally `/proc`), if any: a root process
-/// whose name (`comm`, cut to 15 bytes by the kernel) is the program's and whose first argument
-/// names it. Zombies do not count, nor does a process of another user (any user can start a
-/// program of that name; only root's agent acts on the node).
+/// The pid of a running `program` under `proc_root` (normally `/proc`), if any. Its name
+/// (`comm`, cut to 15 bytes by the kernel) and first argument must name the program, it is no
+/// zombie, and (since any user can give a process that name and, through a setuid-root program,
+/// an effective uid of 0) it must show what only root can arrange ([`root_arranged`]): it runs in
+/// the cgroup of the systemd unit `<program>.service` under `system.slice`, or its executable is
+/// root's in directories only root can change and its real uid is 0.
 pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
     let comm_prefix = program.get(..15).unwrap_or(program);
     let entries = std::fs::read_dir(proc_root).ok()?;
@@ -46,7 +48,10 @@ pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
         }
         let Ok(cmdline) = read_small(&dir.join("cmdline")) else { continue };
         let argv0 = cmdline.split('\0').next().unwrap_or_default();
-        if Path::new(argv0).file_name().and_then(|n| n.to_str()) == Some(program) && !is_zombie(&dir) {
+        if Path::new(argv0).file_name().and_then(|n| n.to_str()) == Some(program)
+            && !is_zombie(&dir)
+            && root_arranged(&dir, program)
+        {
             return Some(pid);
         }
     }
@@ -82,6 +87,52 @@ pub fn in_unit(proc_root: &Path, cgroups: &[PathBuf]) -> Option<i32> {
         .find(|pid| !is_zombie(&proc_root.join(pid.to_string())))
 }
 
+/// What only root can arrange for the process at `dir` (`/proc/<pid>`): it is in the cgroup of
+/// the unit `<program>.service` under `system.slice` ([`in_unit_cgroup`]), or its real uid is 0
+/// and its executable is trusted ([`trusted_executable`]).
+fn root_arranged(dir: &Path, program: &str) -> bool {
+    in_unit_cgroup(dir, program) || (real_uid(dir) == Some(0) && trusted_executable(dir))
+}
+
+/// Whether `/proc/<pid>/cgroup` puts the process in `/system.slice/<program>.service` (or a
+/// cgroup below it): on the cgroup v2 line (`0::PATH`) or the v1 `name=systemd` line. Only root
+/// (systemd) makes cgroups there; a user's own unit of that name lives under `user.slice`.
+fn in_unit_cgroup(dir: &Path, program: &str) -> bool {
+    let Ok(text) = read_small(&dir.join("cgroup")) else { return false };
+    let unit = format!("/system.slice/{program}.service");
+    text.lines().any(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            return false;
+        };
+        let systemd = controllers.is_empty() || controllers.split(',').any(|c| c == "name=systemd");
+        systemd && path.strip_prefix(unit.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    })
+}
+
+/// The real uid of the process: the first field of `Uid:` in `/proc/<pid>/status`.
+fn real_uid(dir: &Path) -> Option<u32> {
+    let status = read_small(&dir.join("status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Uid:")?.split_whitespace().next()?.parse().ok())
+}
+
+/// Whether the process's executable is root's: the file it runs (`/proc/<pid>/exe`, the inode
+/// itself) is a regular file owned by root and not writable by group or others, and every
+/// directory from `/` down to it (the link's target) is owned by root and not writable by group
+/// or others, unless it has the sticky bit (`/tmp`: no one else can replace root's entry there).
+/// Links on the way are resolved (the real directories are checked); a target that is no longer
+/// there (a replaced binary) is not trusted.
+fn trusted_executable(dir: &Path) -> bool {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let exe = dir.join("exe");
+    let Ok(file) = std::fs::metadata(&exe) else { return false };
+    if !file.is_file() || file.uid() != 0 || file.permissions().mode() & 0o022 != 0 {
+        return false;
+    }
+    let Ok(target) = std::fs::read_link(&exe) else { return false };
+    target.is_absolute() && matches!(crate::safefs::changeable_by_others(&target, &[0]), Ok(None))
+}
+
 fn is_zombie(dir: &Path) -> bool {
     // The state follows the last ')' of /proc/<pid>/stat.
     read_small(&dir.join("stat"))
@@ -101,15 +152,41 @@ fn read_small(path: &Path) -> std::io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::PathBuf;
 
-    fn fake_proc(entries: &[(&str, &str, &str, &str)]) -> tempfile::TempDir {
+    const AGENT: &str = "/usr/local/bin/rancher-system-agent\0sentinel\0";
+    const V2_UNIT: &str = "0::/system.slice/rancher-system-agent.service\n";
+
+    /// One fake `/proc/<pid>`: its name, command line, state, `cgroup` text, real uid and the
+    /// target of its `exe` link.
+    struct Fake<'a> {
+        pid: &'a str,
+        comm: &'a str,
+        cmdline: &'a str,
+        state: &'a str,
+        cgroup: &'a str,
+        real_uid: u32,
+        exe: PathBuf,
+    }
+
+    fn fake<'a>(pid: &'a str, cgroup: &'a str, real_uid: u32, exe: &Path) -> Fake<'a> {
+        Fake { pid, comm: "rancher-system-", cmdline: AGENT, state: "S", cgroup, real_uid, exe: exe.to_path_buf() }
+    }
+
+    fn fake_proc(entries: &[Fake<'_>]) -> tempfile::TempDir {
         let d = tempfile::tempdir().unwrap();
-        for (pid, comm, cmdline, state) in entries {
-            let p = d.path().join(pid);
+        for f in entries {
+            let p = d.path().join(f.pid);
             std::fs::create_dir(&p).unwrap();
-            std::fs::write(p.join("comm"), format!("{comm}\n")).unwrap();
-            std::fs::write(p.join("cmdline"), cmdline).unwrap();
-            std::fs::write(p.join("stat"), format!("{pid} ({comm}) {state} 1 2 3")).unwrap();
+            std::fs::write(p.join("comm"), format!("{}\n", f.comm)).unwrap();
+            std::fs::write(p.join("cmdline"), f.cmdline).unwrap();
+            std::fs::write(p.join("stat"), format!("{} ({}) {} 1 2 3", f.pid, f.comm, f.state)).unwrap();
+            std::fs::write(p.join("cgroup"), f.cgroup).unwrap();
+            let uid = f.real_uid;
+            std::fs::write(p.join("status"), format!("Name:\t{}\nUid:\t{uid}\t0\t0\t0\nGid:\t0\t0\t0\t0\n", f.comm))
+                .unwrap();
+            std::os::unix::fs::symlink(&f.exe, p.join("exe")).unwrap();
         }
         std::fs::create_dir(d.path().join("self")).unwrap();
         d
@@ -134,7 +211,8 @@ mod tests {
         assert_eq!(unit_cgroups(v2, "rsa"), [PathBuf::from("/sys/fs/cgroup/system.slice/rsa.service")]);
         assert!(unit_cgroups("", PROGRAM).is_empty(), "no cgroups: nothing to look at");
 
-        let proc_root = fake_proc(&[("7", "rancher-system-", "/x\0", "S"), ("8", "rancher-system-", "/x\0", "Z")]);
+        let none = Path::new("/nonexistent");
+        let proc_root = fake_proc(&[fake("7", "", 0, none), Fake { state: "Z", ..fake("8", "", 0, none) }]);
         let cg = tempfile::tempdir().unwrap();
         let (a, b) = (cg.path().join("a"), cg.path().join("b"));
         std::fs::create_dir(&a).unwrap();
@@ -150,28 +228,87 @@ mod tests {
         assert_eq!(in_unit(proc_root.path(), &dirs), None, "a directory another user made");
     }
 
+    /// Executables in directories of every kind: (directory mode, directory owner, file mode,
+    /// file owner) → the file's path.
+    fn executable(root: &Path, name: &str, dir_mode: u32, dir_uid: u32, mode: u32, uid: u32) -> PathBuf {
+        let dir = root.join(format!("{name}-dir"));
+        std::fs::create_dir(&dir).unwrap();
+        let file = dir.join("rancher-system-agent");
+        std::fs::write(&file, b"#!/bin/true\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::os::unix::fs::chown(&file, Some(uid), None).unwrap();
+        std::os::unix::fs::chown(&dir, Some(dir_uid), None).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(dir_mode)).unwrap();
+        file
+    }
+
     #[test]
     fn finds_only_a_live_rancher_system_agent() {
-        let cases = [
-            ("none", vec![("1", "systemd", "/sbin/init\0", "S")], None),
+        let bins = tempfile::tempdir().unwrap();
+        let b = bins.path();
+        let roots = executable(b, "root", 0o755, 0, 0o755, 0);
+        let sticky = executable(b, "sticky", 0o1777, 0, 0o755, 0);
+        let theirs_dir = executable(b, "their-dir", 0o755, 1000, 0o755, 0);
+        let open_dir = executable(b, "open-dir", 0o777, 0, 0o755, 0);
+        let theirs_file = executable(b, "their-file", 0o755, 0, 0o755, 1000);
+        let group_writable = executable(b, "group-writable", 0o755, 0, 0o775, 0);
+        let gone = b.join("gone/rancher-system-agent");
+        let v1 = "12:pids:/system.slice/rancher-system-agent.service\n1:name=systemd:/system.slice/rancher-system-agent.service\n0::/\n";
+        let user_unit = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/rancher-system-agent.service\n";
+        let session = "0::/user.slice/user-1000.slice/session-3.scope\n";
+        let cases: Vec<(&str, Vec<Fake<'_>>, Option<i32>)> = vec![
+            ("none", vec![Fake { comm: "systemd", cmdline: "/sbin/init\0", ..fake("1", V2_UNIT, 0, &roots) }], None),
+            ("in its unit's cgroup (v2)", vec![fake("7", V2_UNIT, 1000, &gone)], Some(7)),
+            ("in its unit's cgroup (v1 name=systemd)", vec![fake("7", v1, 1000, &gone)], Some(7)),
             (
-                "running",
-                vec![("7", "rancher-system-", "/usr/local/bin/rancher-system-agent\0sentinel\0", "S")],
+                "below its unit's cgroup",
+                vec![fake("7", "0::/system.slice/rancher-system-agent.service/sub\n", 1000, &gone)],
                 Some(7),
             ),
-            ("a zombie", vec![("8", "rancher-system-", "/usr/local/bin/rancher-system-agent\0", "Z")], None),
-            ("a look-alike name", vec![("9", "rancher-system-", "/usr/bin/rancher-system-other\0", "S")], None),
-            ("another program named so", vec![("10", "bash", "rancher-system-agent\0", "S")], None),
+            ("a user's unit of that name", vec![fake("7", user_unit, 1000, &gone)], None),
+            (
+                "a look-alike unit",
+                vec![fake("7", "0::/system.slice/rancher-system-agent.service-x\n", 1000, &gone)],
+                None,
+            ),
+            (
+                "the unit on a v1 controller only",
+                vec![fake("7", "12:pids:/system.slice/rancher-system-agent.service\n", 1000, &gone)],
+                None,
+            ),
+            ("root's executable, real uid 0", vec![fake("8", session, 0, &roots)], Some(8)),
+            ("root's executable below a sticky directory", vec![fake("8", session, 0, &sticky)], Some(8)),
+            ("a setuid-root program run by a user (real uid 1000)", vec![fake("9", session, 1000, &roots)], None),
+            ("an executable in another user's directory", vec![fake("9", session, 0, &theirs_dir)], None),
+            ("an executable in a directory others can write", vec![fake("9", session, 0, &open_dir)], None),
+            ("another user's executable", vec![fake("9", session, 0, &theirs_file)], None),
+            ("a group-writable executable", vec![fake("9", session, 0, &group_writable)], None),
+            ("an executable that is gone", vec![fake("9", session, 0, &gone)], None),
+            ("a zombie", vec![Fake { state: "Z", ..fake("8", V2_UNIT, 0, &roots) }], None),
+            (
+                "a look-alike name",
+                vec![Fake { cmdline: "/usr/bin/rancher-system-other\0", ..fake("9", V2_UNIT, 0, &roots) }],
+                None,
+            ),
+            (
+                "another program named so",
+                vec![Fake { comm: "bash", cmdline: "rancher-system-agent\0", ..fake("10", V2_UNIT, 0, &roots) }],
+                None,
+            ),
         ];
         for (what, entries, want) in cases {
             assert_eq!(running(fake_proc(&entries).path(), PROGRAM), want, "{what}");
         }
         assert_eq!(running(Path::new("/nonexistent/proc"), PROGRAM), None);
-        let short = fake_proc(&[("11", "rsa", "/x/rsa\0", "S")]);
+        let short = fake_proc(&[Fake {
+            comm: "rsa",
+            cmdline: "/x/rsa\0",
+            ..fake("11", "0::/system.slice/rsa.service\n", 0, &gone)
+        }]);
         assert_eq!(running(short.path(), "rsa"), Some(11), "a name shorter than 15 bytes");
-        // Another user's process of that name is no agent of the node's.
-        let theirs = fake_proc(&[("12", "rsa", "/home/u/rsa\0", "S")]);
+        // A process whose effective user is another is no agent of the node's.
+        let theirs = fake_proc(&[fake("12", V2_UNIT, 0, &roots)]);
         std::os::unix::fs::chown(theirs.path().join("12"), Some(1000), Some(1000)).unwrap();
-        assert_eq!(running(theirs.path(), "rsa"), None);
+        assert_eq!(running(theirs.path(), PROGRAM), None);
     }
 }

@@ -173,6 +173,10 @@ pub fn kill_all(pids: &[i32]) {
 }
 
 /// A running `nodeplan agent` whose stderr is read line by line.
+/// The agent's environment for a test that reads instruction output from its log: output lines
+/// are logged at debug only, and this turns on just them (the rest stays at info).
+pub const OUTPUT_LOGGED: (&str, &str) = ("NODEPLAN_LOG", "info,nodeplan::process::capture=debug");
+
 pub struct AgentProc {
     pub child: std::process::Child,
     lines: std::sync::mpsc::Receiver<String>,
