@@ -20,8 +20,11 @@
 //!   the pump lists again on a fresh request.
 //!
 //! Cost: one watch request per object kind every [`WATCH_TIMEOUT_SECS`] (resumed from the last
-//! resourceVersion, served from the API server's watch cache); a list only after an error or a
-//! comeback.
+//! resourceVersion it delivered, bookmarks included, served from the API server's watch cache;
+//! nothing is published and the reconcile loop is not woken); a list only after an error, an
+//! expired resourceVersion (410), a watch that ended at once, or a comeback. (Listing after every
+//! watch's end, as this did before, cost a fleet of idle agents a list and a reconcile pass each
+//! every 20 s.)
 //!
 //! Owns: the list/watch cycle, its liveness bounds, its back-off (jittered, reset after a watch
 //! that ran a while) and the map of objects by name it publishes. It decides nothing about what
@@ -253,9 +256,20 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::O
                 let started = Instant::now();
                 // Subscribed after the list answered: only failures after it count.
                 let reconnected = lw.reconnected();
-                let end = tokio::select! {
-                    end = watch_from(lw, &listed.resource_version, &mut objects, &tx, &mut seq, reconnected) => end,
-                    _ = tx.closed() => return,
+                let mut rv = listed.resource_version;
+                let end = loop {
+                    let began = Instant::now();
+                    let end = tokio::select! {
+                        end = watch_from(lw, &mut rv, &mut objects, &tx, &mut seq, reconnected.clone()) => end,
+                        _ = tx.closed() => return,
+                    };
+                    // A watch the server ended after a healthy while (its timeout) goes on from the
+                    // last resourceVersion it delivered, without a list: nothing was missed.
+                    if matches!(end, End::Closed) && began.elapsed() >= HEALTHY_AFTER && !tx.is_closed() {
+                        tracing::trace!("the watch of {what} ended on time; watching on from {rv}");
+                        continue;
+                    }
+                    break end;
                 };
                 (end, started.elapsed())
             }
@@ -300,17 +314,18 @@ fn publish<K: Clone>(tx: &watch::Sender<Latest<K>>, seq: &mut u64, objects: &BTr
     tx.send((*seq, objects.clone())).is_ok()
 }
 
-/// Watch from `rv`, applying every event to `objects` and publishing it, until the watch ends.
+/// Watch from `rv`, applying every event to `objects` and publishing it, until the watch ends;
+/// `rv` follows the events (bookmarks included), so a watch can go on where this one ended.
 async fn watch_from<L: ListWatch>(
     lw: &L,
-    rv: &str,
+    rv: &mut String,
     objects: &mut BTreeMap<String, L::Object>,
     tx: &watch::Sender<Latest<L::Object>>,
     seq: &mut u64,
     mut reconnected: watch::Receiver<u64>,
 ) -> End {
     let started = tokio::select! {
-        r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv)) => r,
+        r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv.as_str())) => r,
         Ok(()) = reconnected.changed() => return End::Reconnected,
     };
     let mut events = match started {
@@ -334,6 +349,16 @@ async fn watch_from<L: ListWatch>(
                 ));
             }
         };
+        let seen_rv = match &event {
+            Ok(WatchEvent::Added(o) | WatchEvent::Modified(o) | WatchEvent::Deleted(o)) => {
+                o.meta().resource_version.clone()
+            }
+            Ok(WatchEvent::Bookmark(b)) => Some(b.metadata.resource_version.clone()),
+            _ => None,
+        };
+        if let Some(v) = seen_rv.filter(|v| !v.is_empty()) {
+            *rv = v;
+        }
         match event {
             Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => {
                 let Some(name) = o.meta().name.clone() else { continue };
@@ -483,10 +508,11 @@ mod tests {
         d >= base && d <= base + (base / 10).min(Duration::from_secs(1))
     }
 
-    /// Events apply to the listed objects; when the watch ends the pump lists again after the
-    /// back-off's first (jittered) step and publishes a new number although nothing changed.
+    /// Events apply to the listed objects; when the server ends a watch that ran a while (its
+    /// timeout), the pump watches on at once from the last resourceVersion delivered (a bookmark's
+    /// included), without a list and without publishing anything.
     #[tokio::test(start_paused = true)]
-    async fn events_apply_and_every_list_publishes_even_unchanged() {
+    async fn events_apply_and_a_watch_ended_on_time_goes_on_without_a_list() {
         let s = Duration::from_secs(1);
         let fake = Fake::new(vec![
             listed("10", &[("a", "5")]),
@@ -494,13 +520,12 @@ mod tests {
                 Ok(vec![
                     (s, Ok(WatchEvent::Added(obj("b", "11")))),
                     (s, Ok(WatchEvent::Modified(obj("a", "12")))),
-                    (s, Ok(WatchEvent::Bookmark(serde_json::from_value(serde_json::json!({"apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan", "metadata": {"resourceVersion": "13"}})).unwrap()))),
                     (s, Ok(WatchEvent::Deleted(obj("b", "14")))),
+                    (s, Ok(WatchEvent::Bookmark(serde_json::from_value(serde_json::json!({"apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan", "metadata": {"resourceVersion": "15"}})).unwrap()))),
                 ]),
                 Duration::from_secs(16),
             ),
-            listed("20", &[("a", "12")]),
-            Step::Watch(Ok(vec![]), Duration::from_secs(3600)),
+            Step::Watch(Ok(vec![(s, Ok(WatchEvent::Modified(obj("a", "16"))))]), Duration::from_secs(3600)),
         ]);
         let (seen, _rx) = publishes(&fake, 5).await;
         let want: Vec<Seen> = vec![
@@ -508,14 +533,14 @@ mod tests {
             (2, vec!["a@5".into(), "b@11".into()]),
             (3, vec!["a@12".into(), "b@11".into()]),
             (4, vec!["a@12".into()]),
-            (5, vec!["a@12".into()]),
+            (5, vec!["a@16".into()]),
         ];
-        assert_eq!(seen, want, "the bookmark publishes nothing; the relist publishes the same objects anew");
+        assert_eq!(seen, want, "the bookmark and the watch's end publish nothing");
         let calls = fake.calls();
         let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
-        assert_eq!(names, ["list", "watch 10", "list", "watch 20"]);
+        assert_eq!(names, ["list", "watch 10", "watch 15"], "on from the bookmark's resourceVersion, no list");
         let g = gaps(&calls);
-        assert!(within(g[1], 20_000 + 800), "relisted after the watch ended and one short step: {g:?}");
+        assert_eq!(g[1], Duration::from_secs(20), "at once when the watch ended: {g:?}");
     }
 
     /// Failing lists back off 0.8 s doubling (jittered); the first list that answers is published
