@@ -691,3 +691,22 @@ fn validate_connection_checks_the_kubeconfig_as_the_agent_will() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("insecure-skip-tls-verify is not supported"), "{err}");
 }
+
+/// A duration the user wrote is shown back exactly in the one error line (issue 23, item 11): in
+/// integer arithmetic, never through a float (which showed 2147483646.999999999 s as `2147483647s`,
+/// and others as `2147483646.9999971s`).
+#[test]
+fn a_duration_in_an_error_is_shown_as_written() {
+    let dir = TempDir::new().unwrap();
+    let p = write(&dir, "config.yaml", "localEnabled: true\nleaseDuration: 2147483646.999999999s\n");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+        .args(["validate-config", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("leaseDuration must be 0 (no Lease) or between 4s and 3600s, found 2147483646.999999999s"),
+        "{stderr}"
+    );
+}
