@@ -1054,3 +1054,54 @@ async fn wait_healthy_over_nodeplans_counts_only_this_runs_probes() {
         a.stop();
     }
 }
+
+/// A NodePlan made before the definition required `spec.nodeName` (labelled for the node, naming
+/// none): where the API server selects NodePlans by `spec.nodeName`, the agent never sees it, and
+/// says so in one warning line naming it; where it cannot (1.20), the agent watches by label and
+/// runs it. A control plane of its own: the definition is installed old, then upgraded.
+#[tokio::test]
+async fn a_nodeplan_naming_no_node_is_named_in_a_warning_or_runs() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use nodeplan::nodeplan::resource::{CRD_YAML, SELECTABLE_SINCE, crd_yaml};
+    let Some(cp) = ControlPlane::start_for_custom_resources().await else { return };
+    let crds: Api<CustomResourceDefinition> = Api::all(cp.client().await);
+    let parse = |yaml: &str| -> CustomResourceDefinition { serde_yaml_ng::from_str(yaml).unwrap() };
+    let old = crd_yaml(Some((1, 24))).unwrap();
+    crds.create(&PostParams::default(), &parse(&old)).await.unwrap();
+    let n = Node::new(&cp, "np-unnamed").await;
+    let log = n.p("log");
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "agent.cattle.io/v1alpha1", "kind": "NodePlan",
+        "metadata": {"name": "old", "namespace": n.namespace, "labels": {"cattle.io/node": "node-a"}},
+        "spec": {"plan": {"instructions": [sh("old", &format!("echo old >> {log}"))]}},
+    }))
+    .unwrap();
+    n.api.create(&PostParams::default(), &obj).await.unwrap();
+    let mut current = parse(CRD_YAML);
+    let name = "nodeplans.agent.cattle.io";
+    current.metadata.resource_version = crds.get(name).await.unwrap().metadata.resource_version;
+    crds.replace(name, &PostParams::default(), &current).await.unwrap();
+    let (major, minor) = SELECTABLE_SINCE;
+    if !cp.version().at_least(major, minor) {
+        k8s_support::loud(&format!(
+            "kube-apiserver {} selects no NodePlans by spec.nodeName: they run by label",
+            cp.version()
+        ));
+        let mut agent = n.agent();
+        n.wait("old", "Applied (watched by label)", |s| s.phase == "Applied").await;
+        assert_eq!(agent.stop(), 0);
+        return;
+    }
+    // The upgraded definition is in force once the server takes the field selector.
+    let by_field = kube::api::ListParams::default().fields("spec.nodeName=node-a");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while n.api.list(&by_field).await.is_err() {
+        assert!(Instant::now() < deadline, "the server never took the field selector");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut agent = n.agent();
+    let line = agent.wait_log("but its spec names no nodeName");
+    assert!(line.contains(&format!("nodeplan {}/old", n.namespace)) && line.contains("WARN"), "{line}");
+    assert!(!std::path::Path::new(&log).exists(), "the agent never sees it");
+    assert_eq!(agent.stop(), 0);
+}

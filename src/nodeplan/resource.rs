@@ -155,14 +155,44 @@ pub fn node_watch(api: Api<DynamicObject>, node: &str, namespace: &str) -> (Kube
     let fields = format!("spec.nodeName={}", field_value(node));
     let what = format!("NodePlans labelled {labels} in namespace {namespace}");
     let (said, selector) = (what.clone(), fields.clone());
+    let (by_label, label_selector) = (api.clone(), labels.clone());
+    let looked = std::sync::atomic::AtomicBool::new(false);
     let decided: Decided = Box::new(move |outcome| match outcome {
-        Ok(()) => tracing::info!("NodePlan mode: watching {said} with the field selector {selector}"),
+        Ok(()) => {
+            tracing::info!("NodePlan mode: watching {said} with the field selector {selector}");
+            if !looked.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tokio::spawn(name_the_unnamed(by_label.clone(), label_selector.clone()));
+            }
+        }
         Err(why) => tracing::info!(
             "NodePlan mode: watching {said} by label only: the API server does not select NodePlans by spec.nodeName ({why})"
         ),
     });
     let lw = KubeListWatch::preferring(api, &labels, &fields, decided);
     (lw, what)
+}
+
+/// Once, where the agent selects its NodePlans by `spec.nodeName`: say which NodePlans carry the
+/// node's label but name no node (made before the definition required `spec.nodeName`). The
+/// field selector never shows them to the agent, so they would not run without a word.
+async fn name_the_unnamed(api: Api<DynamicObject>, labels: String) {
+    let lp = kube::api::ListParams::default().labels(&labels);
+    let listed = match tokio::time::timeout(std::time::Duration::from_secs(15), api.list(&lp)).await {
+        Ok(Ok(l)) => l,
+        _ => return,
+    };
+    for o in listed.items.iter().filter(|o| unnamed(o)) {
+        tracing::warn!(
+            "nodeplan {}/{}: labelled {labels} but its spec names no nodeName: this agent selects NodePlans by spec.nodeName and never runs it; set spec.nodeName (nodeplan plan push does)",
+            o.metadata.namespace.as_deref().unwrap_or_default(),
+            o.metadata.name.as_deref().unwrap_or_default()
+        );
+    }
+}
+
+/// Whether a NodePlan names no node in `spec.nodeName`.
+fn unnamed(o: &DynamicObject) -> bool {
+    o.data.get("spec").and_then(|s| s.get("nodeName")).and_then(Value::as_str).is_none_or(str::is_empty)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
