@@ -249,9 +249,9 @@ fn rancher_agent() -> crate::lease::Rival {
     });
     let started: crate::lease::RivalCheck = Arc::new(move || {
         let unit = unit.clone();
-        Box::pin(async move {
-            tokio::task::spawn_blocking(move || rival::in_unit(Path::new("/proc"), &unit)).await.ok().flatten()
-        })
+        // A few reads of in-memory files (cgroupfs, procfs): on the loop's thread, not the blocking
+        // pool (waking a pool thread every 5 s was a good part of an idle agent's cost).
+        Box::pin(async move { rival::in_unit(Path::new("/proc"), &unit) })
     });
     crate::lease::Rival { program, running, started }
 }

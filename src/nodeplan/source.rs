@@ -659,7 +659,13 @@ impl PlanSource for NodePlanSource {
         }
     }
 
+    /// The watch delivers every change: the loop looks again without one only this rarely
+    /// (probes and periodic instructions keep their own timers).
     fn period(&self) -> Duration {
+        crate::reconcile::WATCHED_PERIOD
+    }
+
+    fn probe_period(&self, _: &Self::Key) -> Duration {
         self.probe_period
     }
 

@@ -259,6 +259,11 @@ pub trait PlanSource: Send {
     fn event(&mut self, _key: &Self::Key, _reason: Reason, _note: &str) {}
 }
 
+/// How long a loop over sources that deliver every change (a watch) waits without one before it
+/// looks at every plan again: nothing depends on it (probes, periodic instructions, retries and
+/// back-offs have timers of their own); it is a safety net.
+pub const WATCHED_PERIOD: Duration = Duration::from_secs(60);
+
 /// A back-off of `initial` doubling to five minutes.
 fn backoff(initial: Duration) -> Backoff {
     Backoff::new(initial, Duration::from_secs(300), Duration::MAX)
@@ -984,7 +989,12 @@ impl<S: PlanSource> Reconciler<S> {
                     tracing::info!("{}: restarting the agent as asked, its progress recorded", look.label);
                     return Action::Stop;
                 }
-                Action::Wait
+                // Periodic instructions run again when the shortest of their periods has passed
+                // (the applyinator runs those that are due), whatever the source's period.
+                match look.plan.plan.periodic_instructions.iter().map(|p| p.period()).min() {
+                    Some(d) => Action::After(d),
+                    None => Action::Wait,
+                }
             }
             Written::Abandoned => {
                 tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
