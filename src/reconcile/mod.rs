@@ -221,8 +221,9 @@ pub trait PlanSource: Send {
     fn owner(&self, key: &Self::Key, look: &Look) -> Owner;
     /// Whose a PID record with this owner is.
     fn claim(&self, owner: &Owner) -> Claim<Self::Key>;
-    /// How long the loop waits for a change before it looks at every plan again (the rescan or
-    /// probe period).
+    /// How long the loop waits for a change before it looks at every plan again: a rescan period
+    /// for a source that is not watched (local mode), [`WATCHED_PERIOD`] for one whose watch
+    /// delivers every change.
     fn period(&self) -> Duration;
     /// How often the probes of this plan run (the source's period by default).
     fn probe_period(&self, _key: &Self::Key) -> Duration {
