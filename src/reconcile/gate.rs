@@ -50,18 +50,6 @@ impl Gate {
         Gate { state, fence, stop: Some(stop), task: Some(task), state_alive: true, fence_alive: true }
     }
 
-    /// A gate that is open for good (tests; a source without Lease or rival).
-    pub fn open() -> Gate {
-        Gate {
-            state: watch::channel(GateState::Open).1,
-            fence: watch::channel(true).1,
-            stop: None,
-            task: None,
-            state_alive: false,
-            fence_alive: false,
-        }
-    }
-
     fn state(&self) -> GateState {
         self.state.borrow().clone()
     }
