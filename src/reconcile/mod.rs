@@ -1084,7 +1084,7 @@ impl<S: PlanSource> Reconciler<S> {
         let mut deadline = look.stop_after.map(|d| Instant::now() + d);
         let mut poll = tokio::time::interval(Duration::from_secs(1));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut source_alive = true;
+        let (mut source_alive, mut shutdown_alive) = (true, true);
         // Other plans' probes keep running while this one applies (one at a time).
         let mut side: Option<SideProbe<S::Key>> = None;
         // When the other plans are looked at next (after a change, at most once a second).
@@ -1092,7 +1092,47 @@ impl<S: PlanSource> Reconciler<S> {
         let mut others_last = Instant::now();
         loop {
             let next_side = if side.is_none() { self.next_side_probe(key) } else { None };
+            // Biased: what the source, shutdown or the fence say is delivered before the run is
+            // polled again, so an instruction that ends while a pause or cancel waits to be read
+            // never lets the next one start (R5, R7) however the two wake-ups are ordered.
             let deliver = tokio::select! {
+                biased;
+                r = shutdown.changed(), if shutdown_alive => {
+                    shutdown_alive = r.is_ok();
+                    if shutdown_alive && *shutdown.borrow() {
+                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
+                    false
+                }
+                r = fence.changed(), if fence_alive => {
+                    fence_alive = r.is_ok();
+                    let fenced = !*fence.borrow();
+                    if tx.send_if_modified(|i| std::mem::replace(&mut i.fenced, fenced) != fenced) && fenced {
+                        tracing::warn!(
+                            "{}: this agent's Lease is not renewed in time: stopping the running instruction; the progress is recorded and the plan goes on there once the Lease is renewed",
+                            look.label
+                        );
+                    }
+                    false
+                }
+                alive = self.source.changed(), if source_alive => {
+                    source_alive = alive;
+                    if !alive {
+                        // A source ended (its gate: another agent acts on it now): the agent stops
+                        // as a whole, the running plan as at a shutdown.
+                        self.ended = true;
+                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
+                    }
+                    self.dirty = true;
+                    others.get_or_insert(others_last + Duration::from_secs(1));
+                    true
+                }
+                _ = poll.tick(), if polled => true,
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                    deadline = None;
+                    polled = true;
+                    true
+                }
                 r = &mut apply => return r,
                 _ = tokio::time::sleep_until(next_side.as_ref().map_or_else(Instant::now, |(t, _)| *t)),
                     if next_side.is_some() =>
@@ -1118,45 +1158,10 @@ impl<S: PlanSource> Reconciler<S> {
                     self.store_probes(&k, p, statuses).await;
                     false
                 }
-                alive = self.source.changed(), if source_alive => {
-                    source_alive = alive;
-                    if !alive {
-                        // A source ended (its gate: another agent acts on it now): the agent stops
-                        // as a whole, the running plan as at a shutdown.
-                        self.ended = true;
-                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
-                    }
-                    self.dirty = true;
-                    others.get_or_insert(others_last + Duration::from_secs(1));
-                    true
-                }
                 _ = tokio::time::sleep_until(others.unwrap_or_else(Instant::now)), if others.is_some() => {
                     others = None;
                     others_last = Instant::now();
                     self.look_at_others(key, &look.label).await;
-                    false
-                }
-                _ = poll.tick(), if polled => true,
-                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
-                    deadline = None;
-                    polled = true;
-                    true
-                }
-                r = shutdown.changed() => {
-                    if r.is_ok() && *shutdown.borrow() {
-                        tx.send_if_modified(|i| !std::mem::replace(&mut i.shutdown, true));
-                    }
-                    false
-                }
-                r = fence.changed(), if fence_alive => {
-                    fence_alive = r.is_ok();
-                    let fenced = !*fence.borrow();
-                    if tx.send_if_modified(|i| std::mem::replace(&mut i.fenced, fenced) != fenced) && fenced {
-                        tracing::warn!(
-                            "{}: this agent's Lease is not renewed in time: stopping the running instruction; the progress is recorded and the plan goes on there once the Lease is renewed",
-                            look.label
-                        );
-                    }
                     false
                 }
             };
