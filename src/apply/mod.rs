@@ -169,9 +169,7 @@ impl Observer for NoObserver {}
 pub struct LogObserver;
 
 /// Lines of a failed instruction's output that [`LogObserver`] logs with the failure.
-pub const FAILURE_TAIL_LINES: usize = 10;
-/// Characters of one such line logged, at most (the rest is cut with `…`).
-const FAILURE_TAIL_LINE_CHARS: usize = 512;
+pub const FAILURE_TAIL_LINES: usize = crate::plan::failure::LINES;
 
 impl Observer for LogObserver {
     fn instruction_started(&self, index: usize, total: usize, name: &str, periodic: bool) {
@@ -186,7 +184,11 @@ impl Observer for LogObserver {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
         let word = result_word(&r.outcome);
         let line = format!("{what}: {word} ({}, {})", r.outcome, crate::duration::human(r.elapsed));
-        let tail = if word == "FAILED" { output_tail(&r.output.combined, FAILURE_TAIL_LINES) } else { Vec::new() };
+        let tail = if word == "FAILED" {
+            crate::plan::failure::tail(&r.output.combined, FAILURE_TAIL_LINES)
+        } else {
+            Vec::new()
+        };
         let tail = tail.iter().map(|l| format!("{what}: | {l}"));
         match (word, r.periodic) {
             ("ok", false) => tracing::info!("{line}"),
@@ -203,30 +205,6 @@ impl Observer for LogObserver {
             (_, false) => tracing::warn!("{line}"),
         }
     }
-}
-
-/// The last `n` lines of `output` (a final newline ends the last line, it does not start an empty
-/// one), each cut to [`FAILURE_TAIL_LINE_CHARS`] characters.
-fn output_tail(output: &[u8], n: usize) -> Vec<String> {
-    let text = String::from_utf8_lossy(output);
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    if text.is_empty() {
-        return Vec::new();
-    }
-    let mut lines: Vec<String> = text
-        .rsplit('\n')
-        .take(n)
-        .map(|l| {
-            let l = l.strip_suffix('\r').unwrap_or(l);
-            if l.chars().count() > FAILURE_TAIL_LINE_CHARS {
-                l.chars().take(FAILURE_TAIL_LINE_CHARS).chain(std::iter::once('…')).collect()
-            } else {
-                l.to_string()
-            }
-        })
-        .collect();
-    lines.reverse();
-    lines
 }
 
 /// How an instruction ended, in one word: `ok`, `canceled` or `stopped` (the agent shutting down)
@@ -333,6 +311,22 @@ impl ApplyResult {
 
     pub fn failed_reports(&self) -> impl Iterator<Item = &InstructionReport> {
         self.reports.iter().filter(|r| !r.outcome.success())
+    }
+
+    /// What made this run fail: its first one-time instruction that failed (not one canceled or
+    /// stopped), with its outcome and last output lines masked with the instruction's env.
+    pub fn failure(&self, plan: &ValidPlan) -> Option<crate::plan::Failure> {
+        let r = self.reports.iter().find(|r| !r.periodic && result_word(&r.outcome) == "FAILED")?;
+        let env = plan.plan.instructions.get(r.index).map_or(&[][..], |i| &i.common.env[..]);
+        Some(crate::plan::Failure::instruction(
+            &plan.checksum,
+            r.index,
+            r.total,
+            &r.name,
+            r.outcome.to_string(),
+            &r.output.combined,
+            env,
+        ))
     }
 
     /// When a stopped tree may have survivors: which instruction, and its outcome.

@@ -534,19 +534,3 @@ fn instruction_results_and_their_metric() {
         assert_eq!(instruction_metric(&o), want, "{o:?}");
     }
 }
-
-#[test]
-fn a_failures_output_tail_is_its_last_lines() {
-    let long = "x".repeat(600);
-    let cases: [(&[u8], usize, Vec<String>); 6] = [
-        (b"", 10, vec![]),
-        (b"\n", 10, vec![]),
-        (b"a\nb\nc\n", 2, vec!["b".into(), "c".into()]),
-        (b"a\r\nb", 10, vec!["a".into(), "b".into()]),
-        (b"only", 10, vec!["only".into()]),
-        (long.as_bytes(), 1, vec![format!("{}…", "x".repeat(512))]),
-    ];
-    for (out, n, want) in cases {
-        assert_eq!(output_tail(out, n), want, "{:?}", String::from_utf8_lossy(out));
-    }
-}

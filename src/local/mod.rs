@@ -333,7 +333,7 @@ impl PlanSource for DirSource {
         let now = chrono::Utc::now();
         self.update(&files, |p| {
             if let Some(r) = &outcome.record {
-                wire::record(p, &look.checksum, r, now);
+                wire::record(p, &look.checksum, r, outcome.failure.as_ref(), now);
             }
             if let Some(statuses) = outcome.probes {
                 p.probe_status = statuses;
@@ -350,7 +350,9 @@ impl PlanSource for DirSource {
         let mut failures = 0;
         let w = self
             .update(&files, |p| {
-                wire::failed(p, &look.checksum, Vec::new(), chrono::Utc::now());
+                let why =
+                    crate::plan::Failure::files(&look.checksum, look.plan.plan.instructions.len(), &e.to_string());
+                wire::failed(p, &look.checksum, Vec::new(), Some(&why), chrono::Utc::now());
                 failures = p.failure_count;
             })
             .await;

@@ -45,6 +45,9 @@ pub struct Pos {
     /// Go `UnixDate` of the last one-time attempt.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub last_apply_time: String,
+    /// What made the plan of `failedChecksum` fail (nodeplan's own field; cleared at a success).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<crate::plan::Failure>,
     /// A human-readable reason the plan is blocked (a leftover process could not be stopped).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub blocked: String,

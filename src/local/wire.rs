@@ -10,7 +10,7 @@
 
 use super::pos::Pos;
 use crate::flow::{self, CheckpointWrite, Commit, Record};
-use crate::plan::{self, Hold, InvalidAnnotation, PlanState, format_unix_date, parse_unix_date};
+use crate::plan::{self, Failure, Hold, InvalidAnnotation, PlanState, format_unix_date, parse_unix_date};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -100,7 +100,8 @@ pub fn commit(p: &mut Pos, checksum: &str, c: &Commit) {
 }
 
 /// Write a finished run's record (`probes`: statuses taken right after it).
-pub fn record(p: &mut Pos, checksum: &str, r: &Record, now: DateTime<Utc>) {
+/// `failure`: what made a failed run fail.
+pub fn record(p: &mut Pos, checksum: &str, r: &Record, failure: Option<&Failure>, now: DateTime<Utc>) {
     let empty = BTreeMap::new();
     if let Some(s) = &r.state {
         p.plan_state = Some(s.clone());
@@ -119,10 +120,11 @@ pub fn record(p: &mut Pos, checksum: &str, r: &Record, now: DateTime<Utc>) {
             p.failure_count = 0;
             p.failed_checksum.clear();
             p.failed_output.clear();
+            p.last_failure = None;
             p.success_count += 1;
             p.last_apply_time = format_unix_date(now);
         }
-        Some(false) => failed(p, checksum, output, now),
+        Some(false) => failed(p, checksum, output, failure, now),
         None => {
             if r.one_time_output.is_some() {
                 p.output = output;
@@ -135,12 +137,13 @@ pub fn record(p: &mut Pos, checksum: &str, r: &Record, now: DateTime<Utc>) {
 }
 
 /// Failure bookkeeping: the plan failed (an instruction, or files that could not be written).
-pub fn failed(p: &mut Pos, checksum: &str, failed_output: Vec<u8>, now: DateTime<Utc>) {
+pub fn failed(p: &mut Pos, checksum: &str, failed_output: Vec<u8>, failure: Option<&Failure>, now: DateTime<Utc>) {
     p.failure_count = if same_plan(p, checksum) { p.failure_count + 1 } else { 1 };
     p.plan_state = Some(PlanState::Failed);
     p.plan_checksum = checksum.to_string();
     p.failed_checksum = checksum.to_string();
     p.failed_output = failed_output;
+    p.last_failure = failure.cloned();
     p.success_count = 0;
     p.last_apply_time = format_unix_date(now);
 }
@@ -267,7 +270,7 @@ mod tests {
         };
         let mut p =
             Pos { failure_count: 2, failed_checksum: C.into(), checkpoint: Some(cp(false)), ..pos("in-progress", C) };
-        record(&mut p, C, &ok, now());
+        record(&mut p, C, &ok, None, now());
         assert_eq!(
             (p.plan_state.clone(), p.applied_checksum.as_str(), p.success_count),
             (Some(PlanState::Succeeded), C, 1)
@@ -277,9 +280,11 @@ mod tests {
         assert_eq!(p.last_apply_time, "Mon Nov 30 12:00:00 UTC 2026");
 
         let fail = Record { state: Some(PlanState::Failed), succeeded: Some(false), ..ok.clone() };
-        record(&mut p, C, &fail, now());
-        record(&mut p, C, &fail, now());
+        let why = Failure::instruction(C, 0, 1, "a", "exit status 3".into(), b"out\n", &[]);
+        record(&mut p, C, &fail, Some(&why), now());
+        record(&mut p, C, &fail, Some(&why), now());
         assert_eq!((p.plan_state.clone(), p.failure_count, p.success_count), (Some(PlanState::Failed), 2, 0));
+        assert_eq!(p.last_failure.as_ref(), Some(&why), "what made it fail is kept beside it");
         assert_eq!(plan::decode_one_time_output(&p.failed_output).unwrap(), outputs);
         assert_eq!(p.applied_checksum, C, "the last success stays recorded");
 
@@ -290,18 +295,22 @@ mod tests {
             one_time_output: Some(outputs.clone()),
             ..Record::default()
         };
-        record(&mut p, C, &paused, now());
+        record(&mut p, C, &paused, None, now());
         assert_eq!(
             (p.plan_state.clone(), p.failure_count, p.checkpoint.clone()),
             (Some(PlanState::Paused), 2, Some(cp(true)))
         );
         let before = p.clone();
-        record(&mut p, C, &Record::default(), now());
+        record(&mut p, C, &Record::default(), None, now());
         assert_eq!(p, before, "a shutdown writes nothing");
+        assert!(p.last_failure.is_some(), "a pause keeps the last failure");
+        let mut after = p.clone();
+        record(&mut after, C, &ok, None, now());
+        assert_eq!(after.last_failure, None, "a success clears it");
 
         // Files that could not be written are a failure of this plan; another plan's count restarts.
         let mut q = Pos { failure_count: 4, ..pos("failed", "other") };
-        failed(&mut q, C, Vec::new(), now());
+        failed(&mut q, C, Vec::new(), None, now());
         assert_eq!(
             (q.plan_state.clone(), q.failure_count, q.failed_checksum.as_str()),
             (Some(PlanState::Failed), 1, C)

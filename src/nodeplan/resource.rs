@@ -345,6 +345,9 @@ pub struct NodePlanStatus {
     /// Why the plan is blocked (a leftover process could not be stopped).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub blocked: String,
+    /// What made the plan fail (a failed run; kept while it is retried, cleared at a success).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<crate::plan::Failure>,
     #[serde(skip_serializing_if = "is_default")]
     pub execution_state: ExecutionState,
 }

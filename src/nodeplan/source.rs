@@ -562,6 +562,7 @@ impl PlanSource for NodePlanSource {
         if next.state.is_none() && next.plan_checksum.is_empty() {
             next.plan_checksum = look.checksum.clone();
         }
+        wire::set_failure(&mut next, outcome.failure.as_ref(), generation, now);
         if let Some(d) = timeout {
             wire::mark_timeout(&mut next, d, generation, now);
         }

@@ -542,6 +542,9 @@ pub fn fit(mut s: NodePlanStatus, budget: usize) -> (NodePlanStatus, bool) {
         p.stdout.clear();
         p.stderr.clear();
     }
+    if let Some(f) = s.failure.as_mut() {
+        f.last_lines.clear();
+    }
     if size(&s) <= budget {
         return (s, true);
     }
@@ -607,6 +610,28 @@ pub fn record(
         s.periodic_outputs = p.clone();
     }
     s
+}
+
+/// What made a run fail, beside its state: a failed run's [`Failure`](crate::plan::Failure) in
+/// `status.failure` and in the `Applied` condition's message; a success clears it; any other
+/// record (a pause, a cancel, a retry's start) keeps the last one.
+pub fn set_failure(
+    s: &mut NodePlanStatus,
+    failure: Option<&crate::plan::Failure>,
+    generation: i64,
+    now: DateTime<Utc>,
+) {
+    match s.state {
+        Some(PlanState::Succeeded) => s.failure = None,
+        Some(PlanState::Failed) => {
+            s.failure = failure.cloned();
+            if let Some(f) = failure {
+                let msg = format!("plan failed: {}", f.note());
+                set_condition(&mut s.conditions, "Applied", "False", "Failed", &msg, generation, now);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// A spec the agent refuses to run: `Failed` with the reason, never run as an empty plan.
@@ -950,6 +975,33 @@ mod tests {
         assert!(again.probe_statuses.is_empty(), "{:?}", again.probe_statuses);
         let same = commit(&probed, t(7), &Commit::Begin { resume: None }, later);
         assert_eq!(same.probe_statuses.len(), 1, "the same run keeps its probes' history");
+    }
+
+    #[test]
+    fn a_failure_is_kept_beside_a_failed_state_until_a_success() {
+        let t = Target { generation: 2, checksum: "c", total: 2 };
+        let begun = commit(&NodePlanStatus::default(), t, &Commit::Begin { resume: None }, now());
+        let fail = Record { state: Some(PlanState::Failed), succeeded: Some(false), ..Default::default() };
+        let why = crate::plan::Failure::instruction("c", 1, 2, "boom", "exit status 3".into(), b"no disk\n", &[]);
+        let mut failed = record(&begun, t, &fail, &ApplyResult::default(), None, now());
+        set_failure(&mut failed, Some(&why), 2, now());
+        assert_eq!(failed.failure.as_ref(), Some(&why));
+        assert_eq!(
+            failed.conditions[0].message,
+            "plan failed: instruction 2/2 boom: exit status 3; last output: no disk"
+        );
+        // A retry's start keeps it (what failed last time); a success clears it.
+        let mut retry = commit(&failed, t, &Commit::Begin { resume: None }, now());
+        set_failure(&mut retry, None, 2, now());
+        assert_eq!(retry.failure.as_ref(), Some(&why));
+        let ok = Record { state: Some(PlanState::Succeeded), succeeded: Some(true), ..Default::default() };
+        let mut done = record(&retry, t, &ok, &ApplyResult::default(), None, now());
+        set_failure(&mut done, None, 2, now());
+        assert_eq!(done.failure, None);
+        // Near the size limit the output lines go first, the failure itself stays.
+        let (fitted, dropped) = fit(failed.clone(), serde_json::to_vec(&failed).unwrap().len() - 1);
+        assert!(dropped);
+        assert_eq!(fitted.failure.map(|f| (f.summary(), f.last_lines.len())), Some((why.summary(), 0)));
     }
 
     #[test]

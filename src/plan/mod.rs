@@ -7,6 +7,7 @@
 
 mod checkpoint;
 mod codec;
+pub mod failure;
 
 pub use checkpoint::{
     ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,
@@ -16,6 +17,7 @@ pub use codec::{
     CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output, encode_periodic_output,
     format_unix_date, parse_unix_date,
 };
+pub use failure::Failure;
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};

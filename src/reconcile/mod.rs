@@ -157,6 +157,8 @@ pub struct Outcome<'a> {
     pub result: &'a ApplyResult,
     /// Probe statuses taken right after the run, to store with it.
     pub probes: Option<BTreeMap<String, ProbeStatus>>,
+    /// What made the run fail (a failed run only), to store beside its state for `plan status`.
+    pub failure: Option<crate::plan::Failure>,
 }
 
 /// The pause/cancel values a running plan sees now.
@@ -971,10 +973,14 @@ impl<S: PlanSource> Reconciler<S> {
             self.restart_after_write = Some(key.clone());
         }
         // Counted once, when the run ends (a write that fails is kept and retried, not rerun).
-        if let Some(s) = state.clone().or_else(|| legacy_state(&look.view, &run, &result)) {
-            count_recorded(&s);
+        let recorded = state.clone().or_else(|| legacy_state(&look.view, &run, &result));
+        if let Some(s) = &recorded {
+            count_recorded(s);
         }
-        match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes }).await {
+        let failure =
+            recorded.filter(|s| *s == crate::plan::PlanState::Failed).and_then(|_| result.failure(&look.plan));
+        let note = failure.as_ref().map(|f| f.note());
+        match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes, failure }).await {
             Written::Done => {
                 self.wrote(key);
                 if let (Some(crate::plan::PlanState::Canceled), Some(seen)) = (&state, self.cancel_seen.take()) {
@@ -983,8 +989,11 @@ impl<S: PlanSource> Reconciler<S> {
                 if let Some(s) = &state
                     && let Some(reason) = outcome_reason(s, result.termination_incomplete)
                 {
-                    let note = format!("{s} ({}/{total} instructions)", result.completed);
-                    self.source.event(key, reason, &note);
+                    let mut text = format!("{s} ({}/{total} instructions)", result.completed);
+                    if let Some(n) = &note {
+                        text = format!("{text}: {n}");
+                    }
+                    self.source.event(key, reason, &text);
                 }
                 if self.restart {
                     tracing::info!("{}: restarting the agent as asked, its progress recorded", look.label);

@@ -369,6 +369,7 @@ impl PlanSource for SecretSource {
             }
             None => {}
         }
+        wire::failure_key(&mut keys, outcome.failure.as_ref());
         self.write_outcome(&look.checksum, keys, true).await
     }
 

@@ -18,6 +18,10 @@ pub const APPLIED_CHECKSUM: &str = "applied-checksum";
 pub const APPLIED_OUTPUT: &str = "applied-output";
 pub const FAILED_CHECKSUM: &str = "failed-checksum";
 pub const FAILED_OUTPUT: &str = "failed-output";
+/// nodeplan's own key (Rancher neither reads nor writes it): what made the plan of
+/// `failed-checksum` fail, JSON of [`crate::plan::Failure`]; written and cleared with
+/// `failed-checksum`.
+pub const FAILED_INSTRUCTION: &str = "failed-instruction";
 pub const FAILURE_COUNT: &str = "failure-count";
 pub const SUCCESS_COUNT: &str = "success-count";
 pub const MAX_FAILURES: &str = "max-failures";
@@ -132,6 +136,27 @@ pub fn flow_snapshot(s: &SecretSnapshot, checksum: &str, state: PlanState, total
 
 fn set(k: &mut Keys, key: &str, v: impl Into<Vec<u8>>) {
     k.insert(key.to_string(), Some(v.into()));
+}
+
+/// `failed-instruction` follows `failed-checksum` in `k`: the failure of a run recorded as failed,
+/// cleared (an empty value) when a success clears `failed-checksum`, untouched otherwise.
+pub fn failure_key(k: &mut Keys, failure: Option<&crate::plan::Failure>) {
+    let failed = match k.get(FAILED_CHECKSUM) {
+        Some(Some(v)) => !v.is_empty(),
+        _ => return,
+    };
+    let value = match failure.filter(|_| failed) {
+        Some(f) => serde_json::to_vec(f).unwrap_or_default(),
+        None => Vec::new(),
+    };
+    set(k, FAILED_INSTRUCTION, value);
+}
+
+/// The failure recorded for the plan with `checksum`, if the Secret holds one (bounded: others
+/// may write the key).
+pub fn failure(s: &SecretSnapshot, checksum: &str) -> Option<crate::plan::Failure> {
+    let raw = s.data.get(FAILED_INSTRUCTION).filter(|v| !v.is_empty())?;
+    serde_json::from_slice::<crate::plan::Failure>(raw).ok().filter(|f| f.checksum == checksum).map(|f| f.bounded())
 }
 
 /// A recorded pause or cancel (or a resume commit).
@@ -378,6 +403,26 @@ mod tests {
 
     fn s(k: &Keys, key: &str) -> Option<String> {
         k.get(key).cloned().flatten().map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    #[test]
+    fn the_failure_follows_failed_checksum() {
+        let f = crate::plan::Failure::instruction("abc", 1, 2, "boom", "exit status 3".into(), b"no\n", &[]);
+        let json = serde_json::to_string(&f).unwrap();
+        let with = |pairs: &[(&str, &str)], failure| {
+            let mut k: Keys = pairs.iter().map(|(k, v)| (k.to_string(), Some(v.as_bytes().to_vec()))).collect();
+            failure_key(&mut k, failure);
+            s(&k, FAILED_INSTRUCTION)
+        };
+        assert_eq!(with(&[(FAILED_CHECKSUM, "abc")], Some(&f)), Some(json.clone()), "a failure is written");
+        assert_eq!(with(&[(FAILED_CHECKSUM, "")], Some(&f)), Some(String::new()), "a success clears it");
+        assert_eq!(with(&[(FAILED_CHECKSUM, "abc")], None), Some(String::new()), "no stale detail");
+        assert_eq!(with(&[(PLAN_STATE, "paused")], Some(&f)), None, "other writes leave it alone");
+        // Read back only for the plan it is of.
+        let sec = secret(&[(FAILED_INSTRUCTION, &json)]);
+        assert_eq!(failure(&sec, "abc"), Some(f));
+        assert_eq!(failure(&sec, "other"), None);
+        assert_eq!(failure(&secret(&[(FAILED_INSTRUCTION, "{bad")]), "abc"), None);
     }
 
     #[test]

@@ -408,6 +408,11 @@ func TestRancherConformance(t *testing.T) {
 		if err != nil || string(out["fail"]) != "boom\n" {
 			t.Errorf("failed-output: %q %v", out, err)
 		}
+		// nodeplan's own key: the failing instruction, its outcome and last output lines.
+		if f := string(st.Secret.Data["failed-instruction"]); !strings.Contains(f, `"name":"fail"`) ||
+			!strings.Contains(f, `"outcome":"exit status 3"`) || !strings.Contains(f, `"lastLines":["boom"]`) {
+			t.Errorf("failed-instruction: %s", f)
+		}
 		lastApply, err := time.Parse(time.UnixDate, string(st.Secret.Data[keyLastApplyTime]))
 		if err != nil {
 			t.Fatalf("last-apply-time: %v", err)

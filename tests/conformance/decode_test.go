@@ -121,9 +121,31 @@ var agentKeys = map[string]func(s *corev1.Secret, raw []byte) error{
 	},
 	"applied-checksum": checksumOrEmpty,
 	"failed-checksum":  checksumOrEmpty,
-	"failure-count":    integer,
-	"success-count":    integer,
-	"plan-revision":    integer,
+	// nodeplan's own key (Rancher neither reads nor writes it): what made the plan of
+	// failed-checksum fail; empty after a success.
+	"failed-instruction": func(s *corev1.Secret, raw []byte) error {
+		if len(raw) == 0 {
+			return nil
+		}
+		var f struct {
+			Checksum    string   `json:"checksum"`
+			Instruction int      `json:"instruction"`
+			Total       int      `json:"total"`
+			Name        string   `json:"name"`
+			Outcome     string   `json:"outcome"`
+			LastLines   []string `json:"lastLines"`
+		}
+		if err := strict(raw, &f); err != nil {
+			return err
+		}
+		if f.Checksum != string(s.Data["failed-checksum"]) || f.Instruction < 1 || f.Instruction > f.Total || f.Outcome == "" {
+			return fmt.Errorf("not the failure of failed-checksum %q: %s", s.Data["failed-checksum"], raw)
+		}
+		return nil
+	},
+	"failure-count": integer,
+	"success-count": integer,
+	"plan-revision": integer,
 }
 
 func checksumOrEmpty(s *corev1.Secret, raw []byte) error {
