@@ -314,12 +314,13 @@ impl ApplyResult {
     }
 
     /// What made this run fail: its first one-time instruction that failed (not one canceled or
-    /// stopped), with its outcome and last output lines masked with the instruction's env.
-    pub fn failure(&self, plan: &ValidPlan) -> Option<crate::plan::Failure> {
+    /// stopped), with its outcome and last output lines masked with the instruction's env, for the
+    /// plan (or run) the source knows as `checksum`.
+    pub fn failure(&self, plan: &ValidPlan, checksum: &str) -> Option<crate::plan::Failure> {
         let r = self.reports.iter().find(|r| !r.periodic && result_word(&r.outcome) == "FAILED")?;
         let env = plan.plan.instructions.get(r.index).map_or(&[][..], |i| &i.common.env[..]);
         Some(crate::plan::Failure::instruction(
-            &plan.checksum,
+            checksum,
             r.index,
             r.total,
             &r.name,

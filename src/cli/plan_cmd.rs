@@ -465,6 +465,11 @@ fn status(f: &PlanFiles) -> Result<(), String> {
             if p.last_apply_time.is_empty() { "never" } else { &p.last_apply_time }
         );
     }
+    if let Some(failure) = p.last_failure.clone().filter(|f| current && f.checksum == checksum) {
+        for l in failure.bounded().status_lines() {
+            crate::cli::out!("{l}");
+        }
+    }
     if !p.blocked.is_empty() {
         crate::cli::out!("blocked:    {}", p.blocked);
     }
@@ -562,6 +567,11 @@ mod remote {
                     text(wire::SUCCESS_COUNT),
                     if text(wire::APPLIED_CHECKSUM) == checksum { "yes" } else { "no" }
                 );
+                if let Some(failure) = wire::failure(&s, &checksum) {
+                    for l in failure.status_lines() {
+                        crate::cli::out!("{l}");
+                    }
+                }
                 for (name, st) in wire::probe_statuses(&s) {
                     let h = if st.healthy { "healthy" } else { "unhealthy" };
                     crate::cli::out!(

@@ -104,6 +104,16 @@ impl Row {
     }
 }
 
+/// `1 failure` or `N failures` in a row, and what made the plan fail when its agent said so: a
+/// failed node's note, and (after `failed`) its outcome as a rollout shows it.
+pub fn failure_text(failures: i64, failure: Option<&crate::plan::Failure>) -> String {
+    let n = if failures == 1 { "1 failure".to_string() } else { format!("{failures} failures") };
+    match failure {
+        Some(f) => format!("{n}: {}", f.note()),
+        None => n,
+    }
+}
+
 /// The row of a node.
 pub fn row_of(s: &Standing) -> Row {
     Row {

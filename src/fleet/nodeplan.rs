@@ -42,7 +42,9 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
     }
     let run = wire::plan_checksum(&spec).unwrap_or_default();
     let ours = status.plan_checksum == run;
-    let failed = || Outcome::Failed(format!("failed ({} failures)", status.failures));
+    let failure = status.failure.clone().filter(|f| f.checksum == run).map(|f| f.bounded());
+    let why = super::failure_text(status.failures, failure.as_ref());
+    let failed = || Outcome::Failed(format!("failed ({why})"));
     let (state, outcome) = match status.state.clone().filter(|_| ours) {
         Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
         // Retried by the spec's strategy: not over.
@@ -74,7 +76,7 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
         _ => None,
     };
     if state == "failed" {
-        st.notes.push(format!("{} failures", status.failures));
+        st.notes.push(why.clone());
     }
     if let Outcome::Failed(why) = &outcome
         && state == "refused"
@@ -129,7 +131,7 @@ mod tests {
                              "resumeState": "succeeded", "paused": true});
         let refusal = json!({"phase": "Failed", "planChecksum": "old", "state": "succeeded", "conditions": [
             {"type": "Applied", "status": "False", "reason": "Unsupported", "message": "spec.locking is not supported", "observedGeneration": 2}]});
-        let failed = || Outcome::Failed("failed (1 failures)".into());
+        let failed = || Outcome::Failed("failed (1 failure)".into());
         type Case<'a> = (&'a str, Value, Value, &'a str, Outcome, Option<usize>);
         let rows: Vec<Case> = vec![
             ("not taken up", spec.clone(), json!({}), "pending", Outcome::Running, Some(0)),

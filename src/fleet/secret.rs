@@ -23,7 +23,8 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
         st.probe_names = p.plan.probes.keys().cloned().collect();
     }
     let checkpoint = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum);
-    let failed = || Outcome::Failed(format!("failed ({} failures)", wire::failure_count(s)));
+    let why = super::failure_text(wire::failure_count(s), wire::failure(s, &checksum).as_ref());
+    let failed = || Outcome::Failed(format!("failed ({why})"));
     let (state, outcome) = match wire::plan_state(s) {
         Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
         Some(PlanState::Failed) => ("failed".into(), failed()),
@@ -48,7 +49,7 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
         _ => None,
     };
     if state == "failed" {
-        st.notes.push(format!("{} failures", wire::failure_count(s)));
+        st.notes.push(why.clone());
     }
     let a = wire::annotations(s);
     match plan::resolve_annotations(&a) {
@@ -92,7 +93,7 @@ mod tests {
             (snap(&p, &[("plan-state", "succeeded"), ("probe-statuses", probes)], &[]), "succeeded", Some(2), ""),
             (snap(&p, &[("plan-state", "failed"), ("failure-count", "3")], &[]), "failed", None, "3 failures"),
             (snap(&p, &[("applied-checksum", &sum)], &[]), "applied", Some(2), ""),
-            (snap(&p, &[("failed-checksum", &sum), ("failure-count", "1")], &[]), "failed", None, "1 failures"),
+            (snap(&p, &[("failed-checksum", &sum), ("failure-count", "1")], &[]), "failed", None, "1 failure"),
             (
                 snap(&p, &[("plan-state", "in-progress")], &[(plan::ANNOTATION_CANCELED, "true")]),
                 "in-progress",
@@ -121,6 +122,8 @@ mod tests {
         let done_cp = format!(
             r#"{{"checksum":"{sum}","completedInstructions":1,"totalInstructions":1,"resumeState":"succeeded","paused":true}}"#
         );
+        let why = plan::Failure::instruction(&sum, 0, 1, "a", "exit status 3".into(), b"oops\n", &[]);
+        let why = serde_json::to_string(&why).unwrap();
         let rows = [
             (snap(&p, &[("plan-state", "pending")], &[]), Outcome::Running),
             (snap(&p, &[("plan-state", "paused")], &[]), Outcome::Running),
@@ -133,6 +136,10 @@ mod tests {
             ),
             (snap(&p, &[("applied-checksum", &sum)], &[]), Outcome::Succeeded),
             (snap(&p, &[("failed-checksum", &sum)], &[]), Outcome::Failed("failed (0 failures)".into())),
+            (
+                snap(&p, &[("plan-state", "failed"), ("failure-count", "1"), ("failed-instruction", &why)], &[]),
+                Outcome::Failed("failed (1 failure: instruction 1/1 a: exit status 3; last output: oops)".into()),
+            ),
             (snap(&p, &[], &[]), Outcome::Running),
         ];
         for (s, want) in rows {

@@ -370,6 +370,9 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
             ),
         ));
     }
+    if let Some(f) = status.failure.clone().filter(|f| Some(&f.checksum) == checksum.as_ref()) {
+        out.extend(f.bounded().status_lines());
+    }
     let total = status.instructions.len();
     for (i, r) in status.instructions.iter().enumerate() {
         let code = r.exit_code.map_or_else(String::new, |c| format!(" (exit {c})"));

@@ -117,6 +117,14 @@ impl Failure {
         }
         cut(&s, NOTE_CHARS)
     }
+
+    /// What `plan status` prints of it, aligned as its other lines: the summary, then the output
+    /// lines, each after `| `.
+    pub fn status_lines(&self) -> Vec<String> {
+        let mut out = vec![format!("{:<12}{}", "failure:", self.summary())];
+        out.extend(self.last_lines.iter().map(|l| format!("{:<12}| {}", "", shown_line(l))));
+        out
+    }
 }
 
 /// The last `n` lines of `output` (a final newline ends the last line, it does not start an empty
@@ -179,6 +187,10 @@ mod tests {
         assert_eq!(quiet.note(), "instruction 2/3 boom: exit status 3");
         let files = Failure::files("c0ffee", 2, "/etc/x: permission denied");
         assert_eq!(files.summary(), "files: /etc/x: permission denied");
+        assert_eq!(
+            boom("a\nb\n", &[]).status_lines(),
+            ["failure:    instruction 2/3 boom: exit status 3", "            | a", "            | b"]
+        );
     }
 
     #[test]

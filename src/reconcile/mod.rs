@@ -977,8 +977,9 @@ impl<S: PlanSource> Reconciler<S> {
         if let Some(s) = &recorded {
             count_recorded(s);
         }
-        let failure =
-            recorded.filter(|s| *s == crate::plan::PlanState::Failed).and_then(|_| result.failure(&look.plan));
+        let failure = recorded
+            .filter(|s| *s == crate::plan::PlanState::Failed)
+            .and_then(|_| result.failure(&look.plan, &look.checksum));
         let note = failure.as_ref().map(|f| f.note());
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes, failure }).await {
             Written::Done => {
