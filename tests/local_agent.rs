@@ -118,6 +118,37 @@ fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A plan that fails at its second instruction (issue 24): `plan status` names the instruction,
+/// its exit status and its last output lines, with the instruction's env value masked; the
+/// `.pos` file keeps them (`lastFailure`) until the plan succeeds.
+#[test]
+fn plan_status_names_the_failing_instruction_its_exit_status_and_last_lines() {
+    let s = Setup::new();
+    let ok = s.p("ok");
+    let mut boom = sh("boom", &format!("test -e {ok} && exit 0; echo disk full; echo token $TOKEN; exit 3"));
+    boom["env"] = serde_json::json!(["TOKEN=hunter2-secret"]);
+    s.plan("f", serde_json::json!({"instructions": [sh("prepare", "echo ready"), boom]}));
+    let mut agent = s.start();
+    let failed = s.wait_pos("f", "failed", |p| p.plan_state == Some(PlanState::Failed));
+    let f = failed.last_failure.expect("lastFailure");
+    assert_eq!((f.instruction, f.total, f.outcome.as_str()), (Some(2), 2, "exit status 3"));
+    let status = Command::new(NODEPLAN).args(["plan", "status", s.plan_path("f").to_str().unwrap()]).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.contains(
+            "failure:    instruction 2/2 boom: exit status 3\n            | disk full\n            | token ***\n"
+        ),
+        "{status}"
+    );
+    assert!(!status.contains("hunter2"), "{status}");
+    std::fs::write(&ok, b"").unwrap();
+    let done = s.wait_pos("f", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(done.last_failure, None, "a success clears it");
+    let status = Command::new(NODEPLAN).args(["plan", "status", s.plan_path("f").to_str().unwrap()]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&status.stdout).contains("failure:"));
+    assert_eq!(agent.stop(), 0);
+}
+
 /// Files that cannot be written fail the apply like a failing instruction: recorded as failed
 /// with its counter (and shown so by `plan status`), retried on the local schedule the log names
 /// (localRetrySeconds 1: 1s, then 2s), and applied once the obstacle is gone.
@@ -142,6 +173,7 @@ fn a_plan_whose_files_cannot_be_written_is_a_failed_apply_retried_on_schedule() 
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains("state:      failed"), "{status}");
     assert!(status.contains("1 failed in a row"), "{status}");
+    assert!(status.contains(&format!("failure:    files: writing {blocker}/conf: Not a directory")), "{status}");
     agent.wait_log("the apply failed (failure 2); retrying in 2s");
     assert!(!Path::new(&ran).exists(), "nothing ran");
     std::fs::remove_file(&blocker).unwrap();

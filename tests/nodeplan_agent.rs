@@ -425,13 +425,17 @@ fn condition<'a>(s: &'a NodePlanStatus, type_: &str) -> Option<&'a nodeplan::nod
 }
 
 /// A failing plan is retried with back-off until `maxAttempts` runs, each with its attempt number;
-/// then it stays failed and says it is not retried again.
+/// then it stays failed and says it is not retried again. What made it fail (the instruction, its
+/// exit status, its last output lines with its env value masked) is in `status.failure`, the
+/// Applied condition, the Failed Event's note and `plan status --nodeplan` (issue 24).
 #[tokio::test]
 async fn a_failing_plan_is_retried_until_max_attempts() {
     let cp = control_plane!();
     let n = Node::new(cp, "np-retry").await;
     let log = n.p("log");
-    let plan = json!({"instructions": [sh("flaky", &format!("echo $CATTLE_AGENT_ATTEMPT_NUMBER >> {log}; exit 3"))]});
+    let mut flaky = sh("flaky", &format!("echo $CATTLE_AGENT_ATTEMPT_NUMBER >> {log}; echo no space for $KEY; exit 3"));
+    flaky["env"] = json!(["KEY=s3cret-key"]);
+    let plan = json!({"instructions": [flaky]});
     let retry = json!({"maxAttempts": 3, "initialDelay": "100ms", "backoffMultiplier": 2});
     n.create("r", "node-a", json!({"plan": plan, "retryStrategy": retry})).await;
     let mut agent = n.agent();
@@ -449,6 +453,20 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     let started = ev.iter().filter(|(reason, _, _)| reason == "Started").count();
     assert_eq!(started, 3, "{ev:?}");
     assert_eq!(ev.iter().filter(|(reason, _, _)| reason == "Failed").count(), 1, "{ev:?}");
+    let why = "instruction 1/1 flaky: exit status 3; last output: no space for ***";
+    let note = &ev.iter().find(|(reason, _, _)| reason == "Failed").unwrap().1;
+    assert_eq!(note, &format!("failed (0/1 instructions): {why}"));
+    let f = s.failure.clone().expect("status.failure");
+    assert_eq!((f.instruction, f.name.as_str(), f.outcome.as_str()), (Some(1), "flaky", "exit status 3"));
+    assert_eq!(f.last_lines, ["no space for ***"]);
+    assert_eq!(condition(&s, "Applied").unwrap().message, format!("plan failed: {why}"));
+    let out = nodeplan_cmd(cp, &["plan", "status", "--nodeplan", &format!("{}/r", n.namespace)]).output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        status.contains("failure:    instruction 1/1 flaky: exit status 3\n            | no space for ***\n"),
+        "{status}"
+    );
+    assert!(!status.contains("s3cret"), "{status}");
     // The same plan with a new run token runs again from its first instruction.
     n.patch_spec(
         "r",
@@ -458,6 +476,7 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     let s = n.wait("r", "Applied", phase("Applied")).await;
     assert_eq!((s.attempts, s.failures, s.successes), (1, 0, 1));
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n3\nfixed\n");
+    assert_eq!(s.failure, None, "a success clears the failure");
     assert_eq!(agent.stop(), 0);
 }
 

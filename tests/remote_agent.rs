@@ -1720,3 +1720,56 @@ async fn sigkill_at_random_points_then_restart() {
     let left: Vec<i32> = agents.iter().flat_map(|a| started_by(*a)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+/// A plan that fails at its second instruction (issue 24): the operator finds the instruction, its
+/// exit status and its last output lines, with the instruction's env value masked, in
+/// `plan status --secret`, in the Failed Event's note and in the fleet table (`plan status -l`);
+/// the Secret keeps them in nodeplan's own key `failed-instruction`.
+#[tokio::test]
+async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_operator_looks() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "failure-detail").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let kubeconfig = r.p("kubeconfig");
+    std::fs::write(&kubeconfig, cp.kubeconfig_yaml()).unwrap();
+    let plan = json!({"instructions": [
+        sh("prepare", "echo ready"),
+        {"name": "boom", "command": "sh", "args": ["-c", "echo disk full; echo token $TOKEN; exit 3"],
+         "env": ["TOKEN=hunter2-secret"]}
+    ]});
+    r.create(&plan, Some("pending"), &[]).await;
+    r.patch(json!({"metadata": {"labels": {"failure-detail": "yes"}}})).await;
+    let mut agent = r.agent();
+    let s = r.wait("failed", |s| state(s) == "failed").await;
+    let key = val(&s, "failed-instruction");
+    assert!(key.contains(r#""instruction":2"#) && key.contains(r#""outcome":"exit status 3""#), "{key}");
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["--kubeconfig", kubeconfig.as_str()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let status = cli(&["plan", "status", "--secret", &format!("{ns}/machine-plan")]);
+    assert!(status.contains("failure:    instruction 2/2 boom: exit status 3"), "{status}");
+    assert!(status.contains("| disk full") && status.contains("| token ***"), "{status}");
+    assert!(!status.contains("hunter2"), "the env value is masked: {status}");
+    let table = cli(&["plan", "status", "-l", "failure-detail=yes", "-n", &ns]);
+    assert!(
+        table.contains("1 failure: instruction 2/2 boom: exit status 3; last output: disk full | token ***"),
+        "{table}"
+    );
+    let client = cp.client().await;
+    let ev = wait_events(&client, &ns, "machine-plan", "Failed", |ev| ev.iter().any(|e| e.0 == "Failed")).await;
+    let note = &ev.iter().find(|e| e.0 == "Failed").unwrap().1;
+    assert!(
+        note.contains(
+            "failed (1/2 instructions): instruction 2/2 boom: exit status 3; last output: disk full | token ***"
+        ),
+        "{note}"
+    );
+    assert!(!note.contains("hunter2"), "{note}");
+    assert_eq!(agent.stop(), 0);
+}
