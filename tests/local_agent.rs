@@ -119,8 +119,9 @@ fn a_failed_plan_is_recorded_as_failed_and_retried_after_the_backoff() {
 }
 
 /// A plan that fails at its second instruction (issue 24): `plan status` names the instruction,
-/// its exit status and its last output lines, with the instruction's env value masked; the
-/// `.pos` file keeps them (`lastFailure`) until the plan succeeds.
+/// its exit status and its last output lines, with the instruction's env value masked, and
+/// `plan logs` shows each instruction's saved output and outcome; the `.pos` file keeps the
+/// failure (`lastFailure`) until the plan succeeds.
 #[test]
 fn plan_status_names_the_failing_instruction_its_exit_status_and_last_lines() {
     let s = Setup::new();
@@ -141,6 +142,11 @@ fn plan_status_names_the_failing_instruction_its_exit_status_and_last_lines() {
         "{status}"
     );
     assert!(!status.contains("hunter2"), "{status}");
+    let logs = Command::new(NODEPLAN).args(["plan", "logs", s.plan_path("f").to_str().unwrap()]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&logs.stdout),
+        "instruction 1/2 prepare: ok\n  | ready\ninstruction 2/2 boom: FAILED (exit status 3)\n  | disk full\n  | token ***\n"
+    );
     std::fs::write(&ok, b"").unwrap();
     let done = s.wait_pos("f", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
     assert_eq!(done.last_failure, None, "a success clears it");

@@ -467,6 +467,11 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
         "{status}"
     );
     assert!(!status.contains("s3cret"), "{status}");
+    let out = nodeplan_cmd(cp, &["plan", "logs", "--nodeplan", &format!("{}/r", n.namespace)]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "instruction 1/1 flaky: FAILED (exit status 3)\n  | no space for ***\n"
+    );
     // The same plan with a new run token runs again from its first instruction.
     n.patch_spec(
         "r",

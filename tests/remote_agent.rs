@@ -1724,7 +1724,8 @@ async fn sigkill_at_random_points_then_restart() {
 /// A plan that fails at its second instruction (issue 24): the operator finds the instruction, its
 /// exit status and its last output lines, with the instruction's env value masked, in
 /// `plan status --secret`, in the Failed Event's note and in the fleet table (`plan status -l`);
-/// the Secret keeps them in nodeplan's own key `failed-instruction`.
+/// `plan logs` (one Secret, and `-l`) shows each instruction's output and outcome; the Secret keeps
+/// the failure in nodeplan's own key `failed-instruction`.
 #[tokio::test]
 async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_operator_looks() {
     let cp = control_plane!();
@@ -1735,7 +1736,7 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
     let plan = json!({"instructions": [
         sh("prepare", "echo ready"),
         {"name": "boom", "command": "sh", "args": ["-c", "echo disk full; echo token $TOKEN; exit 3"],
-         "env": ["TOKEN=hunter2-secret"]}
+         "env": ["TOKEN=hunter2-secret"], "saveOutput": true}
     ]});
     r.create(&plan, Some("pending"), &[]).await;
     r.patch(json!({"metadata": {"labels": {"failure-detail": "yes"}}})).await;
@@ -1756,6 +1757,11 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
     assert!(status.contains("failure:    instruction 2/2 boom: exit status 3"), "{status}");
     assert!(status.contains("| disk full") && status.contains("| token ***"), "{status}");
     assert!(!status.contains("hunter2"), "the env value is masked: {status}");
+    let logs = cli(&["plan", "logs", "--secret", &format!("{ns}/machine-plan")]);
+    let want = "instruction 1/2 prepare: ok\n  | ready\ninstruction 2/2 boom: FAILED (exit status 3)\n  | disk full\n  | token ***\n";
+    assert_eq!(logs, want);
+    let fleet_logs = cli(&["plan", "logs", "-l", "failure-detail=yes", "-n", &ns]);
+    assert_eq!(fleet_logs, format!("== machine-plan ==\n{want}"));
     let table = cli(&["plan", "status", "-l", "failure-detail=yes", "-n", &ns]);
     assert!(
         table.contains("1 failure: instruction 2/2 boom: exit status 3; last output: disk full | token ***"),

@@ -144,6 +144,10 @@ pub enum PlanAction {
     Cancel(Acting),
     /// Run the plan again from its first instruction (clears the cancel; not for NodePlans yet).
     Reset(Acting),
+    /// Show what each instruction of the current plan printed (its saved output) and how it
+    /// ended, then the periodic instructions' last results; with --selector, every selected
+    /// node's.
+    Logs(Acting),
     /// Show the plan's state, progress and probe health; with --node a node's NodePlans; with
     /// --selector many nodes' plan Secrets.
     Status {
@@ -163,6 +167,7 @@ impl PlanAction {
                 Some(&a.target)
             }
             PlanAction::Status { target, .. } => Some(target),
+            PlanAction::Logs(a) => Some(&a.target),
         }
     }
 }
@@ -267,6 +272,16 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
             );
         }
         PlanAction::Status { .. } => status(&f)?,
+        PlanAction::Logs(_) => {
+            let raw = read_plan(&f.plan)?;
+            let plan = plan::parse(&raw).map_err(|e| format!("{plan}: {e}"))?;
+            let mut ignored = Vec::new();
+            let p = pos::read_pos_trusted(&f.pos(), &mut ignored).map_err(|e| format!("{}: {e}", f.pos().display()))?;
+            for i in &ignored {
+                crate::cli::say(&format!("nodeplan: ignored {i} (only root's files, not writable by others, count)"));
+            }
+            print_lines(crate::fleet::logs::lines(&plan, &crate::fleet::logs::of_pos(&p, &plan::checksum(&raw))));
+        }
         PlanAction::Push { .. } => return Err(bad_input("plan push needs --secret NAMESPACE/NAME".into())),
     }
     Ok(())
@@ -324,6 +339,7 @@ pub async fn run(args: PlanArgs) -> u8 {
         PlanAction::Status { list: NodeList { namespace: Some(_), .. }, .. } => {
             Err(Failure::Usage("--namespace goes with --node or --selector".into()))
         }
+        PlanAction::Logs(a) if a.selector.is_some() => fleet::logs(a).await,
         PlanAction::Pause(a) | PlanAction::Resume(a) | PlanAction::Cancel(a) | PlanAction::Reset(a)
             if a.selector.is_some() =>
         {
@@ -344,6 +360,12 @@ pub async fn run(args: PlanArgs) -> u8 {
     match r {
         Ok(()) => exit::OK,
         Err(f) => report(f),
+    }
+}
+
+fn print_lines(lines: Vec<String>) {
+    for l in lines {
+        crate::cli::out!("{l}");
     }
 }
 
@@ -527,6 +549,11 @@ mod remote {
                     };
                     crate::cli::out!("{done} {secret}: {what}");
                 }
+            }
+            PlanAction::Logs(_) => {
+                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
+                let lines = crate::fleet::logs::of_object(&crate::fleet::objects::Object::Secret(s))?;
+                super::print_lines(lines);
             }
             PlanAction::Status { .. } => {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;

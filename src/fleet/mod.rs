@@ -9,6 +9,7 @@
 //! transition once. [`objects`] is the I/O edge: listing, watching and writing the selected
 //! objects of either kind. The commands are `cli`'s.
 
+pub mod logs;
 pub mod nodeplan;
 pub mod objects;
 pub mod rollout;

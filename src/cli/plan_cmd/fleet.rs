@@ -39,6 +39,26 @@ pub(super) async fn status(selector: &str, l: &NodeList, t: &RemoteTarget) -> Re
     watch(kube, &scope, json).await
 }
 
+/// `logs --selector S [--nodeplans]`: each selected node's logs after a `== node ==` line.
+pub(super) async fn logs(a: &Acting) -> Result<(), Failure> {
+    let t = &a.target.remote;
+    let kube = super::kube_client(t).await?;
+    let selector = a.selector.as_deref().unwrap_or_default();
+    let scope = scope(&kube, kind(a.nodeplans), selector, a.namespace.as_ref(), a.all_namespaces);
+    let found = objects::list(kube, &scope, t.request_timeout).await?;
+    if found.is_empty() {
+        super::super::say(&format!("nodeplan: no objects: {} (none)", scope.describe()));
+    }
+    for (key, o) in &found {
+        crate::cli::out!("== {} ==", crate::plan::failure::shown_line(&o.standing(key).node));
+        match fleet::logs::of_object(o) {
+            Ok(lines) => super::print_lines(lines),
+            Err(e) => crate::cli::out!("{e}"),
+        }
+    }
+    Ok(())
+}
+
 fn print_rows(rows: &[fleet::Row], json: bool) {
     if json {
         for r in rows {
@@ -123,7 +143,7 @@ pub(super) fn action_patch(action: &PlanAction) -> Option<(serde_json::Value, &'
         PlanAction::Resume(_) => (wire::annotation_patch(ANNOTATION_PAUSED, None), "resumed"),
         PlanAction::Cancel(_) => (wire::annotation_patch(ANNOTATION_CANCELED, Some("true")), "canceled"),
         PlanAction::Reset(_) => (wire::reset_patch(), "reset"),
-        PlanAction::Push { .. } | PlanAction::Status { .. } => return None,
+        PlanAction::Push { .. } | PlanAction::Status { .. } | PlanAction::Logs(_) => return None,
     })
 }
 
@@ -138,7 +158,7 @@ fn nodeplan_patch(action: &PlanAction) -> Option<(serde_json::Value, &'static st
             let token = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
             (cli_wire::reset_patch(&token), "reset")
         }
-        PlanAction::Push { .. } | PlanAction::Status { .. } => return None,
+        PlanAction::Push { .. } | PlanAction::Status { .. } | PlanAction::Logs(_) => return None,
     })
 }
 

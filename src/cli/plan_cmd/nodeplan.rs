@@ -154,6 +154,13 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
         PlanAction::Resume(_) => control(&nodeplans(t, r).await?, t, r, Control::Resume).await,
         PlanAction::Cancel(_) => control(&nodeplans(t, r).await?, t, r, Control::Cancel).await,
         PlanAction::Reset(_) => reset(&nodeplans(t, r).await?, t, r).await,
+        PlanAction::Logs(_) => {
+            let api = nodeplans(t, r).await?;
+            let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
+            let lines = crate::fleet::logs::of_object(&crate::fleet::objects::Object::NodePlan(Box::new(o)))?;
+            super::print_lines(lines);
+            Ok(())
+        }
         PlanAction::Status { .. } => {
             let api = nodeplans(t, r).await?;
             let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
