@@ -1590,7 +1590,7 @@ fn read_fifo_started(runs: &str) {
 
 /// Issue 14: `--max-errors 2` with one node at a time: the first three nodes fail, and after the
 /// third failure no new node starts; the rollout exits 7 (the error budget), the other nodes never
-/// got the plan.
+/// got the plan. The table names the failing instruction and its exit status.
 #[tokio::test]
 async fn rollout_stops_at_the_error_budget() {
     let cp = control_plane!();
@@ -1614,6 +1614,8 @@ async fn rollout_stops_at_the_error_budget() {
     assert_eq!(out.status.code(), Some(7), "{stdout}");
     assert!(stdout.contains("stopped by the error budget (more than 2 failed)"), "{stdout}");
     assert!(stdout.contains("NODE") && stdout.contains("b00") && stdout.contains("failed"), "the table: {stdout}");
+    // What made each node fail, in the table (issue 24).
+    assert!(stdout.contains("1 failure: instruction 1/1 check: exit status 1"), "the table: {stdout}");
     assert!(stdout.contains("[") && stdout.contains("xxx") && stdout.contains("] 0/8"), "the bar: {stdout}");
     let mut with_plan = Vec::new();
     for name in &names {
