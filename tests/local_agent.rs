@@ -583,6 +583,18 @@ fn plan_commands_say_what_they_did_and_refuse_a_missing_plan() {
     assert_eq!((code, out.as_str()), (Some(0), "resumed a.plan: removed a.paused\n"));
     let (code, out, _) = run(&["plan", "resume", "a.plan"]);
     assert_eq!((code, out.as_str()), (Some(0), "a.plan was not paused (no a.paused); nothing to do\n"));
+    // Reset does what it says: the plan runs again, neither canceled nor paused.
+    run(&["plan", "pause", "a.plan"]);
+    let (code, out, _) = run(&["plan", "reset", "a.plan"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (
+            Some(0),
+            "reset a.plan: wrote a.reset, removed a.paused (the agent runs it again from its first instruction)\n"
+        )
+    );
+    assert!(!d.path().join("a.paused").exists());
+    std::fs::remove_file(d.path().join("a.reset")).unwrap();
     for action in ["pause", "resume", "cancel", "reset", "status"] {
         let (code, out, err) = run(&["plan", action, "b.plan"]);
         assert_eq!((code, out.as_str()), (Some(2), ""), "{action}: {err}");

@@ -934,7 +934,9 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     assert!(cli(&["plan", "status"]).contains("2/2 instructions done"));
     cli(&["plan", "cancel"]);
     r.wait("canceled", |s| state(s) == "canceled").await;
-    cli(&["plan", "reset"]);
+    // Reset does what it says: a pause asked meanwhile does not hold the plan run again.
+    cli(&["plan", "pause"]);
+    assert!(cli(&["plan", "reset"]).contains("plan.cattle.io/paused removed"));
     read_fifo(&ready);
     r.wait("succeeded again", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "one\ntwo\none\ntwo\n");

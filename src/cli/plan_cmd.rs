@@ -142,7 +142,7 @@ pub enum PlanAction {
     Resume(Acting),
     /// Cancel: stop the running instruction's whole tree now; terminal until reset.
     Cancel(Acting),
-    /// Run the plan again from its first instruction (clears the cancel; not for NodePlans yet).
+    /// Run the plan again from its first instruction (clears the cancel and the pause).
     Reset(Acting),
     /// Show what each instruction of the current plan printed (its saved output) and how it
     /// ended, then the periodic instructions' last results; with --selector, every selected
@@ -265,9 +265,11 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
         }
         PlanAction::Reset(_) => {
             remove(&f.canceled())?;
+            let unpaused = remove(&f.paused())?;
             write(&f.reset(), pos::RESET_REQUEST)?;
+            let also = if unpaused { format!(", removed {}", f.paused().display()) } else { String::new() };
             crate::cli::out!(
-                "reset {plan}: wrote {} (the agent runs it again from its first instruction)",
+                "reset {plan}: wrote {}{also} (the agent runs it again from its first instruction)",
                 f.reset().display()
             );
         }
@@ -545,7 +547,11 @@ mod remote {
                         PlanAction::Pause(_) => format!("set {}=true", plan::ANNOTATION_PAUSED),
                         PlanAction::Resume(_) => format!("removed {}", plan::ANNOTATION_PAUSED),
                         PlanAction::Cancel(_) => format!("set {}=true", plan::ANNOTATION_CANCELED),
-                        _ => format!("plan-state=pending, {} removed", plan::ANNOTATION_CANCELED),
+                        _ => format!(
+                            "plan-state=pending, {} and {} removed",
+                            plan::ANNOTATION_CANCELED,
+                            plan::ANNOTATION_PAUSED
+                        ),
                     };
                     crate::cli::out!("{done} {secret}: {what}");
                 }

@@ -364,7 +364,7 @@ pub fn push_patch(raw_plan: &[u8]) -> serde_json::Value {
 /// is removed (R8: only this ends a cancel).
 pub fn reset_patch() -> serde_json::Value {
     serde_json::json!({
-        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null}},
+        "metadata": {"annotations": {plan::ANNOTATION_CANCELED: null, plan::ANNOTATION_PAUSED: null}},
         "data": {PLAN_STATE: b64(PlanState::Pending.as_str().as_bytes())}
     })
 }
@@ -624,7 +624,7 @@ mod tests {
                 "reset",
                 reset_patch(),
                 serde_json::json!({
-                    "metadata": {"annotations": {"plan.cattle.io/canceled": null}},
+                    "metadata": {"annotations": {"plan.cattle.io/canceled": null, "plan.cattle.io/paused": null}},
                     "data": {"plan-state": "cGVuZGluZw=="}
                 }),
             ),
