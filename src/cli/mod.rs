@@ -93,7 +93,8 @@ enum LogFormat {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// The daemon: local and/or remote mode from the config file.
+    /// The daemon: applies this node's plans from the config file's sources: local plan files, the
+    /// node's plan Secret (remote mode) and its NodePlans (nodePlanEnabled), one plan at a time.
     #[command(alias = "sentinel", after_help = AGENT_EXIT_CODES)]
     Agent(agent::AgentArgs),
     /// Check a config file (format, mode 0600, owner, keys, values).
