@@ -364,6 +364,8 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                         ),
                     }
                     told = Some(who);
+                    let by = holder.as_deref().map_or_else(|| "no holder yet".to_string(), shown_holder);
+                    crate::board::lease(&r.what, &format!("waiting (held by {by})"));
                 }
                 wait(&mut shutdown, pace.min(remaining)).await;
                 continue;
@@ -376,6 +378,7 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
         match attempt {
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
+                crate::board::lease(&r.what, &format!("held as {}", r.identity));
                 return Some(renewing(api, r, l, sent));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
@@ -472,6 +475,7 @@ fn without_lease(r: &LeaseRef, e: &str) -> Held {
         r.name,
         r.what
     );
+    crate::board::lease(&r.what, "off: this account may not use Leases");
     let (_, lost) = watch::channel(false);
     let (_, acting) = watch::channel(true);
     Held { renewer: None, lost, acting, release: None, quiet: false }
@@ -756,6 +760,7 @@ pub fn guard(
     let (fence_tx, fence) = watch::channel(false);
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
+        let what = lease.as_ref().map(|(_, r)| r.what.clone());
         let mut told = false;
         while let Some(r) = &rival
             && let Some(pid) = (r.running)().await
@@ -765,6 +770,9 @@ pub fn guard(
                     "waiting: {p} (pid {pid}) runs on this node and acts on the same plan Secret; stop and disable it (systemctl disable --now {p}) to let nodeplan act",
                     p = r.program
                 );
+                if let Some(w) = &what {
+                    crate::board::lease(w, &format!("waiting: {} (pid {pid}) runs on this node", r.program));
+                }
                 told = true;
             }
             if tokio::time::timeout(RIVAL_PERIOD, shutdown.wait_for(|s| *s)).await.is_ok() {
@@ -821,6 +829,9 @@ pub fn guard(
         if let Some(why) = ended {
             // The fence stays as the Lease's renewals left it: the loop stops the running plan
             // as at a shutdown, and a lost Lease has closed the fence already (R26).
+            if let Some(w) = &what {
+                crate::board::lease(w, &format!("ended: {why}"));
+            }
             state_tx.send_replace(GateState::Ended(why));
             let _ = stopped.await;
         }

@@ -28,6 +28,7 @@
 //! - [`formats`]: the versions of the files nodeplan keeps on the node (R25).
 //! - [`duration`]: durations as people write and read them (parse, show, human).
 //! - [`backoff`]: the one back-off type and its jitter.
+//! - [`board`]: the running agent's status record, for `nodeplan status`.
 //! - [`logging`]: log levels as the agent and the installer take them.
 //! - [`events`]: Kubernetes Events about plans.
 //! - [`nodeplan`]: the NodePlan custom resource: its types, status wire, and the agent's source.
@@ -37,6 +38,7 @@
 
 pub mod apply;
 pub mod backoff;
+pub mod board;
 pub mod cli;
 pub mod config;
 pub mod duration;

@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     // Helpers with no knowledge of plans: durations, back-off, race-free files, log levels.
     ("base", &["duration", "backoff", "safefs", "logging"]),
     // Leaves anyone may use: the config (its defaults and ranges) and metrics (plain labels).
-    ("leaves", &["config", "metrics"]),
+    ("leaves", &["config", "metrics", "board"]),
     // The pure model: plans, the pause/cancel flow, the on-node file formats.
     ("model", &["plan", "flow", "formats"]),
     // The host edge: processes (spawn, the stop ladder, records, cgroups).

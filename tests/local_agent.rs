@@ -854,3 +854,56 @@ fn a_file_name_with_a_newline_forges_no_log_line() {
     agent.rest();
     assert!(!agent.seen.iter().any(|l| l.starts_with("1999-01-01")), "a forged line:\n{}", agent.seen.join("\n"));
 }
+
+/// `nodeplan status` (issue 24): this node's agent at a glance, from the config it runs with. While
+/// an instruction runs it names the plan and the instruction; once the plan failed, the last result
+/// names the failing instruction and the retry shows when it runs again; `-o json` is the record.
+/// No agent running: one line, exit 1.
+#[test]
+fn nodeplan_status_shows_the_running_instruction_the_last_result_and_the_retry() {
+    let s = Setup::new();
+    let config = s.config();
+    // A retry an hour away: the failed state stays while the test looks.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut lines: Vec<&str> = text.lines().filter(|l| !l.starts_with("localRetrySeconds:")).collect();
+    lines.push("localRetrySeconds: 3600");
+    std::fs::write(&config, lines.join("\n") + "\n").unwrap();
+    let status = |extra: &[&str]| {
+        let out = Command::new(NODEPLAN).args(["status", "--config"]).arg(&config).args(extra).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, _, err) = status(&[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nodeplan: no agent runs with"), "{err}");
+    let (ready, go) = (s.fifo("ready"), s.fifo("go"));
+    s.plan(
+        "a",
+        serde_json::json!({"instructions": [
+            sh("wait", &format!("echo > {ready}; read x < {go}")),
+            sh("boom", "exit 3")
+        ]}),
+    );
+    let mut agent = s.start();
+    read_fifo(&ready);
+    let plan = s.plan_path("a").display().to_string();
+    let until = |what: &str, pred: &dyn Fn(&str) -> bool| agent_status_until(&config, what, pred);
+    let out = until("the running instruction", &|o| o.contains("running:    instruction 1/2 wait"));
+    assert!(out.contains(&format!("agent:      running, pid {}", agent.child.id())), "{out}");
+    assert!(out.contains(&format!("applying:   {plan}, since ")), "{out}");
+    assert!(out.contains(&format!("source:     local: directory {}", s.p("plans"))), "{out}");
+    std::fs::write(&go, b"go\n").unwrap();
+    let out = until("the failure", &|o| o.contains("applying:   nothing") && o.contains("retry:"));
+    assert!(out.contains(&format!("last:       {plan}: failed: instruction 2/2 boom: exit status 3, ")), "{out}");
+    assert!(out.contains(&format!("retry:      {plan} ")) && out.contains(" (in "), "{out}");
+    let (_, json, _) = status(&["-o", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["pid"], agent.child.id());
+    assert_eq!(v["last"]["result"], "failed: instruction 2/2 boom: exit status 3");
+    assert_eq!(agent.stop(), 0);
+    let (code, _, err) = status(&[]);
+    assert_eq!(code, Some(1), "a stopped agent leaves no record: {err}");
+}

@@ -472,6 +472,9 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
         String::from_utf8_lossy(&out.stdout),
         "instruction 1/1 flaky: FAILED (exit status 3)\n  | no space for ***\n"
     );
+    let out =
+        agent_status_until(&n.config, "the failure", |o| o.contains("failed: instruction 1/1 flaky: exit status 3"));
+    assert!(out.contains("source:     nodeplans: the NodePlans of node node-a (Lease: held as "), "{out}");
     // The same plan with a new run token runs again from its first instruction.
     n.patch_spec(
         "r",

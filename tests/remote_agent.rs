@@ -1728,8 +1728,8 @@ async fn sigkill_at_random_points_then_restart() {
 /// A plan that fails at its second instruction (issue 24): the operator finds the instruction, its
 /// exit status and its last output lines, with the instruction's env value masked, in
 /// `plan status --secret`, in the Failed Event's note and in the fleet table (`plan status -l`);
-/// `plan logs` (one Secret, and `-l`) shows each instruction's output and outcome; the Secret keeps
-/// the failure in nodeplan's own key `failed-instruction`.
+/// `plan logs` (one Secret, and `-l`) shows each instruction's output and outcome, `nodeplan status`
+/// the last result; the Secret keeps the failure in nodeplan's own key `failed-instruction`.
 #[tokio::test]
 async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_operator_looks() {
     let cp = control_plane!();
@@ -1781,5 +1781,10 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
         "{note}"
     );
     assert!(!note.contains("hunter2"), "{note}");
+    // `nodeplan status`: the source, its Lease held, and the last result.
+    let out =
+        agent_status_until(&r.config, "the failure", |o| o.contains("failed: instruction 2/2 boom: exit status 3"));
+    assert!(out.contains(&format!("source:     secret: secret {ns}/machine-plan (Lease: held as ")), "{out}");
+    assert!(out.contains("applying:   nothing"), "{out}");
     assert_eq!(agent.stop(), 0);
 }

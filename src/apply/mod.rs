@@ -177,11 +177,15 @@ impl Observer for LogObserver {
         if periodic {
             tracing::debug!("{what}: started");
         } else {
+            crate::board::instruction(Some(&what));
             tracing::info!("{what}: started");
         }
     }
     fn instruction_finished(&self, r: &InstructionReport) {
         let what = instruction_label(r.index, r.total, &r.name, r.periodic);
+        if !r.periodic {
+            crate::board::instruction(None);
+        }
         let word = result_word(&r.outcome);
         let line = format!("{what}: {word} ({}, {})", r.outcome, crate::duration::human(r.elapsed));
         let tail = if word == "FAILED" {

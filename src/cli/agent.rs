@@ -128,6 +128,18 @@ pub async fn run(args: AgentArgs) -> u8 {
         }
     });
     tracing::info!("nodeplan agent starting (config {})", path.display());
+    if let Some(dir) = non_empty(&cfg.pid_directory) {
+        let pid = std::process::id();
+        let status = crate::board::AgentStatus {
+            pid,
+            pid_start: crate::process::start_time_of(pid as i32).unwrap_or_default(),
+            version: super::VERSION.to_string(),
+            config: path.display().to_string(),
+            node: node_name(&cfg),
+            ..Default::default()
+        };
+        crate::board::install(&dir, status, sd_rx.clone());
+    }
     // One loop for the node over every enabled source (one plan at a time by construction). A
     // new source is one more `Both` here.
     let local = cfg.local_enabled.then(|| {
@@ -136,6 +148,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         lc.probe_period = cfg.probe_period();
         lc.retry_base = Duration::from_secs(cfg.local_retry_seconds);
         lc.inotify = std::env::var_os("NODEPLAN_NO_INOTIFY").is_none_or(|v| v != "1");
+        crate::board::source("local", &format!("directory {}", cfg.local_plan_directory.display()), "");
         DirSource::new(lc)
     });
     let secret = match cfg.remote_enabled {
@@ -291,14 +304,10 @@ async fn secret_source(
         .await
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
     let secret = SecretRef { namespace: conn.namespace.clone(), name: conn.secret_name.clone() };
+    let what = format!("secret {}/{}", secret.namespace, secret.name);
+    crate::board::source("secret", &what, if cfg.lease_duration.is_zero() { "" } else { "waiting" });
     tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
-    let lease = source_lease(
-        cfg,
-        &client,
-        &secret.namespace,
-        &secret.name,
-        format!("secret {}/{}", secret.namespace, secret.name),
-    );
+    let lease = source_lease(cfg, &client, &secret.namespace, &secret.name, what);
     let source = crate::remote::agent::SecretSource::new(SecretClient::new(client, secret), Duration::from_secs(5))
         .with_kept_outcomes(non_empty(&cfg.applied_plan_directory).as_deref())
         .with_events(&node_name(cfg));
@@ -328,8 +337,9 @@ async fn node_plan_source(
         .await
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
     let node = node_name(cfg);
-    let lease =
-        source_lease(cfg, &client, &conn.namespace, &format!("node-{node}"), format!("the NodePlans of node {node}"));
+    let what = format!("the NodePlans of node {node}");
+    crate::board::source("nodeplans", &what, if cfg.lease_duration.is_zero() { "" } else { "waiting" });
+    let lease = source_lease(cfg, &client, &conn.namespace, &format!("node-{node}"), what);
     let source = crate::nodeplan::source::NodePlanSource::new(
         client,
         &conn.namespace,

@@ -12,6 +12,7 @@ mod install;
 mod output;
 mod plan_cmd;
 mod rollout;
+mod status;
 mod supervise;
 
 use crate::logging::parse_log_level;
@@ -97,6 +98,10 @@ enum Command {
     /// node's plan Secret (remote mode) and its NodePlans (nodePlanEnabled), one plan at a time.
     #[command(alias = "sentinel", after_help = AGENT_EXIT_CODES)]
     Agent(agent::AgentArgs),
+    /// This node's agent at a glance: its sources and their Leases, the plan and instruction it
+    /// runs, the last result and the next retry (from the running agent's record).
+    #[command(after_help = status::EXIT_CODES)]
+    Status(status::StatusArgs),
     /// Check a config file (format, mode 0600, owner, keys, values).
     #[command(after_help = VALIDATE_EXIT_CODES)]
     ValidateConfig(agent::ValidateArgs),
@@ -289,6 +294,7 @@ pub fn main() -> ExitCode {
     let code = rt.block_on(async move {
         match cli.command {
             Command::Agent(a) => agent::run(a).await,
+            Command::Status(a) => status::run(a),
             Command::ValidateConfig(a) => agent::validate_config(a),
             Command::ValidateConnection(a) => agent::validate_connection(a).await,
             Command::Apply(a) => apply::run(a).await,

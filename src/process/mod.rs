@@ -1087,6 +1087,12 @@ fn command(spec: &SpawnSpec, marker: &str, cgroup_procs: Option<std::os::fd::Raw
     cmd
 }
 
+/// When the process `pid` started (field 22 of its `/proc` stat, clock ticks since boot), if it
+/// exists: with its pid, what tells a live process from a later one given the same pid.
+pub fn start_time_of(pid: i32) -> Option<u64> {
+    procfs::ProcHandle::open(pid).and_then(|h| h.stat()).ok().map(|s| s.start_time)
+}
+
 /// This process's start time (field 22 of /proc/self/stat), read once.
 fn own_start_time() -> u64 {
     static START: OnceLock<u64> = OnceLock::new();

@@ -747,6 +747,9 @@ impl<S: PlanSource> Reconciler<S> {
             mem.warned.clear();
             mem.bad = None;
             mem.due = look.retry_in.map(|d| now + d);
+            if let Some(d) = look.retry_in.filter(|d| !d.is_zero()) {
+                crate::board::retry(&look.label, d);
+            }
             mem.probes = (!look.plan.plan.probes.is_empty()).then(|| Probes {
                 checksum: look.checksum.clone(),
                 label: look.label.clone(),
@@ -887,7 +890,12 @@ impl<S: PlanSource> Reconciler<S> {
                 n => tracing::info!("{}: resuming at instruction {}/{total}", look.label, (n + 1).min(total)),
             }
         }
-        let result = match self.apply(key, look, &run).await {
+        if run.one_time() {
+            crate::board::plan_started(&look.label);
+        }
+        let applied = self.apply(key, look, &run).await;
+        crate::board::plan_ended();
+        let result = match applied {
             Ok(r) => {
                 self.mem(key).apply.reset(Duration::from_secs(1));
                 r
@@ -908,6 +916,7 @@ impl<S: PlanSource> Reconciler<S> {
                 let mem = self.mem(key);
                 let d = mem.apply.next(now);
                 mem.gate = Some(now + d);
+                crate::board::retry(&look.label, d);
                 tracing::error!("{}: {e}; retrying in {}", look.label, human_duration(d));
                 return Action::After(d);
             }
@@ -977,10 +986,18 @@ impl<S: PlanSource> Reconciler<S> {
         if let Some(s) = &recorded {
             count_recorded(s);
         }
-        let failure = recorded
-            .filter(|s| *s == crate::plan::PlanState::Failed)
-            .and_then(|_| result.failure(&look.plan, &look.checksum));
+        let failure = match recorded {
+            Some(crate::plan::PlanState::Failed) => result.failure(&look.plan, &look.checksum),
+            _ => None,
+        };
         let note = failure.as_ref().map(|f| f.note());
+        if let Some(s) = &recorded {
+            let result = match (s, &failure) {
+                (crate::plan::PlanState::Failed, Some(f)) => format!("failed: {}", f.summary()),
+                _ => s.as_str().to_string(),
+            };
+            crate::board::outcome(&look.label, &result);
+        }
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes, failure }).await {
             Written::Done => {
                 self.wrote(key);

@@ -604,3 +604,24 @@ impl Relay {
         kubeconfig.replace(server, &format!("https://127.0.0.1:{}", self.port))
     }
 }
+
+/// `nodeplan status --config CONFIG`, again until its table says what `pred` wants (the agent
+/// writes its record within a moment of each change; a hang guard, not a sleep). The table.
+#[allow(dead_code)]
+pub fn agent_status_until(config: &std::path::Path, what: &str, pred: impl Fn(&str) -> bool) -> String {
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        let out = std::process::Command::new(NODEPLAN).args(["status", "--config"]).arg(config).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && pred(&text) {
+            return text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nodeplan status never showed {what}: {:?} {text} {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
