@@ -149,7 +149,11 @@ pub fn decide(s: &Snapshot) -> Decision {
         Err(e) => return Decision::Invalid(e.clone()),
         Ok(h) => *h,
     };
-    let completed = s.checkpoint.as_ref().map_or(0, |c| c.completed_instructions).min(s.total);
+    // A succeeded plan ran all of its one-time instructions (it keeps no checkpoint).
+    let completed = match s.state {
+        PlanState::Succeeded => s.total,
+        _ => s.checkpoint.as_ref().map_or(0, |c| c.completed_instructions).min(s.total),
+    };
     match hold {
         Hold::Cancel => {
             // Write-once: a failed or canceled plan is not written again (R7).

@@ -119,6 +119,15 @@ fn pause_records_a_checkpoint_once() {
     // Pausing a succeeded plan resumes into succeeded.
     let Decision::Record { transition, .. } = decide(&snap("succeeded", Some("true"), None, None)) else { panic!() };
     assert_eq!(transition.checkpoint.resume_state, Some(PlanState::Succeeded));
+    assert_eq!(transition.checkpoint.completed_instructions, 3, "every instruction of a succeeded plan ran");
+    // Canceling a succeeded plan records that all of it ran (not 0/3), and no partial cancel.
+    let Decision::Record { transition, partial_cancel } = decide(&snap("succeeded", None, Some("true"), None)) else {
+        panic!()
+    };
+    assert_eq!(
+        (transition.state, transition.checkpoint.completed_instructions, partial_cancel),
+        (PlanState::Canceled, 3, false)
+    );
 }
 
 #[test]

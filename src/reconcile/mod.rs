@@ -272,6 +272,23 @@ fn backoff(initial: Duration) -> Backoff {
     Backoff::new(initial, Duration::from_secs(300), Duration::MAX)
 }
 
+/// The note of a state recorded without a run (a pause or cancel of a plan not running): what
+/// had run of it.
+fn recorded_note(view: &View, state: &crate::plan::PlanState, cp: &crate::plan::Checkpoint) -> String {
+    use crate::plan::PlanState;
+    let (done, total) = (cp.completed_instructions, cp.total_instructions);
+    match view {
+        View::Flow(s) if s.state == PlanState::Succeeded && *state == PlanState::Canceled => {
+            format!("canceled after it succeeded ({done}/{total} instructions): its periodic instructions stop")
+        }
+        View::Flow(s) if s.state == PlanState::Succeeded => {
+            format!("{state} after it succeeded ({done}/{total} instructions): its periodic instructions wait")
+        }
+        _ if done == 0 => format!("{state} before it ran"),
+        _ => format!("{state} after {done}/{total} instructions"),
+    }
+}
+
 /// The event for a plan state written after (or instead of) a run.
 fn outcome_reason(state: &crate::plan::PlanState, survivors: bool) -> Option<Reason> {
     use crate::plan::PlanState;
@@ -782,13 +799,13 @@ impl<S: PlanSource> Reconciler<S> {
                     );
                 }
                 tracing::info!("{}: {}", look.label, transition.state);
-                let state = transition.state.clone();
+                let (state, checkpoint) = (transition.state.clone(), transition.checkpoint.clone());
                 match self.source.commit(key, &look, &Commit::Record(transition)).await {
                     Written::Done => {
                         self.wrote(key);
                         count_recorded(&state);
                         if let Some(reason) = outcome_reason(&state, false) {
-                            self.source.event(key, reason, &format!("{} before it ran", state));
+                            self.source.event(key, reason, &recorded_note(&look.view, &state, &checkpoint));
                         }
                         self.probe(key).await
                     }
