@@ -77,6 +77,11 @@ pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
     out.replace(['\n', '\r'], " ")
 }
 
+/// `1 instruction`, `2 instructions`: a count and its noun (a regular plural).
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+}
+
 /// A value quoted for a one-line message, cut to 60 characters.
 pub(crate) fn quoted(s: &str) -> String {
     let mut cut: String = s.chars().take(60).collect();

@@ -163,7 +163,7 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
         )
     );
     let status = p.ok(&["plan", "status", "--nodeplan", &target]);
-    assert!(status.contains(&format!("plan:       {} (1 instructions)\n", &checksum[..12])), "{status}");
+    assert!(status.contains(&format!("plan:       {} (1 instruction)\n", &checksum[..12])), "{status}");
     assert!(status.contains("phase:      - (the agent has not written a status yet)"), "{status}");
 
     for (action, field, value) in [

@@ -433,7 +433,7 @@ async fn a_legacy_plan_seen_while_a_nodeplan_runs_is_still_applied_at_start() {
     agent.wait_log(&format!("plan {}: waiting for nodeplan {}/hold to finish", &checksum[..12], n.namespace));
     release_fifo(&go);
     n.wait("hold", "Applied", phase("Applied")).await;
-    agent.wait_log(&format!("plan {}: applying (1 instructions)", &checksum[..12]));
+    agent.wait_log(&format!("plan {}: applying (1 instruction)", &checksum[..12]));
     let deadline = Instant::now() + GUARD;
     while std::fs::read_to_string(&marker).unwrap_or_default() != "again\n" {
         assert!(Instant::now() < deadline, "the legacy plan was not applied at start");

@@ -567,7 +567,7 @@ mod remote {
                 let checksum = plan::checksum(raw);
                 let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
                 let total = plan::parse(raw).map(|p| p.plan.instructions.len()).unwrap_or(0);
-                crate::cli::out!("plan:       {} ({} instructions)", &checksum[..12], total);
+                crate::cli::out!("plan:       {} ({})", &checksum[..12], crate::count(total, "instruction"));
                 let state = text(wire::PLAN_STATE);
                 crate::cli::out!(
                     "state:      {}",

@@ -316,7 +316,7 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
         vec![line("nodeplan", format!("{namespace}/{name} (for {}, priority {})", node_of(o), spec.priority))];
     let checksum = match wire::valid_plan(&spec) {
         Ok((vp, checksum)) => {
-            out.push(line("plan", format!("{} ({} instructions)", &checksum[..12], vp.plan.instructions.len())));
+            out.push(line("plan", format!("{} ({})", &checksum[..12], crate::count(vp.plan.instructions.len(), "instruction"))));
             Some(checksum)
         }
         Err(e) => {
@@ -621,7 +621,7 @@ mod tests {
                               "spec": spec, "status": status}));
         let want = [
             "nodeplan:   ns/p (for node n, priority 2)".to_string(),
-            format!("plan:       {} (1 instructions)", &checksum[..12]),
+            format!("plan:       {} (1 instruction)", &checksum[..12]),
             "phase:      Applied".into(),
             "progress:   1/1 instructions done".into(),
             "control:    paused=true canceled=false".into(),

@@ -879,7 +879,7 @@ impl<S: PlanSource> Reconciler<S> {
                     let total = look.plan.plan.instructions.len();
                     match &commit {
                         Commit::Begin { .. } => {
-                            let note = format!("attempt {}: applying {total} instructions", look.begin_attempt);
+                            let note = format!("attempt {}: applying {}", look.begin_attempt, crate::count(total, "instruction"));
                             self.source.event(key, Reason::Started, &note);
                         }
                         Commit::Resume(_) => {
@@ -903,7 +903,7 @@ impl<S: PlanSource> Reconciler<S> {
         let total = look.plan.plan.instructions.len();
         if run.one_time() {
             match run.resume_from() {
-                0 => tracing::info!("{}: applying ({total} instructions)", look.label),
+                0 => tracing::info!("{}: applying ({})", look.label, crate::count(total, "instruction")),
                 n => tracing::info!("{}: resuming at instruction {}/{total}", look.label, (n + 1).min(total)),
             }
         }
