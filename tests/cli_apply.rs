@@ -967,3 +967,25 @@ fn a_dry_run_shows_the_changes_and_touches_nothing() {
     let out = output_within(e.cmd(&done, &["--show-secrets"]));
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A misspelt plan key makes an empty plan (system-agent ignores unknown keys, and so does the
+/// agent): `apply` says so in a warning naming the key, and still applies what the plan says.
+#[test]
+fn a_misspelt_plan_key_is_named_in_a_warning() {
+    let e = Env::new();
+    let ran = e.p("ran");
+    let plan = e.plan(serde_json::json!({
+        "instrutions": [sh("lost", "true")],
+        "instructions": [{"name": "a", "command": "touch", "args": [ran.clone()], "retries": 2}]
+    }));
+    let out = e.cmd(&plan, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains(&format!(
+            "warning: {plan}: unknown plan key(s) \"plan.instrutions\", \"plan.instructions[0].retries\": ignored"
+        )),
+        "{err}"
+    );
+    assert!(Path::new(&ran).exists());
+}

@@ -184,6 +184,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
             return exit::BAD_INPUT;
         }
     };
+    super::warn_unknown_keys(&args.file, &raw);
     let total = plan.plan.instructions.len();
     if args.resume_from > total {
         super::say(&format!("nodeplan: --resume-from {} is past the plan's {total} instructions", args.resume_from));

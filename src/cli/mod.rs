@@ -457,6 +457,14 @@ pub(crate) fn say(line: &str) {
     output::line(tracing::Level::ERROR, line);
 }
 
+/// A warning line naming a plan file's keys that no agent reads (a misspelt `instrutions` makes an
+/// empty plan; system-agent ignores unknown keys, so the plan is still taken).
+pub(crate) fn warn_unknown_keys(file: &std::path::Path, raw: &[u8]) {
+    if let Some(w) = crate::plan::fields::unknown_keys_warning(raw) {
+        output::line(tracing::Level::WARN, &format!("warning: {}: {w}", file.display()));
+    }
+}
+
 /// One progress or result line for a person on stderr (an info event with `--log-format json`).
 pub(crate) fn tell(line: &str) {
     output::line(tracing::Level::INFO, line);

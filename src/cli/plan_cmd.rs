@@ -294,6 +294,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
 async fn push_dry_run(file: &Path, t: &RemoteTarget, show_secrets: bool) -> Result<u8, Failure> {
     let raw = read_plan(file).map_err(bad_input)?;
     let new = plan::parse(&raw).map_err(|e| bad_input(format!("{}: {e}", file.display())))?;
+    super::warn_unknown_keys(file, &raw);
     let (target, old) = match (&t.nodeplan, &t.secret) {
         (Some(r), _) => (format!("nodeplan {r}"), nodeplan::current_plan(file, t, r).await?),
         (None, Some(s)) => (format!("secret {s}"), remote::current_plan(t).await.map_err(Failure::Failed)?),
@@ -533,6 +534,7 @@ mod remote {
             PlanAction::Push { file, .. } => {
                 let raw = super::read_plan(file)?;
                 plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
+                crate::cli::warn_unknown_keys(file, &raw);
                 if super::bounded(t, "read the secret", c.get()).await?.is_none() {
                     super::bounded(t, "create the secret", c.create(wire::push_data(&raw), Default::default())).await?;
                 } else {

@@ -268,6 +268,9 @@ fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)>
     let raw = crate::safefs::read_named(path, 16 << 20)
         .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", path.display())))?;
     crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?;
+    if kind == Kind::Secrets {
+        super::warn_unknown_keys(path, &raw);
+    }
     let (object, checksum) = match kind {
         Kind::Secrets => (serde_json::Value::Null, crate::plan::checksum(&raw)),
         Kind::NodePlans => {

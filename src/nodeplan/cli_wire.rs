@@ -316,7 +316,10 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
         vec![line("nodeplan", format!("{namespace}/{name} (for {}, priority {})", node_of(o), spec.priority))];
     let checksum = match wire::valid_plan(&spec) {
         Ok((vp, checksum)) => {
-            out.push(line("plan", format!("{} ({})", &checksum[..12], crate::count(vp.plan.instructions.len(), "instruction"))));
+            out.push(line(
+                "plan",
+                format!("{} ({})", &checksum[..12], crate::count(vp.plan.instructions.len(), "instruction")),
+            ));
             Some(checksum)
         }
         Err(e) => {

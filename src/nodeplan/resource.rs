@@ -370,17 +370,10 @@ const SPEC_FIELDS: &[&str] = &[
     "planRef",
     "locking",
 ];
-const PLAN_FIELDS: &[&str] = &["files", "instructions", "periodicInstructions", "probes"];
-const FILE_FIELDS: &[&str] =
-    &["path", "content", "directory", "uid", "gid", "permissions", "action", "dynamic", "minor"];
-const INSTRUCTION_FIELDS: &[&str] = &["name", "image", "command", "args", "env", "saveOutput", "timeoutSeconds"];
-const PERIODIC_FIELDS: &[&str] =
-    &["name", "image", "command", "args", "env", "timeoutSeconds", "periodSeconds", "saveStderrOutput"];
 const RETRY_FIELDS: &[&str] = &["maxAttempts", "backoffMultiplier", "initialDelay", "maxDelay"];
 const PREFLIGHT_FIELDS: &[&str] = &["name", "probe", "required"];
 const EXECUTION_FIELDS: &[&str] = &["timeout"];
-const PROBE_FIELDS: &[&str] =
-    &["initialDelaySeconds", "timeoutSeconds", "successThreshold", "failureThreshold", "httpGet", "fileExists"];
+use crate::plan::fields::PROBE_FIELDS;
 
 /// Why a spec is not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -406,11 +399,11 @@ impl SpecError {
 }
 
 fn unknown_in(v: &Value, at: &str, known: &[&str]) -> Option<String> {
-    v.as_object()?.keys().find(|k| !known.contains(&k.as_str())).map(|k| format!("{at}.{k}"))
+    crate::plan::fields::unknown_in(v, at, known).into_iter().next()
 }
 
 fn unknown_in_items(v: Option<&Value>, at: &str, known: &[&str]) -> Option<String> {
-    v?.as_array()?.iter().enumerate().find_map(|(i, item)| unknown_in(item, &format!("{at}[{i}]"), known))
+    crate::plan::fields::unknown_in_items(v, at, known).into_iter().next()
 }
 
 /// Check a spec (as the API server returned it) before anything runs: the first field that makes
@@ -438,9 +431,6 @@ pub fn check_spec(spec: &Value) -> Result<(), SpecError> {
         return Err(SpecError::Unknown(f));
     }
     let Some(plan) = spec.get("plan").filter(|p| !p.is_null()) else { return Err(SpecError::NoPlan) };
-    if let Some(f) = unknown_in(plan, "spec.plan", PLAN_FIELDS) {
-        return Err(SpecError::Unknown(f));
-    }
     if let Some(files) = plan.get("files").and_then(Value::as_array) {
         for (i, f) in files.iter().enumerate() {
             if f.get("contentRef").is_some() {
@@ -448,17 +438,7 @@ pub fn check_spec(spec: &Value) -> Result<(), SpecError> {
             }
         }
     }
-    let found = unknown_in_items(plan.get("files"), "spec.plan.files", FILE_FIELDS)
-        .or_else(|| unknown_in_items(plan.get("instructions"), "spec.plan.instructions", INSTRUCTION_FIELDS))
-        .or_else(|| {
-            unknown_in_items(plan.get("periodicInstructions"), "spec.plan.periodicInstructions", PERIODIC_FIELDS)
-        })
-        .or_else(|| {
-            plan.get("probes")?
-                .as_object()?
-                .iter()
-                .find_map(|(name, p)| unknown_in(p, &format!("spec.plan.probes.{name}"), PROBE_FIELDS))
-        });
+    let found = crate::plan::fields::unknown_plan_keys(plan, "spec.plan").into_iter().next();
     match found {
         Some(f) => Err(SpecError::Unknown(f)),
         None => Ok(()),

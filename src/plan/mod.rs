@@ -8,6 +8,7 @@
 mod checkpoint;
 mod codec;
 pub mod failure;
+pub mod fields;
 
 pub use checkpoint::{
     ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,

@@ -879,7 +879,11 @@ impl<S: PlanSource> Reconciler<S> {
                     let total = look.plan.plan.instructions.len();
                     match &commit {
                         Commit::Begin { .. } => {
-                            let note = format!("attempt {}: applying {}", look.begin_attempt, crate::count(total, "instruction"));
+                            let note = format!(
+                                "attempt {}: applying {}",
+                                look.begin_attempt,
+                                crate::count(total, "instruction")
+                            );
                             self.source.event(key, Reason::Started, &note);
                         }
                         Commit::Resume(_) => {
