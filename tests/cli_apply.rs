@@ -989,3 +989,29 @@ fn a_misspelt_plan_key_is_named_in_a_warning() {
     );
     assert!(Path::new(&ran).exists());
 }
+
+/// An API server that refuses the connection is one line from nodeplan, with no line of the
+/// Kubernetes client library's before it (it said `ERROR failed with error client error (Connect)`).
+#[test]
+fn a_refused_api_server_is_one_line() {
+    let e = Env::new();
+    // A loopback port nothing listens on: bind one, note it, close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let kubeconfig = e.p("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: c, cluster: {{server: \"https://127.0.0.1:{port}\"}}}}]\n\
+             users: [{{name: u, user: {{token: t}}}}]\ncontexts: [{{name: x, context: {{cluster: c, user: u}}}}]\ncurrent-context: x\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(NODEPLAN)
+        .args(["plan", "status", "--secret", "ns/x", "--kubeconfig", &kubeconfig])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("nodeplan: get secret ns/x: ") && err.contains("Connection refused"), "{err}");
+}

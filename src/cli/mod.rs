@@ -375,7 +375,12 @@ fn log_filter(flag: Option<&str>, env: impl Fn(&str) -> Option<String>) -> (Stri
 }
 
 fn init_logging(level: Option<&str>, format: LogFormat, color: bool) -> Result<(), String> {
-    let (level, warning) = log_filter(level, |k| std::env::var(k).ok());
+    let (mut level, warning) = log_filter(level, |k| std::env::var(k).ok());
+    // The Kubernetes client's own lines ("failed with error client error (Connect)") say less
+    // than nodeplan's one line for the same failure, which names the server: off unless asked for.
+    if !level.contains("kube") {
+        level.push_str(",kube_client=off");
+    }
     let filter =
         tracing_subscriber::EnvFilter::try_new(&level).map_err(|e| format!("invalid log level {level:?}: {e}"))?;
     let builder =
