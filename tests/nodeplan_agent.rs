@@ -969,6 +969,12 @@ async fn rollout_cancel_fan_out_and_timeout_over_nodeplans() {
     assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("(2 of its nodes canceled)"), "{stdout}");
     assert_eq!(exit_code(&mut run, "the canceled rollout"), Some(4));
+    // The rollout counts its canceled nodes as canceled, not as failures (issue 24).
+    let tail: Vec<String> = std::iter::from_fn(|| lines.recv_timeout(GUARD).ok()).collect();
+    assert!(
+        tail.iter().any(|l| l == "canceled: 0 of 3 nodes succeeded, 2 canceled, 0 failed, 1 not started"),
+        "{tail:#?}"
+    );
     let mut phases = Vec::new();
     for (node, _) in &fleet {
         let o = node.api.get("app").await.unwrap();

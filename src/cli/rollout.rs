@@ -587,7 +587,13 @@ async fn drive(
             Some("canceled") => {
                 let c = rollout::counts(&places);
                 if c.in_flight == 0 {
-                    crate::cli::out!("canceled: {} of {total} nodes succeeded, {} not started", c.done, c.to_start);
+                    crate::cli::out!(
+                        "canceled: {} of {total} nodes succeeded, {} canceled, {} failed, {} not started",
+                        c.done,
+                        c.canceled,
+                        c.failed,
+                        c.to_start
+                    );
                     return Ok(exit::CANCELED);
                 }
                 continue;
@@ -628,7 +634,11 @@ async fn drive(
         }
         if let Some(f) = step.finish {
             let c = rollout::counts(&places);
-            let summary = format!("{} of {total} nodes succeeded, {} failed", c.done, c.failed + step.give_up.len());
+            let mut summary =
+                format!("{} of {total} nodes succeeded, {} failed", c.done, c.failed + step.give_up.len());
+            if c.canceled > 0 {
+                summary.push_str(&format!(", {} canceled", c.canceled));
+            }
             return Ok(match f {
                 Finish::AllSucceeded => {
                     crate::cli::out!("done: {summary}");
@@ -761,12 +771,13 @@ fn report(
             crate::cli::out!("{}", rollout::bar(c, places.len(), 40));
         }
         crate::cli::out!(
-            "[{}/{} done, {} in flight (at most {}), {} failed (at most {} tolerated), {} waiting]",
+            "[{}/{} done, {} in flight (at most {}), {} failed{} (at most {} tolerated), {} waiting]",
             c.done,
             places.len(),
             c.in_flight,
             limits.max_concurrent,
             c.failed,
+            if c.canceled > 0 { format!(" and {} canceled", c.canceled) } else { String::new() },
             limits.max_errors,
             c.to_start
         );

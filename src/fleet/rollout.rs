@@ -133,7 +133,11 @@ pub struct Step {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     pub done: usize,
+    /// Over without success, a cancel excepted.
     pub failed: usize,
+    /// Canceled (by `rollout cancel`, `plan cancel` or someone else): over, not a failure of the
+    /// plan; it counts against the error budget as a failure does.
+    pub canceled: usize,
     pub in_flight: usize,
     pub to_start: usize,
 }
@@ -143,6 +147,7 @@ pub fn counts(nodes: &BTreeMap<String, Place>) -> Counts {
     for p in nodes.values() {
         match p {
             Place::Done => c.done += 1,
+            Place::Failed(why) if why == "canceled" => c.canceled += 1,
             Place::Failed(_) => c.failed += 1,
             Place::InFlight { .. } => c.in_flight += 1,
             Place::ToStart => c.to_start += 1,
@@ -154,7 +159,7 @@ pub fn counts(nodes: &BTreeMap<String, Place>) -> Counts {
 /// An overall progress bar `width` cells wide: `#` done, `x` failed, `>` in flight, `.` waiting.
 pub fn bar(c: Counts, total: usize, width: usize) -> String {
     let cells = |n: usize| (n * width).checked_div(total).unwrap_or(0);
-    let (done, failed, flying) = (cells(c.done), cells(c.failed), cells(c.in_flight));
+    let (done, failed, flying) = (cells(c.done), cells(c.failed + c.canceled), cells(c.in_flight));
     let rest = width.saturating_sub(done + failed + flying);
     format!("[{}{}{}{}] {}/{total}", "#".repeat(done), "x".repeat(failed), ">".repeat(flying), ".".repeat(rest), c.done)
 }
@@ -174,7 +179,7 @@ pub fn decide(nodes: &BTreeMap<String, Place>, limits: &Limits, now: DateTime<Ut
         }
     }
     let c = counts(nodes);
-    let failed = c.failed + step.give_up.len();
+    let failed = c.failed + c.canceled + step.give_up.len();
     let in_flight = c.in_flight - step.give_up.len();
     let over_budget = failed > limits.max_errors;
     if !over_budget {
@@ -255,8 +260,14 @@ mod tests {
 
     #[test]
     fn the_bar_shows_each_place() {
-        let c = Counts { done: 5, failed: 1, in_flight: 2, to_start: 2 };
+        let c = Counts { done: 5, failed: 1, canceled: 0, in_flight: 2, to_start: 2 };
         assert_eq!(bar(c, 10, 10), "[#####x>>..] 5/10");
+        let with_cancel = Counts { failed: 0, canceled: 1, ..c };
+        assert_eq!(bar(with_cancel, 10, 10), "[#####x>>..] 5/10");
+        // A canceled node is counted as canceled, not as a failure (it still spends the budget).
+        let places =
+            nodes(&[("a", Place::Failed("canceled".into())), ("b", Place::Failed("failed (1 failure)".into()))]);
+        assert_eq!((counts(&places).failed, counts(&places).canceled), (1, 1));
         assert_eq!(bar(Counts::default(), 0, 4), "[....] 0/0");
     }
 
