@@ -977,6 +977,26 @@ mod tests {
         assert_eq!(same.probe_statuses.len(), 1, "the same run keeps its probes' history");
     }
 
+    /// docs/states.md maps each state to its phase: the same map as [`phase`], state by state.
+    #[test]
+    fn the_state_map_in_docs_is_the_agents() {
+        let doc = include_str!("../../docs/states.md");
+        let rows: Vec<(String, String)> = doc
+            .lines()
+            .filter_map(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                let state = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+                let phase = cells.get(2)?.strip_prefix('`')?.strip_suffix('`')?;
+                Some((state.to_string(), phase.to_string()))
+            })
+            .collect();
+        let states = ["pending", "in-progress", "paused", "succeeded", "failed", "canceled"];
+        assert_eq!(rows.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), states);
+        for (state, doc_phase) in &rows {
+            assert_eq!(phase(&PlanState::parse(state)), doc_phase, "{state}");
+        }
+    }
+
     #[test]
     fn a_failure_is_kept_beside_a_failed_state_until_a_success() {
         let t = Target { generation: 2, checksum: "c", total: 2 };
