@@ -1547,6 +1547,12 @@ async fn rollout_pause_resume_and_cancel() {
     }
     assert!(ctl("pause").contains("(2 of its nodes paused)"));
     wait_line("paused: no new node starts");
+    // `rollout status` (issue 24; it was read as a plan file named "status"): the rollout is paused
+    // and running, with its plan, and the nodes' table.
+    let status = ctl("status");
+    let one_id = &plan::checksum(&std::fs::read(&one).unwrap())[..12];
+    assert!(status.starts_with(&format!("rollout:    paused (running), plan {one_id}, held by ")), "{status}");
+    assert!(status.contains("NODE") && status.contains("p00") && status.contains("p03"), "{status}");
     for gate in &gates[..2] {
         release_fifo(gate);
     }
@@ -1580,6 +1586,7 @@ async fn rollout_pause_resume_and_cancel() {
     }
     assert!(ctl("cancel").contains("(2 of its nodes canceled)"));
     assert_eq!(exit_code(&mut run, "the canceled rollout"), Some(4));
+    assert!(ctl("status").starts_with("rollout:    canceled (not running), plan "), "a canceled rollout's status");
     for (name, want) in [("p00", "canceled"), ("p01", "canceled"), ("p02", "succeeded"), ("p03", "succeeded")] {
         assert_eq!(state(&secret(name).get().await.unwrap().unwrap()), want, "{name}");
     }

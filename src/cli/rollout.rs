@@ -9,6 +9,8 @@ use super::exit;
 use super::plan_cmd::RemoteTarget;
 use crate::fleet::objects::{self, Change, Kind, Object, Scope, Tracker, Write};
 use crate::fleet::rollout::{self, Amount, Finish, Limits, Place};
+/// What `rollout pause|resume|cancel` does to each node (as `plan pause|resume|cancel`).
+use crate::nodeplan::cli_wire::Control as Act;
 use clap::Args;
 use futures::StreamExt as _;
 use std::collections::{BTreeMap, BTreeSet};
@@ -128,6 +130,9 @@ pub enum Control {
     Resume(ControlArgs),
     /// Start no new node and cancel the nodes in flight; the rollout ends (exit 4) once they have.
     Cancel(ControlArgs),
+    /// Where the rollout over the selection stands: running, paused, canceled or none (its Lease),
+    /// its plan, and every selected node's row as `plan status --selector` shows it.
+    Status(ControlArgs),
 }
 
 #[derive(Args, Debug)]
@@ -153,7 +158,10 @@ const LEASE_DURATION: Duration = Duration::from_secs(30);
 
 pub async fn run(args: RolloutArgs) -> u8 {
     let r = match &args.control {
-        Some(c) => control(c).await,
+        Some(Control::Status(a)) => status(a).await,
+        Some(Control::Pause(a)) => control(a, Act::Pause).await,
+        Some(Control::Resume(a)) => control(a, Act::Resume).await,
+        Some(Control::Cancel(a)) => control(a, Act::Cancel).await,
         None => rollout(&args).await,
     };
     match r {
@@ -173,19 +181,16 @@ const ANNOTATION_PLAN: &str = "rollout.nodeplan.cattle.io/plan";
 
 /// `rollout pause|resume|cancel`: the control on the rollout's Lease (the running rollout watches
 /// it), and the same on every node of the rollout in flight, in one pass.
-async fn control(c: &Control) -> Result<u8, (u8, String)> {
-    let args = match c {
-        Control::Pause(a) | Control::Resume(a) | Control::Cancel(a) => a,
-    };
-    let (value, done) = match c {
-        Control::Pause(_) => (Some("paused"), "paused"),
-        Control::Resume(_) => (None, "resumed"),
-        Control::Cancel(_) => (Some("canceled"), "canceled"),
+async fn control(args: &ControlArgs, act: Act) -> Result<u8, (u8, String)> {
+    let (value, done) = match act {
+        Act::Pause => (Some("paused"), "paused"),
+        Act::Resume => (None, "resumed"),
+        Act::Cancel => (Some("canceled"), "canceled"),
     };
     let t = args.nodes.target();
     let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
     let (scope, lease) = args.nodes.scope(&kube);
-    let node_patch = node_control_patch(scope.kind, c);
+    let node_patch = node_control_patch(scope.kind, act);
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
         kube::Api::namespaced(kube.clone(), &lease.namespace);
     let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: value}}});
@@ -205,7 +210,7 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
         Err(e) => return Err((exit::FAILED, e)),
     };
     let found = objects::list(kube.clone(), &scope, t.request_timeout).await.map_err(|e| (exit::FAILED, e))?;
-    let resume = matches!(c, Control::Resume(_));
+    let resume = act == Act::Resume;
     let writes: Vec<(String, Write)> = found
         .iter()
         .filter(|(key, o)| {
@@ -231,18 +236,59 @@ async fn control(c: &Control) -> Result<u8, (u8, String)> {
     Ok(exit::OK)
 }
 
+/// `rollout status`: the rollout's Lease (whether one runs, paused or canceled, and its plan),
+/// then the selected nodes' rows. Writes nothing.
+async fn status(args: &ControlArgs) -> Result<u8, (u8, String)> {
+    let t = args.nodes.target();
+    let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
+    let (scope, lease) = args.nodes.scope(&kube);
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(kube.clone(), &lease.namespace);
+    let found = super::plan_cmd::bounded(&t, "read the rollout's Lease", async {
+        leases.get_opt(&lease.name).await.map_err(|e| crate::error_line(&e))
+    })
+    .await
+    .map_err(|e| (exit::FAILED, e))?;
+    let line = match found {
+        None => format!("rollout:    none over {} (no Lease {}/{})", scope.describe(), lease.namespace, lease.name),
+        Some(l) => {
+            let a = l.metadata.annotations.unwrap_or_default();
+            let plan = a.get(ANNOTATION_PLAN).map(|p| p.get(..12).unwrap_or(p)).unwrap_or("-").to_string();
+            let spec = l.spec.unwrap_or_default();
+            let holder = spec.holder_identity.filter(|h| !h.is_empty());
+            let control = a.get(ANNOTATION_CONTROL).map(String::as_str);
+            let state = match (control, &holder) {
+                (Some(c), Some(_)) => format!("{c} (running)"),
+                (Some(c), None) => format!("{c} (not running)"),
+                (None, Some(_)) => "running".to_string(),
+                (None, None) => "not running (run the same rollout command to continue)".to_string(),
+            };
+            let held =
+                holder.map(|h| format!(", held by {}", crate::plan::failure::shown_line(&h))).unwrap_or_default();
+            format!("rollout:    {state}, plan {}{held}", crate::plan::failure::shown_line(&plan))
+        }
+    };
+    crate::cli::out!("{line}");
+    let found = objects::list(kube, &scope, t.request_timeout).await.map_err(|e| (exit::FAILED, e))?;
+    let rows = crate::fleet::sorted(found.iter().map(|(key, o)| crate::fleet::row_of(&o.standing(key))).collect());
+    if rows.is_empty() {
+        crate::cli::out!("no objects: {} (none)", scope.describe());
+    } else {
+        crate::cli::out!("{}", crate::fleet::table(&rows));
+        crate::cli::out!("{}", crate::fleet::summary(&rows));
+    }
+    Ok(exit::OK)
+}
+
 /// The patch that pauses, resumes or cancels one node's plan object.
-fn node_control_patch(kind: Kind, c: &Control) -> serde_json::Value {
-    use crate::nodeplan::cli_wire::Control as Spec;
+fn node_control_patch(kind: Kind, act: Act) -> serde_json::Value {
     use crate::plan::{ANNOTATION_CANCELED, ANNOTATION_PAUSED};
     use crate::remote::wire::annotation_patch;
-    match (kind, c) {
-        (Kind::Secrets, Control::Pause(_)) => annotation_patch(ANNOTATION_PAUSED, Some("true")),
-        (Kind::Secrets, Control::Resume(_)) => annotation_patch(ANNOTATION_PAUSED, None),
-        (Kind::Secrets, Control::Cancel(_)) => annotation_patch(ANNOTATION_CANCELED, Some("true")),
-        (Kind::NodePlans, Control::Pause(_)) => Spec::Pause.patch(),
-        (Kind::NodePlans, Control::Resume(_)) => Spec::Resume.patch(),
-        (Kind::NodePlans, Control::Cancel(_)) => Spec::Cancel.patch(),
+    match (kind, act) {
+        (Kind::Secrets, Act::Pause) => annotation_patch(ANNOTATION_PAUSED, Some("true")),
+        (Kind::Secrets, Act::Resume) => annotation_patch(ANNOTATION_PAUSED, None),
+        (Kind::Secrets, Act::Cancel) => annotation_patch(ANNOTATION_CANCELED, Some("true")),
+        (Kind::NodePlans, act) => act.patch(),
     }
 }
 
