@@ -353,14 +353,14 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                             r.name,
                             shown_holder(h),
                             r.what,
-                            crate::duration::show(remaining)
+                            crate::duration::human(remaining)
                         ),
                         None => tracing::warn!(
                             "waiting for the Lease {}/{} on {}: it has no holder, but a holder may still be stopping; taking it if it stays unchanged for {}",
                             r.namespace,
                             r.name,
                             r.what,
-                            crate::duration::show(remaining)
+                            crate::duration::human(remaining)
                         ),
                     }
                     told = Some(who);
@@ -594,7 +594,7 @@ async fn renew(
                         "cannot renew the Lease {}/{} ({e}); still acting for at most {}, trying again",
                         r.namespace,
                         r.name,
-                        crate::duration::show(valid_until.saturating_duration_since(Instant::now()))
+                        crate::duration::human(valid_until.saturating_duration_since(Instant::now()))
                     );
                 }
                 failing = true;
