@@ -635,6 +635,10 @@ fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
         assert_eq!(agent.stop(), 0);
         let log = agent.rest().join("\n");
         assert!(log.contains("instruction 1/1 first: started"), "{level}: {log}");
+        // One short prefix: the plan's id, not the spans' names and fields (issue 24).
+        let id = &nodeplan::plan::checksum(&std::fs::read(s.plan_path("fleet")).unwrap())[..12];
+        let line = log.lines().find(|l| l.contains("instruction 1/1 first: started")).unwrap_or_default();
+        assert!(line.ends_with(&format!(" INFO [{id}] instruction 1/1 first: started")), "{line}");
         assert!(log.contains("instruction 1/1 first: ok (exit status 0, "), "{level}: {log}");
         let periodic = log.contains("periodic instruction 1/1 tick: started")
             && log.contains("periodic instruction 1/1 tick: ok (exit status 0, ");

@@ -386,7 +386,7 @@ fn init_logging(level: Option<&str>, format: LogFormat, color: bool) -> Result<(
     let builder =
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| output::LogWriter).with_target(false);
     let r = match format {
-        LogFormat::Text => builder.with_ansi(color).try_init(),
+        LogFormat::Text => builder.with_ansi(color).event_format(output::TextLines).try_init(),
         LogFormat::Json => builder
             .with_ansi(false)
             .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())

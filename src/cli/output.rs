@@ -269,6 +269,48 @@ impl indicatif::TermLike for QueuedTerm {
     }
 }
 
+/// `--log-format text`: `TIMESTAMP LEVEL [plan] message fields`, one short prefix: the plan's
+/// 12-character id when the line is about one (`--log-format json` has its source and the
+/// instruction too), never the enclosing spans' names and fields (they made each line about 120
+/// characters longer than what it says). The level is coloured when the writer takes colour.
+pub(crate) struct TextLines;
+
+impl<S, N> FormatEvent<S, N> for TextLines
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut w: Writer<'_>, event: &Event<'_>) -> fmt::Result {
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let level = *event.metadata().level();
+        let colour = match level {
+            tracing::Level::ERROR => "31",
+            tracing::Level::WARN => "33",
+            tracing::Level::INFO => "32",
+            tracing::Level::DEBUG => "34",
+            tracing::Level::TRACE => "35",
+        };
+        if w.has_ansi_escapes() {
+            write!(w, "{now} \x1b[{colour}m{:>5}\x1b[0m ", level.as_str())?;
+        } else {
+            write!(w, "{now} {:>5} ", level.as_str())?;
+        }
+        let plan = ctx.event_scope().and_then(|scope| {
+            scope.from_root().find(|s| s.name() == "plan").and_then(|s| {
+                let ext = s.extensions();
+                let fields = ext.get::<FormattedFields<N>>()?;
+                let id = fields.split_whitespace().find_map(|f| f.strip_prefix("id="))?;
+                Some(id.trim_matches('"').to_string())
+            })
+        });
+        if let Some(id) = plan {
+            write!(w, "[{id}] ")?;
+        }
+        ctx.format_fields(w.by_ref(), event)?;
+        writeln!(w)
+    }
+}
+
 /// `--log-format json`: one JSON object per line, built as a map so no key can appear twice:
 /// `timestamp`, `level`, `message`, the event's own fields, and `span`, an object with one
 /// object per enclosing span by span name (`{"plan": {"id": …, "source": …}, "instruction":
