@@ -10,7 +10,7 @@
 //! - **silence**: packets stop with no FIN or RST, and afterwards only new connections are
 //!   carried (a NAT entry timed out, a failover): only the agent's own bounds can notice.
 //!
-//! Prints each figure and the ratio silence / cut. The goal (README) is under 15 s for silence.
+//! Prints each figure and the ratio silence / cut. The goal (docs/benchmarks.md) is under 15 s for silence.
 //! Not a test: it asserts nothing. Run: `cargo bench --bench partition` (needs the cache built by
 //! tools/build-kube-apiserver.sh); NODEPLAN_BENCH_ROUNDS (default 1) repeats the rounds.
 

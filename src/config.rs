@@ -351,13 +351,13 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "metricsAddress",
             "\"\"".to_string(),
-            "serve Prometheus metrics (`GET /metrics`) on this `IP:PORT` (or `:PORT`, every interface); empty = off; `--metrics-address` overrides it (see [Metrics](#metrics))",
+            "serve Prometheus metrics (`GET /metrics`) on this `IP:PORT` (or `:PORT`, every interface); empty = off; `--metrics-address` overrides it (see [Metrics](metrics.md))",
         ),
     ]
 }
 
 /// [`defaults_table`] as a Markdown table (`| key | default | meaning |`), one row a line, ending
-/// with a newline: what the README shows.
+/// with a newline: what docs/local-mode.md shows.
 pub fn defaults_markdown() -> String {
     let mut s = String::from("| key | default | meaning |\n|---|---|---|\n");
     for (key, default, meaning) in defaults_table() {

@@ -592,7 +592,7 @@ fn connection_info() {
     assert!(matches!(load_connection(&p), Err(ConfigError::Parse { .. })));
 }
 
-/// The README (or, in the development crate, CONFIG.md) shows exactly the table the code has.
+/// docs/local-mode.md (or, in the development crate, CONFIG.md) shows exactly the table the code has.
 /// A malformed `metricsAddress` is one problem line naming the key and the value; a number is a
 /// wrong type; empty means off.
 #[test]
@@ -618,7 +618,8 @@ fn metrics_address_values() {
 fn docs_show_the_defaults_table() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let table = config::defaults_markdown();
-    let docs: Vec<PathBuf> = ["README.md", "CONFIG.md"].iter().map(|n| root.join(n)).filter(|p| p.exists()).collect();
+    let docs: Vec<PathBuf> =
+        ["README.md", "CONFIG.md", "docs/local-mode.md"].iter().map(|n| root.join(n)).filter(|p| p.exists()).collect();
     assert!(!docs.is_empty(), "neither README.md nor CONFIG.md in {}", root.display());
     let found = docs.iter().any(|p| fs::read_to_string(p).is_ok_and(|t| t.contains(&table)));
     assert!(found, "{docs:?} do not contain the current defaults table; paste this:\n{table}");

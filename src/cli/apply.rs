@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// The defaults of `nodeplan apply` (the README's table shows the same).
+/// The defaults of `nodeplan apply` (docs/commands.md's table shows the same).
 pub const DEFAULT_WORK_DIR: &str = "/var/lib/nodeplan/work";
 pub const DEFAULT_PID_DIR: &str = "/run/nodeplan/pids";
 

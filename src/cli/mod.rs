@@ -185,7 +185,7 @@ fn crd(args: &CrdArgs) -> u8 {
     }
 }
 
-/// `apply --help`'s list of [`exit`] codes (the README's list says the same).
+/// `apply --help`'s list of [`exit`] codes (docs/commands.md's list says the same).
 const APPLY_EXIT_CODES: &str = "Exit codes:
   0  the plan succeeded
   1  the plan failed, or a process could not be stopped

@@ -1,0 +1,168 @@
+//! The documentation cannot drift from the code: every walkthrough marked
+//! `<!-- walkthrough: NAME -->` in the README and `docs/` is run as written (bash, `-e`), with
+//! `nodeplan` on `PATH` and `DIR` a temporary directory; every relative link of the README and
+//! `docs/` names a file that exists and, with `#anchor`, a heading or `<a id>` in it.
+
+mod common;
+
+use common::*;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The README and every Markdown file under `docs/`.
+fn documents() -> Vec<PathBuf> {
+    let mut out = vec![root().join("README.md"), root().join("SECURITY.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    docs.sort();
+    out.extend(docs);
+    out
+}
+
+/// The shell blocks that follow a `<!-- walkthrough: NAME -->` line: (file, name, script).
+fn walkthroughs() -> Vec<(PathBuf, String, String)> {
+    let mut out = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        let mut lines = text.lines();
+        while let Some(l) = lines.next() {
+            let Some(name) = l.trim().strip_prefix("<!-- walkthrough:").and_then(|r| r.strip_suffix("-->")) else {
+                continue;
+            };
+            assert_eq!(
+                lines.next().map(str::trim),
+                Some("```sh"),
+                "{}: {name}: a ```sh block must follow",
+                doc.display()
+            );
+            let script: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "```").collect();
+            out.push((doc.clone(), name.trim().to_string(), script.join("\n")));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_walkthrough_runs_as_written() {
+    let found = walkthroughs();
+    assert!(found.iter().any(|(_, name, _)| name == "tour"), "the README's tour is marked: {found:?}");
+    let bin_dir = Path::new(NODEPLAN).parent().unwrap().to_path_buf();
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    for (doc, name, script) in found {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new("bash")
+            .args(["-e", "-c", &script])
+            .env("DIR", dir.path())
+            .env("PATH", &path)
+            .env_remove("NODEPLAN_CONFIG")
+            .env_remove("CATTLE_AGENT_CONFIG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + GUARD * 2;
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        // Whatever it started goes with it (an agent left running by a failed step included).
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+        let out = child.wait_with_output().unwrap();
+        let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+        let what = format!(
+            "{} walkthrough {name:?}: {status:?}\nstdout:\n{}\nstderr:\n{}\nagent.log:\n{log}",
+            doc.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(status.is_some_and(|s| s.success()), "{what}");
+        if name == "tour" {
+            // What the comments say it shows.
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(stdout.contains("failure:    instruction 2/2 check: exit status 3"), "{what}");
+            assert!(stdout.contains("instruction 2/2 check: FAILED (exit status 3)"), "{what}");
+            assert!(stdout.contains("last:       ") && stdout.contains("failed: instruction 2/2 check"), "{what}");
+            assert!(stdout.contains("instruction 2/2 check: ok"), "{what}");
+        }
+    }
+}
+
+/// GitHub's anchor of a heading: lower case, punctuation dropped, spaces as `-`.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == ' ' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+fn anchors(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for l in text.lines() {
+        if l.trim_start().starts_with("```") {
+            fenced = !fenced;
+        }
+        if !fenced && l.starts_with('#') {
+            out.push(slug(l.trim_start_matches('#')));
+        }
+        let mut rest = l;
+        while let Some(i) = rest.find("<a id=\"") {
+            let after = &rest[i + 7..];
+            if let Some(end) = after.find('"') {
+                out.push(after[..end].to_string());
+            }
+            rest = after;
+        }
+    }
+    out
+}
+
+#[test]
+fn every_relative_link_names_a_file_and_an_anchor_that_exist() {
+    let mut broken = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        let base = doc.parent().unwrap();
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            let Some(end) = after.find(')') else { break };
+            let target = &after[..end];
+            rest = &after[end..];
+            if target.contains("://") || target.starts_with("mailto:") || target.contains(' ') {
+                continue;
+            }
+            let (file, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let path = if file.is_empty() { doc.clone() } else { base.join(file) };
+            if !path.exists() {
+                broken.push(format!("{}: {target}: no such file", doc.display()));
+                continue;
+            }
+            if !anchor.is_empty() && path.extension().is_some_and(|x| x == "md") {
+                let there = std::fs::read_to_string(&path).unwrap();
+                if !anchors(&there).iter().any(|a| a == anchor) {
+                    broken.push(format!("{}: {target}: no such anchor", doc.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
