@@ -166,3 +166,44 @@ fn every_relative_link_names_a_file_and_an_anchor_that_exist() {
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
+
+/// The commands `nodeplan ARGS --help` lists (its `Commands:` section), `help` left out.
+fn subcommands(args: &[&str]) -> Vec<String> {
+    let out = Command::new(NODEPLAN).args(args).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .skip_while(|l| l.trim() != "Commands:")
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|c| c != "help")
+        .collect()
+}
+
+/// The help and the docs agree: every command and subcommand has `--help` (exit 0), every command
+/// but the generators ends its help with its exit codes, docs/commands.md names every command,
+/// and no help says that something that works is not supported.
+#[test]
+fn every_command_has_help_and_is_in_the_docs() {
+    let doc = std::fs::read_to_string(root().join("docs/commands.md")).unwrap();
+    let top = subcommands(&[]);
+    assert!(top.len() >= 10 && top.iter().any(|c| c == "status"), "{top:?}");
+    for c in &top {
+        let mut helps = vec![vec![c.clone()]];
+        helps.extend(subcommands(&[c]).into_iter().map(|s| vec![c.clone(), s]));
+        for args in helps {
+            let out = Command::new(NODEPLAN).args(&args).arg("--help").output().unwrap();
+            let help = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success() && help.contains("Usage: nodeplan"), "{args:?}: {help}");
+            for stale in ["not supported yet", "not for NodePlans yet"] {
+                assert!(!help.contains(stale), "{args:?} says {stale:?}: {help}");
+            }
+            if args.len() == 1 && !["completions", "man"].contains(&c.as_str()) {
+                assert!(help.contains("Exit codes:"), "{args:?} has no exit codes: {help}");
+            }
+        }
+        let named =
+            [format!("nodeplan {c}"), format!("`{c} "), format!("`{c}`")].iter().any(|n| doc.contains(n.as_str()));
+        assert!(named, "docs/commands.md does not name `nodeplan {c}`");
+    }
+}

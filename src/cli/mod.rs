@@ -116,8 +116,8 @@ enum Command {
     /// SIGTERM/SIGINT, a PID record with identity.
     #[command(after_help = SUPERVISE_EXIT_CODES)]
     Supervise(supervise::SuperviseArgs),
-    /// The orchestrator's side: push, pause, resume, cancel, reset or show a plan (local, in a
-    /// Secret or a NodePlan), or list a node's NodePlans.
+    /// The orchestrator's side: push, pause, resume, cancel or reset a plan, show its status or
+    /// what its instructions printed (local, in a Secret or a NodePlan), or list a node's NodePlans.
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
     /// Push one plan to many nodes' plan Secrets or NodePlans (a label selector), a few at a
@@ -218,8 +218,9 @@ const VALIDATE_EXIT_CODES: &str = "Exit codes:
 const PLAN_EXIT_CODES: &str = "Exit codes:
   0  done
   1  the plan, its control files, the Secret or the NodePlan could not be read or written (or the
-     API server gave no answer within --request-timeout); reset --nodeplan (not supported yet)
-  2  bad arguments or plan file, no such plan, or a push to a NodePlan of another node";
+     API server gave no answer within --request-timeout)
+  2  bad arguments or plan file, no such plan, or a push to a NodePlan of another node
+  6  push --dry-run: the push would change something";
 
 /// Open /dev/null on any of fds 0, 1 and 2 that the agent was started without (a daemon started by
 /// a careless parent), so that no file the agent opens later lands there: a pipe end on fd 1
