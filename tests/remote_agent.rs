@@ -1622,6 +1622,18 @@ async fn rollout_stops_at_the_error_budget() {
     let plan_file = fleet[0].0.p("rollout.plan");
     let script = r#"test ! -e "$CATTLE_AGENT_EXECUTION_PWD/../../../fail""#;
     std::fs::write(&plan_file, serde_json::to_vec(&json!({"instructions": [sh("check", script)]})).unwrap()).unwrap();
+    // --dry-run: the order and the waves, and nothing written.
+    let dry = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=budget", "--max-concurrent", "3", "--dry-run"])
+        .output()
+        .unwrap();
+    let dry = String::from_utf8_lossy(&dry.stdout).into_owned();
+    let id = &plan::checksum(&std::fs::read(&plan_file).unwrap())[..12];
+    assert!(dry.starts_with(&format!("dry run: roll plan {id} out to 8 nodes (")), "{dry}");
+    assert!(dry.ends_with("wave 1: b00, b01, b02\nwave 2: b03, b04, b05\nwave 3: b06, b07\n"), "{dry}");
+    for name in &names {
+        let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: name.clone() });
+        assert!(!c.get().await.unwrap().unwrap().data.contains_key("plan"), "the dry run wrote {name}");
+    }
     // In a terminal (script(1) gives it one), the rollout redraws the fleet table with a bar.
     let cmd = rollout_cmd(cp, &ns, &plan_file, &["-l", "pool=budget", "--max-concurrent", "1", "--max-errors", "2"]);
     let line: Vec<String> = std::iter::once(cmd.get_program())

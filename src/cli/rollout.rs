@@ -40,6 +40,10 @@ pub struct RolloutArgs {
     /// Give up on a node in flight this long (its plan is canceled and it counts as failed).
     #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_positive)]
     pub timeout: Option<Duration>,
+    /// Show which nodes the rollout would start, in what order and how many at a time (and
+    /// which it skips), and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// Which nodes (and how to reach their API server).
@@ -336,12 +340,70 @@ async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
     let kind = if args.nodes.nodeplans { Kind::NodePlans } else { Kind::Secrets };
     let plan = read_plan(&args.plan.clone().unwrap_or_default(), kind)?;
     let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
+    if args.dry_run {
+        return dry_run(args, &plan, &kube).await;
+    }
     let mut held: Option<crate::lease::Held> = None;
     let r = drive(args, &plan, &kube, &mut held).await;
     if let Some(h) = held {
         h.release().await;
     }
     r
+}
+
+/// `rollout --dry-run`: the selection as the rollout would see it now, and the order and waves
+/// in which it would start the nodes (a wave is `--max-concurrent` nodes; in the rollout a node
+/// starts as soon as one in flight finishes). Writes nothing, takes no Lease.
+async fn dry_run(args: &RolloutArgs, plan: &Pushed, kube: &kube::Client) -> Result<u8, (u8, String)> {
+    let t = args.nodes.target();
+    let (scope, _) = args.nodes.scope(kube);
+    let found: BTreeMap<String, Object> = objects::list(kube.clone(), &scope, t.request_timeout)
+        .await
+        .map_err(|e| (exit::FAILED, e))?
+        .into_iter()
+        .collect();
+    if let Some(e) = one_per_node(&found) {
+        return Err((exit::BAD_INPUT, e));
+    }
+    let total = found.len();
+    let (concurrent, errors) = (args.max_concurrent.of(total, true).max(1), args.max_errors.of(total, false));
+    let id = plan.checksum.get(..12).unwrap_or(&plan.checksum);
+    crate::cli::out!(
+        "dry run: roll plan {id} out to {} ({}); nothing is written",
+        crate::count(total, "node"),
+        scope.describe()
+    );
+    crate::cli::out!("at most {concurrent} in flight at once; no new node starts after more than {errors} failed");
+    let (mut done, mut running, mut failed, mut to_start) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (key, o) in &found {
+        let st = o.standing(key);
+        let name = crate::plan::failure::shown_line(&st.node);
+        match rollout::classify(&st, &plan.checksum, args.wait_healthy) {
+            Place::Done => done.push(name),
+            Place::InFlight { .. } => running.push(name),
+            Place::Failed(why) => failed.push(format!("{name} ({})", crate::plan::failure::shown_line(&why))),
+            Place::ToStart => to_start.push(name),
+        }
+    }
+    for (what, nodes) in [
+        ("skipped, already at this plan and succeeded", &done),
+        ("already running this plan (waited for)", &running),
+        ("already failed with this plan (counted failed)", &failed),
+    ] {
+        if !nodes.is_empty() {
+            crate::cli::out!("{what}: {}", nodes.join(", "));
+        }
+    }
+    let slots = concurrent.saturating_sub(running.len()).max(1);
+    let mut waves = vec![to_start.iter().take(slots).cloned().collect::<Vec<_>>()];
+    waves.extend(to_start[to_start.len().min(slots)..].chunks(concurrent).map(<[String]>::to_vec));
+    for (i, wave) in waves.iter().filter(|w| !w.is_empty()).enumerate() {
+        crate::cli::out!("wave {}: {}", i + 1, wave.join(", "));
+    }
+    if to_start.is_empty() {
+        crate::cli::out!("nothing to start");
+    }
+    Ok(exit::OK)
 }
 
 /// With NodePlans: why the selection is not one NodePlan per node (a NodePlan of no node, which
