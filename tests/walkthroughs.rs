@@ -113,6 +113,11 @@ fn every_walkthrough_runs_as_written() {
             assert!(stdout.contains("instruction 1/1 hello: ok\n  | hello from the Secret"), "{what}");
             assert!(stdout.contains("source:     secret: secret default/machine-plan (Lease: held as "), "{what}");
         }
+        if name == "nodeplan-mode" {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(stdout.contains("instruction 1/1 hello: ok\n  | hello from a NodePlan"), "{what}");
+            assert!(stdout.contains("source:     nodeplans: the NodePlans of node node-a (Lease: held as "), "{what}");
+        }
         if name == "local-mode" {
             let stdout = String::from_utf8_lossy(&out.stdout);
             assert!(stdout.contains("progress:   2/3 instructions done"), "{what}");

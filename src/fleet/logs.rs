@@ -195,7 +195,10 @@ pub fn of_nodeplan(plan: &ValidPlan, status: &NodePlanStatus, run: &str) -> Vec<
         let r = status.instructions.get(i);
         let outcome = match r {
             Some(r) if !r.outcome.is_empty() => {
-                let code = r.exit_code.map_or_else(String::new, |c| format!(" (exit status {c})"));
+                let code = r
+                    .exit_code
+                    .filter(|_| r.outcome != "ok")
+                    .map_or_else(String::new, |c| format!(" (exit status {c})"));
                 format!("{}{code}", failure::shown_line(&r.outcome))
             }
             _ => "not run".into(),
