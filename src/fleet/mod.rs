@@ -105,6 +105,18 @@ impl Row {
     }
 }
 
+/// A time as every row shows it, RFC 3339 to the second (`2026-12-02T12:00:00Z`), from either
+/// form an agent writes: a plan Secret's `last-apply-time` (Go's `UnixDate`, as system-agent) or a
+/// NodePlan's RFC 3339 with milliseconds. Anything else is kept as written (empty stays empty).
+pub fn row_time(t: &str) -> String {
+    let parsed = crate::plan::parse_unix_date(t)
+        .or_else(|| chrono::DateTime::parse_from_rfc3339(t).ok().map(|d| d.with_timezone(&chrono::Utc)));
+    match parsed {
+        Some(d) => d.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        None => t.to_string(),
+    }
+}
+
 /// `1 failure` or `N failures` in a row, and what made the plan fail when its agent said so: a
 /// failed node's note, and (after `failed`) its outcome as a rollout shows it.
 pub fn failure_text(failures: i64, failure: Option<&crate::plan::Failure>) -> String {
@@ -125,7 +137,7 @@ pub fn row_of(s: &Standing) -> Row {
         total: s.total,
         probes_healthy: s.probes.values().filter(|p| p.healthy).count(),
         probes: s.probes.len(),
-        last_change: s.last_change.clone(),
+        last_change: row_time(&s.last_change),
         error: s.notes.join("; "),
     }
 }
@@ -221,6 +233,18 @@ impl Rows {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One time format in rows (table and JSON) whatever the object: a Secret's Go `UnixDate` and a
+    /// NodePlan's RFC 3339 with milliseconds both show as RFC 3339 to the second.
+    #[test]
+    fn row_times_are_rfc3339_whatever_the_object_wrote() {
+        assert_eq!(row_time("Wed Dec  2 12:00:00 UTC 2026"), "2026-12-02T12:00:00Z");
+        assert_eq!(row_time("2026-12-02T12:00:00.123Z"), "2026-12-02T12:00:00Z");
+        assert_eq!(row_time(""), "");
+        assert_eq!(row_time("soon"), "soon");
+        let st = Standing { last_change: "Wed Dec  2 12:00:00 UTC 2026".into(), ..Standing::default() };
+        assert!(row_of(&st).json().contains(r#""lastChange":"2026-12-02T12:00:00Z""#), "{}", row_of(&st).json());
+    }
 
     #[test]
     fn failures_sort_first_and_the_table_aligns() {
