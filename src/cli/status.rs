@@ -129,10 +129,9 @@ fn round(d: std::time::Duration) -> std::time::Duration {
 }
 
 /// A value from the record (root's file, but written from what plans and the API server said)
-/// on one line, cut.
+/// on one line, cut, as `plan status` shows values.
 fn shown(v: &str) -> String {
-    let one = crate::plan::failure::shown_line(v);
-    if one.chars().count() > 300 { one.chars().take(300).chain(std::iter::once('…')).collect() } else { one }
+    crate::nodeplan::cli_wire::shown(v, 300)
 }
 
 #[cfg(test)]
