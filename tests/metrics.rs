@@ -133,7 +133,9 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
             "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{web}/healthz")}, "successThreshold": 1, "failureThreshold": 1}}
         }),
     );
-    let ok_id = &nodeplan::plan::checksum(&ok)[..12];
+    // Series name plans by the id every command shows, and nodeplan_plan_info says where each is.
+    let ok_id = nodeplan::plan::id_of(&ok).unwrap();
+    let ok_info = format!("nodeplan_plan_info{{plan=\"{ok_id}\",name=\"{}\"}}", s.plan_path("ok").display());
     let mut agent = s.start();
     let before = scrape(s.port);
     assert_eq!(value(&before, "nodeplan_plans_total{result=\"succeeded\"}"), None, "nothing ran yet:\n{before}");
@@ -149,7 +151,9 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
         value(t, "nodeplan_cancel_latency_seconds_count") == Some(1.0)
             && value(t, "nodeplan_plans_total{result=\"succeeded\"}") == Some(1.0)
             && value(t, &probe) == Some(1.0)
+            && value(t, &ok_info) == Some(1.0)
     });
+    assert_eq!(t.lines().filter(|l| l.starts_with("nodeplan_plan_info{")).count(), 4, "one per plan file:\n{t}");
     assert_eq!(value(&t, "nodeplan_plans_total{result=\"canceled\"}"), Some(1.0), "{t}");
     assert_eq!(value(&t, "nodeplan_plans_total{result=\"paused\"}"), Some(1.0), "{t}");
     assert!(value(&t, "nodeplan_plans_total{result=\"failed\"}").is_some_and(|n| n >= 1.0), "{t}");
@@ -181,7 +185,7 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
     health.store(503, Ordering::SeqCst);
     wait_metrics(s.port, "the probe unhealthy", |t| value(t, &probe) == Some(0.0));
     std::fs::remove_file(s.plan_path("ok")).unwrap();
-    wait_metrics(s.port, "the probe gone", |t| !t.contains("nodeplan_probe_healthy{"));
+    wait_metrics(s.port, "the probe gone", |t| !t.contains("nodeplan_probe_healthy{") && value(t, &ok_info).is_none());
 
     // OpenMetrics for those who ask; 404 for every other path.
     let (status, head, body) = http_get(s.port, "/metrics", Some("application/openmetrics-text; version=1.0.0"));

@@ -154,16 +154,15 @@ async fn push_creates_then_replaces_the_plan_and_the_switches_flip() {
         json!({"plan": plan1, "priority": 3, "nodeName": "node-a"}),
         "the node named in the spec"
     );
-    let checksum = nodeplan::nodeplan::cli_wire::plan_checksum(&o).unwrap();
+    // The id every command shows: the file's (pretty-printed or not), not a checksum of bytes.
+    let id = nodeplan::plan::id_of(&std::fs::read(&file1).unwrap()).unwrap();
+    assert_eq!(id, nodeplan::plan::id_of(&serde_json::to_vec_pretty(&plan1).unwrap()).unwrap());
     assert_eq!(
         out,
-        format!(
-            "pushed plan {} to nodeplan {target}: created for node node-a (cattle.io/node=node-a)\n",
-            &checksum[..12]
-        )
+        format!("pushed plan {id} to nodeplan {target}: created for node node-a (cattle.io/node=node-a)\n")
     );
     let status = p.ok(&["plan", "status", "--nodeplan", &target]);
-    assert!(status.contains(&format!("plan:       {} (1 instruction)\n", &checksum[..12])), "{status}");
+    assert!(status.contains(&format!("plan:       {id} (1 instruction)\n")), "{status}");
     assert!(status.contains("phase:      - (the agent has not written a status yet)"), "{status}");
 
     for (action, field, value) in [
@@ -305,7 +304,7 @@ async fn a_plan_pushed_with_the_cli_is_applied_by_the_agent_and_status_shows_it(
     let recorded = p.get("e2e").await.data["status"]["planChecksum"].as_str().unwrap_or_default().to_string();
     assert_eq!(recorded.len(), 64, "the agent's record");
     for line in [
-        format!("plan:       {} (2 instructions)", &recorded[..12]),
+        format!("plan:       {} (2 instructions)", nodeplan::plan::id_of(&std::fs::read(&file).unwrap()).unwrap()),
         "progress:   2/2 instructions done".into(),
         "control:    paused=false canceled=false".into(),
         "condition:  Applied=True (Applied): plan succeeded".into(),
@@ -437,11 +436,29 @@ async fn a_push_dry_run_shows_the_changes_and_writes_nothing() {
     assert_eq!(out.code, Some(6), "{out:?}");
     assert!(out.stdout.contains("new plan ") && out.stdout.contains("  + /etc/a"), "{out:?}");
     assert!(p.api.get_opt("web").await.unwrap().is_none(), "a dry run created the NodePlan");
-    p.ok(&["plan", "push", &file1, "--nodeplan", &target, "--node", "node-a"]);
+    // Written by hand (spacing, key order): the same plan, with the id every command shows.
+    let pretty = p.p("pretty.plan");
+    std::fs::write(
+        &pretty,
+        "{\n  \"instructions\": [ {\"saveOutput\": true, \"command\": \"sh\", \"name\": \"one\", \"args\": [\"-c\", \"true\"]} ],\n  \"files\": [ {\"content\": \"eA==\", \"path\": \"/etc/a\"} ]\n}\n",
+    )
+    .unwrap();
+    let pushed = p.ok(&["plan", "push", &pretty, "--nodeplan", &target, "--node", "node-a"]);
+    let id = pushed.split_whitespace().nth(2).unwrap().to_string();
+    assert_eq!(id.len(), 12, "{pushed}");
     let before = p.get("web").await.metadata.resource_version;
-    let out = p.cli(&["plan", "push", &file1, "--nodeplan", &target, "--dry-run"]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    assert!(out.stdout.contains("holds this plan already"), "{out:?}");
+    for file in [&file1, &pretty] {
+        let out = p.cli(&["plan", "push", file, "--nodeplan", &target, "--dry-run"]);
+        assert_eq!(out.code, Some(0), "{out:?}");
+        assert!(out.stdout.contains(&format!("holds plan {id} already")), "{out:?}");
+    }
+    assert_eq!(p.get("web").await.metadata.resource_version, before, "a dry run wrote");
+    let status = p.ok(&["plan", "status", "--nodeplan", &target]);
+    assert!(status.contains(&format!("plan:       {id} ")), "{status}");
+    p.ok(&["plan", "reset", "--nodeplan", &target]);
+    let status = p.ok(&["plan", "status", "--nodeplan", &target]);
+    assert!(status.contains(&format!("plan:       {id} ")), "a reset runs the same plan: {status}");
+    let before = p.get("web").await.metadata.resource_version;
     let plan2 = json!({"instructions": [sh("one", "true"), {"name": "two", "command": "x", "env": ["T=hidden"]}]});
     let file2 = p.plan_file("two.plan", &plan2);
     let out = p.cli(&["plan", "push", &file2, "--nodeplan", &target, "--dry-run"]);
@@ -461,6 +478,14 @@ async fn a_push_dry_run_shows_the_changes_and_writes_nothing() {
     p.ok(&["plan", "push", &file1, "--secret", &secret]);
     let out = p.cli(&["plan", "push", &file1, "--secret", &secret, "--dry-run"]);
     assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains(&format!("holds plan {id} already")), "{out:?}");
+    // The Secret's agent compares bytes (system-agent's checksum): the same plan written
+    // differently runs again, and the dry run says so.
+    let out = p.cli(&["plan", "push", &pretty, "--secret", &secret, "--dry-run"]);
+    assert_eq!(out.code, Some(6), "{out:?}");
+    assert!(out.stdout.contains(&format!("plan {id}: the same plan, written differently")), "{out:?}");
+    let status = p.ok(&["plan", "status", "--secret", &secret]);
+    assert!(status.contains(&format!("plan:       {id} ")), "{status}");
     let out = p.cli(&["plan", "push", &file2, "--secret", &secret, "--dry-run"]);
     assert!(out.code == Some(6) && out.stdout.contains("  + two"), "{out:?}");
 }

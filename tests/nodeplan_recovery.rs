@@ -430,10 +430,14 @@ async fn a_legacy_plan_seen_while_a_nodeplan_runs_is_still_applied_at_start() {
     let data =
         BTreeMap::from([("plan".to_string(), raw), ("applied-checksum".to_string(), checksum.as_bytes().to_vec())]);
     client.create(data, BTreeMap::new()).await.unwrap();
-    agent.wait_log(&format!("plan {}: waiting for nodeplan {}/hold to finish", &checksum[..12], n.namespace));
+    let id = plan::id_of(
+        &serde_json::to_vec(&json!({"instructions": [sh("again", &format!("echo again >> {marker}"))]})).unwrap(),
+    )
+    .unwrap();
+    agent.wait_log(&format!("plan {id}: waiting for nodeplan {}/hold to finish", n.namespace));
     release_fifo(&go);
     n.wait("hold", "Applied", phase("Applied")).await;
-    agent.wait_log(&format!("plan {}: applying (1 instruction)", &checksum[..12]));
+    agent.wait_log(&format!("plan {id}: applying (1 instruction)"));
     let deadline = Instant::now() + GUARD;
     while std::fs::read_to_string(&marker).unwrap_or_default() != "again\n" {
         assert!(Instant::now() < deadline, "the legacy plan was not applied at start");
@@ -473,7 +477,8 @@ async fn a_secret_plan_and_a_nodeplan_on_one_node_never_overlap() {
     client.create(data, BTreeMap::new()).await.unwrap();
     // Taken up and waiting for its turn, with nothing committed meanwhile (no `in-progress`
     // before its turn: the loop looks at it while the NodePlan runs, and says it waits).
-    agent.wait_log(&format!("plan {}: waiting for nodeplan {}/np1 to finish", &checksum1[..12], n.namespace));
+    let id1 = plan::id_of(&serde_json::to_vec(&plan1).unwrap()).unwrap();
+    agent.wait_log(&format!("plan {id1}: waiting for nodeplan {}/np1 to finish", n.namespace));
     let s = client.get().await.unwrap().unwrap();
     assert_eq!(val(&s, "plan-state"), "pending", "nothing committed before its turn");
     assert!(!started("s1"), "the Secret's plan started while the NodePlan ran");

@@ -494,9 +494,8 @@ impl Applyinator {
             (Some(mode), _) => mode.to_string(),
             (None, _) => input.owner.to_string(),
         };
-        // The span's fields are the plan's short id (12 hex digits, as everywhere a person reads
-        // it) and where it came from; `--log-format json` shows them as `span.plan`.
-        let span = tracing::info_span!("plan", id = %&input.plan.checksum[..12], source = %source);
+        // The span's fields are the plan's id (`plan::id`, as everywhere a person reads it) and where it came from; `--log-format json` shows them as `span.plan`.
+        let span = tracing::info_span!("plan", id = %input.plan.id(), source = %source);
         self.apply_inner(input).instrument(span).await
     }
 

@@ -54,7 +54,8 @@ pub struct ApplyArgs {
     #[arg(long)]
     pub no_periodic: bool,
     /// Show what the plan would change (each file's diff, each instruction with its
-    /// environment) and touch nothing; exit 6 when something would change, 0 when nothing would.
+    /// environment) and touch nothing; exit 6 when a file differs from the plan (drift), 0 when
+    /// every file matches (instructions run at every apply: listed, not counted).
     #[arg(long)]
     pub dry_run: bool,
     /// With --dry-run: show the content of files that are not world-readable and env values
@@ -316,7 +317,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     }
     let elapsed = started.elapsed();
     let took = crate::duration::human(elapsed);
-    let short = &plan.checksum[..12];
+    let short = plan.id();
     let done = result.completed;
     match result.interruption {
         Some(Interruption::Paused) => {

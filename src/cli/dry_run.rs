@@ -56,12 +56,12 @@ fn change_word(c: &Change) -> String {
     }
 }
 
-/// Show what `plan` would do (instructions from `resume_from`); the exit code: 0 when nothing
-/// would change, [`exit::CHANGES_PENDING`] otherwise.
+/// Show what `plan` would do (instructions from `resume_from`); the exit code:
+/// [`exit::CHANGES_PENDING`] when a file differs from the plan (drift), 0 when every file matches.
 pub fn show(plan: &ValidPlan, resume_from: usize, run_periodic: bool, show_secrets: bool) -> u8 {
     let files: Vec<FilePreview> = plan.files.iter().map(|op| preview::preview(op, show_secrets)).collect();
     let changed = files.iter().filter(|f| f.pending()).count();
-    crate::cli::out!("dry run of plan {}: nothing on this node is touched", &plan.checksum[..12]);
+    crate::cli::out!("dry run of plan {}: nothing on this node is touched", plan.id());
     crate::cli::out!("files: {changed} of {} would change", files.len());
     for f in &files {
         crate::cli::out!("  {} {}", change_word(&f.change), f.path);
@@ -100,7 +100,9 @@ pub fn show(plan: &ValidPlan, resume_from: usize, run_periodic: bool, show_secre
             crate::cli::out!("  {name}: {what}");
         }
     }
-    if changed > 0 || !run.is_empty() || !periodic.is_empty() { exit::CHANGES_PENDING } else { exit::OK }
+    // Files say what the node should hold, so a difference is drift; instructions run at every
+    // apply whatever the node holds, so they cannot tell drift and do not count.
+    if changed > 0 { exit::CHANGES_PENDING } else { exit::OK }
 }
 
 fn file_word(op: &FileOp) -> String {
@@ -143,14 +145,13 @@ fn keyed<T: PartialEq>(
 
 /// What pushing `new` over `old` (the plan the target holds now, if any) changes, by file path
 /// and by instruction and probe name (file contents as size and SHA-256; env values masked
-/// unless `show_secrets`). Empty when the plans are the same.
+/// unless `show_secrets`). Empty when the plans are the same plan (one id, however formatted).
 pub fn plan_changes(old: Option<&ValidPlan>, new: &ValidPlan, show_secrets: bool) -> Vec<String> {
-    if old.is_some_and(|o| o.checksum == new.checksum) {
-        return Vec::new();
-    }
-    let mut out = vec![match old {
-        Some(o) => format!("plan {} → {}", &o.checksum[..12], &new.checksum[..12]),
-        None => format!("new plan {} (nothing there yet)", &new.checksum[..12]),
+    let new_id = new.id();
+    let mut out = vec![match old.map(ValidPlan::id) {
+        Some(o) if o == new_id => return Vec::new(),
+        Some(o) => format!("plan {o} → {new_id}"),
+        None => format!("new plan {new_id} (nothing there yet)"),
     }];
     let files = |p: Option<&ValidPlan>| -> Vec<(String, FileOp)> {
         p.map(|p| p.files.iter().map(|f| (f.path().to_string(), f.clone())).collect()).unwrap_or_default()
@@ -201,7 +202,7 @@ mod tests {
         }));
         let lines = plan_changes(Some(&old), &new, false);
         let text = lines.join("\n");
-        assert!(text.starts_with(&format!("plan {} → {}", &old.checksum[..12], &new.checksum[..12])), "{text}");
+        assert!(text.starts_with(&format!("plan {} → {}", old.id(), new.id())), "{text}");
         for want in [
             "files: 3 changed",
             "  ~ /a",

@@ -35,7 +35,8 @@ pub mod exit {
     /// Another live `nodeplan apply` of the same plan, or `supervise` of the same name, is running
     /// (with the same PID directory); nothing was started or stopped.
     pub const ALREADY_RUNNING: u8 = 5;
-    /// `apply --dry-run`: applying the plan would change something (files, instructions to run).
+    /// `apply --dry-run`: a file differs from the plan (drift); `plan push --dry-run`: the push
+    /// would change what the target holds.
     pub const CHANGES_PENDING: u8 = 6;
     /// `install`: a file nodeplan install did not write is in the way (nothing was written).
     pub const REFUSED: u8 = 3;
@@ -194,7 +195,7 @@ const APPLY_EXIT_CODES: &str = "Exit codes:
   4  canceled (second Ctrl-C or SIGTERM)
   5  already running: another live `nodeplan apply` of this plan with the same --pid-dir
      (nothing was started or stopped)
-  6  --dry-run: applying the plan would change something (0: nothing would)";
+  6  --dry-run: a file differs from the plan (drift; 0: every file matches)";
 
 const SUPERVISE_EXIT_CODES: &str = "Exit codes:
   0  stopped by SIGTERM/SIGINT through the stop ladder

@@ -306,7 +306,15 @@ async fn push_dry_run(file: &Path, t: &RemoteTarget, show_secrets: bool) -> Resu
     crate::cli::out!("dry run: push {} to {target}; nothing is written", file.display());
     let lines = super::dry_run::plan_changes(old.as_ref(), &new, show_secrets);
     if lines.is_empty() {
-        crate::cli::out!("no change: {target} holds this plan already");
+        // A Secret's agent compares the bytes (system-agent's checksum); a NodePlan's the value.
+        if t.nodeplan.is_none() && old.is_some_and(|o| o.checksum != new.checksum) {
+            crate::cli::out!(
+                "plan {}: the same plan, written differently (spacing, key order): the agent runs it again",
+                new.id()
+            );
+            return Ok(exit::CHANGES_PENDING);
+        }
+        crate::cli::out!("no change: {target} holds plan {} already", new.id());
         return Ok(exit::OK);
     }
     for l in lines {
@@ -429,7 +437,8 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     let mut ignored = Vec::new();
     let p = pos::read_pos_trusted(&f.pos(), &mut ignored).map_err(|e| format!("{}: {e}", f.pos().display()))?;
     let current = p.plan_checksum == checksum;
-    crate::cli::out!("plan:       {} (checksum {})", f.plan.display(), &checksum[..12]);
+    let id = parsed.as_ref().map_or_else(|_| plan::short(&checksum).to_string(), plan::ValidPlan::id);
+    crate::cli::out!("plan:       {} (id {id})", f.plan.display());
     if let Err(e) = &parsed {
         crate::cli::out!("            {e}");
     }
@@ -487,7 +496,7 @@ fn status(f: &PlanFiles) -> Result<(), String> {
             "attempts:   {} failed in a row, {} succeeded; last {}",
             p.failure_count,
             p.success_count,
-            if p.last_apply_time.is_empty() { "never" } else { &p.last_apply_time }
+            if p.last_apply_time.is_empty() { "never".into() } else { crate::plan::shown_time(&p.last_apply_time) }
         );
     }
     if let Some(failure) = p.last_failure.clone().filter(|f| current && f.checksum == checksum) {
@@ -533,14 +542,14 @@ mod remote {
         match action {
             PlanAction::Push { file, .. } => {
                 let raw = super::read_plan(file)?;
-                plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?;
+                let id = plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?.id();
                 crate::cli::warn_unknown_keys(file, &raw);
                 if super::bounded(t, "read the secret", c.get()).await?.is_none() {
                     super::bounded(t, "create the secret", c.create(wire::push_data(&raw), Default::default())).await?;
                 } else {
                     super::bounded(t, "patch the secret", c.orchestrator_patch(wire::push_patch(&raw))).await?;
                 }
-                crate::cli::out!("pushed plan {} to {secret}", &plan::checksum(&raw)[..12]);
+                crate::cli::out!("pushed plan {id} to {secret}");
             }
             PlanAction::Pause(_) | PlanAction::Resume(_) | PlanAction::Cancel(_) | PlanAction::Reset(_) => {
                 if let Some((patch, done)) = super::fleet::action_patch(action) {
@@ -568,8 +577,13 @@ mod remote {
                 let raw = s.data.get(wire::PLAN).ok_or("the secret has no plan")?;
                 let checksum = plan::checksum(raw);
                 let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-                let total = plan::parse(raw).map(|p| p.plan.instructions.len()).unwrap_or(0);
-                crate::cli::out!("plan:       {} ({})", &checksum[..12], crate::count(total, "instruction"));
+                let parsed = plan::parse(raw);
+                let total = parsed.as_ref().map(|p| p.plan.instructions.len()).unwrap_or(0);
+                let id = parsed.as_ref().map_or_else(|_| plan::short(&checksum).to_string(), plan::ValidPlan::id);
+                crate::cli::out!("plan:       {id} ({})", crate::count(total, "instruction"));
+                if let Err(e) = &parsed {
+                    crate::cli::out!("            {e}");
+                }
                 let state = text(wire::PLAN_STATE);
                 crate::cli::out!(
                     "state:      {}",
@@ -596,11 +610,17 @@ mod remote {
                     ann(plan::ANNOTATION_PAUSED),
                     ann(plan::ANNOTATION_CANCELED)
                 );
+                let last = text(wire::LAST_APPLY_TIME);
                 crate::cli::out!(
-                    "attempts:   {} failed, {} succeeded; applied {}",
+                    "attempts:   {} failed, {} succeeded; applied {}; last {}",
                     text(wire::FAILURE_COUNT),
                     text(wire::SUCCESS_COUNT),
-                    if text(wire::APPLIED_CHECKSUM) == checksum { "yes" } else { "no" }
+                    if text(wire::APPLIED_CHECKSUM) == checksum { "yes" } else { "no" },
+                    if last.is_empty() {
+                        "never".into()
+                    } else {
+                        crate::nodeplan::cli_wire::shown(&crate::plan::shown_time(&last), 40)
+                    }
                 );
                 if let Some(failure) = wire::failure(&s, &checksum) {
                     for l in failure.status_lines() {

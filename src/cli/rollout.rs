@@ -182,6 +182,8 @@ const ANNOTATION_CONTROL: &str = "rollout.nodeplan.cattle.io/control";
 /// The annotation on a rollout's Lease naming the plan it pushes (its checksum, as a node's
 /// [`crate::fleet::Standing::plan`]).
 const ANNOTATION_PLAN: &str = "rollout.nodeplan.cattle.io/plan";
+/// The annotation on a rollout's Lease naming the plan as people read it (its id).
+const ANNOTATION_PLAN_ID: &str = "rollout.nodeplan.cattle.io/plan-id";
 
 /// `rollout pause|resume|cancel`: the control on the rollout's Lease (the running rollout watches
 /// it), and the same on every node of the rollout in flight, in one pass.
@@ -257,7 +259,11 @@ async fn status(args: &ControlArgs) -> Result<u8, (u8, String)> {
         None => format!("rollout:    none over {} (no Lease {}/{})", scope.describe(), lease.namespace, lease.name),
         Some(l) => {
             let a = l.metadata.annotations.unwrap_or_default();
-            let plan = a.get(ANNOTATION_PLAN).map(|p| p.get(..12).unwrap_or(p)).unwrap_or("-").to_string();
+            let plan = a
+                .get(ANNOTATION_PLAN_ID)
+                .or(a.get(ANNOTATION_PLAN))
+                .map(|p| crate::nodeplan::cli_wire::shown(crate::plan::short(p), 12))
+                .unwrap_or_else(|| "-".into());
             let spec = l.spec.unwrap_or_default();
             let holder = spec.holder_identity.filter(|h| !h.is_empty());
             let control = a.get(ANNOTATION_CONTROL).map(String::as_str);
@@ -311,13 +317,15 @@ struct Pushed {
     raw: Vec<u8>,
     object: serde_json::Value,
     checksum: String,
+    /// The plan's id, as every command shows it.
+    id: String,
 }
 
 fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)> {
     let bad = |e: String| (exit::BAD_INPUT, format!("{}: {e}", path.display()));
     let raw = crate::safefs::read_named(path, 16 << 20)
         .map_err(|e| (exit::BAD_INPUT, format!("cannot read {}: {e}", path.display())))?;
-    crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?;
+    let id = crate::plan::parse(&raw).map_err(|e| bad(e.to_string()))?.id();
     if kind == Kind::Secrets {
         super::warn_unknown_keys(path, &raw);
     }
@@ -332,7 +340,7 @@ fn read_plan(path: &std::path::Path, kind: Kind) -> Result<Pushed, (u8, String)>
             (object, checksum)
         }
     };
-    Ok(Pushed { raw, object, checksum })
+    Ok(Pushed { raw, object, checksum, id })
 }
 
 async fn rollout(args: &RolloutArgs) -> Result<u8, (u8, String)> {
@@ -367,7 +375,7 @@ async fn dry_run(args: &RolloutArgs, plan: &Pushed, kube: &kube::Client) -> Resu
     }
     let total = found.len();
     let (concurrent, errors) = (args.max_concurrent.of(total, true).max(1), args.max_errors.of(total, false));
-    let id = plan.checksum.get(..12).unwrap_or(&plan.checksum);
+    let id = &plan.id;
     crate::cli::out!(
         "dry run: roll plan {id} out to {} ({}); nothing is written",
         crate::count(total, "node"),
@@ -440,8 +448,9 @@ async fn take_nodes(
     t: &RemoteTarget,
     held: &mut Option<crate::lease::Held>,
     view: &View,
-    checksum: &str,
+    plan: &Pushed,
 ) -> Result<Taken, (u8, String)> {
+    let checksum = plan.checksum.as_str();
     let snaps = &view.tracker.objects;
     if let Some(e) = one_per_node(snaps) {
         return Err((exit::BAD_INPUT, e));
@@ -489,7 +498,7 @@ async fn take_nodes(
         .map_err(|e| (exit::FAILED, e))?
         .and_then(|l| l.metadata.annotations)
         .is_some_and(|a| a.get(ANNOTATION_CONTROL).is_some_and(|v| v == "canceled"));
-        let mut annotations = serde_json::json!({ANNOTATION_PLAN: checksum});
+        let mut annotations = serde_json::json!({ANNOTATION_PLAN: checksum, ANNOTATION_PLAN_ID: plan.id});
         if canceled {
             annotations[ANNOTATION_CONTROL] = serde_json::Value::Null;
             anew = view
@@ -607,7 +616,7 @@ async fn drive(
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut view = View::default();
     let mut shown: BTreeMap<String, Place> = BTreeMap::new();
-    crate::cli::out!("rollout of plan {} to {}", &plan.checksum[..12], scope.describe());
+    crate::cli::out!("rollout of plan {} to {}", plan.id, scope.describe());
     loop {
         tokio::select! {
             () = &mut stop => {
@@ -632,7 +641,7 @@ async fn drive(
             continue;
         }
         if !claimed {
-            let taken = take_nodes(kube, &scope, &lease, t, held, &view, &plan.checksum).await?;
+            let taken = take_nodes(kube, &scope, &lease, t, held, &view, plan).await?;
             (to_claim, anew) = (taken.to_claim, taken.anew);
             claimed = true;
             // Without a Lease (the account may not use them: warned already) there is no control.

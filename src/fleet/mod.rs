@@ -38,6 +38,8 @@ pub struct Standing {
     /// The checksum of the plan the object holds (`None`: no plan). A plan Secret's is of its
     /// bytes, a NodePlan's of `spec.plan` in canonical JSON (what a rollout compares).
     pub plan: Option<String>,
+    /// The plan's id as every command shows it ([`crate::plan::id`]; empty: no valid plan).
+    pub id: String,
     /// As shown: `no plan`, `pending`, `in-progress`, `paused`, `succeeded`, `failed`,
     /// `canceled`; `applied` in the legacy checksum flow; `refused` for a spec the agent will
     /// not run.
@@ -105,18 +107,6 @@ impl Row {
     }
 }
 
-/// A time as every row shows it, RFC 3339 to the second (`2026-12-02T12:00:00Z`), from either
-/// form an agent writes: a plan Secret's `last-apply-time` (Go's `UnixDate`, as system-agent) or a
-/// NodePlan's RFC 3339 with milliseconds. Anything else is kept as written (empty stays empty).
-pub fn row_time(t: &str) -> String {
-    let parsed = crate::plan::parse_unix_date(t)
-        .or_else(|| chrono::DateTime::parse_from_rfc3339(t).ok().map(|d| d.with_timezone(&chrono::Utc)));
-    match parsed {
-        Some(d) => d.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        None => t.to_string(),
-    }
-}
-
 /// `1 failure` or `N failures` in a row, and what made the plan fail when its agent said so: a
 /// failed node's note, and (after `failed`) its outcome as a rollout shows it.
 pub fn failure_text(failures: i64, failure: Option<&crate::plan::Failure>) -> String {
@@ -132,12 +122,16 @@ pub fn row_of(s: &Standing) -> Row {
     Row {
         node: s.node.clone(),
         state: s.state.clone(),
-        plan: s.plan.as_deref().and_then(|p| p.get(..12)).unwrap_or_default().to_string(),
+        plan: if s.id.is_empty() {
+            s.plan.as_deref().map(crate::plan::short).unwrap_or_default().to_string()
+        } else {
+            s.id.clone()
+        },
         completed: s.completed,
         total: s.total,
         probes_healthy: s.probes.values().filter(|p| p.healthy).count(),
         probes: s.probes.len(),
-        last_change: row_time(&s.last_change),
+        last_change: crate::plan::shown_time(&s.last_change),
         error: s.notes.join("; "),
     }
 }
@@ -238,10 +232,6 @@ mod tests {
     /// NodePlan's RFC 3339 with milliseconds both show as RFC 3339 to the second.
     #[test]
     fn row_times_are_rfc3339_whatever_the_object_wrote() {
-        assert_eq!(row_time("Wed Dec  2 12:00:00 UTC 2026"), "2026-12-02T12:00:00Z");
-        assert_eq!(row_time("2026-12-02T12:00:00.123Z"), "2026-12-02T12:00:00Z");
-        assert_eq!(row_time(""), "");
-        assert_eq!(row_time("soon"), "soon");
         let st = Standing { last_change: "Wed Dec  2 12:00:00 UTC 2026".into(), ..Standing::default() };
         assert!(row_of(&st).json().contains(r#""lastChange":"2026-12-02T12:00:00Z""#), "{}", row_of(&st).json());
     }

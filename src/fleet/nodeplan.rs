@@ -37,6 +37,7 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
     let Some(bytes) = wire::plan_bytes(&spec) else { return st };
     st.plan = Some(plan::checksum(&bytes));
     if let Ok(p) = plan::parse(&bytes) {
+        st.id = p.id();
         st.total = p.plan.instructions.len();
         st.probe_names = p.plan.probes.keys().cloned().collect();
     }

@@ -19,6 +19,7 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
     let Some(raw) = s.data.get(wire::PLAN) else { return st };
     let checksum = plan::checksum(raw);
     if let Ok(p) = plan::parse(raw) {
+        st.id = p.id();
         st.total = p.plan.instructions.len();
         st.probe_names = p.plan.probes.keys().cloned().collect();
     }
@@ -106,7 +107,7 @@ mod tests {
             let r = row_of_secret("n", &s);
             assert_eq!((r.state.as_str(), r.completed, r.total), (state, completed, 2), "{r:?}");
             assert!(r.error.contains(error), "{error:?} in {r:?}");
-            assert_eq!(r.plan, sum[..12]);
+            assert_eq!(r.plan, plan::id(&serde_json::from_value(p.clone()).unwrap()), "the id every command shows");
         }
         let r = row_of_secret("n", &snap(&p, &[("plan-state", "succeeded"), ("probe-statuses", probes)], &[]));
         assert_eq!((r.probes_healthy, r.probes), (1, 2));

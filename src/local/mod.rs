@@ -310,6 +310,7 @@ impl PlanSource for DirSource {
         let attempt = wire::attempt(&stored, &checksum);
         Seen::Plan(Box::new(Look {
             label: path.display().to_string(),
+            place: path.display().to_string(),
             plan: vp,
             checksum,
             view: View::Flow(snap),

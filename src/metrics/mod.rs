@@ -12,7 +12,8 @@
 //! hand it plain labels ([`PlanResult`], [`InstructionResult`], [`Ladder`], [`Recovery`], a
 //! probe's name and health); each module that owns a fact maps it to its label.
 //!
-//! Labels are bounded: plans are named by their 12-character id (the start of the checksum),
+//! Labels are bounded: plans are named by their 12-character id (`plan::id`, the one every
+//! command and log line shows; `nodeplan_plan_info` maps it to where the plan is kept),
 //! probes by their name in the plan (a name over 64 characters by its first 55, `~` and 8 hex
 //! digits of its SHA-256, so distinct names stay distinct series); every other label takes a
 //! fixed set of values.
@@ -24,6 +25,7 @@
 //! | `nodeplan_stop_ladder_total` | counter | `outcome`: `exited_on_term`, `killed`, `survivors`, `error` | stop-ladder runs (cancel, timeout, shutdown, leftovers of a previous agent): the tree was gone within the grace after SIGTERM, needed SIGKILL, left processes behind, or could not be signalled or waited for |
 //! | `nodeplan_stop_survivors_total` | counter | | processes the stop ladder left running (`survivors` outcomes) |
 //! | `nodeplan_cancel_latency_seconds` | histogram | | from a cancel reaching a running plan to the plan being recorded canceled |
+//! | `nodeplan_plan_info` | gauge | `plan`, `name` | 1 for each plan the agent knows now: its id and where it is kept (a plan file's path, `secret NS/NAME`, `nodeplan NS/NAME`); gone with the plan. Join on `plan` to name the other series |
 //! | `nodeplan_probe_healthy` | gauge | `plan`, `probe` | 1 while the probe is healthy, 0 while not; gone with the probe or its plan |
 //! | `nodeplan_pid_record_recoveries_total` | counter | `result`: `stopped`, `not_stopped`, `gone`, `mismatch`, `refused`, `owner_alive`, `invalid` | PID records of a previous agent looked at by crash recovery, by what became of them |
 //! | `nodeplan_write_retries_total` | counter | `target`: `secret`, `nodeplan`; `reason`: `conflict`, `error` | writes of plan state tried again: after a 409 conflict (at once, on the fresh object) or after a write that failed (a kept outcome written again) |
@@ -53,7 +55,7 @@ const CANCEL_BUCKETS: [f64; 11] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5,
 /// Buckets of image pulls: a cached small image to a multi-GB installer on a slow link.
 const PULL_BUCKETS: [f64; 10] = [0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0];
 /// Probe names longer than this are cut in labels (a plan is trusted, but a label is no place for
-/// a paragraph); see [`probe_label`].
+/// a paragraph); see [`label_text`].
 const MAX_LABEL_CHARS: usize = 64;
 /// Hex digits of the name's SHA-256 that end a cut probe name.
 const LABEL_HASH_CHARS: usize = 8;
@@ -85,6 +87,13 @@ struct WriteLabels {
 pub struct ProbeLabels {
     plan: String,
     probe: String,
+}
+
+/// One plan, by its id and where it is kept.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlanLabels {
+    plan: String,
+    name: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -122,6 +131,7 @@ pub struct Metrics {
     stop_survivors: Counter,
     cancel_seconds: Histogram,
     probe_healthy: Family<ProbeLabels, Gauge>,
+    plan_info: Family<PlanLabels, Gauge>,
     pid_recoveries: Family<ResultLabel, Counter>,
     write_retries: Family<WriteLabels, Counter>,
     pull_bytes: Counter,
@@ -160,6 +170,12 @@ impl Metrics {
             "1 while a plan's probe is healthy, 0 while it is not",
             probe_healthy.clone(),
         );
+        let plan_info = Family::<PlanLabels, Gauge>::default();
+        registry.register(
+            "nodeplan_plan_info",
+            "1 for each plan the agent knows now, by its id and where it is kept",
+            plan_info.clone(),
+        );
         let pid_recoveries = Family::<ResultLabel, Counter>::default();
         registry.register(
             "nodeplan_pid_record_recoveries",
@@ -190,6 +206,7 @@ impl Metrics {
             stop_survivors,
             cancel_seconds,
             probe_healthy,
+            plan_info,
             pid_recoveries,
             write_retries,
             pull_bytes,
@@ -383,16 +400,12 @@ impl RetryReason {
     }
 }
 
-/// The 12-character plan id of a checksum (the whole of a shorter one).
-pub fn plan_id(checksum: &str) -> String {
-    checksum.chars().take(12).collect()
-}
-
-/// The `probe` label of a probe's name: the name itself when it has at most [`MAX_LABEL_CHARS`]
+/// A label value from outside the agent's own vocabulary (a probe's name, a path, an object's
+/// name): the value itself when it has at most [`MAX_LABEL_CHARS`]
 /// characters; otherwise its start, `~` and the first [`LABEL_HASH_CHARS`] hex digits of the
 /// whole name's SHA-256, [`MAX_LABEL_CHARS`] characters in all. Two names that share their start
 /// (and a short name that looks like a cut one) stay two series.
-fn probe_label(name: &str) -> String {
+fn label_text(name: &str) -> String {
     if name.chars().count() <= MAX_LABEL_CHARS {
         return name.to_string();
     }
@@ -473,10 +486,10 @@ pub struct ProbeHealth {
 }
 
 impl ProbeHealth {
-    /// Show the health of the probes (name, healthy) of the plan with `checksum`.
-    pub fn set<'a>(&mut self, checksum: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
+    /// Show the health of the probes (name, healthy) of the plan with `id`.
+    pub fn set<'a>(&mut self, id: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
         let Some(m) = get() else { return };
-        self.set_in(m, checksum, probes);
+        self.set_in(m, id, probes);
     }
 
     /// Remove every gauge of the plan (its probes are gone).
@@ -486,11 +499,11 @@ impl ProbeHealth {
         }
     }
 
-    fn set_in<'a>(&mut self, m: &Metrics, checksum: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
-        let plan = plan_id(checksum);
+    fn set_in<'a>(&mut self, m: &Metrics, id: &str, probes: impl IntoIterator<Item = (&'a str, bool)>) {
+        let plan = label_text(id);
         let now: Vec<(ProbeLabels, bool)> = probes
             .into_iter()
-            .map(|(name, healthy)| (ProbeLabels { plan: plan.clone(), probe: probe_label(name) }, healthy))
+            .map(|(name, healthy)| (ProbeLabels { plan: plan.clone(), probe: label_text(name) }, healthy))
             .collect();
         for old in self.shown.iter().filter(|o| !now.iter().any(|(l, _)| l == *o)) {
             m.remove_probe(old);
@@ -509,6 +522,51 @@ impl ProbeHealth {
 }
 
 impl Drop for ProbeHealth {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// The `nodeplan_plan_info` series of one plan: [`PlanInfo::set`] shows its id and where it is
+/// kept (replacing what it showed before), dropping it (the plan is gone) removes it.
+#[derive(Debug, Default)]
+pub struct PlanInfo {
+    shown: Option<PlanLabels>,
+}
+
+impl PlanInfo {
+    /// The plan with `id`, kept at `name`, is known now.
+    pub fn set(&mut self, id: &str, name: &str) {
+        if let Some(m) = get() {
+            self.set_in(m, id, name);
+        }
+    }
+
+    fn set_in(&mut self, m: &Metrics, id: &str, name: &str) {
+        let labels = PlanLabels { plan: label_text(id), name: label_text(name) };
+        if self.shown.as_ref() == Some(&labels) {
+            return;
+        }
+        self.clear_in(m);
+        m.plan_info.get_or_create(&labels).set(1);
+        self.shown = Some(labels);
+    }
+
+    /// The plan is gone.
+    pub fn clear(&mut self) {
+        if let Some(m) = get() {
+            self.clear_in(m);
+        }
+    }
+
+    fn clear_in(&mut self, m: &Metrics) {
+        if let Some(l) = self.shown.take() {
+            m.plan_info.remove(&l);
+        }
+    }
+}
+
+impl Drop for PlanInfo {
     fn drop(&mut self) {
         self.clear();
     }

@@ -5,9 +5,28 @@ fn text(m: &Metrics) -> String {
 }
 
 #[test]
-fn plan_ids_are_twelve_characters() {
-    assert_eq!(plan_id(&"0123456789abcdef".repeat(4)), "0123456789ab");
-    assert_eq!(plan_id("abc"), "abc");
+fn plan_info_names_each_known_plan_once_and_goes_with_it() {
+    let m = Metrics::new(Directories::default());
+    let series = |id: &str, name: &str| format!("nodeplan_plan_info{{plan=\"{id}\",name=\"{name}\"}} 1");
+    let mut a = PlanInfo::default();
+    a.set_in(&m, "0123456789ab", "secret ns/node-a");
+    a.set_in(&m, "0123456789ab", "secret ns/node-a");
+    let mut b = PlanInfo::default();
+    b.set_in(&m, "abcdefabcdef", "/var/lib/rancher/agent/plans/x.plan");
+    let t = text(&m);
+    assert_eq!(t.lines().filter(|l| l.starts_with("nodeplan_plan_info{")).count(), 2, "{t}");
+    assert!(t.lines().any(|l| l == series("0123456789ab", "secret ns/node-a")), "{t}");
+    // A new plan in the same place replaces the series; a plan forgotten takes its series along.
+    a.set_in(&m, "ffffffffffff", "secret ns/node-a");
+    b.clear_in(&m);
+    let t = text(&m);
+    let lines: Vec<&str> = t.lines().filter(|l| l.starts_with("nodeplan_plan_info{")).collect();
+    assert_eq!(lines, [series("ffffffffffff", "secret ns/node-a")], "{t}");
+    // A name from outside is bounded like a probe's.
+    a.set_in(&m, "ffffffffffff", &"n".repeat(300));
+    let t = text(&m);
+    let line = t.lines().find(|l| l.starts_with("nodeplan_plan_info{")).unwrap();
+    assert!(line.len() < 150, "{line}");
 }
 
 #[test]
@@ -42,19 +61,19 @@ fn counters_show_under_their_documented_names() {
 #[test]
 fn probe_gauges_follow_the_plans_probes() {
     let m = Metrics::new(Directories::default());
-    let checksum = "0123456789abcdef0123";
+    let id = "0123456789ab";
     let mut h = ProbeHealth::default();
-    h.set_in(&m, checksum, [("web", true), ("db", false)]);
+    h.set_in(&m, id, [("web", true), ("db", false)]);
     let t = text(&m);
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 1"), "{t}");
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"db\"} 0"), "{t}");
     // `db` went away, `web` turned unhealthy.
-    h.set_in(&m, checksum, [("web", false)]);
+    h.set_in(&m, id, [("web", false)]);
     let t = text(&m);
     assert!(t.contains("nodeplan_probe_healthy{plan=\"0123456789ab\",probe=\"web\"} 0"), "{t}");
     assert!(!t.contains("probe=\"db\""), "{t}");
     // The plan changed: the old plan's gauges go.
-    h.set_in(&m, "fedcba9876543210", [("web", true)]);
+    h.set_in(&m, "fedcba987654", [("web", true)]);
     let t = text(&m);
     assert!(!t.contains("0123456789ab"), "{t}");
     assert!(t.contains("nodeplan_probe_healthy{plan=\"fedcba987654\",probe=\"web\"} 1"), "{t}");
@@ -80,13 +99,13 @@ fn long_probe_names_are_cut_and_stay_distinct() {
     }
     // A name of exactly the limit is shown as it is; longer ones are cut with a hash of the name.
     assert!(labels.contains(&exact), "{t}");
-    let cut_a = probe_label(&a);
+    let cut_a = label_text(&a);
     assert_eq!(cut_a.chars().count(), MAX_LABEL_CHARS);
     assert!(cut_a.starts_with(&"p".repeat(MAX_LABEL_CHARS - LABEL_HASH_CHARS - 1)), "{cut_a}");
-    assert_ne!(cut_a, probe_label(&b));
-    assert_eq!(cut_a, probe_label(&a), "the same name, the same label");
+    assert_ne!(cut_a, label_text(&b));
+    assert_eq!(cut_a, label_text(&a), "the same name, the same label");
     assert!(t.contains(&format!("probe=\"{cut_a}\"}} 0")), "{t}");
-    assert!(t.contains(&format!("probe=\"{}\"}} 1", probe_label(&b))), "{t}");
+    assert!(t.contains(&format!("probe=\"{}\"}} 1", label_text(&b))), "{t}");
     assert!(!t.contains(&"p".repeat(MAX_LABEL_CHARS + 1)), "{t}");
     h.clear_in(&m);
 }

@@ -306,7 +306,7 @@ fn line(label: &str, value: impl std::fmt::Display) -> String {
     format!("{:<12}{value}", format!("{label}:"))
 }
 
-/// The text of `plan status --nodeplan`: the plan (its checksum as the agent computes it), phase,
+/// The text of `plan status --nodeplan`: the plan (its id, the same after a reset), phase,
 /// progress, the spec's switches, attempts, conditions, per-instruction results and probes.
 pub fn status_lines(o: &DynamicObject) -> Vec<String> {
     let spec = spec_of(o);
@@ -318,8 +318,11 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
         Ok((vp, checksum)) => {
             out.push(line(
                 "plan",
-                format!("{} ({})", &checksum[..12], crate::count(vp.plan.instructions.len(), "instruction")),
+                format!("{} ({})", vp.id(), crate::count(vp.plan.instructions.len(), "instruction")),
             ));
+            if !spec.run_token.is_empty() {
+                out.push(line("run token", format!("{} (set by a reset)", shown(&spec.run_token, 64))));
+            }
             Some(checksum)
         }
         Err(e) => {
@@ -343,17 +346,18 @@ pub fn status_lines(o: &DynamicObject) -> Vec<String> {
     if stale {
         out.push(line(
             "status of",
-            format!(
-                "plan {} (an earlier spec.plan: the agent has not started this one yet)",
-                shown(status.plan_checksum.get(..12).unwrap_or(&status.plan_checksum), 12)
-            ),
+            "an earlier run (another spec.plan or run token): the agent has not started this one yet",
         ));
     }
     if !status.progress.is_empty() {
         out.push(line("progress", format!("{} instructions done", shown(&status.progress, 40))));
     }
     out.push(line("control", format!("paused={} canceled={}", spec.paused, spec.canceled)));
-    let last = if status.last_apply_time.is_empty() { "never".to_string() } else { shown(&status.last_apply_time, 40) };
+    let last = if status.last_apply_time.is_empty() {
+        "never".to_string()
+    } else {
+        shown(&crate::plan::shown_time(&status.last_apply_time), 40)
+    };
     out.push(line(
         "attempts",
         format!(
@@ -624,7 +628,10 @@ mod tests {
                               "spec": spec, "status": status}));
         let want = [
             "nodeplan:   ns/p (for node n, priority 2)".to_string(),
-            format!("plan:       {} (1 instruction)", &checksum[..12]),
+            format!(
+                "plan:       {} (1 instruction)",
+                crate::plan::id_of(&serde_json::to_vec(&plan_a()).unwrap()).unwrap()
+            ),
             "phase:      Applied".into(),
             "progress:   1/1 instructions done".into(),
             "control:    paused=true canceled=false".into(),
@@ -650,7 +657,8 @@ mod tests {
         let lines = status_lines(&earlier);
         assert!(
             lines.contains(
-                &"status of:  plan 0123456789ab (an earlier spec.plan: the agent has not started this one yet)".into()
+                &"status of:  an earlier run (another spec.plan or run token): the agent has not started this one yet"
+                    .into()
             ),
             "{lines:#?}"
         );

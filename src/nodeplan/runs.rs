@@ -145,16 +145,12 @@ fn check(bytes: &[u8], namespace: &str, name: &str, run: &str) -> Result<Saved, 
         return Err("its content does not match its run (damaged)".into());
     }
     if saved.run != run {
-        return Err(format!("it holds run {}, not {}", short(&saved.run), short(run)));
+        return Err(format!("it holds run {}, not {}", crate::plan::short(&saved.run), crate::plan::short(run)));
     }
     if saved.outcome.as_ref().is_some_and(|o| o.plan_checksum != saved.run) {
         return Err("its outcome is of another run (damaged)".into());
     }
     Ok(saved)
-}
-
-fn short(run: &str) -> &str {
-    run.get(..12).unwrap_or(run)
 }
 
 /// Where a config's directory puts the store (empty: none).

@@ -507,6 +507,7 @@ impl PlanSource for NodePlanSource {
         let stop_after = wire::time_left(&status, &policy, chrono::Utc::now());
         self.runs.insert(name.clone(), RunInfo { checksum: checksum.clone(), policy, spec, timed_out: false });
         Seen::Plan(Box::new(Look {
+            place: label.clone(),
             label,
             view: View::Flow(snap),
             attempt,

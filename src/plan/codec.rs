@@ -86,6 +86,18 @@ pub fn format_unix_date(t: DateTime<Utc>) -> String {
     t.format("%a %b %e %H:%M:%S UTC %Y").to_string()
 }
 
+/// A time as every command shows it, RFC 3339 to the second (`2026-12-02T12:00:00Z`), from either
+/// form an agent writes: Go's `UnixDate` (a plan Secret's `last-apply-time` and a `.pos` file's, as
+/// system-agent writes them) or a NodePlan's RFC 3339 with milliseconds. Anything else is kept as
+/// written (empty stays empty).
+pub fn shown_time(t: &str) -> String {
+    let parsed = parse_unix_date(t).or_else(|| DateTime::parse_from_rfc3339(t).ok().map(|d| d.with_timezone(&Utc)));
+    match parsed {
+        Some(d) => d.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        None => t.to_string(),
+    }
+}
+
 /// Parse a Go `time.UnixDate` string. The zone abbreviation is read as UTC, as Go does for a
 /// zone it does not know on a UTC host. `None` when unparsable.
 pub fn parse_unix_date(s: &str) -> Option<DateTime<Utc>> {
@@ -104,6 +116,14 @@ mod tests {
     use super::*;
 
     /// 65 MiB of JSON whitespace gzips to ~64 KiB: read back, it is refused, not inflated.
+    #[test]
+    fn times_are_shown_in_rfc3339_whatever_the_agent_wrote() {
+        assert_eq!(shown_time("Wed Dec  2 12:00:00 UTC 2026"), "2026-12-02T12:00:00Z");
+        assert_eq!(shown_time("2026-12-02T12:00:00.123Z"), "2026-12-02T12:00:00Z");
+        assert_eq!(shown_time(""), "");
+        assert_eq!(shown_time("soon"), "soon");
+    }
+
     #[test]
     fn a_gzip_bomb_read_back_is_refused() {
         let mut json = vec![b' '; (MAX_DECOMPRESSED + (1 << 20)) as usize];

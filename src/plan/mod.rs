@@ -16,7 +16,7 @@ pub use checkpoint::{
 };
 pub use codec::{
     CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output, encode_periodic_output,
-    format_unix_date, parse_unix_date,
+    format_unix_date, parse_unix_date, shown_time,
 };
 pub use failure::Failure;
 
@@ -235,6 +235,30 @@ pub fn checksum(raw: &[u8]) -> String {
     out
 }
 
+/// How many hex digits of a checksum name a plan where people read it.
+pub const ID_LEN: usize = 12;
+
+/// The id people see for a plan: the first [`ID_LEN`] hex digits of the SHA-256 of its
+/// canonical form (the plan as this agent reads it, serialized with its fields in a fixed order,
+/// no whitespace). One plan has one id wherever it is kept (a file, a Secret, a NodePlan's spec),
+/// however it was formatted, and a NodePlan keeps it across `reset`. The checksums the wire
+/// formats compare stay what they are: [`checksum`] of the bytes as stored for files and Secrets
+/// (system-agent's), a run's identity for NodePlans.
+pub fn id(plan: &Plan) -> String {
+    let canonical = serde_json::to_vec(plan).unwrap_or_default();
+    short(&checksum(&canonical)).to_string()
+}
+
+/// The id of raw plan bytes ([`id`]); `None` when they are no valid plan.
+pub fn id_of(raw: &[u8]) -> Option<String> {
+    parse(raw).ok().map(|p| p.id())
+}
+
+/// The start of a checksum that names it where people read it (the whole of a shorter one).
+pub fn short(checksum: &str) -> &str {
+    checksum.get(..ID_LEN).unwrap_or(checksum)
+}
+
 /// A plan that failed validation; the message names the field (and index) and what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid plan: {0}")]
@@ -247,6 +271,13 @@ pub struct ValidPlan {
     pub checksum: String,
     /// Decoded file contents and modes, parallel to `plan.files`.
     pub files: Vec<FileOp>,
+}
+
+impl ValidPlan {
+    /// The plan's [`id`].
+    pub fn id(&self) -> String {
+        id(&self.plan)
+    }
 }
 
 /// What to do for one file entry, fully decoded.
@@ -282,7 +313,7 @@ pub fn parse_permissions(s: &str, default: u32) -> Result<u32, String> {
     Ok(mode)
 }
 
-fn id_of(v: i64, what: &str) -> Result<u32, String> {
+fn user_id(v: i64, what: &str) -> Result<u32, String> {
     u32::try_from(v).map_err(|_| format!("{what} {v} is not a valid id"))
 }
 
@@ -329,8 +360,8 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
                 format!("{path:?} is also files[{first}].path (a path may appear once per plan)"),
             ));
         }
-        let uid = id_of(f.uid, "uid").map_err(|m| field("uid", m))?;
-        let gid = id_of(f.gid, "gid").map_err(|m| field("gid", m))?;
+        let uid = user_id(f.uid, "uid").map_err(|m| field("uid", m))?;
+        let gid = user_id(f.gid, "gid").map_err(|m| field("gid", m))?;
         let op = if f.is_delete() {
             FileOp::Delete { path, directory: f.directory }
         } else if f.directory {

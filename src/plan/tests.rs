@@ -65,6 +65,36 @@ fn checksum_is_lowercase_hex_sha256_of_raw_bytes() {
 }
 
 #[test]
+fn one_plan_has_one_id_however_it_is_formatted() {
+    let a = br#"{"instructions":[{"name":"a","command":"true"}],"files":[{"path":"/x","content":"aGk="}]}"#;
+    // Other whitespace, other key order, a key this agent does not read, an explicit default.
+    let b = br#"{
+      "files": [ {"content": "aGk=", "path": "/x"} ],
+      "instructions": [ {"command": "true", "name": "a", "saveOutput": false} ],
+      "somethingElse": 1
+    }"#;
+    let (pa, pb) = (parse(a).unwrap(), parse(b).unwrap());
+    assert_ne!(pa.checksum, pb.checksum, "the wire checksum is of the bytes");
+    assert_eq!(pa.id(), pb.id());
+    assert_eq!(pa.id().len(), ID_LEN);
+    assert!(pa.id().bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+    // As a NodePlan's spec holds it (canonical JSON of the value), the same id.
+    let value: serde_json::Value = serde_json::from_slice(b).unwrap();
+    assert_eq!(id_of(&serde_json::to_vec(&value).unwrap()).as_deref(), Some(pa.id().as_str()));
+    // Anything that changes what runs changes the id.
+    for other in [
+        &br#"{"instructions":[{"name":"a","command":"false"}],"files":[{"path":"/x","content":"aGk="}]}"#[..],
+        br#"{"instructions":[{"name":"a","command":"true"}],"files":[{"path":"/x","content":"aGo="}]}"#,
+        br#"{"instructions":[{"name":"a","command":"true","saveOutput":true}],"files":[{"path":"/x","content":"aGk="}]}"#,
+    ] {
+        assert_ne!(parse(other).unwrap().id(), pa.id(), "{}", String::from_utf8_lossy(other));
+    }
+    assert_eq!(id_of(b"not json"), None);
+    assert_eq!(short("0123456789abcdef"), "0123456789ab");
+    assert_eq!(short("abc"), "abc");
+}
+
+#[test]
 fn validation_names_the_field_and_index() {
     let cases: &[(&str, &str)] = &[
         ("{", "malformed JSON"),

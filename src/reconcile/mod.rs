@@ -83,6 +83,9 @@ pub enum View {
 pub struct Look {
     /// How log lines name the plan (`plan 0123456789ab`, a plan file's path).
     pub label: String,
+    /// Where the plan is kept, as people name it (a plan file's path, `secret NS/NAME`,
+    /// `nodeplan NS/NAME`): the `name` of its `nodeplan_plan_info` series.
+    pub place: String,
     pub plan: ValidPlan,
     pub checksum: String,
     pub view: View,
@@ -397,12 +400,17 @@ struct Memory {
     probes: Option<Probes>,
     /// The plan's `nodeplan_probe_healthy` gauges (removed when the plan is forgotten).
     probe_health: crate::metrics::ProbeHealth,
+    /// The id of the plan last looked at, by its checksum (computed once per plan), and its
+    /// `nodeplan_plan_info` series (removed when the plan is forgotten).
+    id: Option<(String, String)>,
+    plan_info: crate::metrics::PlanInfo,
 }
 
 /// What probing a plan needs, kept between looks (small: not the plan).
 #[derive(Clone)]
 struct Probes {
     checksum: String,
+    id: String,
     label: String,
     probes: BTreeMap<String, crate::plan::Probe>,
     statuses: BTreeMap<String, ProbeStatus>,
@@ -425,11 +433,35 @@ impl Default for Memory {
             next_probe: None,
             probes: None,
             probe_health: crate::metrics::ProbeHealth::default(),
+            id: None,
+            plan_info: crate::metrics::PlanInfo::default(),
         }
     }
 }
 
 impl Memory {
+    /// The id of the plan `look` shows ([`crate::plan::id`], computed once per plan), which
+    /// `nodeplan_plan_info` now maps to where the plan is kept.
+    fn id_of(&mut self, look: &Look) -> String {
+        let id = match &self.id {
+            Some((checksum, id)) if *checksum == look.checksum => id.clone(),
+            _ => {
+                let id = look.plan.id();
+                self.id = Some((look.checksum.clone(), id.clone()));
+                id
+            }
+        };
+        self.plan_info.set(&id, &look.place);
+        id
+    }
+
+    /// The plan is gone: its series go too.
+    fn forget(&mut self) {
+        self.probe_health.clear();
+        self.plan_info.clear();
+        self.id = None;
+    }
+
     /// Log `msg` unless it was logged already; whether it was logged now.
     fn warn_once(&mut self, msg: String) -> bool {
         let first = self.warned.insert(msg.clone());
@@ -723,7 +755,7 @@ impl<S: PlanSource> Reconciler<S> {
         }
         let look = match self.source.look(key).await {
             Seen::Nothing => {
-                self.mem(key).probe_health.clear();
+                self.mem(key).forget();
                 return Action::Wait;
             }
             Seen::Held(why) => {
@@ -742,6 +774,7 @@ impl<S: PlanSource> Reconciler<S> {
             }
             Seen::Plan(look) => look,
         };
+        let id = self.mem(key).id_of(&look);
         let decision = match &look.view {
             View::Flow(snap) => flow::decide(snap),
             View::Legacy { one_time } => Decision::Run(RunPlan::Legacy { one_time: *one_time }),
@@ -769,6 +802,7 @@ impl<S: PlanSource> Reconciler<S> {
             }
             mem.probes = (!look.plan.plan.probes.is_empty()).then(|| Probes {
                 checksum: look.checksum.clone(),
+                id: id.clone(),
                 label: look.label.clone(),
                 probes: look.plan.plan.probes.clone(),
                 statuses: look.probe_statuses.clone(),
@@ -841,7 +875,7 @@ impl<S: PlanSource> Reconciler<S> {
 
     /// Write probe statuses when they changed.
     async fn store_probes(&mut self, key: &S::Key, p: Probes, statuses: BTreeMap<String, ProbeStatus>) -> Action {
-        self.mem(key).probe_health.set(&p.checksum, health(&statuses));
+        self.mem(key).probe_health.set(&p.id, health(&statuses));
         if statuses == p.statuses {
             return Action::Wait;
         }
@@ -996,7 +1030,9 @@ impl<S: PlanSource> Reconciler<S> {
             None
         };
         if let Some(statuses) = &probes {
-            self.mem(key).probe_health.set(&look.checksum, health(statuses));
+            let mem = self.mem(key);
+            let id = mem.id_of(look);
+            mem.probe_health.set(&id, health(statuses));
         }
         let state = record.as_ref().and_then(|r| r.state.clone());
         if result.restart_requested {

@@ -104,6 +104,7 @@ impl PlanSource for MemSource {
         };
         Seen::Plan(Box::new(Look {
             label: format!("plan {name}"),
+            place: format!("memory {name}"),
             plan: p.plan,
             checksum: p.checksum,
             view: View::Flow(snap),

@@ -60,6 +60,8 @@ pub struct SecretSource {
     legacy: Option<wire::LegacyDecision>,
     /// The plan whose ignored annotations were reported.
     noted_legacy: Option<String>,
+    /// The id of the plan last looked at, by its checksum (computed once per plan, not per look).
+    id: Option<(String, String)>,
     pending: Option<Pending>,
     /// Where an outcome is kept on the node until it is written (R17).
     kept: KeptStore,
@@ -82,10 +84,6 @@ fn interrupt_of(s: &SecretSnapshot) -> (Interrupt, Option<String>) {
     (Interrupt { pause, cancel, ..Interrupt::default() }, if cancel { None } else { invalid })
 }
 
-fn short(checksum: &str) -> &str {
-    checksum.get(..12).unwrap_or(checksum)
-}
-
 impl SecretSource {
     pub fn new(client: SecretClient, probe_period: Duration) -> SecretSource {
         let kept = KeptStore::new(None, client.secret_ref());
@@ -99,6 +97,7 @@ impl SecretSource {
             has_run_once: false,
             legacy: None,
             noted_legacy: None,
+            id: None,
             pending: None,
             kept,
             last_interrupt: Interrupt::default(),
@@ -250,7 +249,7 @@ impl PlanSource for SecretSource {
         if let Some(k) = self.kept.load().await {
             tracing::info!(
                 "an outcome of plan {} was kept on the node by a previous agent; writing it before anything runs",
-                short(&k.checksum)
+                plan::short(&k.checksum)
             );
             self.pending = Some(Pending { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
         }
@@ -275,9 +274,17 @@ impl PlanSource for SecretSource {
         let checksum = plan::checksum(raw);
         let vp = match plan::parse(raw) {
             Ok(v) => v,
-            Err(e) => return Seen::Bad { error: format!("plan {}: {e}", short(&checksum)), checksum },
+            Err(e) => return Seen::Bad { error: format!("plan {}: {e}", plan::short(&checksum)), checksum },
         };
         let total = vp.plan.instructions.len();
+        let id = match &self.id {
+            Some((c, id)) if *c == checksum => id.clone(),
+            _ => {
+                let id = vp.id();
+                self.id = Some((checksum.clone(), id.clone()));
+                id
+            }
+        };
         let (view, saved_key) = match wire::plan_state(&snap) {
             Some(state) => (View::Flow(wire::flow_snapshot(&snap, &checksum, state, total)), wire::APPLIED_OUTPUT),
             None => {
@@ -287,8 +294,7 @@ impl PlanSource for SecretSource {
                 let d = wire::legacy_decide(&snap, &checksum, self.has_run_once, own_echo, chrono::Utc::now());
                 if annotated && self.noted_legacy.as_deref() != Some(checksum.as_str()) {
                     tracing::warn!(
-                        "plan {}: pause/cancel annotations are ignored without plan-state (checksum flow)",
-                        short(&checksum)
+                        "plan {id}: pause/cancel annotations are ignored without plan-state (checksum flow)"
                     );
                     self.noted_legacy = Some(checksum.clone());
                 }
@@ -298,7 +304,11 @@ impl PlanSource for SecretSource {
             }
         };
         Seen::Plan(Box::new(Look {
-            label: format!("plan {}", short(&checksum)),
+            label: format!("plan {id}"),
+            place: {
+                let r = self.client.secret_ref();
+                format!("secret {}/{}", r.namespace, r.name)
+            },
             checksum,
             view,
             attempt: wire::attempt(&snap),
@@ -403,7 +413,7 @@ impl PlanSource for SecretSource {
             if !same_run {
                 tracing::info!(
                     "dropping the outcome kept on the node for plan {}: the secret was reassigned or recreated since",
-                    short(&p.checksum)
+                    plan::short(&p.checksum)
                 );
                 self.kept.clear().await;
                 return Written::Abandoned;

@@ -136,11 +136,6 @@ fn not_served() -> Failure {
     ))
 }
 
-/// The first 12 digits of a checksum, as plans are named everywhere.
-fn short(checksum: &str) -> &str {
-    checksum.get(..12).unwrap_or(checksum)
-}
-
 /// `push|pause|resume|cancel|reset|status --nodeplan`.
 pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Failure> {
     let Some(r) = &t.nodeplan else { return Err(bad_input("no --nodeplan given".into())) };
@@ -256,8 +251,9 @@ async fn push(
         };
         match written {
             Ok(o) => {
-                let checksum = cli_wire::plan_checksum(&o).unwrap_or_default();
-                crate::cli::out!("pushed plan {} to nodeplan {r}: {what}", short(&checksum));
+                // As the API server stored it (the id of what runs, whatever the run token).
+                let id = crate::nodeplan::wire::plan_bytes(&cli_wire::spec_of(&o)).and_then(|b| crate::plan::id_of(&b));
+                crate::cli::out!("pushed plan {} to nodeplan {r}: {what}", id.as_deref().unwrap_or("-"));
                 if let Some(note) = cli_wire::push_note(&o) {
                     crate::cli::out!("{note}");
                 }
