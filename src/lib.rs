@@ -82,6 +82,20 @@ pub fn count(n: usize, noun: &str) -> String {
     if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
 }
 
+/// Rows of cells as table lines: each column padded to its widest cell, three spaces apart (as
+/// kubectl prints), no trailing spaces. The first row is the header.
+pub fn columns(rows: &[Vec<String>]) -> Vec<String> {
+    let n = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> =
+        (0..n).map(|i| rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).max().unwrap_or(0)).collect();
+    rows.iter()
+        .map(|r| {
+            let cells: Vec<String> = r.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+            cells.join("   ").trim_end().to_string()
+        })
+        .collect()
+}
+
 /// A value quoted for a one-line message, cut to 60 characters.
 pub(crate) fn quoted(s: &str) -> String {
     let mut cut: String = s.chars().take(60).collect();

@@ -142,6 +142,25 @@ fn plan_status_names_the_failing_instruction_its_exit_status_and_last_lines() {
         "{status}"
     );
     assert!(!status.contains("hunter2"), "{status}");
+    // The same as one document (the row `--selector` prints for a node), and by name.
+    let path = s.plan_path("f").display().to_string();
+    let shown = |format: &str| {
+        let out = Command::new(NODEPLAN).args(["plan", "status", &path, "-o", format]).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let row: serde_json::Value = serde_json::from_str(&shown("json")).unwrap();
+    assert_eq!(
+        (&row["kind"], &row["name"], &row["state"]),
+        (&"PlanFile".into(), &path.clone().into(), &"failed".into())
+    );
+    assert_eq!((&row["completed"], &row["total"]), (&1.into(), &2.into()), "{row}");
+    assert_eq!(row["plan"], nodeplan::plan::id_of(&std::fs::read(&path).unwrap()).unwrap());
+    let error = row["error"].as_str().unwrap();
+    assert!(error.contains("instruction 2/2 boom: exit status 3") && !error.contains("hunter2"), "{row}");
+    assert!(row["lastChange"].as_str().is_some_and(|t| t.ends_with('Z') && t.contains('T')), "RFC 3339: {row}");
+    assert_eq!(serde_yaml_ng::from_str::<serde_json::Value>(&shown("yaml")).unwrap(), row);
+    assert_eq!(shown("name"), format!("{path}\n"));
     let logs = Command::new(NODEPLAN).args(["plan", "logs", s.plan_path("f").to_str().unwrap()]).output().unwrap();
     assert_eq!(
         String::from_utf8_lossy(&logs.stdout),
@@ -636,7 +655,7 @@ fn one_time_instructions_are_logged_at_info_and_periodic_ones_at_debug() {
         let log = agent.rest().join("\n");
         assert!(log.contains("instruction 1/1 first: started"), "{level}: {log}");
         // One short prefix: the plan's id, not the spans' names and fields (issue 24).
-        let id = &nodeplan::plan::checksum(&std::fs::read(s.plan_path("fleet")).unwrap())[..12];
+        let id = nodeplan::plan::id_of(&std::fs::read(s.plan_path("fleet")).unwrap()).unwrap();
         let line = log.lines().find(|l| l.contains("instruction 1/1 first: started")).unwrap_or_default();
         assert!(line.ends_with(&format!(" INFO [{id}] instruction 1/1 first: started")), "{line}");
         assert!(log.contains("instruction 1/1 first: ok (exit status 0, "), "{level}: {log}");

@@ -914,8 +914,10 @@ async fn a_rollout_over_nodeplans_one_per_node_across_namespaces() {
     let out =
         nodeplan_cmd(cp, &["plan", "status", "-l", "pool=npr", "--nodeplans", "-A", "-o", "json"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let rows: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["kind"], "List", "{list}");
+    let rows = list["items"].as_array().unwrap();
+    assert!(rows.iter().all(|r| r["kind"] == "NodePlan"), "{rows:?}");
     let states: Vec<(String, String)> = rows
         .iter()
         .map(|r| (r["node"].as_str().unwrap().to_string(), r["state"].as_str().unwrap().to_string()))

@@ -253,6 +253,34 @@ async fn status_node_lists_a_nodes_plans_in_the_order_its_agent_runs_them() {
     assert_eq!(first_column(&table), ["z-high", "b-old", "a-new", "c-new"], "{table}");
     let row: Vec<&str> = table.lines().nth(1).unwrap_or_default().split_whitespace().collect();
     assert_eq!(&row[..5], ["z-high", "5", "-", "-", "0"], "no status yet: {table}");
+    // kubectl's other shapes: wide adds the namespace and the plan id, a List document, names.
+    let id = nodeplan::plan::id_of(&std::fs::read(&file).unwrap()).unwrap();
+    let ns = p.namespace.as_str();
+    let wide = p.ok(&["plan", "status", "--node", "node-a", "--namespace", ns, "-o", "wide"]);
+    let words = |n: usize| wide.lines().nth(n).unwrap_or_default().split_whitespace().take(4).collect::<Vec<_>>();
+    assert_eq!(words(0), ["NAMESPACE", "NAME", "PLAN", "PRIORITY"], "{wide}");
+    assert_eq!(words(1), [ns, "z-high", &id, "5"], "{wide}");
+    let list: serde_json::Value =
+        serde_json::from_str(&p.ok(&["plan", "status", "--node", "node-a", "--namespace", ns, "-o", "json"])).unwrap();
+    assert_eq!(list["kind"], "List");
+    let names: Vec<&str> = list["items"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["z-high", "b-old", "a-new", "c-new"], "{list}");
+    assert_eq!((&list["items"][0]["plan"], &list["items"][0]["priority"]), (&json!(id), &json!(5)), "{list}");
+    let yaml = p.ok(&["plan", "status", "--node", "node-a", "--namespace", ns, "-o", "yaml"]);
+    assert_eq!(serde_yaml_ng::from_str::<serde_json::Value>(&yaml).unwrap(), list);
+    let names = p.ok(&["plan", "status", "--node", "node-a", "--namespace", ns, "-o", "name"]);
+    assert_eq!(
+        names,
+        "nodeplan.agent.cattle.io/z-high\nnodeplan.agent.cattle.io/b-old\nnodeplan.agent.cattle.io/a-new\nnodeplan.agent.cattle.io/c-new\n"
+    );
+    // One NodePlan: its row, as `--selector --nodeplans` shows it.
+    let one: serde_json::Value =
+        serde_json::from_str(&p.ok(&["plan", "status", "--nodeplan", &p.target("z-high"), "-o", "json"])).unwrap();
+    assert_eq!(
+        (&one["kind"], &one["name"], &one["node"], &one["plan"]),
+        (&json!("NodePlan"), &json!("z-high"), &json!("node-a"), &json!(id)),
+        "{one}"
+    );
 
     // Without --namespace: the kubeconfig context's namespace.
     let kubeconfig = p.p("kubeconfig-ns");

@@ -1354,11 +1354,33 @@ async fn fleet_status_and_cancel_fan_out_by_selector() {
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.starts_with("NODE") && table.contains("4 nodes: 4 canceled"), "{table}");
     assert!(!table.lines().any(|l| l.starts_with("d1 ")), "the db node is not selected: {table}");
+    // kubectl's shapes: one List document (JSON or YAML), names for xargs, wide names the objects.
     let out = cli(&["plan", "status", "-l", "pool=workers", "-o", "json"]);
-    let rows: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((&list["apiVersion"], &list["kind"]), (&json!("v1"), &json!("List")), "{list}");
+    let rows = list["items"].as_array().unwrap();
     assert_eq!(rows.len(), 4);
-    assert!(rows.iter().all(|r| r["state"] == "canceled" && r["total"] == 1), "{rows:?}");
+    assert!(
+        rows.iter()
+            .all(|r| r["state"] == "canceled" && r["total"] == 1 && r["kind"] == "Secret" && r["namespace"] == ns),
+        "{rows:?}"
+    );
+    let out = cli(&["plan", "status", "-l", "pool=workers", "-o", "yaml"]);
+    let yaml: serde_json::Value = serde_yaml_ng::from_slice(&out.stdout).unwrap();
+    assert_eq!(yaml, list);
+    let out = cli(&["plan", "status", "-l", "pool=workers", "-o", "name"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "secret/w1\nsecret/w2\nsecret/w3\nsecret/w4\n");
+    let out = cli(&["plan", "status", "-l", "pool=workers", "-o", "wide"]);
+    let wide = String::from_utf8_lossy(&out.stdout);
+    assert!(wide.lines().next().is_some_and(|h| h.contains("OBJECT")), "{wide}");
+    assert!(wide.contains(&format!("{ns}/w1")), "{wide}");
+    // One plan: the row itself, in the same shape.
+    let out = std::process::Command::new(NODEPLAN)
+        .args(["plan", "status", "--secret", &format!("{ns}/w1"), "-o", "json", "--kubeconfig", &kubeconfig])
+        .output()
+        .unwrap();
+    let one: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(one, rows[0], "{}", String::from_utf8_lossy(&out.stderr));
 
     // The watch saw each worker go pending → in-progress → canceled, each transition once.
     while seen.values().filter(|s| s.last().map(String::as_str) == Some("canceled")).count() < 4 {
@@ -1553,9 +1575,18 @@ async fn rollout_pause_resume_and_cancel() {
     // `rollout status` (issue 24; it was read as a plan file named "status"): the rollout is paused
     // and running, with its plan, and the nodes' table.
     let status = ctl("status");
-    let one_id = &plan::checksum(&std::fs::read(&one).unwrap())[..12];
+    let one_id = plan::id_of(&std::fs::read(&one).unwrap()).unwrap();
     assert!(status.starts_with(&format!("rollout:    paused (running), plan {one_id}, held by ")), "{status}");
     assert!(status.contains("NODE") && status.contains("p00") && status.contains("p03"), "{status}");
+    let out = rollout_cmd(cp, &ns, "status", &["-l", "pool=ctl", "-o", "json"]).output().unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (&doc["state"], &doc["running"], &doc["plan"]),
+        (&json!("paused"), &json!(true), &json!(one_id)),
+        "{doc}"
+    );
+    let nodes: Vec<&str> = doc["nodes"].as_array().unwrap().iter().filter_map(|r| r["name"].as_str()).collect();
+    assert_eq!(nodes.len(), 4, "{doc}");
     for gate in &gates[..2] {
         release_fifo(gate);
     }
@@ -1627,7 +1658,7 @@ async fn rollout_stops_at_the_error_budget() {
         .output()
         .unwrap();
     let dry = String::from_utf8_lossy(&dry.stdout).into_owned();
-    let id = &plan::checksum(&std::fs::read(&plan_file).unwrap())[..12];
+    let id = plan::id_of(&std::fs::read(&plan_file).unwrap()).unwrap();
     assert!(dry.starts_with(&format!("dry run: roll plan {id} out to 8 nodes (")), "{dry}");
     assert!(dry.ends_with("wave 1: b00, b01, b02\nwave 2: b03, b04, b05\nwave 3: b06, b07\n"), "{dry}");
     for name in &names {

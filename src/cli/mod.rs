@@ -8,6 +8,7 @@
 mod agent;
 mod apply;
 mod dry_run;
+mod format;
 mod install;
 mod output;
 mod plan_cmd;

@@ -14,6 +14,7 @@ pub(super) mod fleet;
 pub(super) mod nodeplan;
 
 use super::exit;
+use super::format::Output;
 use crate::local::pos::{self, PlanFiles};
 use crate::plan::{self, Annotations, Checkpoint};
 use clap::{Args, Subcommand};
@@ -76,17 +77,11 @@ pub struct NodeList {
     /// not polling) until Ctrl-C.
     #[arg(long, short = 'w', requires = "selector")]
     pub watch: bool,
-    /// With --selector: `table` (redrawn in a terminal) or `json` (one object per node, and per
-    /// change with --watch).
-    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table, requires = "selector")]
+    /// `table` (with --watch redrawn in a terminal), `wide` (more columns), `json` or `yaml` (one
+    /// document: the plan's row, or a `List` of rows with --node or --selector; with --watch one
+    /// per change), `name` (`secret/NAME`, `nodeplan.agent.cattle.io/NAME` or the plan file).
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
-}
-
-/// How `status --selector` prints.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Output {
-    Table,
-    Json,
 }
 
 /// A command that acts on a plan: one (`PLANFILE`, `--secret`, `--nodeplan`) or, with
@@ -272,6 +267,18 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
                 "reset {plan}: wrote {}{also} (the agent runs it again from its first instruction)",
                 f.reset().display()
             );
+        }
+        PlanAction::Status { list, .. } if list.output != Output::Table && list.output != Output::Wide => {
+            let raw = read_plan(&f.plan)?;
+            let mut ignored = Vec::new();
+            let p = pos::read_pos_trusted(&f.pos(), &mut ignored).map_err(|e| format!("{}: {e}", f.pos().display()))?;
+            let name = f.plan.display().to_string();
+            let row = crate::fleet::Row {
+                kind: "PlanFile".into(),
+                name: name.clone(),
+                ..crate::fleet::row_of(&crate::fleet::local::standing(&name, &raw, &p))
+            };
+            super::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
         }
         PlanAction::Status { .. } => status(&f)?,
         PlanAction::Logs(_) => {
@@ -571,6 +578,17 @@ mod remote {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
                 let lines = crate::fleet::logs::of_object(&crate::fleet::objects::Object::Secret(s))?;
                 super::print_lines(lines);
+            }
+            PlanAction::Status { list, .. } if list.output.document() || list.output == super::Output::Name => {
+                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
+                let r = c.secret_ref();
+                let row = crate::fleet::Row {
+                    kind: "Secret".into(),
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                    ..crate::fleet::row_of(&crate::fleet::secret::standing(&r.name, &s))
+                };
+                crate::cli::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
             }
             PlanAction::Status { .. } => {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;

@@ -6,6 +6,7 @@
 //! [`objects::PARALLEL`] in flight), and a line per node transition with the overall counts.
 
 use super::exit;
+use super::format::Output;
 use super::plan_cmd::RemoteTarget;
 use crate::fleet::objects::{self, Change, Kind, Object, Scope, Tracker, Write};
 use crate::fleet::rollout::{self, Amount, Finish, Limits, Place};
@@ -136,13 +137,40 @@ pub enum Control {
     Cancel(ControlArgs),
     /// Where the rollout over the selection stands: running, paused, canceled or none (its Lease),
     /// its plan, and every selected node's row as `plan status --selector` shows it.
-    Status(ControlArgs),
+    Status(StatusArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct ControlArgs {
     #[command(flatten)]
     pub nodes: Nodes,
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub nodes: Nodes,
+    /// `table`, `wide` (the objects too), `json` or `yaml` (one document: the rollout and its
+    /// nodes' rows), `name` (each node's object, `secret/NAME` or `nodeplan.agent.cattle.io/NAME`).
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+/// `rollout status -o json|yaml`.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct RolloutStatus {
+    /// `running`, `paused`, `canceled`, `stopped` (its command ended; the same command continues
+    /// it) or `none`.
+    state: String,
+    /// Whether a rollout command runs now (it holds the Lease).
+    running: bool,
+    /// The rollout's plan id (empty without a rollout).
+    plan: String,
+    /// Who runs it (the Lease's holder).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    holder: String,
+    nodes: Vec<crate::fleet::Row>,
 }
 
 /// `rollout --help`'s exit codes.
@@ -244,7 +272,7 @@ async fn control(args: &ControlArgs, act: Act) -> Result<u8, (u8, String)> {
 
 /// `rollout status`: the rollout's Lease (whether one runs, paused or canceled, and its plan),
 /// then the selected nodes' rows. Writes nothing.
-async fn status(args: &ControlArgs) -> Result<u8, (u8, String)> {
+async fn status(args: &StatusArgs) -> Result<u8, (u8, String)> {
     let t = args.nodes.target();
     let kube = super::plan_cmd::kube_client(&t).await.map_err(|e| (exit::FAILED, e))?;
     let (scope, lease) = args.nodes.scope(&kube);
@@ -255,37 +283,56 @@ async fn status(args: &ControlArgs) -> Result<u8, (u8, String)> {
     })
     .await
     .map_err(|e| (exit::FAILED, e))?;
+    let mut st = RolloutStatus {
+        state: "none".into(),
+        running: false,
+        plan: String::new(),
+        holder: String::new(),
+        nodes: Vec::new(),
+    };
     let line = match found {
         None => format!("rollout:    none over {} (no Lease {}/{})", scope.describe(), lease.namespace, lease.name),
         Some(l) => {
             let a = l.metadata.annotations.unwrap_or_default();
-            let plan = a
+            st.plan = a
                 .get(ANNOTATION_PLAN_ID)
                 .or(a.get(ANNOTATION_PLAN))
                 .map(|p| crate::nodeplan::cli_wire::shown(crate::plan::short(p), 12))
-                .unwrap_or_else(|| "-".into());
+                .unwrap_or_default();
             let spec = l.spec.unwrap_or_default();
-            let holder = spec.holder_identity.filter(|h| !h.is_empty());
-            let control = a.get(ANNOTATION_CONTROL).map(String::as_str);
-            let state = match (control, &holder) {
-                (Some(c), Some(_)) => format!("{c} (running)"),
-                (Some(c), None) => format!("{c} (not running)"),
-                (None, Some(_)) => "running".to_string(),
-                (None, None) => "not running (run the same rollout command to continue)".to_string(),
+            st.holder = spec.holder_identity.map(|h| crate::plan::failure::shown_line(&h)).unwrap_or_default();
+            st.running = !st.holder.is_empty();
+            let control = a.get(ANNOTATION_CONTROL).map(|c| crate::plan::failure::shown_line(c));
+            st.state = match (&control, st.running) {
+                (Some(c), _) => c.clone(),
+                (None, true) => "running".into(),
+                (None, false) => "stopped".into(),
             };
-            let held =
-                holder.map(|h| format!(", held by {}", crate::plan::failure::shown_line(&h))).unwrap_or_default();
-            format!("rollout:    {state}, plan {}{held}", crate::plan::failure::shown_line(&plan))
+            let state = match (control, st.running) {
+                (Some(c), true) => format!("{c} (running)"),
+                (Some(c), false) => format!("{c} (not running)"),
+                (None, true) => "running".to_string(),
+                (None, false) => "not running (run the same rollout command to continue)".to_string(),
+            };
+            let held = if st.running { format!(", held by {}", st.holder) } else { String::new() };
+            let plan = if st.plan.is_empty() { "-" } else { &st.plan };
+            format!("rollout:    {state}, plan {plan}{held}")
         }
     };
-    crate::cli::out!("{line}");
     let found = objects::list(kube, &scope, t.request_timeout).await.map_err(|e| (exit::FAILED, e))?;
-    let rows = crate::fleet::sorted(found.iter().map(|(key, o)| crate::fleet::row_of(&o.standing(key))).collect());
-    if rows.is_empty() {
-        crate::cli::out!("no objects: {} (none)", scope.describe());
-    } else {
-        crate::cli::out!("{}", crate::fleet::table(&rows));
-        crate::cli::out!("{}", crate::fleet::summary(&rows));
+    st.nodes = crate::fleet::sorted(found.iter().map(|(key, o)| o.row(&scope, key)).collect());
+    match args.output {
+        Output::Table | Output::Wide => {
+            crate::cli::out!("{line}");
+            if st.nodes.is_empty() {
+                crate::cli::out!("no objects: {} (none)", scope.describe());
+            } else {
+                crate::cli::out!("{}", crate::fleet::table(&st.nodes, args.output == Output::Wide));
+                crate::cli::out!("{}", crate::fleet::summary(&st.nodes));
+            }
+        }
+        Output::Name => super::format::print(&st.nodes, false, Output::Name, crate::fleet::Row::kube_name),
+        _ => super::format::print(&[st], true, args.output, |_| String::new()),
     }
     Ok(exit::OK)
 }
@@ -884,7 +931,7 @@ fn report(
         let c = rollout::counts(places);
         if let Some(standings) = terminal {
             let rows = crate::fleet::sorted(standings.values().map(crate::fleet::row_of).collect());
-            crate::cli::out!("\x1b[H\x1b[2J{}", crate::fleet::table(&rows));
+            crate::cli::out!("\x1b[H\x1b[2J{}", crate::fleet::table(&rows, false));
             crate::cli::out!("{}", rollout::bar(c, places.len(), 40));
         }
         crate::cli::out!(

@@ -9,6 +9,7 @@
 //! transition once. [`objects`] is the I/O edge: listing, watching and writing the selected
 //! objects of either kind. The commands are `cli`'s.
 
+pub mod local;
 pub mod logs;
 pub mod nodeplan;
 pub mod objects;
@@ -67,11 +68,18 @@ impl Standing {
 }
 
 /// Where one node's plan stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Row {
     /// The node (one plan object per node).
     pub node: String,
+    /// The plan object: `Secret` or `NodePlan` (empty when not known), its namespace and name.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub kind: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub name: String,
     /// See [`Standing::state`].
     pub state: String,
     /// The plan's short id (12 hex digits; empty without a plan).
@@ -88,6 +96,20 @@ pub struct Row {
 }
 
 impl Row {
+    /// `NAMESPACE/NAME` of the object (`-` when not known).
+    pub fn object(&self) -> String {
+        if self.name.is_empty() { "-".into() } else { format!("{}/{}", self.namespace, self.name) }
+    }
+
+    /// The object as kubectl's `-o name` says it: `secret/NAME`, `nodeplan.agent.cattle.io/NAME`.
+    pub fn kube_name(&self) -> String {
+        match self.kind.as_str() {
+            "Secret" => format!("secret/{}", self.name),
+            "NodePlan" => format!("nodeplan.{}/{}", crate::nodeplan::resource::GROUP, self.name),
+            _ => self.node.clone(),
+        }
+    }
+
     /// One line of JSON.
     pub fn json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
@@ -121,6 +143,9 @@ pub fn failure_text(failures: i64, failure: Option<&crate::plan::Failure>) -> St
 pub fn row_of(s: &Standing) -> Row {
     Row {
         node: s.node.clone(),
+        kind: String::new(),
+        namespace: String::new(),
+        name: String::new(),
         state: s.state.clone(),
         plan: if s.id.is_empty() {
             s.plan.as_deref().map(crate::plan::short).unwrap_or_default().to_string()
@@ -142,49 +167,34 @@ pub fn sorted(mut rows: Vec<Row>) -> Vec<Row> {
     rows
 }
 
-/// The table, one line per node under a header, columns padded to their widest cell.
-pub fn table(rows: &[Row]) -> String {
-    let cells: Vec<[String; 7]> = rows
-        .iter()
-        .map(|r| {
-            [
-                r.node.clone(),
-                r.state.clone(),
-                r.plan.clone(),
-                match r.completed {
-                    Some(c) => format!("{c}/{}", r.total),
-                    None => format!("?/{}", r.total),
-                },
-                if r.probes == 0 { "-".into() } else { format!("{}/{} healthy", r.probes_healthy, r.probes) },
-                if r.last_change.is_empty() { "-".into() } else { r.last_change.clone() },
-                r.error.clone(),
-            ]
-        })
-        .collect();
-    let header = ["NODE", "STATE", "PLAN", "INSTRUCTIONS", "PROBES", "LAST CHANGE", "ERROR"].map(String::from);
-    let mut widths = header.clone().map(|h| h.chars().count());
-    for row in &cells {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
+/// The table, one line per node under a header, columns padded to their widest cell; `wide`
+/// adds the object (namespace and name) each row is of.
+pub fn table(rows: &[Row], wide: bool) -> String {
+    let mut header =
+        ["NODE", "STATE", "PLAN", "INSTRUCTIONS", "PROBES", "LAST CHANGE", "ERROR"].map(String::from).to_vec();
+    if wide {
+        header.insert(6, "OBJECT".into());
     }
-    let line = |row: &[String; 7]| {
-        let mut out = String::new();
-        for (i, (c, w)) in row.iter().zip(widths).enumerate() {
-            if i + 1 == row.len() {
-                out.push_str(c);
-            } else {
-                out.push_str(&format!("{c:<w$}  "));
-            }
+    let mut cells = vec![header];
+    for r in rows {
+        let mut row = vec![
+            r.node.clone(),
+            r.state.clone(),
+            r.plan.clone(),
+            match r.completed {
+                Some(c) => format!("{c}/{}", r.total),
+                None => format!("?/{}", r.total),
+            },
+            if r.probes == 0 { "-".into() } else { format!("{}/{} healthy", r.probes_healthy, r.probes) },
+            if r.last_change.is_empty() { "-".into() } else { r.last_change.clone() },
+            r.error.clone(),
+        ];
+        if wide {
+            row.insert(6, r.object());
         }
-        out.trim_end().to_string()
-    };
-    let mut out = line(&header);
-    for row in &cells {
-        out.push('\n');
-        out.push_str(&line(row));
+        cells.push(row);
     }
-    out
+    crate::columns(&cells).join("\n")
 }
 
 /// A one-line summary: how many nodes in each state.
@@ -248,15 +258,16 @@ mod tests {
             probes: 0,
             last_change: String::new(),
             error: String::new(),
+            ..Row::default()
         };
         let rows = sorted(vec![row("a", "succeeded"), row("b", "failed"), row("c", "in-progress"), row("d", "failed")]);
         let order: Vec<&str> = rows.iter().map(|r| r.node.as_str()).collect();
         assert_eq!(order, ["b", "d", "c", "a"]);
-        let t = table(&rows);
+        let t = table(&rows, false);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 5);
-        assert!(lines[0].starts_with("NODE  STATE        PLAN  INSTRUCTIONS"), "{t}");
-        assert!(lines[1].starts_with("b     failed       abc   1/2"), "{t}");
+        assert!(lines[0].starts_with("NODE   STATE         PLAN   INSTRUCTIONS"), "{t}");
+        assert!(lines[1].starts_with("b      failed        abc    1/2"), "{t}");
         assert_eq!(summary(&rows), "4 nodes: 2 failed, 1 in-progress, 1 succeeded");
     }
 
@@ -273,6 +284,7 @@ mod tests {
             probes: 0,
             last_change: String::new(),
             error: String::new(),
+            ..Row::default()
         };
         assert!(rows.set("a", r.clone()));
         assert!(!rows.set("a", r.clone()), "the same row again is no transition");

@@ -89,6 +89,16 @@ impl Object {
         }
     }
 
+    /// Its row, naming the object (`key` in `scope`).
+    pub fn row(&self, scope: &Scope, key: &str) -> super::Row {
+        let (namespace, name) = scope.locate(key);
+        let kind = match self {
+            Object::Secret(_) => "Secret",
+            Object::NodePlan(_) => "NodePlan",
+        };
+        super::Row { kind: kind.into(), namespace, name, ..super::row_of(&self.standing(key)) }
+    }
+
     pub fn resource_version(&self) -> &str {
         match self {
             Object::Secret(s) => &s.resource_version,

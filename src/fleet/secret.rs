@@ -24,7 +24,8 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
         st.probe_names = p.plan.probes.keys().cloned().collect();
     }
     let checkpoint = Checkpoint::read(s.data.get(wire::PLAN_CHECKPOINT).map(Vec::as_slice), &checksum);
-    let why = super::failure_text(wire::failure_count(s), wire::failure(s, &checksum).as_ref());
+    let failure = wire::failure(s, &checksum);
+    let why = super::failure_text(wire::failure_count(s), failure.as_ref());
     let failed = || Outcome::Failed(format!("failed ({why})"));
     let (state, outcome) = match wire::plan_state(s) {
         Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
@@ -47,6 +48,8 @@ pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
         ("succeeded" | "applied", _) => Some(st.total),
         (_, Some(cp)) => Some(cp.completed_instructions.min(st.total)),
         ("pending", None) => Some(0),
+        // Those before the one that failed.
+        ("failed", None) => failure.and_then(|f| f.instruction).map(|n| n.saturating_sub(1).min(st.total)),
         _ => None,
     };
     if state == "failed" {
@@ -87,12 +90,21 @@ mod tests {
         let sum = plan::checksum(&serde_json::to_vec(&p).unwrap_or_default());
         let cp = format!(r#"{{"checksum":"{sum}","completedInstructions":1,"totalInstructions":2,"paused":true}}"#);
         let probes = r#"{"web":{"healthy":true},"db":{"healthy":false}}"#;
+        // The agent names the instruction that failed: the ones before it are done.
+        let second = plan::Failure::instruction(&sum, 1, 2, "b", "exit status 3".into(), b"", &[]);
+        let second = serde_json::to_string(&second).unwrap();
         let rows = [
             (snap(&p, &[("plan-state", "pending")], &[]), "pending", Some(0), ""),
             (snap(&p, &[("plan-state", "in-progress")], &[]), "in-progress", None, ""),
             (snap(&p, &[("plan-state", "paused"), ("plan-checkpoint", &cp)], &[]), "paused", Some(1), ""),
             (snap(&p, &[("plan-state", "succeeded"), ("probe-statuses", probes)], &[]), "succeeded", Some(2), ""),
             (snap(&p, &[("plan-state", "failed"), ("failure-count", "3")], &[]), "failed", None, "3 failures"),
+            (
+                snap(&p, &[("plan-state", "failed"), ("failure-count", "1"), ("failed-instruction", &second)], &[]),
+                "failed",
+                Some(1),
+                "1 failure: instruction 2/2 b: exit status 3",
+            ),
             (snap(&p, &[("applied-checksum", &sum)], &[]), "applied", Some(2), ""),
             (snap(&p, &[("failed-checksum", &sum), ("failure-count", "1")], &[]), "failed", None, "1 failure"),
             (

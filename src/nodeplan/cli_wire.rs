@@ -214,11 +214,14 @@ fn applied(status: &NodePlanStatus) -> Option<&Condition> {
 /// How wide the MESSAGE column may get.
 const MESSAGE_CHARS: usize = 60;
 
-/// One NodePlan of `plan status --node`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One NodePlan of `plan status --node` (its JSON and YAML too).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Row {
     pub namespace: String,
     pub name: String,
+    /// The id of the plan its spec holds (`plan::id`; `-` without a runnable plan).
+    pub plan: String,
     pub priority: i32,
     pub phase: String,
     pub progress: String,
@@ -253,9 +256,11 @@ pub fn rows(objects: &[DynamicObject], node: &str, now: i64) -> Vec<Row> {
                 ),
                 Err(e) => ("?".into(), "-".into(), 0, shown(e, MESSAGE_CHARS)),
             };
+            let plan = wire::plan_bytes(&spec_of(o)).and_then(|b| crate::plan::id_of(&b));
             Row {
                 namespace: o.metadata.namespace.clone().unwrap_or_default(),
                 name: shown(&name, 253),
+                plan: plan.unwrap_or_else(|| "-".into()),
                 priority,
                 phase,
                 progress,
@@ -268,10 +273,10 @@ pub fn rows(objects: &[DynamicObject], node: &str, now: i64) -> Vec<Row> {
 }
 
 /// The table of `plan status --node`: a header and one line per row, columns padded to their
-/// widest cell (NAMESPACE first with `with_namespace`), no trailing spaces.
-pub fn table(rows: &[Row], with_namespace: bool) -> Vec<String> {
+/// widest cell (NAMESPACE first with `with_namespace`; the plan id after the name when `wide`).
+pub fn table(rows: &[Row], with_namespace: bool, wide: bool) -> Vec<String> {
     let mut cells: Vec<Vec<String>> = vec![
-        ["NAMESPACE", "NAME", "PRIORITY", "PHASE", "PROGRESS", "ATTEMPTS", "AGE", "MESSAGE"]
+        ["NAMESPACE", "NAME", "PLAN", "PRIORITY", "PHASE", "PROGRESS", "ATTEMPTS", "AGE", "MESSAGE"]
             .iter()
             .map(|s| s.to_string())
             .collect(),
@@ -280,6 +285,7 @@ pub fn table(rows: &[Row], with_namespace: bool) -> Vec<String> {
         cells.push(vec![
             r.namespace.clone(),
             r.name.clone(),
+            r.plan.clone(),
             r.priority.to_string(),
             r.phase.clone(),
             r.progress.clone(),
@@ -288,17 +294,15 @@ pub fn table(rows: &[Row], with_namespace: bool) -> Vec<String> {
             r.message.clone(),
         ]);
     }
-    let skip = if with_namespace { 0 } else { 1 };
-    let columns = cells[0].len();
-    let widths: Vec<usize> =
-        (0..columns).map(|i| cells.iter().map(|row| row[i].chars().count()).max().unwrap_or(0)).collect();
-    cells
-        .iter()
-        .map(|row| {
-            let line: Vec<String> = (skip..columns).map(|i| format!("{:<w$}", row[i], w = widths[i])).collect();
-            line.join("   ").trim_end().to_string()
-        })
-        .collect()
+    for row in &mut cells {
+        if !wide {
+            row.remove(2);
+        }
+        if !with_namespace {
+            row.remove(0);
+        }
+    }
+    crate::columns(&cells)
 }
 
 /// A label and its value, aligned as every `plan status` prints them.
@@ -586,6 +590,7 @@ mod tests {
             Row {
                 namespace: "ns".into(),
                 name: "z".into(),
+                plan: crate::plan::id_of(&serde_json::to_vec(&plan_a()).unwrap()).unwrap(),
                 priority: 10,
                 phase: "Applied".into(),
                 progress: "1/1".into(),
@@ -598,7 +603,7 @@ mod tests {
         assert_eq!((rows[3].phase.as_str(), rows[3].age.as_str()), ("?", "59m"), "an unreadable status");
         assert_eq!((rows[4].phase.as_str(), rows[4].progress.as_str(), rows[4].message.as_str()), ("-", "-", ""));
 
-        let t = table(&rows[1..2], false);
+        let t = table(&rows[1..2], false, false);
         assert_eq!(
             t,
             [
@@ -606,11 +611,14 @@ mod tests {
                 "z      10         Applied   1/1        1          30s   plan succeeded",
             ]
         );
-        let t = table(&rows, true);
+        let t = table(&rows, true, false);
         assert!(t[0].starts_with("NAMESPACE   NAME       PRIORITY"), "{t:?}");
         assert!(t[5].starts_with("ns          b          0          -"), "{t:?}");
         assert_eq!(t[5], t[5].trim_end(), "no trailing spaces");
-        assert_eq!(table(&[], false).len(), 1, "the header alone");
+        assert_eq!(table(&[], false, false).len(), 1, "the header alone");
+        let t = table(&rows[1..2], false, true);
+        assert!(t[0].starts_with("NAME   PLAN           PRIORITY"), "wide: the plan id after the name: {t:?}");
+        assert!(t[1].starts_with(&format!("z      {}   10", rows[1].plan)), "{t:?}");
     }
 
     #[test]

@@ -22,21 +22,20 @@ fn kind(nodeplans: bool) -> Kind {
     if nodeplans { Kind::NodePlans } else { Kind::Secrets }
 }
 
-/// `status --selector S [--nodeplans] [--watch] [--output json]`.
+/// `status --selector S [--nodeplans] [--watch] [-o FORMAT]`.
 pub(super) async fn status(selector: &str, l: &NodeList, t: &RemoteTarget) -> Result<(), Failure> {
     let kube = super::kube_client(t).await?;
     let scope = scope(&kube, kind(l.nodeplans), selector, l.namespace.as_ref(), l.all_namespaces);
-    let json = l.output == Output::Json;
     if !l.watch {
         let found = objects::list(kube, &scope, t.request_timeout).await?;
-        let rows = fleet::sorted(found.iter().map(|(key, o)| fleet::row_of(&o.standing(key))).collect());
+        let rows = fleet::sorted(found.iter().map(|(key, o)| o.row(&scope, key)).collect());
         if rows.is_empty() {
             super::super::say(&format!("nodeplan: no objects: {} (none)", scope.describe()));
         }
-        print_rows(&rows, json);
+        print_rows(&rows, l.output);
         return Ok(());
     }
-    watch(kube, &scope, json).await
+    watch(kube, &scope, l.output).await
 }
 
 /// `logs --selector S [--nodeplans]`: each selected node's logs after a `== node ==` line.
@@ -59,21 +58,26 @@ pub(super) async fn logs(a: &Acting) -> Result<(), Failure> {
     Ok(())
 }
 
-fn print_rows(rows: &[fleet::Row], json: bool) {
-    if json {
-        for r in rows {
-            crate::cli::out!("{}", r.json());
+fn print_rows(rows: &[fleet::Row], output: Output) {
+    match output {
+        Output::Table | Output::Wide if !rows.is_empty() => {
+            crate::cli::out!("{}", fleet::table(rows, output == Output::Wide));
+            crate::cli::out!("{}", fleet::summary(rows));
         }
-    } else if !rows.is_empty() {
-        crate::cli::out!("{}", fleet::table(rows));
-        crate::cli::out!("{}", fleet::summary(rows));
+        Output::Table | Output::Wide => {}
+        _ => crate::cli::format::print(rows, false, output, fleet::Row::kube_name),
     }
 }
 
-/// Follow the selected objects until Ctrl-C (or SIGTERM): JSON prints each node's row when it
-/// changes (every transition once); the table is printed again after each change (in a terminal,
-/// in place of the last one).
-async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Failure> {
+/// Follow the selected objects until Ctrl-C (or SIGTERM): JSON, YAML and names show each node's
+/// row when it changes (every transition once); the table is printed again after each change (in
+/// a terminal, in place of the last one).
+async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), Failure> {
+    let each = !matches!(output, Output::Table | Output::Wide);
+    let show = |row: &fleet::Row| match output {
+        Output::Name => row.kube_name(),
+        _ => crate::cli::format::change(row, output),
+    };
     use std::io::IsTerminal as _;
     let redraw = std::io::stdout().is_terminal();
     let mut rows = Rows::default();
@@ -90,19 +94,19 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
         let mut forget = |key: &str| {
             let gone = rows.remove(key);
             if let Some(row) = &gone
-                && json
+                && each
             {
-                crate::cli::out!("{}", serde_json::json!({"node": row.node, "state": "deleted"}));
+                crate::cli::out!("{}", show(&fleet::Row { state: "deleted".into(), ..row.clone() }));
             }
             gone.is_some()
         };
         let changed = match tracker.apply(event) {
             Change::Is(key) => {
                 let Some(o) = tracker.objects.get(&key) else { continue };
-                let row = fleet::row_of(&o.standing(&key));
-                let line = row.json();
+                let row = o.row(scope, &key);
+                let line = show(&row);
                 let changed = rows.set(&key, row);
-                if changed && json {
+                if changed && each {
                     crate::cli::out!("{line}");
                 }
                 changed
@@ -120,7 +124,7 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
             }
             Change::None => false,
         };
-        if changed && tracker.listed && !json {
+        if changed && tracker.listed && !each {
             if redraw {
                 crate::cli::out!("\x1b[H\x1b[2J");
             }
@@ -128,7 +132,7 @@ async fn watch(kube: kube::Client, scope: &Scope, json: bool) -> Result<(), Fail
             if all.is_empty() {
                 crate::cli::out!("none of {} (watching)", scope.describe());
             } else {
-                crate::cli::out!("{}\n{}\n", fleet::table(&all), fleet::summary(&all));
+                crate::cli::out!("{}\n{}\n", fleet::table(&all, output == Output::Wide), fleet::summary(&all));
             }
         }
     }

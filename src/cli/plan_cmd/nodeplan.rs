@@ -7,7 +7,7 @@
 //! `reset` writes a new `spec.runToken`: the agent identifies a run by `spec.plan` and the token
 //! (docs/rules.md R18), so the same plan runs again from its first instruction.
 
-use super::{Failure, NodeList, PlanAction, RemoteTarget, bad_input};
+use super::{Failure, NodeList, Output, PlanAction, RemoteTarget, bad_input};
 use crate::nodeplan::cli_wire::{self, Control};
 use crate::nodeplan::resource::{self, NODE_LABEL};
 use crate::nodeplan::source::{api_resource, node_label_value};
@@ -156,11 +156,21 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
             super::print_lines(lines);
             Ok(())
         }
-        PlanAction::Status { .. } => {
+        PlanAction::Status { list, .. } => {
             let api = nodeplans(t, r).await?;
             let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
-            for l in cli_wire::status_lines(&o) {
-                crate::cli::out!("{l}");
+            if matches!(list.output, Output::Table | Output::Wide) {
+                for l in cli_wire::status_lines(&o) {
+                    crate::cli::out!("{l}");
+                }
+            } else {
+                let row = crate::fleet::Row {
+                    kind: "NodePlan".into(),
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                    ..crate::fleet::row_of(&crate::fleet::nodeplan::standing(&r.name, &o))
+                };
+                crate::cli::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
             }
             Ok(())
         }
@@ -319,12 +329,16 @@ pub(super) async fn list(node: &str, l: &NodeList, t: &RemoteTarget) -> Result<(
         Err(ApiError::Failed(e)) => return Err(Failure::Failed(e)),
     };
     let rows = cli_wire::rows(&objects, node, chrono::Utc::now().timestamp());
-    if rows.is_empty() {
-        crate::cli::out!("no NodePlans for node {} in {place}", cli_wire::shown(node, 80));
-        return Ok(());
-    }
-    for line in cli_wire::table(&rows, l.all_namespaces) {
-        crate::cli::out!("{line}");
+    match l.output {
+        Output::Table | Output::Wide if rows.is_empty() => {
+            crate::cli::out!("no NodePlans for node {} in {place}", cli_wire::shown(node, 80));
+        }
+        Output::Table | Output::Wide => {
+            for line in cli_wire::table(&rows, l.all_namespaces || l.output == Output::Wide, l.output == Output::Wide) {
+                crate::cli::out!("{line}");
+            }
+        }
+        _ => crate::cli::format::print(&rows, false, l.output, |r| format!("nodeplan.{}/{}", resource::GROUP, r.name)),
     }
     Ok(())
 }
