@@ -206,8 +206,8 @@ enum Refused {
 
 fn refused(e: kube::Error) -> Refused {
     match &e {
-        kube::Error::Api(s) if s.code == 403 => Refused::Forbidden(crate::error_line(&e)),
-        _ => Refused::Other(crate::error_line(&e)),
+        kube::Error::Api(s) if s.code == 403 => Refused::Forbidden(crate::k8s::error_line(&e)),
+        _ => Refused::Other(crate::k8s::error_line(&e)),
     }
 }
 

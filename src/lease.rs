@@ -229,9 +229,9 @@ enum Refusal {
 
 fn refusal(e: kube::Error) -> Refusal {
     match &e {
-        kube::Error::Api(s) if s.code == 403 => Refusal::Forbidden(crate::error_line(&e)),
+        kube::Error::Api(s) if s.code == 403 => Refusal::Forbidden(crate::k8s::error_line(&e)),
         kube::Error::Api(s) if s.code == 409 => Refusal::Conflict,
-        _ => Refusal::Other(crate::error_line(&e)),
+        _ => Refusal::Other(crate::k8s::error_line(&e)),
     }
 }
 
@@ -364,8 +364,11 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                         ),
                     }
                     told = Some(who);
-                    let by = holder.as_deref().map_or_else(|| "no holder yet".to_string(), shown_holder);
-                    crate::board::lease(&r.what, &format!("waiting (held by {by})"));
+                    let why = match holder.as_deref() {
+                        Some(h) => format!("held by {}", shown_holder(h)),
+                        None => "no holder, but the last one may still be stopping".to_string(),
+                    };
+                    crate::board::lease(&r.what, &format!("waiting ({why})"));
                 }
                 wait(&mut shutdown, pace.min(remaining)).await;
                 continue;

@@ -447,7 +447,29 @@ fn an_api_server_that_never_answers_is_one_line_and_exit_1_within_the_timeout() 
         let t0 = Instant::now();
         let out = nodeplan_cli(&all);
         assert!(t0.elapsed() < Duration::from_secs(10), "{args:?} took {:?}", t0.elapsed());
-        out.refused(1, "no answer from the API server within 1s (--request-timeout)");
+        out.refused(
+            1,
+            &format!("no answer from the API server at https://127.0.0.1:{port} within 1s (--request-timeout)"),
+        );
+    }
+    // Nothing listens there any more: the one line names the server it could not reach.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone = closed.local_addr().unwrap().port();
+    drop(closed);
+    std::fs::write(
+        &kubeconfig,
+        std::fs::read_to_string(&kubeconfig).unwrap().replace(&format!(":{port}\n"), &format!(":{gone}\n")),
+    )
+    .unwrap();
+    for args in [
+        &["plan", "status", "--nodeplan", "ns/p"][..],
+        &["plan", "status", "--secret", "ns/s"],
+        &["plan", "status", "-l", "a=b"],
+        &["rollout", "status", "-l", "a=b"],
+    ] {
+        let mut all = args.to_vec();
+        all.extend(["--kubeconfig", &kubeconfig]);
+        nodeplan_cli(&all).refused(1, &format!("cannot reach the API server at https://127.0.0.1:{gone}: "));
     }
 }
 

@@ -423,10 +423,7 @@ pub(super) async fn bounded<T>(
 ) -> Result<T, String> {
     match tokio::time::timeout(t.request_timeout, request).await {
         Ok(r) => r,
-        Err(_) => Err(format!(
-            "{what}: no answer from the API server within {} (--request-timeout)",
-            crate::duration::show(t.request_timeout)
-        )),
+        Err(_) => Err(crate::k8s::no_answer(what, t.request_timeout)),
     }
 }
 

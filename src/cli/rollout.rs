@@ -230,7 +230,7 @@ async fn control(args: &ControlArgs, act: Act) -> Result<u8, (u8, String)> {
     let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: value}}});
     let pp = kube::api::PatchParams::default();
     let plan = match super::plan_cmd::bounded(&t, "write the rollout's Lease", async {
-        leases.patch(&lease.name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::error_line(&e))
+        leases.patch(&lease.name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::k8s::error_line(&e))
     })
     .await
     {
@@ -279,7 +279,7 @@ async fn status(args: &StatusArgs) -> Result<u8, (u8, String)> {
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
         kube::Api::namespaced(kube.clone(), &lease.namespace);
     let found = super::plan_cmd::bounded(&t, "read the rollout's Lease", async {
-        leases.get_opt(&lease.name).await.map_err(|e| crate::error_line(&e))
+        leases.get_opt(&lease.name).await.map_err(|e| crate::k8s::error_line(&e))
     })
     .await
     .map_err(|e| (exit::FAILED, e))?;
@@ -539,7 +539,7 @@ async fn take_nodes(
     if held.is_some() {
         let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), ns);
         let canceled = super::plan_cmd::bounded(t, "read the rollout's Lease", async {
-            leases.get_opt(name).await.map_err(|e| crate::error_line(&e))
+            leases.get_opt(name).await.map_err(|e| crate::k8s::error_line(&e))
         })
         .await
         .map_err(|e| (exit::FAILED, e))?
@@ -563,7 +563,7 @@ async fn take_nodes(
             leases
                 .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
                 .await
-                .map_err(|e| crate::error_line(&e))
+                .map_err(|e| crate::k8s::error_line(&e))
         })
         .await
         .map_err(|e| (exit::FAILED, e))?;
@@ -880,7 +880,7 @@ fn control_of(
                     }
                     Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
                     Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
-                    Err(e) => Some(Err(crate::error_line(&e))),
+                    Err(e) => Some(Err(crate::k8s::watcher_error_line(&e))),
                 }
             }),
     )

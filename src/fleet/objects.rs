@@ -113,11 +113,7 @@ fn error_line(kind: Kind, e: &kube::Error, listing: bool) -> String {
         kube::Error::Api(s) if kind == Kind::NodePlans && s.code == 404 && listing => {
             "the API server does not serve NodePlans: install the CRD with `nodeplan crd | kubectl apply -f -`".into()
         }
-        kube::Error::Api(s) => {
-            let reason = if s.reason.is_empty() { "Unknown" } else { s.reason.as_str() };
-            format!("the API server answered {} {reason}: {}", s.code, s.message).replace(['\n', '\r'], " ")
-        }
-        other => crate::error_line(other),
+        other => crate::k8s::error_line(other),
     }
 }
 
@@ -128,12 +124,8 @@ async fn bounded<T>(
 ) -> Result<T, String> {
     match tokio::time::timeout(timeout, request).await {
         Ok(r) => r,
-        Err(_) => Err(no_answer(what, timeout)),
+        Err(_) => Err(crate::k8s::no_answer(what, timeout)),
     }
-}
-
-fn no_answer(what: &str, timeout: Duration) -> String {
-    format!("{what}: no answer from the API server within {} (--request-timeout)", crate::duration::show(timeout))
 }
 
 /// The selected objects, by key.
@@ -211,7 +203,7 @@ pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<
                         .map(|n| Selected::Gone(scope.key(o.metadata.namespace.as_deref(), n))),
                     Ok(watcher::Event::Init) => Some(Selected::Relisting),
                     Ok(watcher::Event::InitDone) => Some(Selected::Listed),
-                    Err(e) => Some(Selected::Failed(crate::error_line(&e))),
+                    Err(e) => Some(Selected::Failed(crate::k8s::watcher_error_line(&e))),
                 };
                 std::future::ready(r)
             }))
@@ -337,7 +329,7 @@ pub async fn write(
                     // The agent wrote its status meanwhile: read again.
                     Ok(Err(kube::Error::Api(s))) if s.code == 409 => continue,
                     Ok(Err(e)) => return Err(format!("{what}: {}", error_line(Kind::NodePlans, &e, false))),
-                    Err(_) => return Err(no_answer(&what, timeout)),
+                    Err(_) => return Err(crate::k8s::no_answer(&what, timeout)),
                 }
             }
             Err(format!("{what}: it kept changing under every write; try again"))

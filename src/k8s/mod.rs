@@ -33,14 +33,45 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`watch::WATCH_GAP`], so a quiet watch is given up by its own bound with a clear line first.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// One line for a kube error: the API server's status as code, reason and message, anything else
-/// as its chain of causes.
+/// The API server the process talks to (the first client's; an agent or a command has one).
+static SERVER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The URL of the API server the process talks to, once a client was made.
+pub fn server() -> Option<&'static str> {
+    SERVER.get().map(String::as_str)
+}
+
+/// One line for a kube error: the API server's status as code, reason and message; a request
+/// that did not reach it names the server (`cannot reach the API server at URL: …`); anything
+/// else as its chain of causes.
 pub fn error_line(err: &kube::Error) -> String {
     match err {
         kube::Error::Api(status) => {
             let reason = if status.reason.is_empty() { "Unknown" } else { status.reason.as_str() };
-            format!("apiserver answered {} {}: {}", status.code, reason, status.message).replace(['\n', '\r'], " ")
+            format!("the API server answered {} {}: {}", status.code, reason, status.message).replace(['\n', '\r'], " ")
         }
+        kube::Error::Service(_) | kube::Error::HyperError(_) => {
+            let line = crate::error_line(err);
+            let cause = line.strip_prefix("ServiceError: ").unwrap_or(&line);
+            format!("cannot reach the API server at {}: {cause}", server().unwrap_or("(unknown)"))
+        }
+        other => crate::error_line(other),
+    }
+}
+
+/// A command's request (`what`) that got no answer within its `--request-timeout`, naming the
+/// server.
+pub fn no_answer(what: &str, timeout: Duration) -> String {
+    let at = server().map(|s| format!(" at {s}")).unwrap_or_default();
+    format!("{what}: no answer from the API server{at} within {} (--request-timeout)", crate::duration::show(timeout))
+}
+
+/// [`error_line`] of the request a kube-runtime watcher failed at (its own words before it).
+pub fn watcher_error_line(err: &kube::runtime::watcher::Error) -> String {
+    use kube::runtime::watcher::Error as W;
+    match err {
+        W::InitialListFailed(e) => format!("list: {}", error_line(e)),
+        W::WatchStartFailed(e) | W::WatchFailed(e) => format!("watch: {}", error_line(e)),
         other => crate::error_line(other),
     }
 }
@@ -48,6 +79,7 @@ pub fn error_line(err: &kube::Error) -> String {
 /// The agent's client for `config`: every request bounded ([`CONNECT_TIMEOUT`], [`IO_TIMEOUT`],
 /// [`liveness::HEADERS_TIMEOUT`]), counted by [`liveness`] and sent as [`USER_AGENT`].
 pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {
+    let _ = SERVER.set(crate::redact_userinfo(&config.cluster_url.to_string()).trim_end_matches('/').to_string());
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     config.read_timeout = Some(IO_TIMEOUT);
     config.write_timeout = Some(IO_TIMEOUT);

@@ -693,7 +693,7 @@ mod tests {
         // (the first list's answer, whether the fields are kept, what `decided` hears)
         for (first, kept, told) in [
             (200, true, "fields"),
-            (400, false, "labels: apiserver answered 400 BadRequest: field label not supported: spec.nodeName"),
+            (400, false, "labels: the API server answered 400 BadRequest: field label not supported: spec.nodeName"),
         ] {
             let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
             let heard = Arc::new(Mutex::new(Vec::new()));

@@ -375,10 +375,10 @@ mod tests {
                 name: "refused",
                 reapply: true,
                 base: obj(1, "p", 0),
-                answers: vec![Err(WriteError::Other("apiserver answered 403 Forbidden: no".into()))],
+                answers: vec![Err(WriteError::Other("the API server answered 403 Forbidden: no".into()))],
                 reads: vec![],
                 want: Wrote::Failed {
-                    error: "thing t: apiserver answered 403 Forbidden: no".into(),
+                    error: "thing t: the API server answered 403 Forbidden: no".into(),
                     retry_after: None,
                 },
                 sent: vec![(1, 7)],

@@ -324,7 +324,9 @@ impl NodePlanSource {
         let sent = self.seq();
         match tokio::time::timeout(API_TIMEOUT, self.api.replace_status(name, &PostParams::default(), &obj)).await {
             Ok(Ok(new)) => self.remember(name, new, sent, o),
-            Ok(Err(e)) => tracing::warn!("{}: cannot write its status: {}", self.label(name), crate::error_line(&e)),
+            Ok(Err(e)) => {
+                tracing::warn!("{}: cannot write its status: {}", self.label(name), crate::k8s::error_line(&e))
+            }
             Err(_) => tracing::warn!("{}: cannot write its status: timed out", self.label(name)),
         }
     }

@@ -587,6 +587,11 @@ pub fn record(
             s.checkpoint = Some(c.clone());
         }
     }
+    // A failed run keeps no checkpoint (it starts over), but what it did adds up with its
+    // results: the instructions before the one that failed.
+    if rec.state == Some(PlanState::Failed) {
+        s.progress = format!("{}/{total}", result.completed.min(total));
+    }
     if rec.state.is_some() {
         s.instructions = results(&s.instructions, result, now);
     }
@@ -962,6 +967,15 @@ mod tests {
             (done.conditions[0].status.as_str(), done.conditions[0].last_transition_time.as_str()),
             ("True", "2026-11-30T12:01:00Z")
         );
+        // A run that fails at its second instruction: progress adds up with the results (1 of 2).
+        let failed = Record {
+            state: Some(PlanState::Failed),
+            checkpoint: CheckpointWrite::Clear,
+            succeeded: Some(false),
+            ..Default::default()
+        };
+        let f = record(&begun, t(4), &failed, &ApplyResult { completed: 1, ..Default::default() }, None, now());
+        assert_eq!((f.phase.as_str(), f.progress.as_str(), f.checkpoint.clone()), ("Failed", "1/2", None));
         // A new run starts over, its probes' history too (an earlier run's health is not this one's).
         let mut probed = done.clone();
         probed.probe_statuses.insert("web".into(), crate::plan::ProbeStatus { healthy: true, ..Default::default() });

@@ -118,7 +118,7 @@ pub fn watch_selected(
                 Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
                 Ok(watcher::Event::Init) => Selected::Relisting,
                 Ok(watcher::Event::InitDone) => Selected::Listed,
-                Err(e) => Selected::Failed(crate::error_line(&e)),
+                Err(e) => Selected::Failed(crate::k8s::watcher_error_line(&e)),
             })
         })
 }

@@ -85,17 +85,6 @@ enum ApiError {
     Failed(String),
 }
 
-/// A kube error as one line (the API server's status, code and message).
-fn error_line(e: &kube::Error) -> String {
-    match e {
-        kube::Error::Api(s) => {
-            let reason = if s.reason.is_empty() { "Unknown" } else { s.reason.as_str() };
-            format!("the API server answered {} {reason}: {}", s.code, s.message).replace(['\n', '\r'], " ")
-        }
-        other => crate::error_line(other),
-    }
-}
-
 /// One request, bounded by `--request-timeout`; `what` names it in an error.
 async fn ask<T>(
     t: &RemoteTarget,
@@ -107,11 +96,8 @@ async fn ask<T>(
         Ok(Err(kube::Error::Api(s))) if s.code == 404 && s.reason == "NotFound" => Err(ApiError::NotFound),
         Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(ApiError::NotServed),
         Ok(Err(kube::Error::Api(s))) if s.code == 409 => Err(ApiError::Conflict),
-        Ok(Err(e)) => Err(ApiError::Failed(format!("{what}: {}", error_line(&e)))),
-        Err(_) => Err(ApiError::Failed(format!(
-            "{what}: no answer from the API server within {} (--request-timeout)",
-            crate::duration::show(t.request_timeout)
-        ))),
+        Ok(Err(e)) => Err(ApiError::Failed(format!("{what}: {}", crate::k8s::error_line(&e)))),
+        Err(_) => Err(ApiError::Failed(crate::k8s::no_answer(what, t.request_timeout))),
     }
 }
 
