@@ -236,6 +236,52 @@ fn subcommands(args: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// `nodeplan ARGS --help` as printed, in an empty environment (clap shows the value of an
+/// option's environment variable when it is set).
+fn help_of(args: &[String]) -> String {
+    let out = Command::new(NODEPLAN).args(args).arg("--help").env_clear().output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// docs/cli.md is generated from the commands' own definitions (each one's `--help`, in command
+/// order), so the reference cannot drift from the binary. `NODEPLAN_UPDATE_DOCS=1 cargo test
+/// --test walkthroughs the_cli_reference` writes it again after a change to the commands.
+#[test]
+fn the_cli_reference_is_the_commands_help() {
+    let mut doc = String::from(
+        "# Command-line reference\n\n[Back to the README](../README.md) · [Commands, output and exit codes](commands.md)\n\n\
+         Every command's `--help`, generated from the commands' definitions (a test fails when this file\n\
+         differs from the binary: `NODEPLAN_UPDATE_DOCS=1 cargo test --test walkthroughs the_cli_reference`\n\
+         writes it again).\n",
+    );
+    let mut add = |args: Vec<String>| {
+        let title = std::iter::once("nodeplan").chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ");
+        doc.push_str(&format!("\n## {title}\n\n```text\n{}\n```\n", help_of(&args).trim_end()));
+    };
+    add(Vec::new());
+    for c in subcommands(&[]) {
+        add(vec![c.clone()]);
+        for s in subcommands(&[&c]) {
+            add(vec![c.clone(), s]);
+        }
+    }
+    let path = root().join("docs/cli.md");
+    if std::env::var_os("NODEPLAN_UPDATE_DOCS").is_some() {
+        std::fs::write(&path, &doc).unwrap();
+    }
+    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+    if on_disk != doc {
+        let first = on_disk.lines().zip(doc.lines()).position(|(a, b)| a != b).unwrap_or(0);
+        panic!(
+            "docs/cli.md differs from the commands' help (from line {}: {:?}); run \
+             NODEPLAN_UPDATE_DOCS=1 cargo test --test walkthroughs the_cli_reference",
+            first + 1,
+            doc.lines().nth(first).unwrap_or_default()
+        );
+    }
+}
+
 /// The help and the docs agree: every command and subcommand has `--help` (exit 0), every command
 /// but the generators ends its help with its exit codes, docs/commands.md names every command,
 /// and no help says that something that works is not supported.
