@@ -1048,6 +1048,7 @@ impl<S: PlanSource> Reconciler<S> {
             _ => None,
         };
         let note = failure.as_ref().map(|f| f.note());
+        let failed = failure.is_some();
         if let Some(s) = &recorded {
             let result = match (s, &failure) {
                 (crate::plan::PlanState::Failed, Some(f)) => format!("failed: {}", f.summary()),
@@ -1073,6 +1074,11 @@ impl<S: PlanSource> Reconciler<S> {
                 if self.restart {
                     tracing::info!("{}: restarting the agent as asked, its progress recorded", look.label);
                     return Action::Stop;
+                }
+                // A failed plan is looked at again at once: its source says when it is retried,
+                // and the loop (and `nodeplan status`) learn it now, not at the next change.
+                if failed {
+                    return Action::After(Duration::ZERO);
                 }
                 // Periodic instructions run again when the shortest of their periods has passed
                 // (the applyinator runs those that are due), whatever the source's period.

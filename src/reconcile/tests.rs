@@ -46,6 +46,8 @@ struct Store {
     /// steps, never for time).
     writes: watch::Sender<u64>,
     looks: watch::Sender<u64>,
+    /// `looks` when the last write was made.
+    looks_at_write: std::sync::atomic::AtomicU64,
     /// Faults: the producer pauses the plan the moment its start is written; outcomes cannot be
     /// written (as when an API server is down) and the store asks for an hour before a retry.
     pause_on_begin: AtomicBool,
@@ -73,6 +75,7 @@ impl MemSource {
             p.history.push(s);
         }
         drop(plans);
+        self.0.looks_at_write.store(*self.0.looks.borrow(), SeqCst);
         self.0.writes.send_modify(|n| *n += 1);
         Written::Done
     }
@@ -514,6 +517,25 @@ async fn a_crash_mid_run_is_recovered_before_the_plan_runs_again() {
     let d = fx.get("d");
     assert_eq!((d.state, d.history), (PlanState::InProgress, vec![PlanState::InProgress]));
     assert!(std::fs::read_dir(fx.dir.path().join("pids")).unwrap().next().is_none(), "no PID records left");
+}
+
+/// A run that failed is looked at again at once, without a change: its source says there when it
+/// is retried (a local plan's schedule), which `nodeplan status` shows beside the failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_is_looked_at_again_at_once() {
+    let fx = fixture();
+    let mut looks = fx.store.looks.subscribe();
+    fx.add("f", &["true", "exit 3"]);
+    let (stop, run) = fx.start();
+    fx.until("f", "failed", |p| p.state == PlanState::Failed).await;
+    let at_write = fx.store.looks_at_write.load(SeqCst);
+    tokio::time::timeout(GUARD, looks.wait_for(|n| *n > at_write))
+        .await
+        .expect("the failed plan was not looked at again (the next look waits for a change or the hour's period)")
+        .unwrap();
+    assert_eq!(fx.get("f").history, [PlanState::InProgress, PlanState::Failed], "looked at, not run again");
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, run).await.unwrap().unwrap();
 }
 
 /// A pause that lands while the start is being written takes effect before anything runs.
