@@ -350,7 +350,7 @@ fn help_lists_exit_codes_defaults_and_the_duration_format() {
         assert!(help.contains(code), "exit code {code:?} missing: {help}");
     }
     for (option, default) in [
-        ("--work-dir", "[default: /var/lib/nodeplan/work]"),
+        ("--work-dir", "[default: the agent's workDirectory (see --config), else /var/lib/rancher/agent/work]"),
         ("--stop-timeout", "[default: 10s]"),
         ("--output-cap", "[default: 65536]"),
         ("--log-level", "else info]"),

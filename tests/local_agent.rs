@@ -930,3 +930,43 @@ fn nodeplan_status_shows_the_running_instruction_the_last_result_and_the_retry()
     let (code, _, err) = status(&[]);
     assert_eq!(code, Some(1), "a stopped agent leaves no record: {err}");
 }
+
+/// Issue 24: a hand-run `nodeplan apply` takes the agent's work directory (its config's
+/// `workDirectory`, the default of `--work-dir`), so the one-apply-at-a-time lock keeps it off the
+/// agent's plan: it waits, saying who holds the directory, and runs once the agent's plan is done.
+#[test]
+fn a_hand_run_apply_waits_for_the_agents_plan() {
+    let s = Setup::new();
+    let (ready, go, log) = (s.fifo("ready"), s.fifo("go"), s.p("log"));
+    s.plan(
+        "agents",
+        serde_json::json!({"instructions": [sh("agents", &format!("echo agent-start >> {log}; echo > {ready}; cat {go} > /dev/null; echo agent-end >> {log}"))]}),
+    );
+    let mut agent = s.start();
+    read_fifo(&ready);
+    let by_hand = s.p("by-hand.plan");
+    let plan = serde_json::json!({"instructions": [sh("by-hand", &format!("echo by-hand >> {log}"))]});
+    std::fs::write(&by_hand, serde_json::to_vec(&plan).unwrap()).unwrap();
+    let config = s.config().display().to_string();
+    let mut apply = Command::new(NODEPLAN)
+        .args(["apply", &by_hand, "--config", &config])
+        .env("NODEPLAN_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(apply.stderr.take().unwrap());
+    let waiting = loop {
+        let l = lines.recv_timeout(GUARD).expect("the apply never said it waits for the work directory");
+        if l.contains("waiting for the work directory's lock") {
+            break l;
+        }
+    };
+    assert!(waiting.contains(&format!("(pid {})", agent.child.id())), "held by the agent: {waiting}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "agent-start\n", "the apply did not wait");
+    release_fifo(&go);
+    assert_eq!(apply.wait().unwrap().code(), Some(0));
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "agent-start\nagent-end\nby-hand\n");
+    assert_eq!(agent.stop(), 0);
+}

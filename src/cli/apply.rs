@@ -14,10 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// The defaults of `nodeplan apply` (docs/commands.md's table shows the same).
-pub const DEFAULT_WORK_DIR: &str = "/var/lib/nodeplan/work";
-pub const DEFAULT_PID_DIR: &str = "/run/nodeplan/pids";
-
 #[derive(Args, Debug)]
 pub struct ApplyArgs {
     /// The plan file (system-agent plan JSON).
@@ -27,15 +23,23 @@ pub struct ApplyArgs {
     pub resume_from: usize,
     /// Directory for execution directories; absolute. Before the instructions run, the execution
     /// directories of earlier applies (`YYYYMMDD-HHMMSS[-N]`) are removed and nothing else; a
-    /// directory that holds anything else is refused (exit 2) and left untouched.
-    #[arg(long, value_name = "DIR", default_value = DEFAULT_WORK_DIR, value_parser = super::absolute_path)]
-    pub work_dir: PathBuf,
+    /// directory that holds anything else is refused (exit 2) and left untouched. One apply at a
+    /// time per directory: by default the agent's, so a hand-run apply waits for the agent's plan
+    /// [default: the agent's workDirectory (see --config), else /var/lib/rancher/agent/work].
+    #[arg(long, value_name = "DIR", value_parser = super::absolute_path)]
+    pub work_dir: Option<PathBuf>,
     /// Keep the execution directories of earlier applies [default: off].
     #[arg(long)]
     pub preserve_work_dir: bool,
-    /// Where PID records of running instructions are kept; absolute.
-    #[arg(long, value_name = "DIR", default_value = DEFAULT_PID_DIR, value_parser = super::absolute_path)]
-    pub pid_dir: PathBuf,
+    /// Where PID records of running instructions are kept; absolute [default: the agent's
+    /// pidDirectory (see --config), else /run/nodeplan/pids].
+    #[arg(long, value_name = "DIR", value_parser = super::absolute_path)]
+    pub pid_dir: Option<PathBuf>,
+    /// The agent's config, whose workDirectory and pidDirectory are the defaults of --work-dir
+    /// and --pid-dir [default: NODEPLAN_CONFIG, else CATTLE_AGENT_CONFIG, else
+    /// /etc/rancher/agent/config.yaml; when it cannot be read, the agent's own defaults].
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Grace period after SIGTERM when an instruction is stopped (500ms, 10s, 5m, 1h or seconds).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_positive)]
     pub stop_timeout: Duration,
@@ -169,7 +173,33 @@ fn finished(result: &str, completed: usize, total: usize, elapsed: Duration, tex
     }
 }
 
+/// The work and PID directories: those given, else the agent's (its config, else its defaults),
+/// so that an apply by hand and the agent share the one-apply-at-a-time lock.
+fn directories(args: &ApplyArgs) -> (PathBuf, PathBuf) {
+    let needed = args.work_dir.is_none() || args.pid_dir.is_none();
+    let path = crate::config::config_path(args.config.as_deref());
+    let agent = match needed.then(|| crate::config::load(&path)) {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => {
+            if args.config.is_some() || path.exists() {
+                super::say(&format!("nodeplan: warning: {e}; using the agent's default directories"));
+            }
+            crate::config::AgentConfig::default()
+        }
+        None => crate::config::AgentConfig::default(),
+    };
+    // A config that names no directory (or a relative one, which the agent refuses) leaves the
+    // agent's default.
+    let defaults = crate::config::AgentConfig::default();
+    let usable = |p: PathBuf, d: PathBuf| if p.is_absolute() { p } else { d };
+    (
+        args.work_dir.clone().unwrap_or_else(|| usable(agent.work_directory, defaults.work_directory.clone())),
+        args.pid_dir.clone().unwrap_or_else(|| usable(agent.pid_directory, defaults.pid_directory.clone())),
+    )
+}
+
 pub async fn run(args: ApplyArgs) -> u8 {
+    let (work_dir, pid_dir) = directories(&args);
     // Never blocks: a FIFO, a device or a directory is refused at once.
     let raw = match crate::safefs::read_named(&args.file, crate::local::PLAN_CAP) {
         Ok(r) => r,
@@ -201,7 +231,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let sup = Supervisor::new(SupervisorConfig {
         policy: StopPolicy { grace: args.stop_timeout, kill_timeout: args.kill_timeout, kill: true },
         capture_limit: args.output_cap,
-        pid_dir: Some(args.pid_dir.clone()),
+        pid_dir: Some(pid_dir.clone()),
         cgroup: args.cgroup.clone(),
         ..Default::default()
     });
@@ -268,7 +298,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let (tx, rx) = watch::channel(Interrupt::default());
     let signals = tokio::spawn(interrupt_on_signals(tx));
 
-    let mut cfg = ApplyConfig::new(&args.work_dir);
+    let mut cfg = ApplyConfig::new(&work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
     // The operator watches this run: its output is logged as it comes (the agent's, at debug).
     cfg.output_level = tracing::Level::INFO;
@@ -312,7 +342,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     if result.termination_incomplete {
         super::say(&format!(
             "nodeplan: warning: some processes could not be stopped (their PID records are kept in {})",
-            args.pid_dir.display()
+            pid_dir.display()
         ));
     }
     let elapsed = started.elapsed();
