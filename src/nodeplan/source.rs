@@ -62,6 +62,7 @@ impl NodePlanSource {
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
             preflight: HashMap::new(),
+            shows: HashMap::new(),
             events: None,
             pump: None,
             restored: Default::default(),
@@ -96,6 +97,9 @@ pub struct NodePlanSource {
     runs: HashMap<String, RunInfo>,
     /// Per NodePlan, the preflight result of the run about to begin (written with its start).
     preflight: HashMap<String, (String, PreflightResult)>,
+    /// Per NodePlan, what the last look found to show in its status (it waits, or is refused):
+    /// written by [`PlanSource::show`] when the loop asks, never by the look itself.
+    shows: HashMap<String, Show>,
     /// Kubernetes Events about the NodePlans (started when the agent runs).
     events: Option<EventSink>,
     /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
@@ -332,6 +336,21 @@ impl NodePlanSource {
     }
 }
 
+/// What a look found to show in a NodePlan's status, written when the loop asks
+/// ([`PlanSource::show`]).
+enum Show {
+    /// The plan waits (the node's plan lock, its preflight checks): `next` if it differs from `prev`.
+    Status { checksum: String, prev: NodePlanStatus, next: NodePlanStatus },
+    /// The agent will not run the NodePlan: `Failed`, with the reason.
+    Refused { object: Box<DynamicObject>, reason: String, message: String },
+}
+
+impl Show {
+    fn refused(o: &DynamicObject, reason: &str, message: &str) -> Show {
+        Show::Refused { object: Box::new(o.clone()), reason: reason.to_string(), message: message.to_string() }
+    }
+}
+
 /// One status write of one NodePlan, for [`crate::k8s::write`].
 struct StatusWrite<'a> {
     api: &'a Api<DynamicObject>,
@@ -450,22 +469,31 @@ impl PlanSource for NodePlanSource {
         ranked.into_iter().map(|r| r.2).collect()
     }
 
+    async fn show(&mut self, name: &String) {
+        match self.shows.remove(name) {
+            Some(Show::Status { checksum, prev, next }) => self.write_if_changed(name, &checksum, &prev, next).await,
+            Some(Show::Refused { object, reason, message }) => self.refuse(name, &object, &reason, &message).await,
+            None => {}
+        }
+    }
+
     async fn look(&mut self, name: &String) -> Seen {
         let Some(o) = self.current(name) else { return Seen::Nothing };
         let generation = o.metadata.generation.unwrap_or_default();
         let label = self.label(name);
         let bad =
             |e: String| Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
+        self.shows.remove(name);
         let spec_value = o.data.get("spec").cloned().unwrap_or_default();
         if let Err(e) = resource::check_spec(&spec_value) {
-            self.refuse(name, &o, e.reason(), &e.to_string()).await;
+            self.shows.insert(name.clone(), Show::refused(&o, e.reason(), &e.to_string()));
             return bad(e.to_string());
         }
         let (spec, status) = parts(&o);
         let spec = match spec {
             Ok(s) => s,
             Err(e) => {
-                self.refuse(name, &o, "InvalidSpec", &e).await;
+                self.shows.insert(name.clone(), Show::refused(&o, "InvalidSpec", &e));
                 return bad(e);
             }
         };
@@ -474,7 +502,7 @@ impl PlanSource for NodePlanSource {
         let (vp, checksum, policy) = match checked {
             Ok(v) => v,
             Err(e) => {
-                self.refuse(name, &o, "InvalidPlan", &e).await;
+                self.shows.insert(name.clone(), Show::refused(&o, "InvalidPlan", &e));
                 return bad(e);
             }
         };
@@ -491,7 +519,7 @@ impl PlanSource for NodePlanSource {
         if one_time && let Some(holder) = holder {
             let mut next = wire::waiting(&status, target, begins, chrono::Utc::now());
             wire::set_lock_holder(&mut next, Some(&holder), generation, chrono::Utc::now());
-            self.write_if_changed(name, &checksum, &status, next).await;
+            self.shows.insert(name.clone(), Show::Status { checksum: checksum.clone(), prev: status, next });
             return Seen::Held(format!("{label}: waiting for the node's plan lock, held by {holder}"));
         }
         if begins && !policy.preflight.is_empty() {
@@ -500,7 +528,7 @@ impl PlanSource for NodePlanSource {
                 let mut next = wire::waiting(&status, target, true, chrono::Utc::now());
                 wire::set_lock_holder(&mut next, None, generation, chrono::Utc::now());
                 wire::set_preflight(&mut next, &result, generation, chrono::Utc::now());
-                self.write_if_changed(name, &checksum, &status, next).await;
+                self.shows.insert(name.clone(), Show::Status { checksum: checksum.clone(), prev: status, next });
                 let names: Vec<&str> = result.required_failed.iter().map(|(n, _)| n.as_str()).collect();
                 return Seen::Held(format!("{label}: preflight checks failed ({}); the plan waits", names.join(", ")));
             }

@@ -86,6 +86,10 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
         route!(self, key, |s, k| s.look(k).await)
     }
 
+    async fn show(&mut self, key: &Self::Key) {
+        route!(self, key, |s, k| s.show(k).await)
+    }
+
     async fn commit(&mut self, key: &Self::Key, look: &Look, commit: &Commit) -> Written {
         route!(self, key, |s, k| s.commit(k, look, commit).await)
     }
@@ -197,6 +201,12 @@ impl<S: PlanSource> PlanSource for Option<S> {
         match self {
             Some(s) => s.look(key).await,
             None => Seen::Nothing,
+        }
+    }
+
+    async fn show(&mut self, key: &S::Key) {
+        if let Some(s) = self {
+            s.show(key).await
         }
     }
 

@@ -121,6 +121,10 @@ impl<S: PlanSource> PlanSource for Gated<S> {
         self.inner.look(key).await
     }
 
+    async fn show(&mut self, key: &S::Key) {
+        self.inner.show(key).await
+    }
+
     async fn commit(&mut self, key: &S::Key, look: &Look, commit: &Commit) -> Written {
         self.inner.commit(key, look, commit).await
     }

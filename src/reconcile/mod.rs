@@ -6,8 +6,10 @@
 //!
 //! A source ([`PlanSource`]) reads and writes its own storage and nothing else: it lists its
 //! plans, shows what it sees of one ([`Look`]: the plan, a [`flow::Snapshot`], saved outputs and
-//! probe statuses), commits the transitions and outcomes the loop hands it, and reports the
-//! pause/cancel values of a running plan. Everything between is here, once:
+//! probe statuses; a look only reads), commits the transitions and outcomes the loop hands it,
+//! writes what a look found to show when the loop asks ([`PlanSource::show`], only while the
+//! plan's fence is open), and reports the pause/cancel values of a running plan. Everything
+//! between is here, once:
 //!
 //! - recovery of a previous agent's leftovers before any plan runs, and the "blocked" state of a
 //!   plan whose leftovers cannot be stopped (R17), looked at again with back-off;
@@ -220,6 +222,13 @@ pub trait PlanSource: Send {
     fn flush(&mut self, key: &Self::Key) -> impl Future<Output = Written> + Send;
     /// Show (or clear) why a plan is blocked, where the source can (local mode's `.pos`).
     fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) -> impl Future<Output = ()> + Send;
+    /// Write what the last look at this plan found to show, if anything (a NodePlan that waits
+    /// for the node's plan lock or its preflight checks, or that this agent refuses, says so in
+    /// its status). A look only reads: the loop calls this after it, and only while the plan's
+    /// fence is open (R26: nothing is written without the Lease).
+    fn show(&mut self, _key: &Self::Key) -> impl Future<Output = ()> + Send {
+        async {}
+    }
     /// The pause/cancel values the running plan sees now.
     fn interrupt(&mut self, key: &Self::Key, look: &Look) -> Observed;
     /// The owner of the PID records of this plan's processes.
@@ -753,7 +762,9 @@ impl<S: PlanSource> Reconciler<S> {
                 return Action::Stop;
             }
         }
-        let look = match self.source.look(key).await {
+        let seen = self.source.look(key).await;
+        self.source.show(key).await;
+        let look = match seen {
             Seen::Nothing => {
                 self.mem(key).forget();
                 return Action::Wait;
@@ -1109,7 +1120,12 @@ impl<S: PlanSource> Reconciler<S> {
             if k == *running {
                 continue;
             }
-            match self.source.look(&k).await {
+            let seen = self.source.look(&k).await;
+            // Its fence may be closed (another source's Lease): then nothing of it is written.
+            if *self.source.fence(&k).borrow() {
+                self.source.show(&k).await;
+            }
+            match seen {
                 Seen::Held(why) => {
                     self.mem(&k).warn_once(why);
                 }

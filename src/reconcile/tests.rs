@@ -46,6 +46,8 @@ struct Store {
     /// steps, never for time).
     writes: watch::Sender<u64>,
     looks: watch::Sender<u64>,
+    /// Calls of `show` (what a look found to show, written when the loop asks).
+    shows: watch::Sender<u64>,
     /// `looks` when the last write was made.
     looks_at_write: std::sync::atomic::AtomicU64,
     /// Faults: the producer pauses the plan the moment its start is written; outcomes cannot be
@@ -92,6 +94,10 @@ impl PlanSource for MemSource {
     async fn keys(&mut self) -> Vec<String> {
         self.0.passes.send_modify(|n| *n += 1);
         self.0.plans.lock().unwrap().keys().cloned().collect()
+    }
+
+    async fn show(&mut self, _name: &String) {
+        self.0.shows.send_modify(|n| *n += 1);
     }
 
     async fn look(&mut self, name: &String) -> Seen {
@@ -997,6 +1003,51 @@ async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
     other.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "a-end\nb\n", "b ran after a, never beside it");
     assert_eq!(fx.get("a").history, [PlanState::InProgress, PlanState::Succeeded]);
+    assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);
+    stop.send(true).unwrap();
+    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    assert_eq!(exit, AgentExit::Clean);
+}
+
+/// A look only reads: what it finds to show (a NodePlan that waits says so in its status) is
+/// written through `show`, which the loop calls after a look only while the plan's fence is open.
+/// While another source's plan runs, a plan whose Lease is not held is looked at, and nothing of
+/// it is written; once its fence opens, it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_look_finds_to_show_is_written_only_while_its_fence_is_open() {
+    let (fx, other) = (fixture(), fixture());
+    let (ready, gate) = (other.fifo("ready"), other.fifo("gate"));
+    fx.add("a", &["true"]);
+    other.add("b", &[&format!("echo > {ready}; cat {gate} > /dev/null")]);
+    let (fence_tx, fence) = watch::channel(false);
+    let (_state_tx, state) = watch::channel(GateState::Open);
+    let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
+    let (stop, rx) = watch::channel(false);
+    let source = super::both::Both::new(
+        Gated::new(
+            MemSource(fx.store.clone(), Duration::from_secs(3600), None),
+            Gate::new(state, fence, task_stop, task),
+        ),
+        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+    );
+    let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
+    running(&ready).await;
+    // b runs; a change of a makes the loop look at it (twice: the first look's show is decided
+    // before the second look starts), and nothing of it is shown: its fence is closed.
+    let mut looks = fx.store.looks.subscribe();
+    for n in 1..=2 {
+        fx.set("a", |_| {});
+        tokio::time::timeout(GUARD, looks.wait_for(|l| *l >= n)).await.expect("the loop looked at a").unwrap();
+    }
+    assert_eq!(*fx.store.shows.borrow(), 0, "shown with the fence closed");
+    assert_eq!(fx.get("a").writes, 0);
+    // Open: the next look at it is followed by its show.
+    let mut shows = fx.store.shows.subscribe();
+    fence_tx.send(true).unwrap();
+    fx.set("a", |_| {});
+    tokio::time::timeout(GUARD, shows.wait_for(|s| *s >= 1)).await.expect("shown once its fence is open").unwrap();
+    open(&gate).await;
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);
     stop.send(true).unwrap();
     let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
