@@ -39,6 +39,7 @@ const SIDEWAYS: &[(&str, &str)] = &[
     ("backoff", "safefs"),
     ("flow", "plan"),
     ("formats", "plan"),
+    ("events", "k8s"),
     ("apply", "image"),
     ("local", "reconcile"),
     ("remote", "reconcile"),

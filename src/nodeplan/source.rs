@@ -340,7 +340,7 @@ impl NodePlanSource {
 /// ([`PlanSource::show`]).
 enum Show {
     /// The plan waits (the node's plan lock, its preflight checks): `next` if it differs from `prev`.
-    Status { checksum: String, prev: NodePlanStatus, next: NodePlanStatus },
+    Status { checksum: String, prev: Box<NodePlanStatus>, next: Box<NodePlanStatus> },
     /// The agent will not run the NodePlan: `Failed`, with the reason.
     Refused { object: Box<DynamicObject>, reason: String, message: String },
 }
@@ -471,7 +471,7 @@ impl PlanSource for NodePlanSource {
 
     async fn show(&mut self, name: &String) {
         match self.shows.remove(name) {
-            Some(Show::Status { checksum, prev, next }) => self.write_if_changed(name, &checksum, &prev, next).await,
+            Some(Show::Status { checksum, prev, next }) => self.write_if_changed(name, &checksum, &prev, *next).await,
             Some(Show::Refused { object, reason, message }) => self.refuse(name, &object, &reason, &message).await,
             None => {}
         }
@@ -519,7 +519,10 @@ impl PlanSource for NodePlanSource {
         if one_time && let Some(holder) = holder {
             let mut next = wire::waiting(&status, target, begins, chrono::Utc::now());
             wire::set_lock_holder(&mut next, Some(&holder), generation, chrono::Utc::now());
-            self.shows.insert(name.clone(), Show::Status { checksum: checksum.clone(), prev: status, next });
+            self.shows.insert(
+                name.clone(),
+                Show::Status { checksum: checksum.clone(), prev: Box::new(status), next: Box::new(next) },
+            );
             return Seen::Held(format!("{label}: waiting for the node's plan lock, held by {holder}"));
         }
         if begins && !policy.preflight.is_empty() {
@@ -528,7 +531,10 @@ impl PlanSource for NodePlanSource {
                 let mut next = wire::waiting(&status, target, true, chrono::Utc::now());
                 wire::set_lock_holder(&mut next, None, generation, chrono::Utc::now());
                 wire::set_preflight(&mut next, &result, generation, chrono::Utc::now());
-                self.shows.insert(name.clone(), Show::Status { checksum: checksum.clone(), prev: status, next });
+                self.shows.insert(
+                    name.clone(),
+                    Show::Status { checksum: checksum.clone(), prev: Box::new(status), next: Box::new(next) },
+                );
                 let names: Vec<&str> = result.required_failed.iter().map(|(n, _)| n.as_str()).collect();
                 return Seen::Held(format!("{label}: preflight checks failed ({}); the plan waits", names.join(", ")));
             }

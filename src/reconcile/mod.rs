@@ -1113,8 +1113,9 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     /// While `running` applies: look at the other plans (a look only reads), so a plan that waits
-    /// for the node says so where its source shows it (a NodePlan's `Waiting` condition) and in
-    /// the log, once, as any held plan does. Nothing else of theirs happens before the run ends.
+    /// for the node says so where its source shows it (a NodePlan's `Waiting` condition, written
+    /// through [`PlanSource::show`] only while that plan's fence is open) and in the log, once, as
+    /// any held plan does. Nothing else of theirs happens before the run ends.
     async fn look_at_others(&mut self, running: &S::Key, running_label: &str) {
         for k in self.source.keys().await {
             if k == *running {
