@@ -296,7 +296,7 @@ pub async fn run(args: ApplyArgs) -> u8 {
     let observer = Arc::new(Progress { display: display.clone() });
 
     let (tx, rx) = watch::channel(Interrupt::default());
-    let signals = tokio::spawn(interrupt_on_signals(tx));
+    let signals = tokio::spawn(interrupt_on_signals(tx, signal_streams()));
 
     let mut cfg = ApplyConfig::new(&work_dir);
     cfg.preserve_work_dir = args.preserve_work_dir;
@@ -421,12 +421,25 @@ fn shell_quote(s: &str) -> String {
 
 /// First SIGINT: pause at the next boundary. Second SIGINT (or SIGTERM): cancel. What it says
 /// goes through the stderr queue, so a stderr nobody reads never holds a signal up.
-async fn interrupt_on_signals(tx: watch::Sender<Interrupt>) {
+/// SIGINT and SIGTERM as streams, registered now: before the plan's first instruction starts, so
+/// a Ctrl-C that comes right after it is a pause, never the default death. `None`: they could not
+/// be registered (Ctrl-C then kills nodeplan outright, as it says).
+fn signal_streams() -> Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
-        tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
-        return;
-    };
+    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+        (Ok(int), Ok(term)) => Some((int, term)),
+        _ => {
+            tracing::warn!("cannot install signal handlers; Ctrl-C will kill nodeplan outright");
+            None
+        }
+    }
+}
+
+async fn interrupt_on_signals(
+    tx: watch::Sender<Interrupt>,
+    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+) {
+    let Some((mut int, mut term)) = signals else { return };
     let mut seen_int = false;
     loop {
         tokio::select! {
