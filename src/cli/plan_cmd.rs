@@ -579,12 +579,8 @@ mod remote {
             PlanAction::Status { list, .. } if list.output.document() || list.output == super::Output::Name => {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
                 let r = c.secret_ref();
-                let row = crate::fleet::Row {
-                    kind: "Secret".into(),
-                    namespace: r.namespace.clone(),
-                    name: r.name.clone(),
-                    ..crate::fleet::row_of(&crate::fleet::secret::standing(&r.name, &s))
-                };
+                let row =
+                    crate::fleet::objects::Object::Secret(s).row_named(&r.name, r.namespace.clone(), r.name.clone());
                 crate::cli::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
             }
             PlanAction::Status { .. } => {

@@ -92,6 +92,11 @@ impl Object {
     /// Its row, naming the object (`key` in `scope`).
     pub fn row(&self, scope: &Scope, key: &str) -> super::Row {
         let (namespace, name) = scope.locate(key);
+        self.row_named(key, namespace, name)
+    }
+
+    /// Its row, naming the object (`namespace`/`name`; `key` names a node that has no label).
+    pub fn row_named(&self, key: &str, namespace: String, name: String) -> super::Row {
         let kind = match self {
             Object::Secret(_) => "Secret",
             Object::NodePlan(_) => "NodePlan",

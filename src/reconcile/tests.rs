@@ -1009,6 +1009,14 @@ async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
     assert_eq!(exit, AgentExit::Clean);
 }
 
+/// `fx`'s plans behind `gate`, joined with `other`'s.
+fn gated_beside(fx: &Fixture, gate: Gate, other: &Fixture) -> super::both::Both<Gated<MemSource>, MemSource> {
+    super::both::Both::new(
+        Gated::new(MemSource(fx.store.clone(), Duration::from_secs(3600), None), gate),
+        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+    )
+}
+
 /// A look only reads: what it finds to show (a NodePlan that waits says so in its status) is
 /// written through `show`, which the loop calls after a look only while the plan's fence is open.
 /// While another source's plan runs, a plan whose Lease is not held is looked at, and nothing of
@@ -1023,13 +1031,7 @@ async fn what_a_look_finds_to_show_is_written_only_while_its_fence_is_open() {
     let (_state_tx, state) = watch::channel(GateState::Open);
     let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
     let (stop, rx) = watch::channel(false);
-    let source = super::both::Both::new(
-        Gated::new(
-            MemSource(fx.store.clone(), Duration::from_secs(3600), None),
-            Gate::new(state, fence, task_stop, task),
-        ),
-        MemSource(other.store.clone(), Duration::from_secs(3600), None),
-    );
+    let source = gated_beside(&fx, Gate::new(state, fence, task_stop, task), &other);
     let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
     running(&ready).await;
     // b runs; a change of a makes the loop look at it (twice: the first look's show is decided
@@ -1074,13 +1076,7 @@ async fn a_gate_holds_its_source_until_it_opens_and_its_end_stops_the_agent() {
         }
     });
     let (stop, rx) = watch::channel(false);
-    let source = super::both::Both::new(
-        Gated::new(
-            MemSource(fx.store.clone(), Duration::from_secs(3600), None),
-            Gate::new(state, fence, task_stop, task),
-        ),
-        MemSource(other.store.clone(), Duration::from_secs(3600), None),
-    );
+    let source = gated_beside(&fx, Gate::new(state, fence, task_stop, task), &other);
     let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
     other.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
     other.pass_again().await;

@@ -150,12 +150,11 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
                     crate::cli::out!("{l}");
                 }
             } else {
-                let row = crate::fleet::Row {
-                    kind: "NodePlan".into(),
-                    namespace: r.namespace.clone(),
-                    name: r.name.clone(),
-                    ..crate::fleet::row_of(&crate::fleet::nodeplan::standing(&r.name, &o))
-                };
+                let row = crate::fleet::objects::Object::NodePlan(Box::new(o)).row_named(
+                    &r.name,
+                    r.namespace.clone(),
+                    r.name.clone(),
+                );
                 crate::cli::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
             }
             Ok(())
