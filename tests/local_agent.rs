@@ -922,10 +922,27 @@ fn nodeplan_status_shows_the_running_instruction_the_last_result_and_the_retry()
     assert!(out.contains(&format!("agent:      running, pid {}", agent.child.id())), "{out}");
     assert!(out.contains(&format!("applying:   {plan}, since ")), "{out}");
     assert!(out.contains(&format!("source:     local: directory {}", s.p("plans"))), "{out}");
+    // `plan status` of the file says the same of it (the agent found by its config, as here
+    // through NODEPLAN_CONFIG): the running instruction, later the retry.
+    let plan_status = |file: &str| {
+        let out =
+            Command::new(NODEPLAN).args(["plan", "status", file]).env("NODEPLAN_CONFIG", &config).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = plan_status(&plan);
+    assert!(text.contains("\nrunning:    instruction 1/2 wait, since "), "{text}");
+    // A plan file no agent watches says so instead of a bare "pending".
+    let elsewhere = s.p("elsewhere.plan");
+    std::fs::write(&elsewhere, b"{}").unwrap();
+    let text = plan_status(&elsewhere);
+    assert!(text.contains(&format!("state:      pending (not started: the agent watches {}", s.p("plans"))), "{text}");
     std::fs::write(&go, b"go\n").unwrap();
     let out = until("the failure", &|o| o.contains("applying:   nothing") && o.contains("retry:"));
     assert!(out.contains(&format!("last:       {plan}: failed: instruction 2/2 boom: exit status 3, ")), "{out}");
     assert!(out.contains(&format!("retry:      {plan} ")) && out.contains(" (in "), "{out}");
+    let text = plan_status(&plan);
+    assert!(text.contains("\nretry:      ") && text.contains(" (in "), "{text}");
+    assert!(!text.contains("running:"), "{text}");
     let (_, json, _) = status(&["-o", "json"]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["pid"], agent.child.id());

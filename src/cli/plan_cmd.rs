@@ -433,6 +433,50 @@ pub(super) async fn kube_client(t: &RemoteTarget) -> Result<kube::Client, String
     bounded(t, "load the kubeconfig", crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&yaml)).await
 }
 
+/// What the agent of this node (the config found as `nodeplan agent` finds it) says of a local
+/// plan file: why it does not watch it, or, from its live record, the instruction it runs now and
+/// when it tries the plan again.
+#[derive(Debug, Default)]
+struct AgentView {
+    /// Why no agent applies this file (`None`: the agent's config watches its directory).
+    unwatched: Option<String>,
+    running: Option<String>,
+    retry: Option<String>,
+}
+
+fn agent_view(plan: &Path) -> AgentView {
+    let path = crate::config::config_path(None);
+    let cfg = match crate::config::load(&path) {
+        Ok(c) => c,
+        Err(_) => {
+            let why = format!("no agent's config at {} watches it", path.display());
+            return AgentView { unwatched: Some(why), ..AgentView::default() };
+        }
+    };
+    let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let dir = plan.parent().map(real);
+    if !cfg.local_enabled {
+        let why = format!("local mode is off in {}", path.display());
+        return AgentView { unwatched: Some(why), ..AgentView::default() };
+    }
+    if dir.as_deref() != Some(real(&cfg.local_plan_directory).as_path()) {
+        let why = format!("the agent watches {} ({})", cfg.local_plan_directory.display(), path.display());
+        return AgentView { unwatched: Some(why), ..AgentView::default() };
+    }
+    let mut view = AgentView::default();
+    let record = crate::board::read(&cfg.pid_directory).ok().flatten().filter(super::status::alive);
+    let Some(record) = record else { return view };
+    let mine = |label: &str| real(Path::new(label)) == real(plan);
+    let now = chrono::Utc::now();
+    if let Some(c) = record.current.as_ref().filter(|c| mine(&c.plan) && !c.instruction.is_empty()) {
+        view.running = Some(format!("{}, since {}", c.instruction, super::status::when(&c.instruction_since, now)));
+    }
+    if let Some(r) = record.retries.iter().find(|r| mine(&r.plan)) {
+        view.retry = Some(super::status::when(&r.at, now));
+    }
+    view
+}
+
 fn status(f: &PlanFiles) -> Result<(), String> {
     let raw = read_plan(&f.plan)?;
     let checksum = plan::checksum(&raw);
@@ -447,11 +491,16 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         crate::cli::out!("            {e}");
     }
     let total = parsed.as_ref().map(|v| v.plan.instructions.len()).unwrap_or(0);
-    let state = match &p.plan_state {
-        Some(s) if current => s.as_str(),
-        _ => "pending (not started)",
+    let agent = agent_view(&f.plan);
+    let state = match (&p.plan_state, &agent.unwatched) {
+        (Some(s), _) if current => s.as_str().to_string(),
+        (_, Some(why)) => format!("pending (not started: {why})"),
+        _ => "pending (not started)".to_string(),
     };
-    crate::cli::out!("state:      {state}");
+    crate::cli::out!("state:      {}", crate::nodeplan::cli_wire::shown(&state, 300));
+    if let Some(r) = &agent.running {
+        crate::cli::out!("running:    {}", crate::nodeplan::cli_wire::shown(r, 300));
+    }
     if let Some(Checkpoint {
         completed_instructions,
         total_instructions,
@@ -507,6 +556,9 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         for l in failure.bounded().status_lines() {
             crate::cli::out!("{l}");
         }
+    }
+    if let Some(r) = agent.retry.as_ref().filter(|_| current) {
+        crate::cli::out!("retry:      {}", crate::nodeplan::cli_wire::shown(r, 80));
     }
     if !p.blocked.is_empty() {
         crate::cli::out!("blocked:    {}", p.blocked);

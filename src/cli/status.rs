@@ -72,7 +72,7 @@ pub fn run(args: StatusArgs) -> u8 {
 
 /// Whether the record's process still runs: its pid names a process started when the agent did
 /// (a record left by a killed agent, or a pid given to another process since, is not).
-fn alive(s: &AgentStatus) -> bool {
+pub(super) fn alive(s: &AgentStatus) -> bool {
     s.pid > 0 && crate::process::start_time_of(s.pid as i32).is_some_and(|t| t == s.pid_start)
 }
 
@@ -112,7 +112,7 @@ pub fn table(s: &AgentStatus, now: chrono::DateTime<chrono::Utc>) -> Vec<String>
 }
 
 /// An RFC 3339 time with how long ago it was (or how soon it is).
-fn when(t: &str, now: chrono::DateTime<chrono::Utc>) -> String {
+pub(super) fn when(t: &str, now: chrono::DateTime<chrono::Utc>) -> String {
     let Ok(at) = chrono::DateTime::parse_from_rfc3339(t) else { return t.to_string() };
     let d = now.signed_duration_since(at);
     if d.num_seconds() == 0 {
