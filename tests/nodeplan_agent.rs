@@ -488,6 +488,49 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// Issue 24, a plan that fails at its second instruction: its progress adds up with its results
+/// (1/2, where it said 0/2 beside `result 1/2 ok`), and the failing instruction, its exit status
+/// and its last output lines are in `plan status --nodeplan` (text and JSON), `plan logs` and the
+/// fleet table (`plan status -l … --nodeplans`).
+#[tokio::test]
+async fn a_plan_failing_at_its_second_instruction_says_so_everywhere() {
+    let cp = control_plane!();
+    let n = Node::new(cp, "np-second").await;
+    let plan = json!({"instructions": [sh("prepare", "echo ready"), sh("boom", "echo disk full; exit 3")]});
+    n.create("f", "node-a", json!({"plan": plan})).await;
+    let mut agent = n.agent();
+    let s = n.wait("f", "failed", |s| s.phase == "Failed").await;
+    assert_eq!(s.progress, "1/2", "{s:?}");
+    let target = format!("{}/f", n.namespace);
+    let out = nodeplan_cmd(cp, &["plan", "status", "--nodeplan", &target]).output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "progress:   1/2 instructions done\n",
+        "failure:    instruction 2/2 boom: exit status 3\n            | disk full\n",
+        "result:     1/2 prepare: ok (exit 0)\n",
+    ] {
+        assert!(status.contains(want), "{want:?} not in:\n{status}");
+    }
+    let out = nodeplan_cmd(cp, &["plan", "status", "--nodeplan", &target, "-o", "json"]).output().unwrap();
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((&row["state"], &row["completed"], &row["total"]), (&json!("failed"), &json!(1), &json!(2)), "{row}");
+    assert!(row["error"].as_str().unwrap_or_default().contains("instruction 2/2 boom: exit status 3"), "{row}");
+    let out = nodeplan_cmd(cp, &["plan", "logs", "--nodeplan", &target]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "instruction 1/2 prepare: ok\n  | ready\ninstruction 2/2 boom: FAILED (exit status 3)\n  | disk full\n"
+    );
+    let out = nodeplan_cmd(cp, &["plan", "status", "-l", "cattle.io/node=node-a", "--nodeplans", "-n", &n.namespace])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("1/2") && table.contains("instruction 2/2 boom: exit status 3; last output: disk full"),
+        "{table}"
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
 /// A `retryStrategy` that asks for no wait at all (`initialDelay: 0s`, `backoffMultiplier: 1`) is
 /// held to the floor: 1 s after the first failure, then 2 s, then 4 s (it retried dozens of times
 /// a second, writing the object as often).
