@@ -991,3 +991,28 @@ fn a_hand_run_apply_waits_for_the_agents_plan() {
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "agent-start\nagent-end\nby-hand\n");
     assert_eq!(agent.stop(), 0);
 }
+
+/// A `.pos` nobody can read (not JSON) is moved aside as `.pos.invalid`, kept for a person to
+/// look at, and the plan starts over: the move is written when the loop asks the source to show
+/// what its look found (a look only reads).
+#[test]
+fn an_unreadable_pos_is_moved_aside_and_the_plan_starts_over() {
+    let s = Setup::new();
+    let ran = s.p("ran");
+    s.plan("a", serde_json::json!({"instructions": [sh("a", &format!("touch {ran}"))]}));
+    let pos = s.dir.path().join("plans/a.pos");
+    std::fs::write(&pos, b"{ not json").unwrap();
+    chmod(pos.to_str().unwrap(), 0o600);
+    let mut agent = s.start();
+    agent.wait_log("a.pos.invalid and starting over");
+    let aside = s.dir.path().join("plans/a.pos.invalid");
+    let deadline = std::time::Instant::now() + GUARD;
+    while !aside.exists() {
+        assert!(std::time::Instant::now() < deadline, "never moved aside");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.wait_pos("a", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert!(Path::new(&ran).exists());
+    assert_eq!(std::fs::read(s.dir.path().join("plans/a.pos.invalid")).unwrap(), b"{ not json");
+    assert_eq!(agent.stop(), 0);
+}

@@ -21,7 +21,7 @@ use crate::plan::{self, Annotations, Hold, ProbeStatus};
 use crate::process::{Owner, Source};
 use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
 use pos::{PlanFiles, Pos};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -67,6 +67,17 @@ pub struct DirSource {
     watcher: Option<AbortOnDrop>,
     /// Lines already logged about files and directories that do not count (each once).
     noted: HashSet<String>,
+    /// Per plan file, the writes its last look found due (a `.pos` nobody can read moved aside,
+    /// a reset applied): made by [`PlanSource::show`] when the loop asks, never by the look.
+    shows: HashMap<PathBuf, Vec<LocalShow>>,
+}
+
+/// A write a look found due.
+enum LocalShow {
+    /// Move an unreadable `.pos` aside (`from` → `to`): the plan starts over.
+    Aside { from: PathBuf, to: PathBuf },
+    /// A reset was asked for (`reset` marker): the `.pos` as reset, then the marker removed.
+    Reset { pos: PathBuf, reset: PathBuf, stored: Box<Pos> },
 }
 
 /// The most distinct "does not count" lines remembered (then they may repeat).
@@ -147,7 +158,7 @@ impl DirSource {
             tracing::warn!("local plan directory {} does not exist (yet); watching for it", cfg.plan_dir.display());
         }
         let (events_tx, events) = mpsc::unbounded_channel();
-        DirSource { cfg, events_tx, events, watcher: None, noted: HashSet::new() }
+        DirSource { cfg, events_tx, events, watcher: None, noted: HashSet::new(), shows: HashMap::new() }
     }
 
     /// Log `line` at warn level, once (while fewer than [`NOTED_CAP`] lines are remembered).
@@ -232,7 +243,24 @@ impl PlanSource for DirSource {
         found.plans
     }
 
+    async fn show(&mut self, path: &PathBuf) {
+        for show in self.shows.remove(path).unwrap_or_default() {
+            match show {
+                LocalShow::Aside { from, to } => {
+                    let _ = std::fs::rename(from, to);
+                }
+                LocalShow::Reset { pos, reset, stored } => {
+                    if let Written::Failed { error, .. } = store(pos, *stored).await {
+                        tracing::error!("{error}");
+                    }
+                    let _ = std::fs::remove_file(reset);
+                }
+            }
+        }
+    }
+
     async fn look(&mut self, path: &PathBuf) -> Seen {
+        self.shows.remove(path);
         let Some(files) = PlanFiles::new(path) else { return Seen::Nothing };
         // Anyone who can write the plan can run commands as root; a file that is not what it
         // should be (a FIFO, a link, too large) is refused without blocking. Both hold the plan.
@@ -260,7 +288,7 @@ impl PlanSource for DirSource {
             Err(e) => {
                 let aside = files.pos().with_extension("pos.invalid");
                 tracing::error!("{}: {e}; moved to {} and starting over", files.pos().display(), aside.display());
-                let _ = std::fs::rename(files.pos(), &aside);
+                self.shows.entry(path.clone()).or_default().push(LocalShow::Aside { from: files.pos(), to: aside });
                 Pos::default()
             }
         };
@@ -279,10 +307,8 @@ impl PlanSource for DirSource {
         if hold.is_ok() && reset {
             tracing::info!("{}: reset requested; the plan runs again from its first instruction", path.display());
             wire::reset(&mut stored);
-            if let Written::Failed { error, .. } = store(files.pos(), stored.clone()).await {
-                tracing::error!("{error}");
-            }
-            let _ = std::fs::remove_file(files.reset());
+            let show = LocalShow::Reset { pos: files.pos(), reset: files.reset(), stored: Box::new(stored.clone()) };
+            self.shows.entry(path.clone()).or_default().push(show);
         }
         let total = vp.plan.instructions.len();
         let (snap, retry_in) = wire::snapshot(&stored, &checksum, hold, total, chrono::Utc::now(), self.cfg.retry());
