@@ -1,5 +1,5 @@
 //! `-o table|wide|json|yaml|name`, as kubectl reads it, for every command that lists or shows
-//! objects (`plan status` of one plan, `--node` and `--selector`; `nodeplan status`): one choice of
+//! objects (`plan status` of one plan, `--node` and `--selector`; `rollout status`): one choice of
 //! words and one shape of documents, so a script written against one command works on the next.
 //!
 //! - `table` is the command's own columns, `wide` adds the columns that do not fit a terminal.
@@ -28,9 +28,9 @@ pub enum Output {
 }
 
 impl Output {
-    /// Whether this prints documents (JSON or YAML) rather than text.
-    pub fn document(self) -> bool {
-        matches!(self, Output::Json | Output::Yaml)
+    /// Whether this is the command's own text (`table` or `wide`), not documents or names.
+    pub fn text(self) -> bool {
+        matches!(self, Output::Table | Output::Wide)
     }
 }
 

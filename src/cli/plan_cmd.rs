@@ -268,7 +268,7 @@ fn local(action: &PlanAction, file: &Path) -> Result<(), Failure> {
                 f.reset().display()
             );
         }
-        PlanAction::Status { list, .. } if list.output != Output::Table && list.output != Output::Wide => {
+        PlanAction::Status { list, .. } if !list.output.text() => {
             let raw = read_plan(&f.plan)?;
             let mut ignored = Vec::new();
             let p = pos::read_pos_trusted(&f.pos(), &mut ignored).map_err(|e| format!("{}: {e}", f.pos().display()))?;
@@ -628,7 +628,7 @@ mod remote {
                 let lines = crate::fleet::logs::of_object(&crate::fleet::objects::Object::Secret(s))?;
                 super::print_lines(lines);
             }
-            PlanAction::Status { list, .. } if list.output.document() || list.output == super::Output::Name => {
+            PlanAction::Status { list, .. } if !list.output.text() => {
                 let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
                 let r = c.secret_ref();
                 let row =

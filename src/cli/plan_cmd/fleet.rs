@@ -73,7 +73,7 @@ fn print_rows(rows: &[fleet::Row], output: Output) {
 /// row when it changes (every transition once); the table is printed again after each change (in
 /// a terminal, in place of the last one).
 async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), Failure> {
-    let each = !matches!(output, Output::Table | Output::Wide);
+    let each = !output.text();
     let show = |row: &fleet::Row| match output {
         Output::Name => row.kube_name(),
         _ => crate::cli::format::change(row, output),

@@ -145,7 +145,7 @@ pub(super) async fn run(action: &PlanAction, t: &RemoteTarget) -> Result<(), Fai
         PlanAction::Status { list, .. } => {
             let api = nodeplans(t, r).await?;
             let o = ask(t, "read the NodePlan", api.get(&r.name)).await.map_err(|e| e.of(r))?;
-            if matches!(list.output, Output::Table | Output::Wide) {
+            if list.output.text() {
                 for l in cli_wire::status_lines(&o) {
                     crate::cli::out!("{l}");
                 }
