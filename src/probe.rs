@@ -183,6 +183,19 @@ impl Prober {
         self.run(&probe.name, probe).await
     }
 
+    /// Runs preflight checks once each, concurrently (each within its probe's timeout).
+    pub async fn preflight(&self, checks: &[crate::plan::Preflight]) -> crate::plan::PreflightResult {
+        let runs = checks.iter().map(|c| async move { (c, self.probe_once(&c.probe).await) });
+        let mut out = crate::plan::PreflightResult::default();
+        for (c, r) in join_all(runs).await {
+            if let ProbeResult::Failure(why) = r {
+                let list = if c.required { &mut out.required_failed } else { &mut out.optional_failed };
+                list.push((c.name.clone(), why));
+            }
+        }
+        out
+    }
+
     async fn run(&self, name: &str, probe: &Probe) -> ProbeResult {
         if let Some(f) = &probe.file_exists {
             return file_exists(f.path.clone(), effective_timeout(probe)).await;

@@ -443,8 +443,6 @@ pub struct Applyinator {
     sup: Supervisor,
     clock: Arc<dyn Clock>,
     lock: tokio::sync::Mutex<()>,
-    /// Who holds `lock` (the owner of the plan applying), for plans that wait to show it.
-    holder: watch::Sender<Option<String>>,
 }
 
 /// The work directory's lock ([`Applyinator::work_dir_lock`]).
@@ -455,30 +453,13 @@ enum WorkLock {
     Interrupted,
 }
 
-/// Clears the lock holder when the apply ends, however it ends.
-struct HolderMark<'a>(&'a watch::Sender<Option<String>>);
-
-impl Drop for HolderMark<'_> {
-    fn drop(&mut self) {
-        self.0.send_replace(None);
-    }
-}
-
 impl Applyinator {
     pub fn new(config: ApplyConfig, sup: Supervisor) -> Applyinator {
         Applyinator::with_clock(config, sup, Arc::new(SystemClock))
     }
 
     pub fn with_clock(config: ApplyConfig, sup: Supervisor, clock: Arc<dyn Clock>) -> Applyinator {
-        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()), holder: watch::Sender::new(None) }
-    }
-
-    /// Who holds the node's plan lock now (the PID-record owner of the plan applying, such as
-    /// `remote:<checksum>`), and every change of it: a source shows a plan waiting for the lock
-    /// and looks again when it is released. One agent applies one plan at a time, whatever its
-    /// source; the lock lives in the process, so a crashed agent leaves no stale holder.
-    pub fn lock_holder(&self) -> watch::Receiver<Option<String>> {
-        self.holder.subscribe()
+        Applyinator { config, sup, clock, lock: tokio::sync::Mutex::new(()) }
     }
 
     pub fn supervisor(&self) -> &Supervisor {
@@ -517,8 +498,6 @@ impl Applyinator {
             return Ok(result);
         }
         let _guard = self.lock.lock().await;
-        self.holder.send_replace(Some(input.owner.short()));
-        let _holder = HolderMark(&self.holder);
         let WorkLock::Held(_work_lock) = self.work_dir_lock(&input).await? else {
             result.interruption = input.interrupt().boundary();
             return Ok(result);

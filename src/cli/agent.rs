@@ -159,7 +159,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         false => None,
     };
     let node_plans = match cfg.node_plan_enabled {
-        true => match node_plan_source(&cfg, &parts, &sd_rx).await {
+        true => match node_plan_source(&cfg, &sd_rx).await {
             Ok(s) => Some(s),
             Err(e) => return refuse(&e),
         },
@@ -328,7 +328,6 @@ fn node_name(cfg: &AgentConfig) -> String {
 /// The node's NodePlans as a source, behind the Lease of the node's NodePlans.
 async fn node_plan_source(
     cfg: &AgentConfig,
-    parts: &Parts,
     shutdown: &watch::Receiver<bool>,
 ) -> Result<Gated<crate::nodeplan::source::NodePlanSource>, String> {
     let conn = config::load_connection(&cfg.connection_info_file)
@@ -344,8 +343,6 @@ async fn node_plan_source(
         client,
         &conn.namespace,
         &node,
-        &parts.app,
-        parts.prober.clone(),
         Duration::from_secs(5),
         crate::nodeplan::runs::dir_of(&cfg.node_plan_state_directory),
     );

@@ -347,6 +347,8 @@ impl PlanSource for DirSource {
             probe_statuses: stored.probe_status,
             retry_in,
             stop_after: None,
+            preflight: Vec::new(),
+            checked: None,
         }))
     }
 

@@ -11,8 +11,8 @@
 use super::resource::{self, NodePlanSpec, NodePlanStatus};
 pub use super::resource::{api_resource, node_label_value};
 use super::runs::RunStore;
-use super::wire::{self, Policy, PreflightResult, Target};
-use crate::apply::{ApplyError, Applyinator, Interrupt};
+use super::wire::{self, Policy, Target};
+use crate::apply::{ApplyError, Interrupt};
 use crate::events::{EventSink, Reason, Regarding};
 use crate::flow::{self, Commit, Decision, RunPlan};
 use crate::k8s::base::WriteBase;
@@ -20,12 +20,10 @@ use crate::k8s::error_line as k8s_error_line;
 use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
-use crate::probe::Prober;
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Wait, Written};
 use kube::api::{Api, DynamicObject, PostParams};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -42,8 +40,6 @@ impl NodePlanSource {
         client: kube::Client,
         namespace: &str,
         node: &str,
-        app: &Applyinator,
-        prober: Arc<Prober>,
         probe_period: Duration,
         state_dir: Option<std::path::PathBuf>,
     ) -> NodePlanSource {
@@ -57,12 +53,9 @@ impl NodePlanSource {
             probe_period,
             pending: HashMap::new(),
             last_interrupt: HashMap::new(),
-            prober,
-            holder: app.lock_holder(),
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
-            preflight: HashMap::new(),
-            shows: HashMap::new(),
+            refusals: HashMap::new(),
             events: None,
             pump: None,
             restored: Default::default(),
@@ -89,17 +82,12 @@ pub struct NodePlanSource {
     pending: HashMap<String, Pending>,
     /// The last pause/cancel values each running plan saw.
     last_interrupt: HashMap<String, Interrupt>,
-    prober: Arc<Prober>,
-    /// Who holds the node's plan lock (any source's plan applying).
-    holder: watch::Receiver<Option<String>>,
     store: RunStore,
     /// Per NodePlan, the run last looked at: its policy, and whether it ran past its timeout.
     runs: HashMap<String, RunInfo>,
-    /// Per NodePlan, the preflight result of the run about to begin (written with its start).
-    preflight: HashMap<String, (String, PreflightResult)>,
-    /// Per NodePlan, what the last look found to show in its status (it waits, or is refused):
-    /// written by [`PlanSource::show`] when the loop asks, never by the look itself.
-    shows: HashMap<String, Show>,
+    /// Per NodePlan, why the last look found that this agent will not run it: written by
+    /// [`PlanSource::show`] when the loop asks, never by the look itself.
+    refusals: HashMap<String, Refusal>,
     /// Kubernetes Events about the NodePlans (started when the agent runs).
     events: Option<EventSink>,
     /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
@@ -278,30 +266,6 @@ impl NodePlanSource {
         }
     }
 
-    /// Run the preflight checks once each (concurrently, each within its probe's timeout).
-    async fn preflight(&self, policy: &Policy) -> PreflightResult {
-        let runs = policy.preflight.iter().map(|c| async move { (c, self.prober.probe_once(&c.probe).await) });
-        let mut out = PreflightResult::default();
-        for (c, r) in futures::future::join_all(runs).await {
-            if let crate::probe::ProbeResult::Failure(why) = r {
-                let list = if c.required { &mut out.required_failed } else { &mut out.optional_failed };
-                list.push((c.name.clone(), why));
-            }
-        }
-        out
-    }
-
-    /// Write a status that differs from the one read (a plan waiting: written once, not at every
-    /// look).
-    async fn write_if_changed(&mut self, name: &str, checksum: &str, prev: &NodePlanStatus, next: NodePlanStatus) {
-        if *prev == next {
-            return;
-        }
-        if let Written::Failed { error, .. } = self.write(name, checksum, &next, false).await {
-            tracing::warn!("{}: cannot write why it waits: {error}", self.label(name));
-        }
-    }
-
     fn status_of(&self, name: &str) -> NodePlanStatus {
         self.current(name).map(|o| parts(&o).1).unwrap_or_default()
     }
@@ -336,18 +300,17 @@ impl NodePlanSource {
     }
 }
 
-/// What a look found to show in a NodePlan's status, written when the loop asks
-/// ([`PlanSource::show`]).
-enum Show {
-    /// The plan waits (the node's plan lock, its preflight checks): `next` if it differs from `prev`.
-    Status { checksum: String, prev: Box<NodePlanStatus>, next: Box<NodePlanStatus> },
-    /// The agent will not run the NodePlan: `Failed`, with the reason.
-    Refused { object: Box<DynamicObject>, reason: String, message: String },
+/// A NodePlan the agent will not run, as a look found it: written `Failed`, with the reason, when
+/// the loop asks ([`PlanSource::show`]).
+struct Refusal {
+    object: Box<DynamicObject>,
+    reason: String,
+    message: String,
 }
 
-impl Show {
-    fn refused(o: &DynamicObject, reason: &str, message: &str) -> Show {
-        Show::Refused { object: Box::new(o.clone()), reason: reason.to_string(), message: message.to_string() }
+impl Refusal {
+    fn of(o: &DynamicObject, reason: &str, message: &str) -> Refusal {
+        Refusal { object: Box::new(o.clone()), reason: reason.to_string(), message: message.to_string() }
     }
 }
 
@@ -421,26 +384,9 @@ impl PlanSource for NodePlanSource {
     type Key = String;
 
     async fn changed(&mut self) -> bool {
-        let released = async {
-            // The node's plan lock was released: a plan waiting for it starts now.
-            loop {
-                if self.holder.changed().await.is_err() {
-                    return std::future::pending().await;
-                }
-                if self.holder.borrow().is_none() {
-                    return true;
-                }
-            }
-        };
-        let watched = async {
-            match self.latest.as_mut() {
-                Some(l) => l.changed().await.is_ok(),
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            r = watched => r,
-            r = released => r,
+        match self.latest.as_mut() {
+            Some(l) => l.changed().await.is_ok(),
+            None => std::future::pending().await,
         }
     }
 
@@ -463,17 +409,42 @@ impl PlanSource for NodePlanSource {
         let listed = |name: &String| ranked.iter().any(|r| r.2 == *name);
         self.own.retain(|name, _| listed(name));
         self.runs.retain(|name, _| listed(name));
-        self.preflight.retain(|name, _| listed(name));
         self.last_interrupt.retain(|name, _| listed(name));
         self.restored.retain(|name| listed(name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
     async fn show(&mut self, name: &String) {
-        match self.shows.remove(name) {
-            Some(Show::Status { checksum, prev, next }) => self.write_if_changed(name, &checksum, &prev, *next).await,
-            Some(Show::Refused { object, reason, message }) => self.refuse(name, &object, &reason, &message).await,
-            None => {}
+        if let Some(r) = self.refusals.remove(name) {
+            self.refuse(name, &r.object, &r.reason, &r.message).await;
+        }
+    }
+
+    /// The plan shows `Pending` (or keeps its state, for a run that goes on) with a condition
+    /// that says why it waits: written once, not at every look.
+    async fn wait(&mut self, name: &String, look: &Look, why: Wait<'_>) {
+        let Some(o) = self.current(name) else { return };
+        let generation = o.metadata.generation.unwrap_or_default();
+        let prev = parts(&o).1;
+        let begins = match &look.view {
+            View::Flow(snap) => matches!(flow::decide(snap), Decision::Run(RunPlan::Begin { .. })),
+            View::Legacy { .. } => false,
+        };
+        let now = chrono::Utc::now();
+        let target = Target { generation, checksum: &look.checksum, total: look.plan.plan.instructions.len() };
+        let mut next = wire::waiting(&prev, target, begins, now);
+        match why {
+            Wait::Turn(holder) => wire::set_lock_holder(&mut next, Some(holder), generation, now),
+            Wait::Preflight(result) => {
+                wire::set_lock_holder(&mut next, None, generation, now);
+                wire::set_preflight(&mut next, result, generation, now);
+            }
+        }
+        if prev == next {
+            return;
+        }
+        if let Written::Failed { error, .. } = self.write(name, &look.checksum, &next, false).await {
+            tracing::warn!("{}: cannot write why it waits: {error}", self.label(name));
         }
     }
 
@@ -483,17 +454,17 @@ impl PlanSource for NodePlanSource {
         let label = self.label(name);
         let bad =
             |e: String| Seen::Bad { checksum: format!("generation {generation}"), error: format!("{label}: {e}") };
-        self.shows.remove(name);
+        self.refusals.remove(name);
         let spec_value = o.data.get("spec").cloned().unwrap_or_default();
         if let Err(e) = resource::check_spec(&spec_value) {
-            self.shows.insert(name.clone(), Show::refused(&o, e.reason(), &e.to_string()));
+            self.refusals.insert(name.clone(), Refusal::of(&o, e.reason(), &e.to_string()));
             return bad(e.to_string());
         }
         let (spec, status) = parts(&o);
         let spec = match spec {
             Ok(s) => s,
             Err(e) => {
-                self.shows.insert(name.clone(), Show::refused(&o, "InvalidSpec", &e));
+                self.refusals.insert(name.clone(), Refusal::of(&o, "InvalidSpec", &e));
                 return bad(e);
             }
         };
@@ -502,45 +473,15 @@ impl PlanSource for NodePlanSource {
         let (vp, checksum, policy) = match checked {
             Ok(v) => v,
             Err(e) => {
-                self.shows.insert(name.clone(), Show::refused(&o, "InvalidPlan", &e));
+                self.refusals.insert(name.clone(), Refusal::of(&o, "InvalidPlan", &e));
                 return bad(e);
             }
         };
         let total = vp.plan.instructions.len();
         let (snap, retry_in) = wire::snapshot(&spec, &status, &checksum, total, &policy, chrono::Utc::now());
         let attempt = wire::attempt(&status, &checksum);
-        let decision = flow::decide(&snap);
-        let begins = matches!(decision, Decision::Run(RunPlan::Begin { .. }));
-        let one_time = matches!(decision, Decision::Run(RunPlan::Begin { .. } | RunPlan::Continue { .. }));
-        let target = Target { generation, checksum: &checksum, total };
-        // A plan that would start waits, Pending with a condition that says why, for the node's
-        // plan lock (another source's plan applies) and for its required preflight checks.
-        let holder = self.holder.borrow().clone();
-        if one_time && let Some(holder) = holder {
-            let mut next = wire::waiting(&status, target, begins, chrono::Utc::now());
-            wire::set_lock_holder(&mut next, Some(&holder), generation, chrono::Utc::now());
-            self.shows.insert(
-                name.clone(),
-                Show::Status { checksum: checksum.clone(), prev: Box::new(status), next: Box::new(next) },
-            );
-            return Seen::Held(format!("{label}: waiting for the node's plan lock, held by {holder}"));
-        }
-        if begins && !policy.preflight.is_empty() {
-            let result = self.preflight(&policy).await;
-            if !result.passed() {
-                let mut next = wire::waiting(&status, target, true, chrono::Utc::now());
-                wire::set_lock_holder(&mut next, None, generation, chrono::Utc::now());
-                wire::set_preflight(&mut next, &result, generation, chrono::Utc::now());
-                self.shows.insert(
-                    name.clone(),
-                    Show::Status { checksum: checksum.clone(), prev: Box::new(status), next: Box::new(next) },
-                );
-                let names: Vec<&str> = result.required_failed.iter().map(|(n, _)| n.as_str()).collect();
-                return Seen::Held(format!("{label}: preflight checks failed ({}); the plan waits", names.join(", ")));
-            }
-            self.preflight.insert(name.clone(), (checksum.clone(), result));
-        }
         let stop_after = wire::time_left(&status, &policy, chrono::Utc::now());
+        let preflight = policy.preflight.clone();
         self.runs.insert(name.clone(), RunInfo { checksum: checksum.clone(), policy, spec, timed_out: false });
         Seen::Plan(Box::new(Look {
             place: label.clone(),
@@ -562,6 +503,8 @@ impl PlanSource for NodePlanSource {
             },
             retry_in,
             stop_after,
+            preflight,
+            checked: None,
             checksum,
             plan: vp,
         }))
@@ -573,8 +516,8 @@ impl PlanSource for NodePlanSource {
         let now = chrono::Utc::now();
         let mut next = wire::commit(&self.status_of(name), t, commit, now);
         if matches!(commit, Commit::Begin { .. }) {
-            if let Some((_, r)) = self.preflight.remove(name).filter(|(c, _)| *c == look.checksum) {
-                wire::set_preflight(&mut next, &r, generation, now);
+            if let Some(r) = &look.checked {
+                wire::set_preflight(&mut next, r, generation, now);
             }
             // Kept on the node before it runs, so a restarted agent goes on with this run.
             if let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum)
@@ -755,20 +698,8 @@ mod tests {
     #[tokio::test]
     async fn status_writes_tried_again_are_counted() {
         let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let dir = tempfile::tempdir().unwrap();
-        let app = Arc::new(Applyinator::new(
-            crate::apply::ApplyConfig::new(dir.path().join("work")),
-            crate::process::Supervisor::new(crate::process::SupervisorConfig::default()),
-        ));
-        let mut source = NodePlanSource::new(
-            kube::Client::new(svc, "ns"),
-            "ns",
-            "node-a",
-            &app,
-            Arc::new(Prober::new()),
-            Duration::from_secs(5),
-            None,
-        );
+        let mut source =
+            NodePlanSource::new(kube::Client::new(svc, "ns"), "ns", "node-a", Duration::from_secs(5), None);
         let object: DynamicObject = serde_json::from_value(nodeplan_json("5")).unwrap();
         let (_tx, rx) = watch::channel::<Latest>((1, BTreeMap::from([("np".to_string(), object)])));
         source.latest = Some(rx);

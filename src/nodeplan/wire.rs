@@ -9,7 +9,7 @@
 use super::resource::{Condition, InstructionResult, NodePlanSpec, NodePlanStatus, PreflightCheck};
 use crate::apply::ApplyResult;
 use crate::flow::{self, CheckpointWrite, Commit, Record};
-use crate::plan::{self, Hold, PlanState, ProbeStatus};
+use crate::plan::{self, Hold, PlanState, Preflight, PreflightResult, ProbeStatus};
 use chrono::{DateTime, SecondsFormat, Utc};
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -67,14 +67,6 @@ impl Retry {
         }
         Duration::from_secs_f64(secs)
     }
-}
-
-/// A preflight check, validated.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Preflight {
-    pub name: String,
-    pub probe: plan::Probe,
-    pub required: bool,
 }
 
 /// What shapes a run besides its plan: retries, preflight checks and the timeout.
@@ -304,32 +296,17 @@ pub fn mark_retry(s: &mut NodePlanStatus, policy: &Policy) {
     };
 }
 
-/// What preflight checks found: the failing checks (name, why), required ones first.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PreflightResult {
-    pub required_failed: Vec<(String, String)>,
-    pub optional_failed: Vec<(String, String)>,
-}
-
-impl PreflightResult {
-    pub fn passed(&self) -> bool {
-        self.required_failed.is_empty()
-    }
-    fn describe(list: &[(String, String)]) -> String {
-        list.iter().map(|(n, why)| format!("{n} ({why})")).collect::<Vec<_>>().join(", ")
-    }
+/// Failed checks as a condition's message shows them.
+fn describe(list: &[(String, String)]) -> String {
+    list.iter().map(|(n, why)| format!("{n} ({why})")).collect::<Vec<_>>().join(", ")
 }
 
 /// The `Preflight` condition for a result.
 pub fn set_preflight(s: &mut NodePlanStatus, r: &PreflightResult, generation: i64, now: DateTime<Utc>) {
     let (status, reason, msg) = if !r.passed() {
-        ("False", "CheckFailed", format!("required checks failed: {}", PreflightResult::describe(&r.required_failed)))
+        ("False", "CheckFailed", format!("required checks failed: {}", describe(&r.required_failed)))
     } else if !r.optional_failed.is_empty() {
-        (
-            "True",
-            "OptionalCheckFailed",
-            format!("optional checks failed: {}", PreflightResult::describe(&r.optional_failed)),
-        )
+        ("True", "OptionalCheckFailed", format!("optional checks failed: {}", describe(&r.optional_failed)))
     } else {
         ("True", "Passed", "all checks passed".to_string())
     };

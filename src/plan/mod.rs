@@ -9,6 +9,7 @@ mod checkpoint;
 mod codec;
 pub mod failure;
 pub mod fields;
+mod preflight;
 
 pub use checkpoint::{
     ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,
@@ -19,6 +20,7 @@ pub use codec::{
     format_unix_date, parse_unix_date, shown_time,
 };
 pub use failure::Failure;
+pub use preflight::{Preflight, PreflightResult};
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};

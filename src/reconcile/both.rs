@@ -6,7 +6,7 @@
 //! does for a lost Lease), polls for a value that changed, and its period is the shorter one. A
 //! PID record belongs to the first side that claims it.
 
-use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Written};
+use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Wait, Written};
 use crate::apply::ApplyError;
 use crate::flow::Commit;
 use crate::plan::ProbeStatus;
@@ -88,6 +88,10 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
 
     async fn show(&mut self, key: &Self::Key) {
         route!(self, key, |s, k| s.show(k).await)
+    }
+
+    async fn wait(&mut self, key: &Self::Key, look: &Look, why: Wait<'_>) {
+        route!(self, key, |s, k| s.wait(k, look, why).await)
     }
 
     async fn commit(&mut self, key: &Self::Key, look: &Look, commit: &Commit) -> Written {
@@ -207,6 +211,12 @@ impl<S: PlanSource> PlanSource for Option<S> {
     async fn show(&mut self, key: &S::Key) {
         if let Some(s) = self {
             s.show(key).await
+        }
+    }
+
+    async fn wait(&mut self, key: &S::Key, look: &Look, why: Wait<'_>) {
+        if let Some(s) = self {
+            s.wait(key, look, why).await
         }
     }
 

@@ -9,7 +9,7 @@
 //! with it the loop: the agent stops as a whole and its exit says why ([`crate::apply::AgentExit::Displaced`]).
 //! Closing the source stops the gate's task, which gives the Lease up.
 
-use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Written};
+use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Wait, Written};
 use crate::apply::ApplyError;
 use crate::flow::Commit;
 use crate::plan::ProbeStatus;
@@ -123,6 +123,10 @@ impl<S: PlanSource> PlanSource for Gated<S> {
 
     async fn show(&mut self, key: &S::Key) {
         self.inner.show(key).await
+    }
+
+    async fn wait(&mut self, key: &S::Key, look: &Look, why: Wait<'_>) {
+        self.inner.wait(key, look, why).await
     }
 
     async fn commit(&mut self, key: &S::Key, look: &Look, commit: &Commit) -> Written {

@@ -14,6 +14,9 @@
 //! - recovery of a previous agent's leftovers before any plan runs, and the "blocked" state of a
 //!   plan whose leftovers cannot be stopped (R17), looked at again with back-off;
 //! - the pure rules ([`flow::decide`], [`flow::record`]) turned into writes and runs;
+//! - the gates before a start: one plan at a time (another plan that would start meanwhile
+//!   keeps its state and is shown waiting for its turn, [`PlanSource::wait`]) and the plan's
+//!   required preflight checks ([`Look::preflight`], run here, never by a source);
 //! - the commit of a start or resume before anything runs, and a pause or cancel that landed
 //!   meanwhile taking effect before anything runs;
 //! - interrupt delivery to the running plan: every change the source reports, a poll every second
@@ -42,7 +45,7 @@ use crate::backoff::{Backoff, jittered};
 use crate::duration::human as human_duration;
 pub use crate::events::Reason;
 use crate::flow::{self, Commit, Decision, RunPlan};
-use crate::plan::{Interruption, PeriodicInstructionOutput, ProbeStatus, ValidPlan};
+use crate::plan::{Interruption, PeriodicInstructionOutput, Preflight, PreflightResult, ProbeStatus, ValidPlan};
 use crate::probe::Prober;
 use crate::process::Owner;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -104,6 +107,21 @@ pub struct Look {
     /// The run's timeout, from now (NodePlan mode): once it has passed, the loop asks the source
     /// for the running plan's interrupt (which then says cancel) every second, not before.
     pub stop_after: Option<Duration>,
+    /// Checks that must pass before the plan begins (NodePlan mode's `preflightChecks`): the
+    /// loop runs them as the gate before a start; a required one failing keeps the plan waiting.
+    pub preflight: Vec<Preflight>,
+    /// What those checks found, filled in by the loop once they passed (a source may write it
+    /// with the start).
+    pub checked: Option<PreflightResult>,
+}
+
+/// Why a plan that would start waits, for its source to show ([`PlanSource::wait`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Wait<'a> {
+    /// Another plan of the node applies (one at a time): its owner, as PID records name it.
+    Turn(&'a str),
+    /// Required preflight checks failed.
+    Preflight(&'a PreflightResult),
 }
 
 /// The result of looking at one plan.
@@ -222,11 +240,15 @@ pub trait PlanSource: Send {
     fn flush(&mut self, key: &Self::Key) -> impl Future<Output = Written> + Send;
     /// Show (or clear) why a plan is blocked, where the source can (local mode's `.pos`).
     fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) -> impl Future<Output = ()> + Send;
-    /// Write what the last look at this plan found to show, if anything (a NodePlan that waits
-    /// for the node's plan lock or its preflight checks, or that this agent refuses, says so in
-    /// its status). A look only reads: the loop calls this after it, and only while the plan's
-    /// fence is open (R26: nothing is written without the Lease).
+    /// Write what the last look at this plan found to show, if anything (a NodePlan this agent
+    /// refuses says so in its status). A look only reads: the loop calls this after it, and only
+    /// while the plan's fence is open (R26: nothing is written without the Lease).
     fn show(&mut self, _key: &Self::Key) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+    /// Show that a plan which would start waits, and why (a NodePlan says so in its status, once).
+    /// Nothing is committed for it: it keeps its state. Called only while its fence is open.
+    fn wait(&mut self, _key: &Self::Key, _look: &Look, _why: Wait<'_>) -> impl Future<Output = ()> + Send {
         async {}
     }
     /// The pause/cancel values the running plan sees now.
@@ -373,39 +395,59 @@ impl Step {
         self.until = Some(now + d);
         d
     }
-    fn reset(&mut self, initial: Duration) {
-        *self = Step::new(initial);
-    }
 }
 
 /// Another plan's probes, taken while a plan applies.
 type SideProbe<K> = std::pin::Pin<Box<dyn Future<Output = (K, Probes, BTreeMap<String, ProbeStatus>)> + Send>>;
 
-/// What the loop remembers about one plan (never persisted).
+/// What came of the last look at a plan, each with its own timer: one at a time.
+enum Standing {
+    /// Nothing holds the plan back.
+    Clear,
+    /// Held (R3: an invalid value; its source holds it; its required preflight checks failed):
+    /// looked at again at its back-off step, or at the next change. Its probes do not run.
+    Held(Step),
+    /// A plan that does not parse, reported once for this checksum; looked at again at the
+    /// next change.
+    Bad(String),
+    /// An apply that could not start (the interlock, the work directory): the plan keeps its
+    /// state and is not looked at before the step's deadline (a gate); a started apply clears it.
+    NotStarted(Step),
+}
+
+/// A plan whose leftovers could not be stopped (R17): nothing of it runs, whatever its look says,
+/// and recovery is tried again at the step's deadline (a gate). Kept apart from [`Standing`]: it
+/// holds whatever the source shows, until recovery succeeds.
+struct Blocked {
+    why: String,
+    step: Step,
+}
+
+/// A write that did not land (a commit, probe statuses, or an outcome the source keeps):
+/// tried again at `at` (its back-off step, or the server's hint), or at once after a change.
+struct Writing {
+    step: Step,
+    at: Option<Instant>,
+    /// An outcome the source keeps and retries through `flush`: its landing there ends this.
+    /// Otherwise a pass that had nothing to flush must not end it, or a failing commit would be
+    /// retried every second instead of backing off.
+    kept: bool,
+}
+
+/// What the loop remembers about one plan (never persisted): where it stands, and beside that
+/// whether it is blocked and whether a write backs off (both can hold whatever it stands at),
+/// its next deadline, its probes, and the log lines said once.
 struct Memory {
+    standing: Standing,
+    blocked: Option<Blocked>,
+    write: Option<Writing>,
+    /// Look again then (a failed plan's retry, periodic instructions, a back-off).
+    due: Option<Instant>,
     /// Log lines already written (warn-once), cleared when the plan is no longer held.
     warned: HashSet<String>,
-    /// R3 and other holds: look again after this (or at the next change).
-    hold: Step,
-    /// An apply that could not start, and a blocked plan: not looked at before `gate`.
-    apply: Step,
-    blocked_step: Step,
-    gate: Option<Instant>,
-    /// A write that did not land, and when it is tried again (unless a change comes first).
-    write: Step,
-    retry_at: Option<Instant>,
-    /// The write that did not land is an outcome the source keeps (retried through `flush`): its
-    /// landing there resets `write`. Otherwise a pass that had nothing to flush must not reset
-    /// it, or a failing commit would be retried every second instead of backing off.
-    kept: bool,
-    /// The checksum of an unparsable plan already reported.
-    bad: Option<String>,
-    /// Look again then (a failed plan's retry, a back-off).
-    due: Option<Instant>,
-    blocked: Option<String>,
     next_probe: Option<Instant>,
-    /// The plan's probes as last seen (not while an invalid value holds it): they keep running
-    /// while another plan applies.
+    /// The plan's probes as last seen (not while it is held): they keep running while another
+    /// plan applies.
     probes: Option<Probes>,
     /// The plan's `nodeplan_probe_healthy` gauges (removed when the plan is forgotten).
     probe_health: crate::metrics::ProbeHealth,
@@ -428,17 +470,11 @@ struct Probes {
 impl Default for Memory {
     fn default() -> Self {
         Memory {
-            warned: HashSet::new(),
-            hold: Step::new(Duration::from_secs(1)),
-            apply: Step::new(Duration::from_secs(1)),
-            blocked_step: Step::new(Duration::from_secs(5)),
-            gate: None,
-            write: Step::new(Duration::from_secs(1)),
-            retry_at: None,
-            kept: false,
-            bad: None,
-            due: None,
+            standing: Standing::Clear,
             blocked: None,
+            write: None,
+            due: None,
+            warned: HashSet::new(),
             next_probe: None,
             probes: None,
             probe_health: crate::metrics::ProbeHealth::default(),
@@ -462,6 +498,50 @@ impl Memory {
         };
         self.plan_info.set(&id, &look.place);
         id
+    }
+
+    /// The plan is held: the delay before it is looked at again (a step of its back-off).
+    fn held(&mut self, now: Instant) -> Duration {
+        self.probes = None;
+        let mut step = match std::mem::replace(&mut self.standing, Standing::Clear) {
+            Standing::Held(step) => step,
+            _ => Step::new(Duration::from_secs(1)),
+        };
+        let d = step.next(now);
+        self.standing = Standing::Held(step);
+        d
+    }
+
+    /// An apply could not start: the delay before it is tried again (a step of its back-off).
+    fn not_started(&mut self, now: Instant) -> Duration {
+        let mut step = match std::mem::replace(&mut self.standing, Standing::Clear) {
+            Standing::NotStarted(step) => step,
+            _ => Step::new(Duration::from_secs(1)),
+        };
+        let d = step.next(now);
+        self.standing = Standing::NotStarted(step);
+        d
+    }
+
+    /// Not looked at before this: an apply backing off, or a blocked plan's next recovery.
+    fn gate(&self) -> Option<Instant> {
+        let apply = match &self.standing {
+            Standing::NotStarted(step) => step.until,
+            _ => None,
+        };
+        apply.max(self.blocked.as_ref().and_then(|b| b.step.until))
+    }
+
+    /// Blocked for `why` (its recovery step kept when it already was).
+    fn block(&mut self, why: String) {
+        match &mut self.blocked {
+            Some(b) => b.why = why,
+            None => self.blocked = Some(Blocked { why, step: Step::new(Duration::from_secs(5)) }),
+        }
+    }
+
+    fn blocked_why(&self) -> Option<String> {
+        self.blocked.as_ref().map(|b| b.why.clone())
     }
 
     /// The plan is gone: its series go too.
@@ -616,7 +696,7 @@ impl<S: PlanSource> Reconciler<S> {
             let next = self
                 .memory
                 .values()
-                .flat_map(|m| [m.due, m.gate.filter(|t| *t > now), m.next_probe.filter(|t| *t > now)])
+                .flat_map(|m| [m.due, m.gate().filter(|t| *t > now), m.next_probe.filter(|t| *t > now)])
                 .flatten()
                 .map(|t| t.saturating_duration_since(now))
                 .fold(self.source.period(), Duration::min);
@@ -651,7 +731,7 @@ impl<S: PlanSource> Reconciler<S> {
         for (key, why) in r.held {
             tracing::error!("{why}; the plan is blocked until this is resolved");
             self.source.event(&key, Reason::Blocked, &why);
-            self.memory.entry(key).or_default().blocked = Some(why);
+            self.memory.entry(key).or_default().block(why);
         }
         if let Some(why) = &r.all {
             tracing::error!("{why}; every plan is blocked until this is resolved");
@@ -669,16 +749,17 @@ impl<S: PlanSource> Reconciler<S> {
         self.blocked_all = r.all;
         let now = Instant::now();
         let mem = self.memory.entry(key.clone()).or_default();
-        mem.blocked = why.clone();
         match why {
             Some(why) => {
-                let d = mem.blocked_step.next(now);
-                mem.gate = Some(now + d);
+                mem.block(why.clone());
+                if let Some(b) = mem.blocked.as_mut() {
+                    b.step.next(now);
+                }
                 self.source.set_blocked(key, Some(&why)).await;
                 true
             }
             None => {
-                mem.blocked_step.reset(Duration::from_secs(5));
+                mem.blocked = None;
                 self.source.set_blocked(key, None).await;
                 false
             }
@@ -692,12 +773,16 @@ impl<S: PlanSource> Reconciler<S> {
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
         let now = Instant::now();
-        let mem = self.mem(key);
+        let w = self.mem(key).write.get_or_insert_with(|| Writing {
+            step: Step::new(Duration::from_secs(1)),
+            at: None,
+            kept: false,
+        });
         let d = match retry_after {
             Some(d) => jittered(d),
-            None => mem.write.next(now),
+            None => w.step.next(now),
         };
-        mem.retry_at = Some(now + d);
+        w.at = Some(now + d);
         tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
         Action::After(d)
     }
@@ -706,16 +791,16 @@ impl<S: PlanSource> Reconciler<S> {
         if self.restart_after_write.as_ref() == Some(key) {
             self.restart = true;
         }
-        let mem = self.mem(key);
-        mem.write.reset(Duration::from_secs(1));
-        mem.retry_at = None;
-        mem.kept = false;
+        self.mem(key).write = None;
     }
 
     /// An outcome did not land: the source keeps it and the loop retries it through `flush`.
     fn outcome_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
-        self.mem(key).kept = true;
-        self.write_failed(key, what, error, retry_after)
+        let action = self.write_failed(key, what, error, retry_after);
+        if let Some(w) = self.mem(key).write.as_mut() {
+            w.kept = true;
+        }
+        action
     }
 
     /// Reconcile one plan.
@@ -730,17 +815,20 @@ impl<S: PlanSource> Reconciler<S> {
             return Action::Wait;
         }
         let now = Instant::now();
-        if self.mem(key).gate.is_some_and(|t| now < t) {
+        if self.mem(key).gate().is_some_and(|t| now < t) {
             return Action::Wait;
         }
         // A write backing off is tried again at its step, or at once after a change (the source's
         // watch is back, the plan changed); the period alone does not bring it forward.
-        if !self.by_change && self.mem(key).retry_at.is_some_and(|t| now < t) {
+        let backing_off = |w: &Writing| w.at.is_some_and(|t| now < t);
+        if !self.by_change && self.mem(key).write.as_ref().is_some_and(backing_off) {
             return Action::Wait;
         }
         // This pass tries again; a write that fails in it sets the next attempt anew (a write
         // abandoned meanwhile asks for a look at once, which nothing holds back).
-        self.mem(key).retry_at = None;
+        if let Some(w) = self.mem(key).write.as_mut() {
+            w.at = None;
+        }
         // A kept write lands first (as soon as the source is reachable again).
         match self.source.flush(key).await {
             Written::Done => {}
@@ -756,7 +844,7 @@ impl<S: PlanSource> Reconciler<S> {
                 return self.outcome_failed(key, "the outcome", &error, retry_after);
             }
         }
-        if self.mem(key).kept {
+        if self.mem(key).write.as_ref().is_some_and(|w| w.kept) {
             self.wrote(key);
             if self.restart {
                 return Action::Stop;
@@ -772,14 +860,13 @@ impl<S: PlanSource> Reconciler<S> {
             Seen::Held(why) => {
                 let mem = self.mem(key);
                 mem.warn_once(why);
-                mem.probes = None;
-                return Action::After(mem.hold.next(now));
+                return Action::After(mem.held(now));
             }
             Seen::Bad { checksum, error } => {
                 let mem = self.mem(key);
-                if mem.bad.as_deref() != Some(checksum.as_str()) {
+                if !matches!(&mem.standing, Standing::Bad(c) if *c == checksum) {
                     tracing::error!("{error}");
-                    mem.bad = Some(checksum);
+                    mem.standing = Standing::Bad(checksum);
                 }
                 return Action::Wait;
             }
@@ -795,18 +882,35 @@ impl<S: PlanSource> Reconciler<S> {
             let msg = format!("{}: {e}; the plan is held and nothing is written", look.label);
             let mem = self.mem(key);
             let first = mem.warn_once(msg);
-            mem.probes = None;
-            let after = mem.hold.next(now);
+            let after = mem.held(now);
             if first {
                 self.source.event(key, Reason::InvalidValue, &format!("{e}; the plan is held and nothing is written"));
             }
             return Action::After(after);
         }
+        // The gate before a start: required preflight checks. A plan whose checks fail waits, as
+        // a held plan does (looked at again with back-off), and its source shows why.
+        let mut look = look;
+        if matches!(decision, Decision::Run(RunPlan::Begin { .. })) && !look.preflight.is_empty() {
+            let result = self.prober.preflight(&look.preflight).await;
+            if !result.passed() {
+                self.source.wait(key, &look, Wait::Preflight(&result)).await;
+                let mem = self.mem(key);
+                mem.warn_once(format!(
+                    "{}: preflight checks failed ({}); the plan waits",
+                    look.label,
+                    result.failed_names()
+                ));
+                return Action::After(mem.held(now));
+            }
+            look.checked = Some(result);
+        }
         {
             let mem = self.mem(key);
-            mem.hold.reset(Duration::from_secs(1));
+            if matches!(mem.standing, Standing::Held(_) | Standing::Bad(_)) {
+                mem.standing = Standing::Clear;
+            }
             mem.warned.clear();
-            mem.bad = None;
             mem.due = look.retry_in.map(|d| now + d);
             if let Some(d) = look.retry_in.filter(|d| !d.is_zero()) {
                 crate::board::retry(&look.label, d);
@@ -827,7 +931,7 @@ impl<S: PlanSource> Reconciler<S> {
         if (self.mem(key).blocked.is_some() || self.blocked_all.is_some()) && !self.recheck_blocked(key).await {
             tracing::info!("{}: its leftovers are gone; the plan is no longer blocked", look.label);
         }
-        if let Some(why) = self.mem(key).blocked.clone().or_else(|| self.blocked_all.clone()) {
+        if let Some(why) = self.mem(key).blocked_why().or_else(|| self.blocked_all.clone()) {
             self.mem(key).warn_once(format!("{}: not running: {why}", look.label));
             return self.probe(key).await;
         }
@@ -910,7 +1014,7 @@ impl<S: PlanSource> Reconciler<S> {
     fn next_side_probe(&self, running: &S::Key) -> Option<(Instant, S::Key)> {
         self.memory
             .iter()
-            .filter(|(k, m)| *k != running && m.probes.is_some() && m.gate.is_none_or(|g| g <= Instant::now()))
+            .filter(|(k, m)| *k != running && m.probes.is_some() && m.gate().is_none_or(|g| g <= Instant::now()))
             .map(|(k, m)| (m.next_probe.unwrap_or_else(Instant::now), k.clone()))
             .min_by_key(|(t, _)| *t)
     }
@@ -963,7 +1067,10 @@ impl<S: PlanSource> Reconciler<S> {
         crate::board::plan_ended();
         let result = match applied {
             Ok(r) => {
-                self.mem(key).apply.reset(Duration::from_secs(1));
+                let mem = self.mem(key);
+                if matches!(mem.standing, Standing::NotStarted(_)) {
+                    mem.standing = Standing::Clear;
+                }
                 r
             }
             Err(e) => {
@@ -979,9 +1086,7 @@ impl<S: PlanSource> Reconciler<S> {
                 // An apply that could not start (interlock, work directory) records nothing and is
                 // retried with back-off; the plan keeps its state.
                 let now = Instant::now();
-                let mem = self.mem(key);
-                let d = mem.apply.next(now);
-                mem.gate = Some(now + d);
+                let d = self.mem(key).not_started(now);
                 crate::board::retry(&look.label, d);
                 tracing::error!("{}: {e}; retrying in {}", look.label, human_duration(d));
                 return Action::After(d);
@@ -989,7 +1094,7 @@ impl<S: PlanSource> Reconciler<S> {
         };
         if let Some(why) = result.incomplete_reason() {
             tracing::error!("{}: {why}", look.label);
-            self.mem(key).blocked = Some(why.clone());
+            self.mem(key).block(why.clone());
             self.source.set_blocked(key, Some(&why)).await;
             self.incomplete = Some(why);
         }
@@ -1116,14 +1221,15 @@ impl<S: PlanSource> Reconciler<S> {
     /// for the node says so where its source shows it (a NodePlan's `Waiting` condition, written
     /// through [`PlanSource::show`] only while that plan's fence is open) and in the log, once, as
     /// any held plan does. Nothing else of theirs happens before the run ends.
-    async fn look_at_others(&mut self, running: &S::Key, running_label: &str) {
+    async fn look_at_others(&mut self, running: &S::Key, running_label: &str, running_owner: &str) {
         for k in self.source.keys().await {
             if k == *running {
                 continue;
             }
             let seen = self.source.look(&k).await;
             // Its fence may be closed (another source's Lease): then nothing of it is written.
-            if *self.source.fence(&k).borrow() {
+            let open = *self.source.fence(&k).borrow();
+            if open {
                 self.source.show(&k).await;
             }
             match seen {
@@ -1136,8 +1242,14 @@ impl<S: PlanSource> Reconciler<S> {
                         View::Legacy { one_time } => *one_time,
                     };
                     // Nothing is committed before its turn (no `in-progress` while it waits).
+                    if !starts {
+                        continue;
+                    }
+                    if open {
+                        self.source.wait(&k, &other, Wait::Turn(running_owner)).await;
+                    }
                     let line = format!("{}: waiting for {running_label} to finish (one plan at a time)", other.label);
-                    if starts && self.mem(&k).warned.insert(line.clone()) {
+                    if self.mem(&k).warned.insert(line.clone()) {
                         tracing::info!("{line}");
                     }
                 }
@@ -1183,6 +1295,7 @@ impl<S: PlanSource> Reconciler<S> {
             owner: self.source.owner(key, look),
             observer: Arc::new(LogObserver),
         };
+        let input_owner = input.owner.short();
         let app = self.app.clone();
         let mut apply = std::pin::pin!(app.apply(input));
         let mut shutdown = self.shutdown.clone();
@@ -1268,7 +1381,7 @@ impl<S: PlanSource> Reconciler<S> {
                 _ = tokio::time::sleep_until(others.unwrap_or_else(Instant::now)), if others.is_some() => {
                     others = None;
                     others_last = Instant::now();
-                    self.look_at_others(key, &look.label).await;
+                    self.look_at_others(key, &look.label, &input_owner).await;
                     false
                 }
             };

@@ -35,6 +35,10 @@ struct Stored {
     writes: u64,
     /// Every state written, in order.
     history: Vec<PlanState>,
+    /// Checks before a start, what they found when it began, and every wait shown.
+    preflight: Vec<crate::plan::Preflight>,
+    checked: Option<PreflightResult>,
+    waits: Vec<String>,
 }
 
 #[derive(Default)]
@@ -100,6 +104,14 @@ impl PlanSource for MemSource {
         self.0.shows.send_modify(|n| *n += 1);
     }
 
+    async fn wait(&mut self, name: &String, _: &Look, why: Wait<'_>) {
+        let shown = match why {
+            Wait::Turn(owner) => format!("turn: {owner}"),
+            Wait::Preflight(r) => format!("preflight: {}", r.failed_names()),
+        };
+        self.write(name, |p| p.waits.push(shown));
+    }
+
     async fn look(&mut self, name: &String) -> Seen {
         self.0.looks.send_modify(|n| *n += 1);
         let Some(p) = self.0.plans.lock().unwrap().get(name).cloned() else { return Seen::Nothing };
@@ -124,13 +136,18 @@ impl PlanSource for MemSource {
             probe_statuses: p.probes,
             retry_in: None,
             stop_after: None,
+            preflight: p.preflight,
+            checked: None,
         }))
     }
 
-    async fn commit(&mut self, name: &String, _: &Look, commit: &Commit) -> Written {
+    async fn commit(&mut self, name: &String, look: &Look, commit: &Commit) -> Written {
         let w = self.write(name, |p| {
             p.state = commit.state();
             p.checkpoint = commit.checkpoint().cloned();
+            if matches!(commit, Commit::Begin { .. }) {
+                p.checked = look.checked.clone();
+            }
         });
         if matches!(commit, Commit::Begin { .. }) && self.0.pause_on_begin.load(SeqCst) {
             self.write(name, |p| p.paused = Some("true".into()));
@@ -275,6 +292,9 @@ impl Fixture {
             probes: BTreeMap::new(),
             writes: 0,
             history: Vec::new(),
+            preflight: Vec::new(),
+            checked: None,
+            waits: Vec::new(),
         };
         self.store.plans.lock().unwrap().insert(name.to_string(), stored);
     }
@@ -560,6 +580,58 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
     tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
 }
 
+/// The loop's gate before a start: a plan whose required preflight check fails is not started
+/// (nothing committed, nothing run) and its source is told why it waits; once the check passes
+/// it begins, and the start carries what the checks found (an optional check that failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_waits_for_its_required_preflight_checks() {
+    let fx = fixture();
+    let (log, needed) = (fx.path("log"), fx.path("needed"));
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    let check = |name: &str, path: &str, required: bool| crate::plan::Preflight {
+        name: name.into(),
+        probe: serde_json::from_value(serde_json::json!({"fileExists": {"path": path}})).unwrap(),
+        required,
+    };
+    let missing = fx.path("never");
+    fx.set("a", |p| p.preflight = vec![check("needed", &needed, true), check("nice", &missing, false)]);
+    let (stop, agent) = fx.start();
+    let a = fx.until("a", "shown waiting", |p| !p.waits.is_empty()).await;
+    assert!(a.waits.iter().all(|w| w == "preflight: needed"), "{:?}", a.waits);
+    assert_eq!((a.state, a.history.len(), lines(&log)), (PlanState::Pending, 0, 0), "nothing committed or run");
+    std::fs::write(&needed, b"").unwrap();
+    fx.set("a", |_| {});
+    let a = fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(lines(&log), 1);
+    let checked = a.checked.expect("the start carries what the checks found");
+    assert!(checked.passed() && checked.optional_failed.len() == 1, "{checked:?}");
+    assert_eq!(checked.optional_failed[0].0, "nice");
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+}
+
+/// While one plan applies, another that would start is told it waits for its turn, naming the
+/// running plan's owner, and keeps its state until the first one ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_that_would_start_meanwhile_is_shown_waiting_for_its_turn() {
+    let fx = fixture();
+    let (ready, gate) = (fx.fifo("ready"), fx.fifo("gate"));
+    fx.add("a", &[&format!("echo > {ready}; cat {gate} > /dev/null")]);
+    let (stop, agent) = fx.start();
+    running(&ready).await;
+    fx.add("b", &["true"]);
+    fx.set("b", |_| {});
+    let b = fx.until("b", "shown waiting", |p| !p.waits.is_empty()).await;
+    assert!(b.waits.iter().all(|w| *w == format!("turn: local:{OWNER}a")), "{:?}", b.waits);
+    assert_eq!(b.state, PlanState::Pending, "nothing committed while it waits");
+    open(&gate).await;
+    let b = fx.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(b.history, [PlanState::InProgress, PlanState::Succeeded]);
+    assert_eq!(fx.get("a").state, PlanState::Succeeded);
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+}
+
 /// An HTTP server answering every request with the status in `code`.
 async fn http_server(code: Arc<std::sync::atomic::AtomicU16>) -> u16 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -654,8 +726,12 @@ fn back_off_steps_double_only_once_their_delay_has_passed() {
         let now = s.until.unwrap();
         assert!(s.next(now) <= Duration::from_secs(301));
     }
-    s.reset(Duration::from_secs(1));
-    assert!(s.next(t0) <= Duration::from_millis(1100));
+    // A plan held again after it was not starts its back-off from the first step.
+    let mut m = Memory::default();
+    let d = m.held(t0);
+    assert!(m.held(t0 + d) >= Duration::from_secs(2));
+    m.standing = Standing::Clear;
+    assert!(m.held(t0 + d) <= Duration::from_millis(1100));
 }
 
 /// A write the server asked to retry later (HTTP 429 with a hint) waits out the hint, jittered,
@@ -674,7 +750,7 @@ async fn a_failed_write_waits_out_the_servers_hint() {
     let hinted = r.write_failed(&key, "x", "429", Some(Duration::from_secs(7)));
     let Action::After(d) = hinted else { panic!("{hinted:?}") };
     assert!(d >= Duration::from_secs(7) && d <= Duration::from_millis(7700), "{d:?}");
-    assert!(r.mem(&key).write.until.is_none(), "the own back-off is not stepped");
+    assert!(r.mem(&key).write.as_ref().is_some_and(|w| w.step.until.is_none()), "the own back-off is not stepped");
     let own = r.write_failed(&key, "x", "down", None);
     let Action::After(d) = own else { panic!("{own:?}") };
     assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1100), "{d:?}");
@@ -1048,6 +1124,9 @@ async fn what_a_look_finds_to_show_is_written_only_while_its_fence_is_open() {
     fence_tx.send(true).unwrap();
     fx.set("a", |_| {});
     tokio::time::timeout(GUARD, shows.wait_for(|s| *s >= 1)).await.expect("shown once its fence is open").unwrap();
+    // ... and it is shown waiting for its turn (through both wrappers).
+    let a = fx.until("a", "shown waiting", |p| !p.waits.is_empty()).await;
+    assert_eq!(a.waits[0], format!("turn: local:{OWNER}b"));
     open(&gate).await;
     fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);

@@ -318,6 +318,8 @@ impl PlanSource for SecretSource {
             probe_statuses: wire::probe_statuses(&snap),
             retry_in: None,
             stop_after: None,
+            preflight: Vec::new(),
+            checked: None,
             plan: vp,
         }))
     }
