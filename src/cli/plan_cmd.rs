@@ -415,22 +415,15 @@ fn kubeconfig_yaml(t: &RemoteTarget) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))
 }
 
-/// One request to the API server, bounded by `--request-timeout`.
-pub(super) async fn bounded<T>(
-    t: &RemoteTarget,
-    what: &str,
-    request: impl std::future::Future<Output = Result<T, String>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(t.request_timeout, request).await {
-        Ok(r) => r,
-        Err(_) => Err(crate::k8s::no_answer(what, t.request_timeout)),
-    }
-}
-
 /// A client for the kubeconfig's current context.
 pub(super) async fn kube_client(t: &RemoteTarget) -> Result<kube::Client, String> {
     let yaml = kubeconfig_yaml(t)?;
-    bounded(t, "load the kubeconfig", crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&yaml)).await
+    crate::k8s::bounded(
+        t.request_timeout,
+        "load the kubeconfig",
+        crate::remote::client::SecretClient::client_from_kubeconfig_yaml(&yaml),
+    )
+    .await
 }
 
 /// What the agent of this node (the config found as `nodeplan agent` finds it) says of a local
@@ -588,7 +581,7 @@ mod remote {
     /// The plan the Secret holds now (`None`: no Secret, or no plan in it).
     pub async fn current_plan(t: &RemoteTarget) -> Result<Option<Vec<u8>>, String> {
         let c = client(t).await?;
-        let s = super::bounded(t, "read the secret", c.get()).await?;
+        let s = crate::k8s::bounded(t.request_timeout, "read the secret", c.get()).await?;
         Ok(s.and_then(|s| s.data.get(wire::PLAN).cloned()))
     }
 
@@ -600,16 +593,26 @@ mod remote {
                 let raw = super::read_plan(file)?;
                 let id = plan::parse(&raw).map_err(|e| format!("{}: {e}", file.display()))?.id();
                 crate::cli::warn_unknown_keys(file, &raw);
-                if super::bounded(t, "read the secret", c.get()).await?.is_none() {
-                    super::bounded(t, "create the secret", c.create(wire::push_data(&raw), Default::default())).await?;
+                if crate::k8s::bounded(t.request_timeout, "read the secret", c.get()).await?.is_none() {
+                    crate::k8s::bounded(
+                        t.request_timeout,
+                        "create the secret",
+                        c.create(wire::push_data(&raw), Default::default()),
+                    )
+                    .await?;
                 } else {
-                    super::bounded(t, "patch the secret", c.orchestrator_patch(wire::push_patch(&raw))).await?;
+                    crate::k8s::bounded(
+                        t.request_timeout,
+                        "patch the secret",
+                        c.orchestrator_patch(wire::push_patch(&raw)),
+                    )
+                    .await?;
                 }
                 crate::cli::out!("pushed plan {id} to {secret}");
             }
             PlanAction::Pause(_) | PlanAction::Resume(_) | PlanAction::Cancel(_) | PlanAction::Reset(_) => {
                 if let Some((patch, done)) = super::fleet::action_patch(action) {
-                    super::bounded(t, "patch the secret", c.orchestrator_patch(patch)).await?;
+                    crate::k8s::bounded(t.request_timeout, "patch the secret", c.orchestrator_patch(patch)).await?;
                     let what = match action {
                         PlanAction::Pause(_) => format!("set {}=true", plan::ANNOTATION_PAUSED),
                         PlanAction::Resume(_) => format!("removed {}", plan::ANNOTATION_PAUSED),
@@ -624,19 +627,25 @@ mod remote {
                 }
             }
             PlanAction::Logs(_) => {
-                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
+                let s = crate::k8s::bounded(t.request_timeout, "read the secret", c.get())
+                    .await?
+                    .ok_or("the secret does not exist")?;
                 let lines = crate::fleet::logs::of_object(&crate::fleet::objects::Object::Secret(s))?;
                 super::print_lines(lines);
             }
             PlanAction::Status { list, .. } if !list.output.text() => {
-                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
+                let s = crate::k8s::bounded(t.request_timeout, "read the secret", c.get())
+                    .await?
+                    .ok_or("the secret does not exist")?;
                 let r = c.secret_ref();
                 let row =
                     crate::fleet::objects::Object::Secret(s).row_named(&r.name, r.namespace.clone(), r.name.clone());
                 crate::cli::format::print(&[row], true, list.output, crate::fleet::Row::kube_name);
             }
             PlanAction::Status { .. } => {
-                let s = super::bounded(t, "read the secret", c.get()).await?.ok_or("the secret does not exist")?;
+                let s = crate::k8s::bounded(t.request_timeout, "read the secret", c.get())
+                    .await?
+                    .ok_or("the secret does not exist")?;
                 let raw = s.data.get(wire::PLAN).ok_or("the secret has no plan")?;
                 let checksum = plan::checksum(raw);
                 let text = |k: &str| s.data.get(k).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();

@@ -229,7 +229,7 @@ async fn control(args: &ControlArgs, act: Act) -> Result<u8, (u8, String)> {
         kube::Api::namespaced(kube.clone(), &lease.namespace);
     let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_CONTROL: value}}});
     let pp = kube::api::PatchParams::default();
-    let plan = match super::plan_cmd::bounded(&t, "write the rollout's Lease", async {
+    let plan = match crate::k8s::bounded(t.request_timeout, "write the rollout's Lease", async {
         leases.patch(&lease.name, &pp, &kube::api::Patch::Merge(&patch)).await.map_err(|e| crate::k8s::error_line(&e))
     })
     .await
@@ -278,7 +278,7 @@ async fn status(args: &StatusArgs) -> Result<u8, (u8, String)> {
     let (scope, lease) = args.nodes.scope(&kube);
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
         kube::Api::namespaced(kube.clone(), &lease.namespace);
-    let found = super::plan_cmd::bounded(&t, "read the rollout's Lease", async {
+    let found = crate::k8s::bounded(t.request_timeout, "read the rollout's Lease", async {
         leases.get_opt(&lease.name).await.map_err(|e| crate::k8s::error_line(&e))
     })
     .await
@@ -538,7 +538,7 @@ async fn take_nodes(
     let mut anew = BTreeSet::new();
     if held.is_some() {
         let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube.clone(), ns);
-        let canceled = super::plan_cmd::bounded(t, "read the rollout's Lease", async {
+        let canceled = crate::k8s::bounded(t.request_timeout, "read the rollout's Lease", async {
             leases.get_opt(name).await.map_err(|e| crate::k8s::error_line(&e))
         })
         .await
@@ -559,7 +559,7 @@ async fn take_nodes(
                 .collect();
         }
         let patch = serde_json::json!({"metadata": {"annotations": annotations}});
-        super::plan_cmd::bounded(t, "write the rollout's Lease", async {
+        crate::k8s::bounded(t.request_timeout, "write the rollout's Lease", async {
             leases
                 .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
                 .await

@@ -122,17 +122,6 @@ fn error_line(kind: Kind, e: &kube::Error, listing: bool) -> String {
     }
 }
 
-async fn bounded<T>(
-    timeout: Duration,
-    what: &str,
-    request: impl Future<Output = Result<T, String>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(timeout, request).await {
-        Ok(r) => r,
-        Err(_) => Err(crate::k8s::no_answer(what, timeout)),
-    }
-}
-
 /// The selected objects, by key.
 pub async fn list(kube: kube::Client, scope: &Scope, timeout: Duration) -> Result<Vec<(String, Object)>, String> {
     let what = format!("list {}", scope.describe());
@@ -140,13 +129,14 @@ pub async fn list(kube: kube::Client, scope: &Scope, timeout: Duration) -> Resul
         Kind::Secrets => {
             let ns = scope.namespace.clone().unwrap_or_default();
             let found =
-                bounded(timeout, &what, crate::remote::client::list_selected(kube, &ns, &scope.selector)).await?;
+                crate::k8s::bounded(timeout, &what, crate::remote::client::list_selected(kube, &ns, &scope.selector))
+                    .await?;
             Ok(found.into_iter().map(|(n, s)| (n, Object::Secret(s))).collect())
         }
         Kind::NodePlans => {
             let api = scope.nodeplans(kube);
             let lp = ListParams::default().labels(&scope.selector);
-            let list = bounded(timeout, &what, async {
+            let list = crate::k8s::bounded(timeout, &what, async {
                 api.list(&lp).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, true)))
             })
             .await?;
@@ -304,13 +294,13 @@ pub async fn write(
         (Kind::Secrets, Write::Merge(patch)) => {
             let what = format!("patch secret {ns}/{name}");
             let c = SecretClient::new(kube, SecretRef { namespace: ns, name });
-            bounded(timeout, &what, c.orchestrator_patch(patch)).await.map(Object::Secret)
+            crate::k8s::bounded(timeout, &what, c.orchestrator_patch(patch)).await.map(Object::Secret)
         }
         (Kind::Secrets, Write::StartNodePlan { .. }) => Err("a NodePlan write to a plan Secret".into()),
         (Kind::NodePlans, Write::Merge(patch)) => {
             let api: Api<DynamicObject> = Api::namespaced_with(kube, &ns, &api_resource());
             let what = format!("patch nodeplan {ns}/{name}");
-            bounded(timeout, &what, async {
+            crate::k8s::bounded(timeout, &what, async {
                 api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, false)))
@@ -322,7 +312,7 @@ pub async fn write(
             let api: Api<DynamicObject> = Api::namespaced_with(kube, &ns, &api_resource());
             let what = format!("write nodeplan {ns}/{name}");
             for _ in 0..START_ATTEMPTS {
-                let o = bounded(timeout, &what, async {
+                let o = crate::k8s::bounded(timeout, &what, async {
                     api.get(&name).await.map_err(|e| format!("{what}: {}", error_line(Kind::NodePlans, &e, false)))
                 })
                 .await?;

@@ -66,6 +66,16 @@ pub fn no_answer(what: &str, timeout: Duration) -> String {
     format!("{what}: no answer from the API server{at} within {} (--request-timeout)", crate::duration::show(timeout))
 }
 
+/// One request of a command (`what`), bounded by its `--request-timeout` ([`no_answer`] when it
+/// gets no answer in time).
+pub async fn bounded<T>(
+    timeout: Duration,
+    what: &str,
+    request: impl std::future::Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    tokio::time::timeout(timeout, request).await.unwrap_or_else(|_| Err(no_answer(what, timeout)))
+}
+
 /// [`error_line`] of the request a kube-runtime watcher failed at (its own words before it).
 pub fn watcher_error_line(err: &kube::runtime::watcher::Error) -> String {
     use kube::runtime::watcher::Error as W;
