@@ -24,8 +24,10 @@
 //! - **No permission, no Lease.** An account that may not read or write Leases (Rancher's
 //!   per-machine role grants the plan Secret only) gets one warning and runs without one.
 //! - **Cost.** One small write per quarter of the duration (with the default 40 s, one every 10 s,
-//!   as the kubelet's own node Lease); a waiting agent reads at the same pace and writes nothing.
+//!   as the kubelet's own node Lease); a waiting agent watches the Lease (the one list/watch,
+//!   `k8s::watch`, of the one object) and writes nothing.
 
+use crate::k8s::watch::Latest;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -105,6 +107,11 @@ pub fn identity(node: &str) -> String {
 /// same boot, with its pid no longer alive (a live pid is taken as still holding: a pid reused by
 /// another process only delays the take-over to the Lease's expiry).
 pub fn previous_incarnation_gone(holder: &str, me: &str, alive: impl Fn(i32) -> bool) -> bool {
+    this_machines(holder, me).is_some_and(|pid| !alive(pid))
+}
+
+/// The pid of `holder` when it is an agent of this machine (the same node in the same boot).
+fn this_machines(holder: &str, me: &str) -> Option<i32> {
     let split = |s: &str| {
         let mut it = s.rsplitn(3, '/');
         let pid = it.next()?.parse::<i32>().ok()?;
@@ -113,8 +120,8 @@ pub fn previous_incarnation_gone(holder: &str, me: &str, alive: impl Fn(i32) -> 
         Some((node, boot, pid))
     };
     match (split(holder), split(me)) {
-        (Some((hn, hb, hp)), Some((mn, mb, _))) => hn == mn && hb == mb && !hb.is_empty() && !alive(hp),
-        _ => false,
+        (Some((hn, hb, hp)), Some((mn, mb, _))) if hn == mn && hb == mb && !hb.is_empty() => Some(hp),
+        _ => None,
     }
 }
 
@@ -309,25 +316,49 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
     let mut observed: Option<(String, Instant)> = None;
     let mut told: Option<String> = None;
     let mut failing = false;
+    // Once it waits, the agent watches the Lease through the one list/watch (`k8s::watch`): a
+    // release, or a holder that stops renewing, is seen as it happens. The first read, and a
+    // read after a conflict or an error, asks the API server itself (the watch may lag behind
+    // the write that won, and a refusal must be heard).
+    let (tx, mut watched) = watch::channel::<Latest<Lease>>((0, Default::default()));
+    let (mut tx, mut _pump) = (Some(tx), None);
+    let mut fresh = true;
+    // The duration of the Lease last seen, once one was seen.
+    let mut seen_before: Option<Option<Duration>> = None;
     loop {
         if *shutdown.borrow() {
             return None;
         }
-        let current = match bounded(api.get_opt(&r.name)).await {
-            Ok(l) => l,
-            Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
-            Err(Refusal::Conflict) => continue,
-            Err(Refusal::Other(e)) => {
-                if !failing {
-                    tracing::warn!("cannot read the Lease {}/{} ({e}); trying again", r.namespace, r.name);
+        let current = if std::mem::take(&mut fresh) || watched.borrow().0 == 0 {
+            match bounded(api.get_opt(&r.name)).await {
+                Ok(l) => l,
+                Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
+                Err(Refusal::Conflict) => continue,
+                Err(Refusal::Other(e)) => {
+                    if !failing {
+                        tracing::warn!("cannot read the Lease {}/{} ({e}); trying again", r.namespace, r.name);
+                    }
+                    (failing, fresh) = (true, true);
+                    wait(&mut shutdown, pace).await;
+                    continue;
                 }
-                failing = true;
-                wait(&mut shutdown, pace).await;
-                continue;
             }
+        } else {
+            watched.borrow_and_update().1.get(&r.name).cloned()
         };
         failing = false;
-        let seen = current.as_ref().map(seen_of);
+        let mut seen = current.as_ref().map(seen_of);
+        // A Lease that was there and is gone was deleted by someone else, maybe while its holder
+        // still acts (R26): as an emptied one, it is taken only once it has stayed away for the
+        // duration.
+        match &seen {
+            Some(s) => seen_before = Some(s.duration),
+            None => {
+                if let Some(duration) = seen_before {
+                    seen = Some(Seen { holder: None, resource_version: String::new(), duration, released_by: None });
+                }
+            }
+        }
         let rv = seen.as_ref().map(|s| s.resource_version.clone()).unwrap_or_default();
         let since = match &observed {
             Some((o, at)) if *o == rv => *at,
@@ -336,10 +367,14 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                 Instant::now()
             }
         };
-        let gone = seen
+        // The last holder (or who released it), when it is an agent of this machine: gone, its
+        // Lease is taken at once; alive, it may be on its way out (a release is seen before the
+        // releasing process has exited), so its pid is looked at every second.
+        let local = seen
             .as_ref()
             .and_then(|s| s.holder.as_deref().filter(|h| !h.is_empty()).or(s.released_by.as_deref()))
-            .is_some_and(|h| previous_incarnation_gone(h, &r.identity, pid_exists));
+            .and_then(|h| this_machines(h, &r.identity));
+        let gone = local.is_some_and(|pid| !pid_exists(pid));
         let step = decide(seen.as_ref(), &r.identity, since.elapsed(), r.duration, gone);
         let sent = Instant::now();
         let attempt = match step {
@@ -370,13 +405,24 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                     };
                     crate::board::lease(&r.what, &format!("waiting ({why})"));
                 }
-                wait(&mut shutdown, pace.min(remaining)).await;
+                if let Some(tx) = tx.take() {
+                    let lw = crate::k8s::watch::KubeListWatch::named(api.clone(), &r.name);
+                    let what = format!("the Lease {}/{}", r.namespace, r.name);
+                    _pump = Some(crate::AbortOnDrop(tokio::spawn(crate::k8s::watch::pump(lw, what, tx))));
+                }
+                // Until the Lease changes (or the watch lists it again), or it may be taken.
+                let nap = if local.is_some() { remaining.min(Duration::from_secs(1)) } else { remaining };
+                tokio::select! {
+                    () = wait(&mut shutdown, nap) => {}
+                    Ok(()) = watched.changed() => {}
+                }
                 continue;
             }
             Step::Create => bounded(api.create(&PostParams::default(), &taken(&r, None))).await,
-            Step::Take | Step::Renew => {
-                bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await
-            }
+            Step::Take | Step::Renew => match &current {
+                Some(c) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, Some(c)))).await,
+                None => bounded(api.create(&PostParams::default(), &taken(&r, None))).await,
+            },
         };
         match attempt {
             Ok(l) => {
@@ -385,13 +431,13 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
                 return Some(renewing(api, r, l, sent));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
-            // Another agent wrote it first: look again.
-            Err(Refusal::Conflict) => continue,
+            // Another agent wrote it first: read it again.
+            Err(Refusal::Conflict) => fresh = true,
             Err(Refusal::Other(e)) => {
                 if !failing {
                     tracing::warn!("cannot take the Lease {}/{} ({e}); trying again", r.namespace, r.name);
                 }
-                failing = true;
+                (failing, fresh) = (true, true);
                 wait(&mut shutdown, pace).await;
             }
         }
@@ -473,7 +519,7 @@ fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant) -> Held {
 
 fn without_lease(r: &LeaseRef, e: &str) -> Held {
     tracing::warn!(
-        "running without the Lease {}/{} on {}: this account may not use Leases there ({e}); nothing keeps a second agent or rollout off it (grant get, create and update on coordination.k8s.io leases to turn it on)",
+        "running without the Lease {}/{} on {}: this account may not use Leases there ({e}); nothing keeps a second agent or rollout off it (grant get, list, watch, create and update on coordination.k8s.io leases to turn it on)",
         r.namespace,
         r.name,
         r.what

@@ -1038,6 +1038,53 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
     assert_eq!(second.child.wait().unwrap().code(), Some(1));
 }
 
+/// A waiting agent watches the Lease (the one list/watch): with a Lease of ten minutes, which it
+/// would otherwise read again only every quarter of that (2.5 min), the holder's clean stop hands
+/// the Lease over as it happens (the holder was an agent of this machine, now gone).
+#[tokio::test]
+async fn a_waiting_agent_hears_the_release_through_its_watch_of_the_lease() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "lease-watch").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 10m\n", &cp.kubeconfig_yaml(), &ns);
+    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
+    let mut first = r.agent();
+    first.wait_log("holding the Lease");
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let mut second = twin.agent();
+    second.wait_log("waiting for the Lease");
+    assert_eq!(first.stop(), 0);
+    second.wait_log("holding the Lease");
+    assert_eq!(second.stop(), 0);
+}
+
+/// R26: a third party deletes the Lease while its holder acts and another agent waits (and
+/// watches it). The waiting agent does not take the gap: a Lease that vanished counts as emptied,
+/// taken only once gone for the whole duration; the holder takes it back at its next renewal and
+/// keeps acting.
+#[tokio::test]
+async fn a_lease_deleted_under_its_holder_is_not_taken_by_the_waiting_agent() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cp = control_plane!();
+    let r = Remote::new(cp, "lease-deleted").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 10m\n", &cp.kubeconfig_yaml(), &ns);
+    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
+    let mut first = r.agent();
+    first.wait_log("holding the Lease");
+    let mut second = twin.agent();
+    second.wait_log("another agent");
+    let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &ns);
+    leases.delete("nodeplan-machine-plan", &Default::default()).await.unwrap();
+    second.wait_log("it has no holder");
+    first.wait_log("was emptied or deleted by someone else; taken back");
+    second.wait_log("another agent");
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(first.stop(), 0, "the holder was never displaced");
+    second.wait_log("holding the Lease");
+    assert_eq!(second.stop(), 0);
+}
+
 /// R26, the Lease fences: two agents for one Secret (a cloned machine) while a third party
 /// rewrites the Lease at the worst moments, right after the holder's renewals: it empties the
 /// holder (three times), states a 1 s duration, then names another holder. At no instant do both
