@@ -1038,13 +1038,10 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
     assert_eq!(second.child.wait().unwrap().code(), Some(1));
 }
 
-/// A waiting agent watches the Lease (the one list/watch): with a Lease of ten minutes, which it
-/// would otherwise read again only every quarter of that (2.5 min), the holder's clean stop hands
-/// the Lease over as it happens (the holder was an agent of this machine, now gone).
-#[tokio::test]
-async fn a_waiting_agent_hears_the_release_through_its_watch_of_the_lease() {
-    let cp = control_plane!();
-    let r = Remote::new(cp, "lease-watch").await;
+/// A plan Secret whose agent holds the Lease and has applied its plan, and a twin (a cloned
+/// machine: the same connection info, a ten-minute Lease) waiting for the Lease.
+async fn a_holder_and_a_waiting_twin(cp: &ControlPlane, test: &str) -> (Remote, ClusterNode, AgentProc, AgentProc) {
+    let r = Remote::new(cp, test).await;
     let ns = r.client.secret_ref().namespace.clone();
     let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 10m\n", &cp.kubeconfig_yaml(), &ns);
     r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
@@ -1053,6 +1050,15 @@ async fn a_waiting_agent_hears_the_release_through_its_watch_of_the_lease() {
     r.wait("succeeded", |s| state(s) == "succeeded").await;
     let mut second = twin.agent();
     second.wait_log("waiting for the Lease");
+    (r, twin, first, second)
+}
+
+/// A waiting agent watches the Lease (the one list/watch): with a Lease of ten minutes, which it
+/// would otherwise read again only every quarter of that (2.5 min), the holder's clean stop hands
+/// the Lease over as it happens (the holder was an agent of this machine, now gone).
+#[tokio::test]
+async fn a_waiting_agent_hears_the_release_through_its_watch_of_the_lease() {
+    let (_r, _twin, mut first, mut second) = a_holder_and_a_waiting_twin(control_plane!(), "lease-watch").await;
     assert_eq!(first.stop(), 0);
     second.wait_log("holding the Lease");
     assert_eq!(second.stop(), 0);
@@ -1066,20 +1072,13 @@ async fn a_waiting_agent_hears_the_release_through_its_watch_of_the_lease() {
 async fn a_lease_deleted_under_its_holder_is_not_taken_by_the_waiting_agent() {
     use k8s_openapi::api::coordination::v1::Lease;
     let cp = control_plane!();
-    let r = Remote::new(cp, "lease-deleted").await;
+    let (r, _twin, mut first, mut second) = a_holder_and_a_waiting_twin(cp, "lease-deleted").await;
     let ns = r.client.secret_ref().namespace.clone();
-    let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 10m\n", &cp.kubeconfig_yaml(), &ns);
-    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
-    let mut first = r.agent();
-    first.wait_log("holding the Lease");
-    let mut second = twin.agent();
-    second.wait_log("another agent");
     let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &ns);
     leases.delete("nodeplan-machine-plan", &Default::default()).await.unwrap();
     second.wait_log("it has no holder");
     first.wait_log("was emptied or deleted by someone else; taken back");
     second.wait_log("another agent");
-    r.wait("succeeded", |s| state(s) == "succeeded").await;
     assert_eq!(first.stop(), 0, "the holder was never displaced");
     second.wait_log("holding the Lease");
     assert_eq!(second.stop(), 0);

@@ -671,15 +671,18 @@ impl<S: PlanSource> Reconciler<S> {
                 if *shutdown.borrow() || self.restart || self.ended {
                     break 'outer;
                 }
+                let started = Instant::now();
                 let action = self.reconcile(&key).await;
                 let mem = self.memory.entry(key).or_default();
                 match action {
                     Action::Stop => break 'outer,
                     Action::After(d) => mem.due = Some(Instant::now() + d),
-                    // A deadline that has passed was served by this pass (a pass that ends early
-                    // does not clear it itself); a later one still holds.
+                    // A deadline that had passed when this pass began was served by it (a pass
+                    // that ends early does not clear it itself). One set by this pass still
+                    // holds, even when it has passed meanwhile (a retry due a moment after the
+                    // look): that is the next pass's to serve.
                     Action::Wait => {
-                        if mem.due.is_some_and(|t| t <= Instant::now()) {
+                        if mem.due.is_some_and(|t| t <= started) {
                             mem.due = None;
                         }
                     }

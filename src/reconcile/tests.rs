@@ -35,6 +35,8 @@ struct Stored {
     writes: u64,
     /// Every state written, in order.
     history: Vec<PlanState>,
+    /// A failed plan's retry: shown `pending` from then on (before it, the look says how long).
+    retry_at: Option<Instant>,
     /// Checks before a start, what they found when it began, and every wait shown.
     preflight: Vec<crate::plan::Preflight>,
     checked: Option<PreflightResult>,
@@ -52,6 +54,10 @@ struct Store {
     looks: watch::Sender<u64>,
     /// Calls of `show` (what a look found to show, written when the loop asks).
     shows: watch::Sender<u64>,
+    /// How long each look takes, in turn, before it reads the plan (a slow API server).
+    look_delays: Mutex<std::collections::VecDeque<Duration>>,
+    /// When each start was committed.
+    begun: Mutex<Vec<Instant>>,
     /// `looks` when the last write was made.
     looks_at_write: std::sync::atomic::AtomicU64,
     /// Faults: the producer pauses the plan the moment its start is written; outcomes cannot be
@@ -114,7 +120,19 @@ impl PlanSource for MemSource {
 
     async fn look(&mut self, name: &String) -> Seen {
         self.0.looks.send_modify(|n| *n += 1);
-        let Some(p) = self.0.plans.lock().unwrap().get(name).cloned() else { return Seen::Nothing };
+        let delay = self.0.look_delays.lock().unwrap().pop_front();
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
+        let Some(mut p) = self.0.plans.lock().unwrap().get(name).cloned() else { return Seen::Nothing };
+        let mut retry_in = None;
+        if let Some(t) = p.retry_at.filter(|_| p.state == PlanState::Failed) {
+            let now = Instant::now();
+            match t.checked_duration_since(now).filter(|d| !d.is_zero()) {
+                Some(d) => retry_in = Some(d),
+                None => p.state = PlanState::Pending,
+            }
+        }
         let hold = resolve_annotations(&Annotations { paused: p.paused.as_deref(), canceled: p.canceled.as_deref() });
         let snap = Snapshot {
             checksum: p.checksum.clone(),
@@ -134,7 +152,7 @@ impl PlanSource for MemSource {
             one_time_output: p.outputs,
             periodic_output: BTreeMap::new(),
             probe_statuses: p.probes,
-            retry_in: None,
+            retry_in,
             stop_after: None,
             preflight: p.preflight,
             checked: None,
@@ -149,6 +167,9 @@ impl PlanSource for MemSource {
                 p.checked = look.checked.clone();
             }
         });
+        if matches!(commit, Commit::Begin { .. }) {
+            self.0.begun.lock().unwrap().push(Instant::now());
+        }
         if matches!(commit, Commit::Begin { .. }) && self.0.pause_on_begin.load(SeqCst) {
             self.write(name, |p| p.paused = Some("true".into()));
         }
@@ -292,6 +313,7 @@ impl Fixture {
             probes: BTreeMap::new(),
             writes: 0,
             history: Vec::new(),
+            retry_at: None,
             preflight: Vec::new(),
             checked: None,
             waits: Vec::new(),
@@ -1013,6 +1035,30 @@ async fn a_deadline_served_by_a_pass_does_not_keep_the_loop_awake() {
     assert!(!spun, "looked at {} times", *looks.borrow() - start);
     stop.send(true).unwrap();
     agent.await.unwrap();
+}
+
+/// A failed plan's retry is due a moment after a look that found it not due yet, and the pass
+/// goes on past that moment (the look was slow): the deadline that pass set is still served at
+/// once, not at the next change or period (here an hour: it was, and the retry came an hour late).
+#[tokio::test(start_paused = true)]
+async fn a_retry_due_during_the_pass_that_saw_it_is_not_lost() {
+    let fx = fixture();
+    fx.add("f", &["true"]);
+    let t0 = Instant::now();
+    let due = t0 + Duration::from_millis(1000);
+    if let Some(p) = fx.store.plans.lock().unwrap().get_mut("f") {
+        (p.state, p.retry_at) = (PlanState::Failed, Some(due));
+    }
+    // Slow looks: the first (by 300 ms) makes the next pass come early, the second (200 ms)
+    // reads the plan 100 ms before its retry is due, and the pass then ends after it.
+    fx.store.look_delays.lock().unwrap().extend([Duration::from_millis(300), Duration::from_millis(200)]);
+    let (stop, agent) = fx.start();
+    fx.until("f", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    let begun = fx.store.begun.lock().unwrap().clone();
+    assert_eq!(begun.len(), 1);
+    assert!(begun[0] >= due && begun[0] < due + Duration::from_secs(5), "began {:?} after", begun[0] - t0);
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
 }
 
 /// The legacy checksum flow has no plan state: a one-time pass that was not interrupted counts as
