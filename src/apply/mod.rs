@@ -16,6 +16,7 @@ pub mod preview;
 pub use archive::InterlockError;
 pub use files::FileError;
 
+use crate::plan::failure::display_name;
 use crate::plan::{OneTimeInstruction, PeriodicInstructionOutput, ValidPlan};
 use crate::process::{
     LogSink, Outcome, Output, Owner, OwnerLock, Slot, Source, SpawnSpec, StopReason, StopSignal, Supervisor,
@@ -1020,10 +1021,6 @@ fn save_output(map: &mut BTreeMap<String, Vec<u8>>, ins: &OneTimeInstruction, re
         return;
     }
     map.insert(ins.common.name.clone(), report.output.combined.clone());
-}
-
-fn display_name(name: &str) -> &str {
-    if name.is_empty() { "unnamed" } else { name }
 }
 
 /// R11: every cancel that interrupts a running instruction warns that the node may be partly changed.

@@ -490,9 +490,9 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         (_, Some(why)) => format!("pending (not started: {why})"),
         _ => "pending (not started)".to_string(),
     };
-    crate::cli::out!("state:      {}", crate::nodeplan::cli_wire::shown(&state, 300));
+    crate::cli::out!("state:      {}", crate::plan::failure::shown(&state, 300));
     if let Some(r) = &agent.running {
-        crate::cli::out!("running:    {}", crate::nodeplan::cli_wire::shown(r, 300));
+        crate::cli::out!("running:    {}", crate::plan::failure::shown(r, 300));
     }
     if let Some(Checkpoint {
         completed_instructions,
@@ -551,7 +551,7 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         }
     }
     if let Some(r) = agent.retry.as_ref().filter(|_| current) {
-        crate::cli::out!("retry:      {}", crate::nodeplan::cli_wire::shown(r, 80));
+        crate::cli::out!("retry:      {}", crate::plan::failure::shown(r, 80));
     }
     if !p.blocked.is_empty() {
         crate::cli::out!("blocked:    {}", p.blocked);
@@ -691,7 +691,7 @@ mod remote {
                     if last.is_empty() {
                         "never".into()
                     } else {
-                        crate::nodeplan::cli_wire::shown(&crate::plan::shown_time(&last), 40)
+                        crate::plan::failure::shown(&crate::plan::shown_time(&last), 40)
                     }
                 );
                 if let Some(failure) = wire::failure(&s, &checksum) {

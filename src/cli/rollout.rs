@@ -297,7 +297,7 @@ async fn status(args: &StatusArgs) -> Result<u8, (u8, String)> {
             st.plan = a
                 .get(ANNOTATION_PLAN_ID)
                 .or(a.get(ANNOTATION_PLAN))
-                .map(|p| crate::nodeplan::cli_wire::shown(crate::plan::short(p), 12))
+                .map(|p| crate::plan::failure::shown(crate::plan::short(p), 12))
                 .unwrap_or_default();
             let spec = l.spec.unwrap_or_default();
             st.holder = spec.holder_identity.map(|h| crate::plan::failure::shown_line(&h)).unwrap_or_default();
@@ -477,7 +477,7 @@ fn one_per_node(objects: &BTreeMap<String, Object>) -> Option<String> {
             return Some(format!(
                 "node {} has two selected NodePlans ({first} and {key}); a rollout writes one per node: narrow the \
                  selector",
-                crate::nodeplan::cli_wire::shown(node, 80)
+                crate::plan::failure::shown(node, 80)
             ));
         }
     }

@@ -131,7 +131,7 @@ fn round(d: std::time::Duration) -> std::time::Duration {
 /// A value from the record (root's file, but written from what plans and the API server said)
 /// on one line, cut, as `plan status` shows values.
 fn shown(v: &str) -> String {
-    crate::nodeplan::cli_wire::shown(v, 300)
+    crate::plan::failure::shown(v, 300)
 }
 
 #[cfg(test)]

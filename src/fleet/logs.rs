@@ -239,7 +239,7 @@ fn secrets_of(env: &[String]) -> Vec<&str> {
 }
 
 fn shown_name(name: &str) -> String {
-    if name.is_empty() { "unnamed".into() } else { failure::shown_line(name) }
+    failure::shown_line(failure::display_name(name))
 }
 
 /// `output` as indented lines after `mark`, masked and escaped.

@@ -17,14 +17,15 @@ const REFUSALS: &[&str] = &["Unsupported", "NoPlan", "InvalidPlan", "InvalidSpec
 fn refused(status: &NodePlanStatus, generation: i64) -> Option<String> {
     let c = status.conditions.iter().find(|c| c.type_ == "Applied")?;
     (status.phase == "Failed" && c.observed_generation >= generation && REFUSALS.contains(&c.reason.as_str()))
-        .then(|| format!("refused: {}: {}", c.reason, cli_wire::shown(&c.message, 120)))
+        .then(|| format!("refused: {}: {}", c.reason, crate::plan::failure::shown(&c.message, 120)))
 }
 
 /// Where the node of the NodePlan `key` stands.
 pub fn standing(key: &str, o: &DynamicObject) -> Standing {
     let spec = cli_wire::spec_of(o);
     let mut st = Standing {
-        node: cli_wire::node_name(o).map_or_else(|| format!("{key} (no node label)"), |n| cli_wire::shown(n, 80)),
+        node: cli_wire::node_name(o)
+            .map_or_else(|| format!("{key} (no node label)"), |n| crate::plan::failure::shown(n, 80)),
         state: "no plan".into(),
         annotations: o.metadata.annotations.clone().unwrap_or_default(),
         ..Standing::default()
@@ -50,7 +51,7 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
         Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
         // Retried by the spec's strategy: not over.
         Some(PlanState::Failed) if !status.execution_state.next_retry.is_empty() && !spec.canceled => {
-            st.notes.push(format!("retry at {}", cli_wire::shown(&status.execution_state.next_retry, 40)));
+            st.notes.push(format!("retry at {}", crate::plan::failure::shown(&status.execution_state.next_retry, 40)));
             ("failed".into(), Outcome::Running)
         }
         Some(PlanState::Failed) => ("failed".into(), failed()),
@@ -85,7 +86,7 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
         st.notes.push(why.clone());
     }
     if !status.blocked.is_empty() {
-        st.notes.push(format!("blocked: {}", cli_wire::shown(&status.blocked, 120)));
+        st.notes.push(format!("blocked: {}", crate::plan::failure::shown(&status.blocked, 120)));
     }
     if spec.canceled && state != "canceled" {
         st.notes.push("cancel asked".into());

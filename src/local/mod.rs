@@ -74,8 +74,9 @@ pub struct DirSource {
 
 /// A write a look found due.
 enum LocalShow {
-    /// Move an unreadable `.pos` aside (`from` → `to`): the plan starts over.
-    Aside { from: PathBuf, to: PathBuf },
+    /// Move an unreadable `.pos` aside (`from` → `to`, `why` it is unreadable): the plan starts
+    /// over.
+    Aside { from: PathBuf, to: PathBuf, why: String },
     /// A reset was asked for (`reset` marker): the `.pos` as reset, then the marker removed.
     Reset { pos: PathBuf, reset: PathBuf, stored: Box<Pos> },
 }
@@ -246,9 +247,10 @@ impl PlanSource for DirSource {
     async fn show(&mut self, path: &PathBuf) {
         for show in self.shows.remove(path).unwrap_or_default() {
             match show {
-                LocalShow::Aside { from, to } => {
-                    let _ = std::fs::rename(from, to);
-                }
+                LocalShow::Aside { from, to, why } => match std::fs::rename(&from, &to) {
+                    Ok(()) => tracing::error!("{}: {why}; moved to {} and starting over", from.display(), to.display()),
+                    Err(e) => tracing::error!("{}: {why}; cannot move it to {}: {e}", from.display(), to.display()),
+                },
                 LocalShow::Reset { pos, reset, stored } => {
                     if let Written::Failed { error, .. } = store(pos, *stored).await {
                         tracing::error!("{error}");
@@ -286,9 +288,9 @@ impl PlanSource for DirSource {
                 return Seen::Held(format!("{}: {e}; the plan is held until it is removed", files.pos().display()));
             }
             Err(e) => {
-                let aside = files.pos().with_extension("pos.invalid");
-                tracing::error!("{}: {e}; moved to {} and starting over", files.pos().display(), aside.display());
-                self.shows.entry(path.clone()).or_default().push(LocalShow::Aside { from: files.pos(), to: aside });
+                let (from, to) = (files.pos(), files.pos().with_extension("pos.invalid"));
+                let aside = LocalShow::Aside { from, to, why: e.to_string() };
+                self.shows.entry(path.clone()).or_default().push(aside);
                 Pos::default()
             }
         };

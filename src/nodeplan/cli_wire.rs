@@ -11,6 +11,7 @@
 use super::resource::{self, Condition, NODE_LABEL, NodePlanSpec, NodePlanStatus};
 use super::source::node_label_value;
 use super::wire;
+use crate::plan::failure::shown;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
@@ -175,24 +176,6 @@ pub fn push_note(o: &DynamicObject) -> Option<String> {
             shown(&status.phase, 20)
         )
     })
-}
-
-/// `s` on one line for a terminal: control characters escaped, cut to `max` characters (`…`
-/// marks the cut). Values come from the object, which other producers and agents write.
-pub fn shown(s: &str, max: usize) -> String {
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i == max {
-            out.push('…');
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// How long ago, as `kubectl get` shows it: `45s`, `12m`, `5h`, `3d`.

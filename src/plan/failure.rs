@@ -156,11 +156,30 @@ pub fn mask(line: &str, secrets: &[&str]) -> String {
 
 /// A line as a terminal or a one-line note shows it: control characters escaped.
 pub fn shown_line(line: &str) -> String {
-    line.chars()
-        .flat_map(|c| -> Box<dyn Iterator<Item = char>> {
-            if c.is_control() { Box::new(c.escape_default()) } else { Box::new(std::iter::once(c)) }
-        })
-        .collect()
+    shown(line, usize::MAX)
+}
+
+/// `s` on one line for a terminal: control characters escaped, cut to `max` characters (`…`
+/// marks the cut). For text others wrote (an object's values, a process's output).
+pub fn shown(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// An instruction's name as people read it: `unnamed` when it has none.
+pub fn display_name(name: &str) -> &str {
+    if name.is_empty() { "unnamed" } else { name }
 }
 
 /// `s` cut to `max` characters, with `…` when cut.

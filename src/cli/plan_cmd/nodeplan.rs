@@ -219,8 +219,11 @@ async fn push(
                 let obj = cli_wire::new_nodeplan(&r.namespace, &r.name, node, priority, plan.clone());
                 let obj: DynamicObject = serde_json::from_value(obj).map_err(|e| Failure::Failed(e.to_string()))?;
                 let created = ask(t, "create the NodePlan", api.create(&PostParams::default(), &obj)).await;
-                let what =
-                    format!("created for node {} ({NODE_LABEL}={})", cli_wire::shown(node, 80), node_label_value(node));
+                let what = format!(
+                    "created for node {} ({NODE_LABEL}={})",
+                    crate::plan::failure::shown(node, 80),
+                    node_label_value(node)
+                );
                 (created, what)
             }
             Some(o) => {
@@ -228,7 +231,7 @@ async fn push(
                     return Err(bad_input(format!(
                         "nodeplan {r} is for {}, not node {}: nothing pushed",
                         cli_wire::node_of(&o),
-                        cli_wire::shown(node, 80)
+                        crate::plan::failure::shown(node, 80)
                     )));
                 }
                 let was_canceled = o.data.pointer("/spec/canceled").and_then(serde_json::Value::as_bool) == Some(true);
@@ -316,7 +319,7 @@ pub(super) async fn list(node: &str, l: &NodeList, t: &RemoteTarget) -> Result<(
     let rows = cli_wire::rows(&objects, node, chrono::Utc::now().timestamp());
     match l.output {
         Output::Table | Output::Wide if rows.is_empty() => {
-            crate::cli::out!("no NodePlans for node {} in {place}", cli_wire::shown(node, 80));
+            crate::cli::out!("no NodePlans for node {} in {place}", crate::plan::failure::shown(node, 80));
         }
         Output::Table | Output::Wide => {
             for line in cli_wire::table(&rows, l.all_namespaces || l.output == Output::Wide, l.output == Output::Wide) {
