@@ -58,6 +58,8 @@ struct Store {
     look_delays: Mutex<std::collections::VecDeque<Duration>>,
     /// When each start was committed.
     begun: Mutex<Vec<Instant>>,
+    /// The events told, as `reason: note`.
+    events: Mutex<Vec<String>>,
     /// `looks` when the last write was made.
     looks_at_write: std::sync::atomic::AtomicU64,
     /// Faults: the producer pauses the plan the moment its start is written; outcomes cannot be
@@ -251,6 +253,10 @@ impl PlanSource for MemSource {
 
     fn period(&self) -> Duration {
         self.1
+    }
+
+    fn event(&mut self, _: &String, reason: Reason, note: &str) {
+        self.0.events.lock().unwrap().push(format!("{reason:?}: {note}"));
     }
 }
 
@@ -1137,6 +1143,33 @@ fn gated_beside(fx: &Fixture, gate: Gate, other: &Fixture) -> super::both::Both<
         Gated::new(MemSource(fx.store.clone(), Duration::from_secs(3600), None), gate),
         MemSource(other.store.clone(), Duration::from_secs(3600), None),
     )
+}
+
+/// Every wrapper (either side of a `Both`, an `Option`, a `Gated`) passes on the calls a source
+/// may leave to the trait's defaults (`show`, `wait`, `event`): a wrapper that did not would drop
+/// what the source shows without a word (a NodePlan's `Waiting` condition went missing that way).
+#[tokio::test]
+async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
+    async fn drive<S: PlanSource>(s: &mut S, key: S::Key, look: &Look) {
+        s.show(&key).await;
+        s.wait(&key, look, Wait::Turn("x")).await;
+        s.event(&key, Reason::Started, "note");
+    }
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    let mem = || MemSource(fx.store.clone(), Duration::from_secs(3600), None);
+    let Seen::Plan(look) = mem().look(&"a".to_string()).await else { panic!("no plan") };
+    use super::both::{Both, Side};
+    drive(&mut Both::new(mem(), mem()), Side::A("a".to_string()), &look).await;
+    drive(&mut Both::new(mem(), mem()), Side::B("a".to_string()), &look).await;
+    drive(&mut Some(mem()), "a".to_string(), &look).await;
+    let (_fence_tx, fence) = watch::channel(true);
+    let (_state_tx, state) = watch::channel(GateState::Open);
+    let gate = Gate::new(state, fence, tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
+    drive(&mut Gated::new(mem(), gate), "a".to_string(), &look).await;
+    assert_eq!(*fx.store.shows.borrow(), 4, "shows");
+    assert_eq!(fx.get("a").waits, vec!["turn: x"; 4]);
+    assert_eq!(*fx.store.events.lock().unwrap(), vec!["Started: note"; 4]);
 }
 
 /// A look only reads: what it finds to show (a NodePlan that waits says so in its status) is
