@@ -208,18 +208,8 @@ pub fn instruction(label: Option<&str>) {
 /// PID directory).
 pub fn read(dir: &Path) -> Result<Option<AgentStatus>, String> {
     let path = dir.join(FILE);
-    let euid = rustix::process::geteuid().as_raw();
-    let check = |uid: u32, mode: u32| {
-        if uid != euid {
-            Err(format!("is owned by uid {uid}, not {euid}"))
-        } else if mode & 0o022 != 0 {
-            Err(format!("is writable by group or others (mode {:04o})", mode & 0o7777))
-        } else {
-            Ok(())
-        }
-    };
     let shown = path.display();
-    match crate::safefs::read_small_checked(&path, CAP, check) {
+    match crate::safefs::read_small_checked(&path, CAP, crate::safefs::own_only) {
         Ok(None) => Ok(None),
         Ok(Some(Err(why))) => Err(format!("{shown} {why}: not read")),
         Err(e) => Err(format!("{shown}: {e}")),

@@ -553,6 +553,20 @@ pub fn read_small_in(dir: BorrowedFd<'_>, name: &OsStr, cap: u64) -> io::Result<
     read_regular(fd, cap).map(Some)
 }
 
+/// Whether a file or directory with owner `uid` and mode `mode` can only have been written by this
+/// process's user: owned by the effective uid, not writable by group or others. The error is the
+/// reason, worded to follow a path ("is owned by uid 1000").
+pub fn own_only(uid: u32, mode: u32) -> Result<(), String> {
+    let euid = rustix::process::geteuid().as_raw();
+    if uid != euid {
+        return Err(format!("is owned by uid {uid}"));
+    }
+    if mode & 0o022 != 0 {
+        return Err(format!("is writable by group or others (mode {:04o})", mode & 0o7777));
+    }
+    Ok(())
+}
+
 /// [`read_small`], where the file also has to pass `check` (its owner and mode, from the open
 /// descriptor, before a byte is read): `Ok(Some(Err(why)))` when it does not.
 pub fn read_small_checked(

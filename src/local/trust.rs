@@ -36,17 +36,10 @@ pub enum TrustError {
 /// agent (it runs commands as its own user: nothing to escalate to). The error is the reason,
 /// worded to follow a path ("is owned by uid 1000").
 pub fn owner_and_mode(uid: u32, mode: u32) -> Result<(), String> {
-    let me = rustix::process::geteuid().as_raw();
-    if me != 0 {
+    if rustix::process::geteuid().as_raw() != 0 {
         return Ok(());
     }
-    if uid != 0 && uid != me {
-        return Err(format!("is owned by uid {uid}"));
-    }
-    if mode & 0o022 != 0 {
-        return Err(format!("is writable by group or others (mode {:04o})", mode & 0o7777));
-    }
-    Ok(())
+    crate::safefs::own_only(uid, mode)
 }
 
 /// Whether a directory at or below the plan directory may be walked and watched (see

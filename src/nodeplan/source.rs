@@ -604,7 +604,8 @@ impl PlanSource for NodePlanSource {
         if let Ok(spec) = spec {
             // Pause and cancel act on the running plan even when the spec's plan changed
             // meanwhile (the new plan runs after it); a forced update stops it.
-            let replaced = wire::plan_checksum(&spec).as_deref() != Some(look.checksum.as_str()) && forced(&o);
+            // (The plan is hashed only when a forced update could stop it: not at every event.)
+            let replaced = forced(&o) && wire::plan_checksum(&spec).as_deref() != Some(look.checksum.as_str());
             *last = Interrupt { pause: spec.paused, cancel: spec.canceled || replaced, ..Interrupt::default() };
             if replaced {
                 note = Some(format!(

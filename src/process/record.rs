@@ -287,14 +287,7 @@ pub(crate) enum Entry {
 /// Whether a file or directory with this owner and mode can only have been written by the agent's
 /// own user: owned by the effective uid, not writable by group or others.
 fn trusted(st: &rustix::fs::Stat) -> Result<(), String> {
-    let euid = rustix::process::geteuid().as_raw();
-    if st.st_uid != euid {
-        return Err(format!("is owned by uid {}, not {euid}", st.st_uid));
-    }
-    if st.st_mode & 0o022 != 0 {
-        return Err(format!("is writable by group or others (mode {:04o})", st.st_mode & 0o7777));
-    }
-    Ok(())
+    crate::safefs::own_only(st.st_uid, st.st_mode)
 }
 
 /// Read the PID directory without trusting anything in it that the agent's user did not write:

@@ -391,6 +391,12 @@ impl Fixture {
     }
 }
 
+/// Stop the loop and wait for its end: how it ended, and its source.
+async fn stopped<S>(stop: watch::Sender<bool>, agent: tokio::task::JoinHandle<(AgentExit, S)>) -> (AgentExit, S) {
+    stop.send(true).unwrap();
+    tokio::time::timeout(GUARD, agent).await.expect("the loop stopped").unwrap()
+}
+
 /// Wait until an instruction opens `fifo` for writing (it is running).
 async fn running(fifo: &str) {
     let f = fifo.to_string();
@@ -462,8 +468,7 @@ async fn several_plans_one_at_a_time_through_pause_resume_and_cancel() {
     // Cancel is terminal (R8): looking again changes nothing.
     fx.set("c", |p| p.canceled = None);
     fx.look_again().await;
-    stop.send(true).unwrap();
-    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    let (exit, _) = stopped(stop, agent).await;
     assert_eq!(exit, AgentExit::Clean);
     assert_eq!(fx.get("c").history, [PlanState::InProgress, PlanState::Canceled]);
 }
@@ -513,8 +518,7 @@ async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it
     fence_tx.send(true).unwrap();
     fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "a1\na2\na2\na3\n");
-    stop.send(true).unwrap();
-    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    let (exit, _) = stopped(stop, agent).await;
     assert_eq!(exit, AgentExit::Clean);
 }
 
@@ -540,8 +544,7 @@ async fn an_invalid_value_holds_its_plan_without_a_write_and_others_run() {
     fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(fx.get("a").history, [PlanState::InProgress, PlanState::Succeeded]);
     assert_eq!(lines(&log), 2);
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// A crash in the middle of a run (the loop's task is dropped: its child keeps running, its PID
@@ -565,8 +568,7 @@ async fn a_crash_mid_run_is_recovered_before_the_plan_runs_again() {
     running(&ready).await;
     assert!(!alive(leftover), "the leftover was stopped before the re-run");
     assert_eq!(lines(&starts), 2);
-    stop.send(true).unwrap();
-    let (exit, _) = tokio::time::timeout(GUARD, second).await.unwrap().unwrap();
+    let (exit, _) = stopped(stop, second).await;
     assert_eq!(exit, AgentExit::Clean);
     let d = fx.get("d");
     assert_eq!((d.state, d.history), (PlanState::InProgress, vec![PlanState::InProgress]));
@@ -588,8 +590,7 @@ async fn a_failed_run_is_looked_at_again_at_once() {
         .expect("the failed plan was not looked at again (the next look waits for a change or the hour's period)")
         .unwrap();
     assert_eq!(fx.get("f").history, [PlanState::InProgress, PlanState::Failed], "looked at, not run again");
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, run).await.unwrap().unwrap();
+    stopped(stop, run).await;
 }
 
 /// A pause that lands while the start is being written takes effect before anything runs.
@@ -604,8 +605,7 @@ async fn a_pause_landing_with_the_start_runs_nothing() {
     let a = fx.until("a", "paused", |p| p.state == PlanState::Paused).await;
     assert_eq!(a.checkpoint.map(|c| (c.completed_instructions, c.paused)), Some((0, true)));
     assert_eq!(lines(&log), 0, "nothing ran");
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// The loop's gate before a start: a plan whose required preflight check fails is not started
@@ -634,8 +634,7 @@ async fn a_plan_waits_for_its_required_preflight_checks() {
     let checked = a.checked.expect("the start carries what the checks found");
     assert!(checked.passed() && checked.optional_failed.len() == 1, "{checked:?}");
     assert_eq!(checked.optional_failed[0].0, "nice");
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// While one plan applies, another that would start is told it waits for its turn, naming the
@@ -656,8 +655,7 @@ async fn a_plan_that_would_start_meanwhile_is_shown_waiting_for_its_turn() {
     let b = fx.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(b.history, [PlanState::InProgress, PlanState::Succeeded]);
     assert_eq!(fx.get("a").state, PlanState::Succeeded);
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// An HTTP server answering every request with the status in `code`.
@@ -703,8 +701,7 @@ async fn probes_of_other_plans_keep_running_while_one_applies() {
     assert_eq!(fx.get("b").state, PlanState::InProgress, "b is still running");
     open(&gate).await;
     fx.until("b", "succeeded", |p| p.state == PlanState::Succeeded).await;
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// An outcome that cannot be written is kept, retried only after its back-off (here the store's
@@ -735,8 +732,7 @@ async fn a_kept_outcome_lands_as_soon_as_the_source_is_back() {
     let a = fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(a.history, [PlanState::InProgress, PlanState::Succeeded]);
     assert_eq!(lines(&log), 1, "the plan did not run again");
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 #[test]
@@ -1063,8 +1059,7 @@ async fn a_retry_due_during_the_pass_that_saw_it_is_not_lost() {
     let begun = fx.store.begun.lock().unwrap().clone();
     assert_eq!(begun.len(), 1);
     assert!(begun[0] >= due && begun[0] < due + Duration::from_secs(5), "began {:?} after", begun[0] - t0);
-    stop.send(true).unwrap();
-    tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    stopped(stop, agent).await;
 }
 
 /// The legacy checksum flow has no plan state: a one-time pass that was not interrupted counts as
@@ -1132,8 +1127,7 @@ async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "a-end\nb\n", "b ran after a, never beside it");
     assert_eq!(fx.get("a").history, [PlanState::InProgress, PlanState::Succeeded]);
     assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);
-    stop.send(true).unwrap();
-    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    let (exit, _) = stopped(stop, agent).await;
     assert_eq!(exit, AgentExit::Clean);
 }
 
@@ -1209,8 +1203,7 @@ async fn what_a_look_finds_to_show_is_written_only_while_its_fence_is_open() {
     open(&gate).await;
     fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     assert_eq!(other.get("b").history, [PlanState::InProgress, PlanState::Succeeded]);
-    stop.send(true).unwrap();
-    let (exit, _) = tokio::time::timeout(GUARD, agent).await.unwrap().unwrap();
+    let (exit, _) = stopped(stop, agent).await;
     assert_eq!(exit, AgentExit::Clean);
 }
 

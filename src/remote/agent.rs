@@ -62,6 +62,8 @@ pub struct SecretSource {
     noted_legacy: Option<String>,
     /// The id of the plan last looked at, by its checksum (computed once per plan, not per look).
     id: Option<(String, String)>,
+    /// The checksum of the plan in the Secret, by resourceVersion ([`SecretSource::checksum_of`]).
+    checksum_at: Option<(String, Option<String>)>,
     pending: Option<Pending>,
     /// Where an outcome is kept on the node until it is written (R17).
     kept: KeptStore,
@@ -98,6 +100,7 @@ impl SecretSource {
             legacy: None,
             noted_legacy: None,
             id: None,
+            checksum_at: None,
             pending: None,
             kept,
             last_interrupt: Interrupt::default(),
@@ -121,6 +124,19 @@ impl SecretSource {
 
     /// The newest view of the Secret: our own last write's object, unless the watch delivered
     /// an event after that write was sent that is not one the agent has already moved past.
+    /// The checksum of the plan `s` carries, computed once per resourceVersion: the watch events
+    /// of a running plan (a cancel, the agent's own writes) are no reason to hash it again.
+    fn checksum_of(&mut self, s: &SecretSnapshot) -> Option<String> {
+        match &self.checksum_at {
+            Some((rv, checksum)) if *rv == s.resource_version => checksum.clone(),
+            _ => {
+                let checksum = wire::plan_checksum(s);
+                self.checksum_at = Some((s.resource_version.clone(), checksum.clone()));
+                checksum
+            }
+        }
+    }
+
     fn current(&self) -> Option<SecretSnapshot> {
         let (seq, watched) = self.latest.as_ref().map(|l| l.borrow().clone()).unwrap_or_default();
         self.base.current(seq, watched, |s| &s.resource_version)
@@ -270,8 +286,9 @@ impl PlanSource for SecretSource {
         if let Some(p) = wire::probe_period(&snap) {
             self.probe_period = p;
         }
-        let Some(raw) = snap.data.get(wire::PLAN) else { return Seen::Nothing };
-        let checksum = plan::checksum(raw);
+        let (Some(raw), Some(checksum)) = (snap.data.get(wire::PLAN), self.checksum_of(&snap)) else {
+            return Seen::Nothing;
+        };
         let vp = match plan::parse(raw) {
             Ok(v) => v,
             Err(e) => return Seen::Bad { error: format!("plan {}: {e}", plan::short(&checksum)), checksum },
@@ -433,7 +450,7 @@ impl PlanSource for SecretSource {
         }
         let mut note = None;
         if let Some(s) = self.current()
-            && wire::plan_checksum(&s).as_deref() == Some(look.checksum.as_str())
+            && self.checksum_of(&s).as_deref() == Some(look.checksum.as_str())
         {
             let (i, invalid) = interrupt_of(&s);
             self.last_interrupt = i;
