@@ -533,11 +533,11 @@ impl Memory {
     }
 
     /// Blocked for `why` (its recovery step kept when it already was).
-    fn block(&mut self, why: String) {
-        match &mut self.blocked {
-            Some(b) => b.why = why,
-            None => self.blocked = Some(Blocked { why, step: Step::new(Duration::from_secs(5)) }),
-        }
+    fn block(&mut self, why: String) -> &mut Blocked {
+        let b =
+            self.blocked.get_or_insert_with(|| Blocked { why: String::new(), step: Step::new(Duration::from_secs(5)) });
+        b.why = why;
+        b
     }
 
     fn blocked_why(&self) -> Option<String> {
@@ -754,10 +754,7 @@ impl<S: PlanSource> Reconciler<S> {
         let mem = self.memory.entry(key.clone()).or_default();
         match why {
             Some(why) => {
-                mem.block(why.clone());
-                if let Some(b) = mem.blocked.as_mut() {
-                    b.step.next(now);
-                }
+                mem.block(why.clone()).step.next(now);
                 self.source.set_blocked(key, Some(&why)).await;
                 true
             }
