@@ -26,7 +26,8 @@
 mod k8s_support;
 
 use futures::StreamExt as _;
-use nodeplan::remote::client::{SecretClient, SecretRef, Selected, watch_selected};
+use nodeplan::fleet::objects::{Kind, Object, Scope, Selected};
+use nodeplan::remote::client::{SecretClient, SecretRef};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -113,10 +114,11 @@ async fn wait_all(
     started: Instant,
 ) -> BTreeMap<String, Duration> {
     let mut at = BTreeMap::new();
-    let mut stream = std::pin::pin!(watch_selected(client, &ns, "bench=fleet"));
+    let scope = Scope { kind: Kind::Secrets, namespace: Some(ns), selector: "bench=fleet".into() };
+    let mut stream = nodeplan::fleet::objects::watch(client, &scope);
     while at.len() < n {
         let Some(e) = tokio::time::timeout(Duration::from_secs(600), stream.next()).await.ok().flatten() else { break };
-        if let Selected::Is(name, s) = e {
+        if let Selected::Is(name, Object::Secret(s)) = e {
             let ours = s.data.get("plan").is_some_and(|p| nodeplan::plan::checksum(p) == checksum);
             let st = s.data.get("plan-state").map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
             if ours && st == state {

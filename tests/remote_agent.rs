@@ -412,6 +412,48 @@ async fn a_silent_partition_heals_without_a_restart() {
     assert_eq!(agent.stop(), 0, "the same agent all along");
 }
 
+/// The fleet's watch (`plan status --selector --watch`, as `rollout` follows its nodes) outlives
+/// a silent partition: a state written right after the heal is reported within 30 s of it, by
+/// the same process. The command reaches the API server only through the relay; the test writes
+/// through its own client.
+#[tokio::test]
+async fn a_fleet_watch_outlives_a_silent_partition() {
+    let cp = control_plane!();
+    let relay = Relay::start(apiserver_port(cp));
+    let ns = cp.new_namespace("fleet-silence").await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).unwrap();
+    let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: "w1".into() });
+    let raw = serde_json::to_vec(&json!({"instructions": [sh("one", "true")]})).unwrap();
+    c.create(BTreeMap::from([("plan".into(), raw), ("plan-state".into(), b"pending".to_vec())]), BTreeMap::new())
+        .await
+        .unwrap();
+    c.orchestrator_patch(json!({"metadata": {"labels": {"pool": "quiet"}}})).await.unwrap();
+    let mut watch = std::process::Command::new(NODEPLAN)
+        .args(["plan", "status", "-l", "pool=quiet", "--watch", "-o", "json", "-n", &ns, "--kubeconfig"])
+        .arg(&kubeconfig)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(watch.stdout.take().unwrap());
+    let state_of = |line: &str| serde_json::from_str::<serde_json::Value>(line).unwrap()["state"].clone();
+    assert_eq!(state_of(&lines.recv_timeout(GUARD).expect("the watch lists the node")), "pending");
+
+    relay.silence();
+    tokio::time::sleep(HOLE).await; // the fault itself: the hole lasts this long
+    relay.heal();
+    let healed = Instant::now();
+    c.orchestrator_patch(json!({"data": {"plan-state": b64(b"in-progress")}})).await.unwrap();
+    let line = lines.recv_timeout(AFTER_HEAL).expect("a state written after the heal is reported within 30 s");
+    assert_eq!(state_of(&line), "in-progress", "{line}");
+    eprintln!("heal to reported: {:?}", healed.elapsed());
+    assert!(watch.try_wait().unwrap().is_none(), "the same process all along");
+    let _ = watch.kill();
+    let _ = watch.wait();
+}
+
 #[tokio::test]
 async fn an_invalid_value_writes_nothing() {
     let cp = control_plane!();
@@ -1492,14 +1534,16 @@ async fn rollout_keeps_its_concurrency_and_continues_after_an_interruption() {
         let (ns, checksum) = (ns.clone(), checksum.clone());
         tokio::spawn(async move {
             use futures::StreamExt as _;
-            let mut stream = std::pin::pin!(nodeplan::remote::client::watch_selected(client, &ns, "pool=roll"));
+            use nodeplan::fleet::objects::{Kind, Object, Scope, Selected};
+            let scope = Scope { kind: Kind::Secrets, namespace: Some(ns), selector: "pool=roll".into() };
+            let mut stream = nodeplan::fleet::objects::watch(client, &scope);
             let mut flying: BTreeMap<String, bool> = BTreeMap::new();
             let mut most = 0;
             while let Some(e) = stream.next().await {
-                if let nodeplan::remote::client::Selected::Listed = e {
+                if let Selected::Listed = e {
                     let _ = listed_tx.send(());
                 }
-                if let nodeplan::remote::client::Selected::Is(name, s) = e {
+                if let Selected::Is(name, Object::Secret(s)) = e {
                     let ours = s.data.get("plan").is_some_and(|p| plan::checksum(p) == checksum);
                     flying.insert(name, ours && matches!(state(&s).as_str(), "pending" | "in-progress"));
                     most = most.max(flying.values().filter(|f| **f).count());

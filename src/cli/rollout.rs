@@ -601,7 +601,7 @@ struct View {
 }
 
 impl View {
-    fn apply(&mut self, e: objects::Selected, scope: &Scope) {
+    fn apply(&mut self, e: objects::Selected) {
         match self.tracker.apply(e) {
             Change::Is(key) => {
                 let seen = self.tracker.objects.get(&key).map(|o| o.resource_version().to_string());
@@ -620,7 +620,6 @@ impl View {
                     self.refresh(&key);
                 }
             }
-            Change::Failing(e) => super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe())),
             Change::None => {}
         }
     }
@@ -676,11 +675,11 @@ async fn drive(
             },
             e = stream.next() => {
                 let Some(e) = e else { return Err((exit::FAILED, "the watch ended".into())) };
-                view.apply(e, &scope);
+                view.apply(e);
                 // Whatever else has arrived is taken in before deciding again: one decision per
                 // burst of changes, not one per change.
                 while let Some(Some(e)) = futures::FutureExt::now_or_never(stream.next()) {
-                    view.apply(e, &scope);
+                    view.apply(e);
                 }
             }
         }
@@ -697,14 +696,10 @@ async fn drive(
                 // Its first report (the Lease as it is now) decides whether to start at all; a
                 // Lease that cannot be watched leaves the rollout without pause and cancel.
                 match tokio::time::timeout(t.request_timeout, watch.next()).await {
-                    Ok(Some(Ok(c))) => {
+                    Ok(Some(c)) => {
                         control = c;
-                        controls = Box::pin(watch.filter_map(|c| std::future::ready(c.ok())));
+                        controls = watch;
                     }
-                    Ok(Some(Err(e))) => super::say(&format!(
-                        "nodeplan: cannot watch the rollout's Lease ({e}): `nodeplan rollout pause|resume|cancel` will not \
-                         reach this run"
-                    )),
                     Ok(None) | Err(_) => super::say(
                         "nodeplan: no answer watching the rollout's Lease: `nodeplan rollout pause|resume|cancel` will \
                          not reach this run",
@@ -860,30 +855,39 @@ fn start(kind: Kind, plan: &Pushed, claim: &str) -> Write {
     }
 }
 
-/// The control annotation of the rollout's Lease as it changes (`None`: none, or no Lease), and
-/// the watch's failures (it goes on by itself after one).
+/// The control annotation of the rollout's Lease, first as it is now, then as it changes (`None`:
+/// none, or no Lease), through the one list/watch (its log lines say when it fails).
 fn control_of(
     kube: kube::Client,
     ns: &str,
     name: &str,
-) -> std::pin::Pin<Box<dyn futures::Stream<Item = Result<Option<String>, String>> + Send>> {
-    use kube::runtime::{WatchStreamExt as _, watcher};
+) -> std::pin::Pin<Box<dyn futures::Stream<Item = Option<String>> + Send>> {
+    use crate::k8s::watch::{Event, KubeListWatch, follow};
     let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> = kube::Api::namespaced(kube, ns);
-    let fields = format!("metadata.name={name}");
-    Box::pin(
-        watcher(api, watcher::Config::default().fields(&fields).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS))
-            .default_backoff()
-            .filter_map(|e| async move {
-                match e {
-                    Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
-                        Some(Ok(l.metadata.annotations.and_then(|a| a.get(ANNOTATION_CONTROL).cloned())))
+    let what = format!("the rollout's Lease {ns}/{name}");
+    // What a list shows is reported once the list is complete (it may not hold the Lease at all).
+    let mut listing: Option<Option<String>> = None;
+    Box::pin(follow(KubeListWatch::named(api, name), what).filter_map(move |e| {
+        let r = match e {
+            Event::Relisting => {
+                listing = Some(None);
+                None
+            }
+            Event::Is(_, l) => {
+                let control = l.metadata.annotations.and_then(|mut a| a.remove(ANNOTATION_CONTROL));
+                match &mut listing {
+                    Some(listed) => {
+                        *listed = control;
+                        None
                     }
-                    Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
-                    Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
-                    Err(e) => Some(Err(crate::k8s::watcher_error_line(&e))),
+                    None => Some(control),
                 }
-            }),
-    )
+            }
+            Event::Gone(_) => Some(None),
+            Event::Listed => listing.take(),
+        };
+        std::future::ready(r)
+    }))
 }
 
 /// Whether the watch has caught up with a write: it shows the written version or a later one.

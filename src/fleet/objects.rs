@@ -9,6 +9,7 @@ use super::Standing;
 use crate::nodeplan::source::api_resource;
 use crate::remote::client::{SecretClient, SecretRef, SecretSnapshot};
 use futures::{Stream, StreamExt as _};
+use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use std::time::Duration;
 
@@ -150,69 +151,47 @@ fn keyed(scope: &Scope, o: DynamicObject) -> Option<(String, Object)> {
     Some((key, Object::NodePlan(Box::new(o))))
 }
 
-/// A change among the selected objects.
-#[derive(Debug)]
-pub enum Selected {
-    /// An object as it is now (at the start, and after every change).
-    Is(String, Object),
-    /// It was deleted (or no longer matches).
-    Gone(String),
-    /// A list begins (at the start, and after the watch broke): what it does not list is gone.
-    Relisting,
-    /// The initial list (and every relist after the watch broke) is complete.
-    Listed,
-    /// The watch failed; it starts again by itself (with back-off).
-    Failed(String),
-}
+/// A change among the selected objects, as the one list/watch ([`crate::k8s::watch::follow`])
+/// reports it.
+pub type Selected = crate::k8s::watch::Event<Object>;
 
-/// Every selected object at the start, then every change, relisting (with kube's back-off)
-/// whenever the watch breaks.
+/// Every selected object at the start, then every change, listing again whenever the watch
+/// breaks, goes quiet or may sit on a connection that died (the agent's own list/watch and
+/// bounds; its log lines say when it fails and when it is back).
 pub fn watch(kube: kube::Client, scope: &Scope) -> std::pin::Pin<Box<dyn Stream<Item = Selected> + Send>> {
-    use crate::remote::client::Selected as S;
-    use kube::runtime::{WatchStreamExt as _, watcher};
+    use crate::k8s::watch::{Event, KubeListWatch, follow};
+    /// The event with its object made an [`Object`] (`None`: one that cannot be, left out).
+    fn of<K>(e: Event<K>, object: impl Fn(K) -> Option<Object>) -> Option<Selected> {
+        Some(match e {
+            Event::Is(key, o) => Event::Is(key, object(o)?),
+            Event::Gone(key) => Event::Gone(key),
+            Event::Relisting => Event::Relisting,
+            Event::Listed => Event::Listed,
+        })
+    }
+    let what = scope.describe();
     match scope.kind {
         Kind::Secrets => {
-            let ns = scope.namespace.clone().unwrap_or_default();
-            Box::pin(crate::remote::client::watch_selected(kube, &ns, &scope.selector).map(|e| match e {
-                S::Is(n, s) => Selected::Is(n, Object::Secret(s)),
-                S::Gone(n) => Selected::Gone(n),
-                S::Relisting => Selected::Relisting,
-                S::Listed => Selected::Listed,
-                S::Failed(e) => Selected::Failed(e),
-            }))
+            let api: Api<Secret> = Api::namespaced(kube, scope.namespace.as_deref().unwrap_or_default());
+            let secret = |s| crate::remote::client::named_snapshot(s).map(|(_, s)| Object::Secret(s));
+            let lw = KubeListWatch::labelled(api, &scope.selector);
+            Box::pin(follow(lw, what).filter_map(move |e| std::future::ready(of(e, secret))))
         }
         Kind::NodePlans => {
-            let api = scope.nodeplans(kube);
-            let scope = scope.clone();
-            let config =
-                watcher::Config::default().labels(&scope.selector).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS);
-            Box::pin(watcher(api, config).default_backoff().filter_map(move |e| {
-                let r = match e {
-                    Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                        keyed(&scope, o).map(|(k, o)| Selected::Is(k, o))
-                    }
-                    Ok(watcher::Event::Delete(o)) => o
-                        .metadata
-                        .name
-                        .as_deref()
-                        .map(|n| Selected::Gone(scope.key(o.metadata.namespace.as_deref(), n))),
-                    Ok(watcher::Event::Init) => Some(Selected::Relisting),
-                    Ok(watcher::Event::InitDone) => Some(Selected::Listed),
-                    Err(e) => Some(Selected::Failed(crate::k8s::watcher_error_line(&e))),
-                };
-                std::future::ready(r)
-            }))
+            let lw = KubeListWatch::labelled(scope.nodeplans(kube), &scope.selector);
+            let lw = if scope.namespace.is_none() { lw.across_namespaces() } else { lw };
+            let nodeplan = |o| Some(Object::NodePlan(Box::new(o)));
+            Box::pin(follow(lw, what).filter_map(move |e| std::future::ready(of(e, nodeplan))))
         }
     }
 }
 
-/// The selected objects as a watch reports them: the latest of each, whether the first list is
-/// complete, and whether the watch is failing (so a failure is told once, not at every retry).
+/// The selected objects as a watch reports them: the latest of each, and whether the first list
+/// is complete.
 #[derive(Debug, Default)]
 pub struct Tracker {
     pub objects: std::collections::BTreeMap<String, Object>,
     pub listed: bool,
-    failing: bool,
     /// During a relist: the objects listed so far (the others are gone when it completes).
     relisting: Option<std::collections::BTreeSet<String>>,
 }
@@ -226,8 +205,6 @@ pub enum Change {
     Gone(String),
     /// A list is complete; these objects were not in it (deleted while the watch was down).
     Listed(Vec<String>),
-    /// The watch started failing (told once until it works again).
-    Failing(String),
     None,
 }
 
@@ -235,7 +212,6 @@ impl Tracker {
     pub fn apply(&mut self, e: Selected) -> Change {
         match e {
             Selected::Is(key, o) => {
-                self.failing = false;
                 if let Some(seen) = &mut self.relisting {
                     seen.insert(key.clone());
                 }
@@ -259,11 +235,6 @@ impl Tracker {
                 }
                 Change::Listed(gone)
             }
-            Selected::Failed(e) if !self.failing => {
-                self.failing = true;
-                Change::Failing(e)
-            }
-            Selected::Failed(_) => Change::None,
         }
     }
 }
@@ -369,12 +340,10 @@ mod tests {
     }
 
     #[test]
-    fn a_tracker_tells_each_change_and_a_failing_watch_once() {
+    fn a_tracker_tells_each_change() {
         let mut t = Tracker::default();
         let one = crate::remote::client::test_snapshot(&serde_json::json!({}), &[], &[]);
         assert_eq!(t.apply(Selected::Is("a".into(), Object::Secret(one))), Change::Is("a".into()));
-        assert_eq!(t.apply(Selected::Failed("down".into())), Change::Failing("down".into()));
-        assert_eq!(t.apply(Selected::Failed("down".into())), Change::None);
         assert_eq!(t.apply(Selected::Listed), Change::Listed(vec![]));
         assert!(t.listed);
         assert_eq!(t.apply(Selected::Gone("a".into())), Change::Gone("a".into()));

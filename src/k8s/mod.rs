@@ -76,16 +76,6 @@ pub async fn bounded<T>(
     tokio::time::timeout(timeout, request).await.unwrap_or_else(|_| Err(no_answer(what, timeout)))
 }
 
-/// [`error_line`] of the request a kube-runtime watcher failed at (its own words before it).
-pub fn watcher_error_line(err: &kube::runtime::watcher::Error) -> String {
-    use kube::runtime::watcher::Error as W;
-    match err {
-        W::InitialListFailed(e) => format!("list: {}", error_line(e)),
-        W::WatchStartFailed(e) | W::WatchFailed(e) => format!("watch: {}", error_line(e)),
-        other => crate::error_line(other),
-    }
-}
-
 /// The agent's client for `config`: every request bounded ([`CONNECT_TIMEOUT`], [`IO_TIMEOUT`],
 /// [`liveness::HEADERS_TIMEOUT`]), counted by [`liveness`] and sent as [`USER_AGENT`].
 pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {

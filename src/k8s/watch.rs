@@ -1,6 +1,9 @@
-//! One list/watch for every object the agent follows (the plan Secret, a node's NodePlans): a
-//! list with the caller's label or field selector, then a watch from the list's resourceVersion,
-//! and a list again whenever the watch ends. A field selector the API server may not support (a
+//! One list/watch for every object nodeplan follows (the plan Secret, a node's NodePlans, a Lease,
+//! and a fleet's plan objects for `plan status --watch` and `rollout`): a list with the caller's
+//! label or field selector, then a watch from the list's resourceVersion, and a list again
+//! whenever the watch ends. What it sees goes to a [`Sink`]: the whole map after every change
+//! ([`pump`], for an agent's source that looks when it likes) or each change in order ([`follow`],
+//! for a command that follows a fleet). A field selector the API server may not support (a
 //! custom resource's selectable field) is tried first and dropped for good when refused.
 //!
 //! kube-runtime's `watcher` resumes a broken watch from the last resourceVersion and says nothing
@@ -41,11 +44,86 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 /// The objects by name, numbered: every publish has a new number.
 pub type Latest<K> = (u64, BTreeMap<String, K>);
+
+/// One change the pump saw, for a follower of every change ([`follow`]).
+#[derive(Debug)]
+pub enum Event<K> {
+    /// A list begins (at the start, and after a watch broke, went quiet or outlived an outage):
+    /// what it does not list is gone.
+    Relisting,
+    /// An object as it is now (listed, or changed), by key.
+    Is(String, K),
+    /// It was deleted (or no longer matches).
+    Gone(String),
+    /// The list is complete.
+    Listed,
+}
+
+/// Where the pump puts what it sees. `false` from either call: nobody listens any more.
+pub trait Sink<K>: Send {
+    /// A list answered: `objects` is every object now.
+    fn listed(&mut self, objects: &BTreeMap<String, K>) -> bool;
+    /// The object `key` is now `now` (`None`: gone); `objects` is every object after it.
+    fn changed(&mut self, key: &str, now: Option<&K>, objects: &BTreeMap<String, K>) -> bool;
+    /// Returns once nobody listens any more.
+    fn closed(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// The whole map under a new number after every list and every change.
+struct Snapshots<K> {
+    tx: watch::Sender<Latest<K>>,
+    seq: u64,
+}
+
+impl<K> Snapshots<K> {
+    fn new(tx: watch::Sender<Latest<K>>) -> Self {
+        let seq = tx.borrow().0;
+        Snapshots { tx, seq }
+    }
+
+    fn publish(&mut self, objects: &BTreeMap<String, K>) -> bool
+    where
+        K: Clone,
+    {
+        self.seq += 1;
+        self.tx.send((self.seq, objects.clone())).is_ok()
+    }
+}
+
+impl<K: Clone + Send + Sync> Sink<K> for Snapshots<K> {
+    fn listed(&mut self, objects: &BTreeMap<String, K>) -> bool {
+        self.publish(objects)
+    }
+    fn changed(&mut self, _: &str, _: Option<&K>, objects: &BTreeMap<String, K>) -> bool {
+        self.publish(objects)
+    }
+    async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
+/// Each change in order: a list as [`Event::Relisting`], every object, [`Event::Listed`].
+impl<K: Clone + Send + Sync> Sink<K> for mpsc::UnboundedSender<Event<K>> {
+    fn listed(&mut self, objects: &BTreeMap<String, K>) -> bool {
+        let all = objects.iter().map(|(k, o)| Event::Is(k.clone(), o.clone()));
+        std::iter::once(Event::Relisting).chain(all).chain([Event::Listed]).all(|e| self.send(e).is_ok())
+    }
+    fn changed(&mut self, key: &str, now: Option<&K>, _: &BTreeMap<String, K>) -> bool {
+        let e = match now {
+            Some(o) => Event::Is(key.to_string(), o.clone()),
+            None => Event::Gone(key.to_string()),
+        };
+        self.send(e).is_ok()
+    }
+    async fn closed(&self) {
+        mpsc::UnboundedSender::closed(self).await
+    }
+}
 
 /// A list's answer: the objects and the resourceVersion to watch from.
 pub struct Listed<K> {
@@ -71,6 +149,10 @@ pub trait ListWatch: Send + Sync {
     fn watch(&self, resource_version: &str) -> impl Future<Output = Result<Events<Self::Object>, WatchError>> + Send;
     /// Moves each time the API server answers again after failures ([`super::liveness`]).
     fn reconnected(&self) -> watch::Receiver<u64>;
+    /// The key of an object in the map (its name, by default); `None`: it is left out.
+    fn key(&self, o: &Self::Object) -> Option<String> {
+        o.meta().name.clone()
+    }
 }
 
 /// How long a list may take.
@@ -98,6 +180,8 @@ pub struct KubeListWatch<K> {
     fields: Option<String>,
     /// A field selector to add where the API server supports it ([`KubeListWatch::preferring`]).
     preferred: Option<Preferred>,
+    /// Objects of every namespace: keyed `NAMESPACE/NAME` ([`KubeListWatch::across_namespaces`]).
+    across: bool,
 }
 
 /// What [`KubeListWatch::preferring`] is told once it knows whether the API server selects by
@@ -121,7 +205,7 @@ const BY_LABELS: u8 = 2;
 impl<K> KubeListWatch<K> {
     /// The objects whose labels match `selector`.
     pub fn labelled(api: Api<K>, selector: &str) -> Self {
-        KubeListWatch { api, labels: Some(selector.to_string()), fields: None, preferred: None }
+        KubeListWatch { api, labels: Some(selector.to_string()), fields: None, preferred: None, across: false }
     }
 
     /// The objects whose labels match `labels` and, where the API server supports the field
@@ -131,12 +215,24 @@ impl<K> KubeListWatch<K> {
     /// refusal.
     pub fn preferring(api: Api<K>, labels: &str, fields: &str, decided: Decided) -> Self {
         let preferred = Preferred { fields: fields.to_string(), mode: AtomicU8::new(UNDECIDED), decided };
-        KubeListWatch { api, labels: Some(labels.to_string()), fields: None, preferred: Some(preferred) }
+        KubeListWatch { api, labels: Some(labels.to_string()), fields: None, preferred: Some(preferred), across: false }
     }
 
     /// The one object named `name`.
     pub fn named(api: Api<K>, name: &str) -> Self {
-        KubeListWatch { api, labels: None, fields: Some(format!("metadata.name={name}")), preferred: None }
+        KubeListWatch {
+            api,
+            labels: None,
+            fields: Some(format!("metadata.name={name}")),
+            preferred: None,
+            across: false,
+        }
+    }
+
+    /// For an `api` of every namespace: objects are keyed `NAMESPACE/NAME` (names repeat across
+    /// namespaces).
+    pub fn across_namespaces(self) -> Self {
+        KubeListWatch { across: true, ..self }
     }
 
     /// The field selector a request carries now.
@@ -213,12 +309,29 @@ where
     fn reconnected(&self) -> watch::Receiver<u64> {
         super::liveness::reconnected()
     }
+
+    fn key(&self, o: &K) -> Option<String> {
+        let name = o.meta().name.clone()?;
+        match (self.across, o.meta().namespace.as_deref()) {
+            (true, Some(ns)) => Some(format!("{ns}/{name}")),
+            _ => Some(name),
+        }
+    }
 }
 
 /// Keep `tx` holding the objects `lw` picks until every receiver is gone (`what` names them in
 /// log lines). Never ends otherwise: errors are logged and the pump lists again after a back-off.
 pub async fn pump<L: ListWatch>(lw: L, what: String, tx: watch::Sender<Latest<L::Object>>) {
-    run(&lw, &what, tx).await;
+    run(&lw, &what, Snapshots::new(tx)).await;
+}
+
+/// Every change of the objects `lw` picks, in order, for as long as the stream is kept (`what`
+/// names them in log lines): the same list/watch and bounds as [`pump`], whose task ends with
+/// the stream.
+pub fn follow<L: ListWatch + 'static>(lw: L, what: String) -> impl Stream<Item = Event<L::Object>> + Send + 'static {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = crate::AbortOnDrop(tokio::spawn(async move { run(&lw, &what, tx).await }));
+    futures::stream::unfold((rx, task), |(mut rx, task)| async move { Some((rx.recv().await?, (rx, task))) })
 }
 
 /// How a watch ended.
@@ -230,27 +343,29 @@ enum End {
     Error(String),
     /// The API server answered again after failures: this watch may sit on a dead connection.
     Reconnected,
+    /// Nobody listens any more.
+    Unheard,
 }
 
-/// The list-then-watch cycle over `lw`, publishing into `tx` (`what` names it in log lines).
-pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::Object>>) {
+/// The list-then-watch cycle over `lw`, putting what it sees into `sink` (`what` names it in log
+/// lines), until nobody listens.
+async fn run<L: ListWatch>(lw: &L, what: &str, mut sink: impl Sink<L::Object>) {
     let mut backoff = Backoff::new(BACKOFF_INITIAL, BACKOFF_MAX, HEALTHY_AFTER);
-    let mut seq = tx.borrow().0;
     // Errors since the last list that answered.
-    let mut failing = false;
+    let mut failing: Option<Failing> = None;
     loop {
         let listed = tokio::select! {
             r = tokio::time::timeout(LIST_TIMEOUT, lw.list()) => r,
-            _ = tx.closed() => return,
+            _ = sink.closed() => return,
         };
         let (end, ran) = match listed {
             Ok(Ok(listed)) => {
                 let mut objects: BTreeMap<String, L::Object> =
-                    listed.items.into_iter().filter_map(|o| Some((o.meta().name.clone()?, o))).collect();
-                if !publish(&tx, &mut seq, &objects) {
+                    listed.items.into_iter().filter_map(|o| Some((lw.key(&o)?, o))).collect();
+                if !sink.listed(&objects) {
                     return;
                 }
-                if std::mem::take(&mut failing) {
+                if failing.take().is_some() {
                     tracing::info!("the watch of {what} is back");
                 }
                 let started = Instant::now();
@@ -259,13 +374,13 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::O
                 let mut rv = listed.resource_version;
                 let end = loop {
                     let began = Instant::now();
-                    let end = tokio::select! {
-                        end = watch_from(lw, &mut rv, &mut objects, &tx, &mut seq, reconnected.clone()) => end,
-                        _ = tx.closed() => return,
-                    };
+                    let end = watch_from(lw, &mut rv, &mut objects, &mut sink, reconnected.clone()).await;
+                    if matches!(end, End::Unheard) {
+                        return;
+                    }
                     // A watch the server ended after a healthy while (its timeout) goes on from the
                     // last resourceVersion it delivered, without a list: nothing was missed.
-                    if matches!(end, End::Closed) && began.elapsed() >= HEALTHY_AFTER && !tx.is_closed() {
+                    if matches!(end, End::Closed) && began.elapsed() >= HEALTHY_AFTER {
                         tracing::trace!("the watch of {what} ended on time; watching on from {rv}");
                         continue;
                     }
@@ -280,21 +395,27 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::O
         if let End::Reconnected = end {
             // A fresh list at once: the requests that answered show the way is open again.
             tracing::info!("the API server answers again; listing {what} afresh");
-            failing = true;
+            failing.get_or_insert_with(Failing::new);
             continue;
         }
         let pause = jittered(backoff.after_run(ran));
         match end {
-            End::Reconnected => {}
+            End::Reconnected | End::Unheard => {}
             End::Closed => tracing::debug!("the watch of {what} ended; listing again"),
             End::Gone => tracing::debug!("the watch of {what} expired (410 Gone); listing again"),
             End::Error(e) => {
-                failing = true;
-                tracing::warn!(
-                    error = %e.replace(['\n', '\r'], " "),
-                    "watch of {what} failed; listing again in {}",
-                    crate::duration::human(pause)
-                );
+                let e = e.replace(['\n', '\r'], " ");
+                let pause = crate::duration::human(pause);
+                let f = failing.get_or_insert_with(Failing::new);
+                match f.warn(Instant::now()) {
+                    Some(None) => tracing::warn!(error = %e, "watch of {what} failed; listing again in {pause}"),
+                    Some(Some(since)) => tracing::warn!(
+                        error = %e,
+                        "watch of {what} still fails after {}; listing again in {pause}",
+                        crate::duration::human(since)
+                    ),
+                    None => tracing::debug!(error = %e, "watch of {what} failed again; listing again in {pause}"),
+                }
             }
         }
         // A comeback seen by another request (the Lease's renewal) ends the back-off at once:
@@ -303,15 +424,37 @@ pub async fn run<L: ListWatch>(lw: &L, what: &str, tx: watch::Sender<Latest<L::O
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             Ok(()) = back.changed() => {}
-            _ = tx.closed() => return,
+            _ = sink.closed() => return,
         }
     }
 }
 
-/// Publish the objects under the next number; `false` when nobody listens any more.
-fn publish<K: Clone>(tx: &watch::Sender<Latest<K>>, seq: &mut u64, objects: &BTreeMap<String, K>) -> bool {
-    *seq += 1;
-    tx.send((*seq, objects.clone())).is_ok()
+/// How often a watch that keeps failing says so again (an outage that lasts, an account that may
+/// not list or watch): every failure goes to the debug log, one in this long is a warning.
+const REMIND: Duration = Duration::from_secs(300);
+
+/// A run of failures of one watch, so that it is one warning (repeated every [`REMIND`]) and not
+/// a line per retry.
+struct Failing {
+    since: Instant,
+    warned: Option<Instant>,
+}
+
+impl Failing {
+    fn new() -> Failing {
+        Failing { since: Instant::now(), warned: None }
+    }
+
+    /// Whether a failure now is worth a warning: `Some(None)` the first of the run, `Some(since)`
+    /// a reminder (how long the run has lasted), `None` not (the debug log has it).
+    fn warn(&mut self, now: Instant) -> Option<Option<Duration>> {
+        let first = self.warned.is_none();
+        if self.warned.is_some_and(|t| now < t + REMIND) {
+            return None;
+        }
+        self.warned = Some(now);
+        Some((!first).then(|| now - self.since))
+    }
 }
 
 /// Watch from `rv`, applying every event to `objects` and publishing it, until the watch ends;
@@ -320,13 +463,13 @@ async fn watch_from<L: ListWatch>(
     lw: &L,
     rv: &mut String,
     objects: &mut BTreeMap<String, L::Object>,
-    tx: &watch::Sender<Latest<L::Object>>,
-    seq: &mut u64,
+    sink: &mut impl Sink<L::Object>,
     mut reconnected: watch::Receiver<u64>,
 ) -> End {
     let started = tokio::select! {
         r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv.as_str())) => r,
         Ok(()) = reconnected.changed() => return End::Reconnected,
+        _ = sink.closed() => return End::Unheard,
     };
     let mut events = match started {
         Ok(Ok(events)) => events,
@@ -338,6 +481,7 @@ async fn watch_from<L: ListWatch>(
         let next = tokio::select! {
             next = tokio::time::timeout(WATCH_GAP, events.next()) => next,
             Ok(()) = reconnected.changed() => return End::Reconnected,
+            _ = sink.closed() => return End::Unheard,
         };
         let event = match next {
             Ok(Some(event)) => event,
@@ -359,14 +503,16 @@ async fn watch_from<L: ListWatch>(
         if let Some(v) = seen_rv.filter(|v| !v.is_empty()) {
             *rv = v;
         }
-        match event {
+        let heard = match event {
             Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => {
-                let Some(name) = o.meta().name.clone() else { continue };
-                objects.insert(name, o);
+                let Some(key) = lw.key(&o) else { continue };
+                objects.insert(key.clone(), o);
+                sink.changed(&key, objects.get(&key), objects)
             }
             Ok(WatchEvent::Deleted(o)) => {
-                let Some(name) = o.meta().name.as_deref() else { continue };
-                objects.remove(name);
+                let Some(key) = lw.key(&o) else { continue };
+                objects.remove(&key);
+                sink.changed(&key, None, objects)
             }
             Ok(WatchEvent::Bookmark(_)) => continue,
             Ok(WatchEvent::Error(s)) if s.code == 410 => return End::Gone,
@@ -375,10 +521,9 @@ async fn watch_from<L: ListWatch>(
             }
             Err(WatchError::Gone) => return End::Gone,
             Err(WatchError::Other(e)) => return End::Error(format!("watch failed: {e}")),
-        }
-        if !publish(tx, seq, objects) {
-            // Nobody listens: the pump's caller sees the channel closed and stops.
-            return End::Closed;
+        };
+        if !heard {
+            return End::Unheard;
         }
     }
 }
@@ -481,7 +626,7 @@ mod tests {
     fn start(fake: &Arc<Fake>) -> (watch::Receiver<Latest<DynamicObject>>, tokio::task::JoinHandle<()>) {
         let (tx, rx) = watch::channel::<Latest<DynamicObject>>((0, BTreeMap::new()));
         let f = fake.clone();
-        (rx, tokio::spawn(async move { run(&*f, "test NodePlans", tx).await }))
+        (rx, tokio::spawn(async move { run(&*f, "test NodePlans", Snapshots::new(tx)).await }))
     }
 
     /// Start the pump over `fake` and collect the first `n` publishes (each one seen: the fake
@@ -568,6 +713,57 @@ mod tests {
         assert_eq!(g[3], Duration::ZERO, "the watch starts right after the list");
         assert!(within(g[4], 20_000 + 800), "after a healthy watch: the first step again: {g:?}");
         assert!(within(g[5], 1600), "then doubling again: {g:?}");
+    }
+
+    /// A follower hears every change in order, and every list whole between `Relisting` and
+    /// `Listed` (at the start and after the watch broke), keyed as the list/watch keys objects.
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_hears_each_change_and_every_list_whole() {
+        let s = Duration::from_secs(1);
+        let fake = Fake::new(vec![
+            listed("10", &[("a", "5"), ("b", "6")]),
+            Step::Watch(
+                Ok(vec![
+                    (s, Ok(WatchEvent::Added(obj("c", "11")))),
+                    (s, Ok(WatchEvent::Deleted(obj("a", "12")))),
+                    (s, Err(other("connection reset"))),
+                ]),
+                Duration::ZERO,
+            ),
+            listed("13", &[("b", "6")]),
+            Step::Watch(Ok(vec![]), Duration::from_secs(3600)),
+        ]);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let f = fake.clone();
+        let _pump = crate::AbortOnDrop(tokio::spawn(async move { run(&*f, "test NodePlans", tx).await }));
+        let mut heard = Vec::new();
+        while heard.len() < 9 {
+            heard.push(match rx.recv().await.expect("the pump runs") {
+                super::Event::Relisting => "relisting".to_string(),
+                super::Event::Is(k, o) => format!("{k}@{}", o.metadata.resource_version.unwrap_or_default()),
+                super::Event::Gone(k) => format!("{k} gone"),
+                super::Event::Listed => "listed".to_string(),
+            });
+        }
+        let want = ["relisting", "a@5", "b@6", "listed", "c@11", "a gone", "relisting", "b@6", "listed"];
+        assert_eq!(heard, want);
+    }
+
+    /// A run of failures is one warning, then one every five minutes while it lasts (each
+    /// reminder says for how long); the failures between go to the debug log. A new run (after a
+    /// list answered) warns again at its first failure.
+    #[tokio::test(start_paused = true)]
+    async fn a_run_of_failures_warns_once_and_then_every_five_minutes() {
+        let mut f = Failing::new();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(f.warn(at(0)), Some(None), "the first failure warns");
+        assert_eq!(f.warn(at(10)), None);
+        assert_eq!(f.warn(at(299)), None);
+        assert_eq!(f.warn(at(300)), Some(Some(Duration::from_secs(300))), "a reminder after five minutes");
+        assert_eq!(f.warn(at(310)), None);
+        assert_eq!(f.warn(at(600)), Some(Some(Duration::from_secs(600))));
+        assert_eq!(Failing::new().warn(at(601)), Some(None), "a new run starts over");
     }
 
     /// 410 Gone (at the watch's start or as an event) lists again; so does every other end of a

@@ -16,19 +16,18 @@
 //! [`SecretClient::orchestrator_patch`] and [`SecretClient::create`] serve `nodeplan plan`, the
 //! tests and the cancel-latency benchmark; [`SecretClient::delete`] serves only the tests. For
 //! many nodes at once (`nodeplan plan status|pause|resume|cancel|reset --selector`), [`list_selected`]
-//! and [`watch_selected`] read the Secrets a label selector picks; each is then written through its
-//! own [`SecretClient`].
+//! reads the Secrets a label selector picks (`fleet::objects` watches them through the one
+//! list/watch); each is then written through its own [`SecretClient`].
 
 use std::collections::BTreeMap;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use futures::{Stream, StreamExt as _};
+use futures::Stream;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::watcher;
 
 /// The Secret type Rancher gives machine-plan Secrets.
 pub const MACHINE_PLAN_SECRET_TYPE: &str = "rke.cattle.io/machine-plan";
@@ -78,49 +77,9 @@ pub async fn list_selected(
     Ok(list.items.into_iter().filter_map(named_snapshot).collect())
 }
 
-fn named_snapshot(s: Secret) -> Option<(String, SecretSnapshot)> {
+pub(crate) fn named_snapshot(s: Secret) -> Option<(String, SecretSnapshot)> {
     let name = s.metadata.name.clone()?;
     SecretSnapshot::from_secret(s).ok().map(|snap| (name, snap))
-}
-
-/// A change among the selected Secrets.
-#[derive(Debug)]
-pub enum Selected {
-    /// A Secret as it is now (at the start, and after every change).
-    Is(String, SecretSnapshot),
-    /// It was deleted (or no longer matches).
-    Gone(String),
-    /// A relist begins (after the watch broke): what it does not list again is gone.
-    Relisting,
-    /// The initial list (and every relist after the watch broke) is complete.
-    Listed,
-    /// The watch failed; it starts again by itself (with back-off).
-    Failed(String),
-}
-
-/// Watch the Secrets of `namespace` that `selector` picks: every Secret at the start, then every
-/// change, relisting (with kube's back-off) whenever the watch breaks.
-pub fn watch_selected(
-    client: kube::Client,
-    namespace: &str,
-    selector: &str,
-) -> impl Stream<Item = Selected> + Send + 'static {
-    use kube::runtime::WatchStreamExt as _;
-    let api: Api<Secret> = Api::namespaced(client, namespace);
-    watcher(api, watcher::Config::default().labels(selector).timeout(crate::k8s::watch::WATCH_TIMEOUT_SECS))
-        .default_backoff()
-        .filter_map(|e| async move {
-            Some(match e {
-                Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
-                    let (name, snap) = named_snapshot(s)?;
-                    Selected::Is(name, snap)
-                }
-                Ok(watcher::Event::Delete(s)) => Selected::Gone(s.metadata.name?),
-                Ok(watcher::Event::Init) => Selected::Relisting,
-                Ok(watcher::Event::InitDone) => Selected::Listed,
-                Err(e) => Selected::Failed(crate::k8s::watcher_error_line(&e)),
-            })
-        })
 }
 
 /// A Secret snapshot for tables in tests: the plan's JSON, other keys as text, annotations.

@@ -118,10 +118,6 @@ async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), 
                 }
                 true
             }
-            Change::Failing(e) => {
-                super::super::say(&format!("nodeplan: watching {}: {e}; trying again", scope.describe()));
-                false
-            }
             Change::None => false,
         };
         if changed && tracker.listed && !each {
