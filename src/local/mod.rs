@@ -19,7 +19,7 @@ use crate::apply::{ApplyError, Interrupt};
 use crate::flow::Commit;
 use crate::plan::{self, Annotations, Hold, ProbeStatus};
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, Sent, View, Written};
 use pos::{PlanFiles, Pos};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -219,6 +219,8 @@ impl DirSource {
 
 impl PlanSource for DirSource {
     type Key = PathBuf;
+    /// Nothing is kept: a `.pos` that cannot be written is read again at the next look.
+    type Kept = std::convert::Infallible;
 
     async fn changed(&mut self) -> bool {
         // The sender lives in the source: the channel never closes.
@@ -359,18 +361,20 @@ impl PlanSource for DirSource {
         self.update(&files, |p| wire::commit(p, &look.checksum, commit)).await
     }
 
-    async fn record(&mut self, path: &PathBuf, look: &Look, outcome: Outcome<'_>) -> Written {
-        let Some(files) = PlanFiles::new(path) else { return Written::Abandoned };
+    async fn record(&mut self, path: &PathBuf, look: &Look, outcome: Outcome<'_>) -> Sent<Self::Kept> {
+        let Some(files) = PlanFiles::new(path) else { return (Written::Abandoned, None) };
         let now = chrono::Utc::now();
-        self.update(&files, |p| {
-            if let Some(r) = &outcome.record {
-                wire::record(p, &look.checksum, r, outcome.failure.as_ref(), now);
-            }
-            if let Some(statuses) = outcome.probes {
-                p.probe_status = statuses;
-            }
-        })
-        .await
+        let w = self
+            .update(&files, |p| {
+                if let Some(r) = &outcome.record {
+                    wire::record(p, &look.checksum, r, outcome.failure.as_ref(), now);
+                }
+                if let Some(statuses) = outcome.probes {
+                    p.probe_status = statuses;
+                }
+            })
+            .await;
+        (w, None)
     }
 
     async fn not_started(&mut self, path: &PathBuf, look: &Look, err: &ApplyError) -> Option<Written> {
@@ -400,8 +404,8 @@ impl PlanSource for DirSource {
         self.update(&files, |p| p.probe_status = statuses).await
     }
 
-    async fn flush(&mut self, _: &PathBuf) -> Written {
-        Written::Done
+    async fn resend(&mut self, _: &PathBuf, kept: Self::Kept) -> Sent<Self::Kept> {
+        match kept {}
     }
 
     async fn set_blocked(&mut self, path: &PathBuf, why: Option<&str>) {

@@ -21,7 +21,7 @@ use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{PlanState, ProbeStatus};
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Wait, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, Sent, View, Wait, Written};
 use kube::api::{Api, DynamicObject, PostParams};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -51,7 +51,6 @@ impl NodePlanSource {
             latest: None,
             own: HashMap::new(),
             probe_period,
-            pending: HashMap::new(),
             last_interrupt: HashMap::new(),
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
@@ -63,12 +62,15 @@ impl NodePlanSource {
     }
 }
 
-/// A write that could not land yet: the status to write, for the plan it belongs to.
-struct Pending {
+/// An outcome that did not land yet, as the loop keeps it: the status to write, for the plan it
+/// belongs to.
+pub struct Unwritten {
     checksum: String,
     status: NodePlanStatus,
     /// A run's outcome, kept on the node until it lands.
-    kept: bool,
+    on_node: bool,
+    /// Read back from the node (a previous agent's): its first write is no retry.
+    restored: bool,
 }
 
 pub struct NodePlanSource {
@@ -79,7 +81,6 @@ pub struct NodePlanSource {
     /// Per NodePlan, the base of the next write (see [`WriteBase`]).
     own: HashMap<String, WriteBase<DynamicObject>>,
     probe_period: Duration,
-    pending: HashMap<String, Pending>,
     /// The last pause/cancel values each running plan saw.
     last_interrupt: HashMap<String, Interrupt>,
     store: RunStore,
@@ -187,24 +188,24 @@ impl NodePlanSource {
         write::write(&mut target, base, reapply).await.into()
     }
 
-    /// Write an outcome that must not be lost: kept when it fails, retried through `flush`.
-    /// Write an outcome that must not be lost: kept in memory when the write fails (retried by
-    /// `flush`); a run's outcome kept on the node (`kept`) is forgotten there once it lands or no
-    /// longer applies.
-    async fn write_outcome(&mut self, name: &str, checksum: &str, status: NodePlanStatus, kept: bool) -> Written {
-        let w = self.write(name, checksum, &status, true).await;
+    /// Send an outcome that must not be lost: handed to the loop to keep when the write fails
+    /// ([`PlanSource::resend`]); a run's outcome kept on the node is forgotten there once it
+    /// lands or no longer applies.
+    async fn send(&mut self, name: &str, u: Unwritten) -> Sent<Unwritten> {
+        let w = self.write(name, &u.checksum, &u.status, true).await;
         if matches!(w, Written::Failed { .. }) {
-            self.pending.insert(name.to_string(), Pending { checksum: checksum.to_string(), status, kept });
-        } else if kept {
+            return (w, Some(u));
+        }
+        if u.on_node {
             self.store.remove(name).await;
         }
-        w
+        (w, None)
     }
 
     /// The outcome a previous agent kept on the node for the run the status shows in progress
     /// (it finished, its write did not land before that agent stopped): written instead of
     /// running the plan again (R17). Looked for once per NodePlan after the agent starts.
-    async fn restore(&mut self, name: &str) -> Option<Written> {
+    async fn restore(&mut self, name: &str) -> Option<Unwritten> {
         if !self.restored.insert(name.to_string()) {
             return None;
         }
@@ -219,7 +220,7 @@ impl NodePlanSource {
             self.label(name),
             &run[..run.len().min(12)]
         );
-        Some(self.write_outcome(name, &run, outcome, true).await)
+        Some(Unwritten { checksum: run, status: outcome, on_node: true, restored: true })
     }
 
     /// The spec that runs: the live one, unless the status shows another run in progress (the
@@ -382,6 +383,7 @@ impl write::Target for StatusWrite<'_> {
 
 impl PlanSource for NodePlanSource {
     type Key = String;
+    type Kept = Unwritten;
 
     async fn changed(&mut self) -> bool {
         match self.latest.as_mut() {
@@ -529,8 +531,8 @@ impl PlanSource for NodePlanSource {
         self.write(name, &look.checksum, &next, false).await
     }
 
-    async fn record(&mut self, name: &String, look: &Look, outcome: Outcome<'_>) -> Written {
-        let Some(rec) = &outcome.record else { return Written::Done };
+    async fn record(&mut self, name: &String, look: &Look, outcome: Outcome<'_>) -> Sent<Unwritten> {
+        let Some(rec) = &outcome.record else { return (Written::Done, None) };
         let generation = self.generation(name);
         let t = Target { generation, checksum: &look.checksum, total: look.plan.plan.instructions.len() };
         let now = chrono::Utc::now();
@@ -557,7 +559,8 @@ impl PlanSource for NodePlanSource {
         {
             tracing::warn!("{}: cannot keep the outcome on this node ({e}); writing it", look.label);
         }
-        self.write_outcome(name, &look.checksum, next, ended).await
+        let u = Unwritten { checksum: look.checksum.clone(), status: next, on_node: ended, restored: false };
+        self.send(name, u).await
     }
 
     async fn not_started(&mut self, _: &String, _: &Look, _: &ApplyError) -> Option<Written> {
@@ -572,13 +575,18 @@ impl PlanSource for NodePlanSource {
     ) -> Written {
         let mut next = self.status_of(name);
         next.probe_statuses = statuses;
-        self.write_outcome(name, checksum, next, false).await
+        self.write(name, checksum, &next, true).await
     }
 
-    async fn flush(&mut self, name: &String) -> Written {
-        let Some(p) = self.pending.remove(name) else { return self.restore(name).await.unwrap_or(Written::Done) };
-        metrics::write_retried(WriteTarget::NodePlan, RetryReason::Error);
-        self.write_outcome(name, &p.checksum, p.status, p.kept).await
+    async fn restored(&mut self, name: &String) -> Option<Unwritten> {
+        self.restore(name).await
+    }
+
+    async fn resend(&mut self, name: &String, u: Unwritten) -> Sent<Unwritten> {
+        if !u.restored {
+            metrics::write_retried(WriteTarget::NodePlan, RetryReason::Error);
+        }
+        self.send(name, Unwritten { restored: false, ..u }).await
     }
 
     async fn set_blocked(&mut self, name: &String, why: Option<&str>) {
@@ -695,7 +703,8 @@ mod tests {
     }
 
     /// A status write that conflicts is written again on the fresh object (counted as a conflict
-    /// retry); one that fails is kept and written again by `flush` (counted as an error retry).
+    /// retry); one that fails is handed to the loop to keep and sent again by `resend` (counted as
+    /// an error retry).
     #[tokio::test]
     async fn status_writes_tried_again_are_counted() {
         let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -719,20 +728,24 @@ mod tests {
             let (req, send) = handle.as_mut().next_request().await.expect("the PUT on the fresh object");
             assert_eq!(req.method(), http::Method::PUT);
             send.send_response(respond(200, &nodeplan_json("8")));
-            // The next outcome fails, then lands when flushed.
+            // The next outcome fails, then lands when sent again.
             let (_, send) = handle.as_mut().next_request().await.expect("a PUT");
             send.send_response(respond(500, &serde_json::json!({"kind": "Status", "code": 500, "message": "down"})));
             let (_, send) = handle.as_mut().next_request().await.expect("the kept PUT");
             send.send_response(respond(200, &nodeplan_json("9")));
         };
         let status = NodePlanStatus { plan_checksum: "abc".into(), ..NodePlanStatus::default() };
+        let unwritten =
+            || Unwritten { checksum: "abc".into(), status: status.clone(), on_node: false, restored: false };
         let client = async {
-            assert_eq!(source.write_outcome("np", "abc", status.clone(), false).await, Written::Done);
+            assert_eq!(source.send("np", unwritten()).await.0, Written::Done);
             assert!(crate::metrics::sample(&series("conflict")) > conflicts);
-            let failed = source.write_outcome("np", "abc", status.clone(), false).await;
+            let (failed, kept) = source.send("np", unwritten()).await;
             assert!(matches!(failed, Written::Failed { .. }), "{failed:?}");
             assert_eq!(crate::metrics::sample(&series("error")), errors, "a first attempt is no retry");
-            assert_eq!(source.flush(&"np".to_string()).await, Written::Done);
+            let (w, kept) = source.resend(&"np".to_string(), kept.expect("kept for the retry")).await;
+            assert_eq!(w, Written::Done);
+            assert!(kept.is_none());
             assert!(crate::metrics::sample(&series("error")) > errors);
         };
         tokio::join!(client, server);

@@ -6,7 +6,7 @@
 //! does for a lost Lease), polls for a value that changed, and its period is the shorter one. A
 //! PID record belongs to the first side that claims it.
 
-use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Wait, Written};
+use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Sent, Wait, Written};
 use crate::apply::ApplyError;
 use crate::flow::Commit;
 use crate::plan::ProbeStatus;
@@ -50,6 +50,11 @@ macro_rules! route {
     };
 }
 
+/// A side's answer to a write that must not be lost, with what it keeps named by that side.
+fn kept_by<K, J>((written, kept): Sent<K>, side: impl FnOnce(K) -> J) -> Sent<J> {
+    (written, kept.map(side))
+}
+
 /// The same, through a shared borrow.
 macro_rules! route_ref {
     ($self:ident, $key:expr, |$s:ident, $k:ident| $call:expr) => {
@@ -68,6 +73,7 @@ macro_rules! route_ref {
 
 impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
     type Key = Side<A::Key, B::Key>;
+    type Kept = Side<A::Kept, B::Kept>;
 
     async fn changed(&mut self) -> bool {
         tokio::select! {
@@ -98,8 +104,11 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
         route!(self, key, |s, k| s.commit(k, look, commit).await)
     }
 
-    async fn record(&mut self, key: &Self::Key, look: &Look, outcome: Outcome<'_>) -> Written {
-        route!(self, key, |s, k| s.record(k, look, outcome).await)
+    async fn record(&mut self, key: &Self::Key, look: &Look, outcome: Outcome<'_>) -> Sent<Self::Kept> {
+        match key {
+            Side::A(k) => kept_by(self.a.record(k, look, outcome).await, Side::A),
+            Side::B(k) => kept_by(self.b.record(k, look, outcome).await, Side::B),
+        }
     }
 
     async fn not_started(&mut self, key: &Self::Key, look: &Look, err: &ApplyError) -> Option<Written> {
@@ -115,8 +124,20 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
         route!(self, key, |s, k| s.write_probes(k, checksum, statuses).await)
     }
 
-    async fn flush(&mut self, key: &Self::Key) -> Written {
-        route!(self, key, |s, k| s.flush(k).await)
+    async fn resend(&mut self, key: &Self::Key, kept: Self::Kept) -> Sent<Self::Kept> {
+        match (key, kept) {
+            (Side::A(k), Side::A(kept)) => kept_by(self.a.resend(k, kept).await, Side::A),
+            (Side::B(k), Side::B(kept)) => kept_by(self.b.resend(k, kept).await, Side::B),
+            // The loop keeps a plan's outcome under its own key: never one side's under the other.
+            _ => (Written::Abandoned, None),
+        }
+    }
+
+    async fn restored(&mut self, key: &Self::Key) -> Option<Self::Kept> {
+        match key {
+            Side::A(k) => self.a.restored(k).await.map(Side::A),
+            Side::B(k) => self.b.restored(k).await.map(Side::B),
+        }
     }
 
     async fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) {
@@ -186,6 +207,7 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
 /// cannot happen (it names no key) and do nothing.
 impl<S: PlanSource> PlanSource for Option<S> {
     type Key = S::Key;
+    type Kept = S::Kept;
 
     async fn changed(&mut self) -> bool {
         match self {
@@ -227,10 +249,10 @@ impl<S: PlanSource> PlanSource for Option<S> {
         }
     }
 
-    async fn record(&mut self, key: &S::Key, look: &Look, outcome: Outcome<'_>) -> Written {
+    async fn record(&mut self, key: &S::Key, look: &Look, outcome: Outcome<'_>) -> Sent<S::Kept> {
         match self {
             Some(s) => s.record(key, look, outcome).await,
-            None => Written::Abandoned,
+            None => (Written::Abandoned, None),
         }
     }
 
@@ -248,10 +270,17 @@ impl<S: PlanSource> PlanSource for Option<S> {
         }
     }
 
-    async fn flush(&mut self, key: &S::Key) -> Written {
+    async fn resend(&mut self, key: &S::Key, kept: S::Kept) -> Sent<S::Kept> {
         match self {
-            Some(s) => s.flush(key).await,
-            None => Written::Done,
+            Some(s) => s.resend(key, kept).await,
+            None => (Written::Abandoned, None),
+        }
+    }
+
+    async fn restored(&mut self, key: &S::Key) -> Option<S::Kept> {
+        match self {
+            Some(s) => s.restored(key).await,
+            None => None,
         }
     }
 

@@ -9,7 +9,7 @@
 //! with it the loop: the agent stops as a whole and its exit says why ([`crate::apply::AgentExit::Displaced`]).
 //! Closing the source stops the gate's task, which gives the Lease up.
 
-use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Wait, Written};
+use super::{Claim, Look, Observed, Outcome, PlanSource, Reason, Seen, Sent, Wait, Written};
 use crate::apply::ApplyError;
 use crate::flow::Commit;
 use crate::plan::ProbeStatus;
@@ -76,6 +76,7 @@ impl<S> Gated<S> {
 
 impl<S: PlanSource> PlanSource for Gated<S> {
     type Key = S::Key;
+    type Kept = S::Kept;
 
     async fn changed(&mut self) -> bool {
         loop {
@@ -133,7 +134,7 @@ impl<S: PlanSource> PlanSource for Gated<S> {
         self.inner.commit(key, look, commit).await
     }
 
-    async fn record(&mut self, key: &S::Key, look: &Look, outcome: Outcome<'_>) -> Written {
+    async fn record(&mut self, key: &S::Key, look: &Look, outcome: Outcome<'_>) -> Sent<S::Kept> {
         self.inner.record(key, look, outcome).await
     }
 
@@ -145,8 +146,12 @@ impl<S: PlanSource> PlanSource for Gated<S> {
         self.inner.write_probes(key, checksum, statuses).await
     }
 
-    async fn flush(&mut self, key: &S::Key) -> Written {
-        self.inner.flush(key).await
+    async fn resend(&mut self, key: &S::Key, kept: S::Kept) -> Sent<S::Kept> {
+        self.inner.resend(key, kept).await
+    }
+
+    async fn restored(&mut self, key: &S::Key) -> Option<S::Kept> {
+        self.inner.restored(key).await
     }
 
     async fn set_blocked(&mut self, key: &S::Key, why: Option<&str>) {

@@ -6,7 +6,9 @@
 //!
 //! A source ([`PlanSource`]) reads and writes its own storage and nothing else: it lists its
 //! plans, shows what it sees of one ([`Look`]: the plan, a [`flow::Snapshot`], saved outputs and
-//! probe statuses; a look only reads), commits the transitions and outcomes the loop hands it,
+//! probe statuses; a look only reads), commits the transitions and outcomes the loop hands it
+//! (an outcome that did not land comes back as the source encoded it, [`PlanSource::Kept`]: the
+//! loop keeps it in its outbox and sends it again, [`PlanSource::resend`]),
 //! writes what a look found to show when the loop asks ([`PlanSource::show`], only while the
 //! plan's fence is open), and reports the pause/cancel values of a running plan. Everything
 //! between is here, once:
@@ -171,6 +173,10 @@ impl From<crate::k8s::write::Wrote> for Written {
     }
 }
 
+/// How a write that must not be lost went, and what to keep of it (`Some` when it did not land):
+/// the loop keeps that in its outbox and hands it back to [`PlanSource::resend`].
+pub type Sent<K> = (Written, Option<K>);
+
 /// A finished run, for the source to store.
 #[derive(Debug)]
 pub struct Outcome<'a> {
@@ -207,6 +213,9 @@ pub enum Claim<K> {
 pub trait PlanSource: Send {
     /// Names one plan within the source.
     type Key: Clone + Eq + Hash + fmt::Debug + Send + Sync + 'static;
+    /// An outcome that did not land, in the source's own encoding (data keys, a status): the loop
+    /// keeps it (its outbox) and hands it back to [`PlanSource::resend`].
+    type Kept: Send + 'static;
 
     /// Wait until something may have changed (cancel-safe: the loop drops it to look at other
     /// things). `false`: the source ended and the loop stops.
@@ -217,9 +226,15 @@ pub trait PlanSource: Send {
     fn look(&mut self, key: &Self::Key) -> impl Future<Output = Seen> + Send;
     /// Write a transition (a start, a resume, a pause or cancel recorded at reconcile time).
     fn commit(&mut self, key: &Self::Key, look: &Look, commit: &Commit) -> impl Future<Output = Written> + Send;
-    /// Write a finished run's outcome. A failed write is kept by the source and retried through
-    /// [`PlanSource::flush`] until it lands or the plan changes.
-    fn record(&mut self, key: &Self::Key, look: &Look, outcome: Outcome<'_>) -> impl Future<Output = Written> + Send;
+    /// Write a finished run's outcome: how it went, and what to keep of it when it did not land
+    /// (`Some`, with [`Written::Failed`]): the loop keeps that and hands it back to
+    /// [`PlanSource::resend`] until it lands or no longer applies.
+    fn record(
+        &mut self,
+        key: &Self::Key,
+        look: &Look,
+        outcome: Outcome<'_>,
+    ) -> impl Future<Output = Sent<Self::Kept>> + Send;
     /// An apply that could not start (`err`): store it if the source counts it as a failed apply
     /// (`Some`), or leave the plan as it is (`None`: the loop retries with back-off).
     fn not_started(
@@ -236,8 +251,16 @@ pub trait PlanSource: Send {
         checksum: &str,
         statuses: BTreeMap<String, ProbeStatus>,
     ) -> impl Future<Output = Written> + Send;
-    /// Retry the kept write of this plan, if there is one.
-    fn flush(&mut self, key: &Self::Key) -> impl Future<Output = Written> + Send;
+    /// Send a kept outcome again: how it went, and what to keep of it still (`Some`, with
+    /// [`Written::Failed`]). [`Written::Abandoned`]: it no longer applies (the plan changed).
+    fn resend(&mut self, key: &Self::Key, kept: Self::Kept) -> impl Future<Output = Sent<Self::Kept>> + Send;
+    /// An outcome a previous agent kept on the node for this plan and did not write (R17): the
+    /// loop sends it ([`PlanSource::resend`]) before anything of the plan is decided. Asked
+    /// before every look while the loop keeps nothing for the plan; a source hands each such
+    /// outcome over once.
+    fn restored(&mut self, _key: &Self::Key) -> impl Future<Output = Option<Self::Kept>> + Send {
+        async { None }
+    }
     /// Show (or clear) why a plan is blocked, where the source can (local mode's `.pos`).
     fn set_blocked(&mut self, key: &Self::Key, why: Option<&str>) -> impl Future<Output = ()> + Send;
     /// Write what the last look at this plan found to show, if anything (a NodePlan this agent
@@ -423,15 +446,11 @@ struct Blocked {
     step: Step,
 }
 
-/// A write that did not land (a commit, probe statuses, or an outcome the source keeps):
-/// tried again at `at` (its back-off step, or the server's hint), or at once after a change.
+/// A write that did not land (a commit, probe statuses, or an outcome the loop keeps): tried
+/// again at `at` (its back-off step, or the server's hint), or at once after a change.
 struct Writing {
     step: Step,
     at: Option<Instant>,
-    /// An outcome the source keeps and retries through `flush`: its landing there ends this.
-    /// Otherwise a pass that had nothing to flush must not end it, or a failing commit would be
-    /// retried every second instead of backing off.
-    kept: bool,
 }
 
 /// What the loop remembers about one plan (never persisted): where it stands, and beside that
@@ -567,6 +586,9 @@ pub struct Reconciler<S: PlanSource> {
     app: Arc<Applyinator>,
     prober: Arc<Prober>,
     memory: HashMap<S::Key, Memory>,
+    /// The outbox: per plan, an outcome that did not land yet, sent again before anything else of
+    /// the plan happens, until it lands or no longer applies.
+    outbox: HashMap<S::Key, S::Kept>,
     /// A refused record whose plan cannot be known (or a refused PID directory): every plan of
     /// the source is held, as any of them may still be running.
     blocked_all: Option<String>,
@@ -639,6 +661,7 @@ impl<S: PlanSource> Reconciler<S> {
             app,
             prober,
             memory: HashMap::new(),
+            outbox: HashMap::new(),
             blocked_all: None,
             incomplete: None,
             restart: false,
@@ -667,6 +690,7 @@ impl<S: PlanSource> Reconciler<S> {
             }
             // A plan that is gone is forgotten, unless it is blocked: its leftovers still run.
             self.memory.retain(|k, m| keys.contains(k) || m.blocked.is_some());
+            self.outbox.retain(|k, _| keys.contains(k));
             for key in keys {
                 if *shutdown.borrow() || self.restart || self.ended {
                     break 'outer;
@@ -773,11 +797,8 @@ impl<S: PlanSource> Reconciler<S> {
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
         let now = Instant::now();
-        let w = self.mem(key).write.get_or_insert_with(|| Writing {
-            step: Step::new(Duration::from_secs(1)),
-            at: None,
-            kept: false,
-        });
+        let w =
+            self.mem(key).write.get_or_insert_with(|| Writing { step: Step::new(Duration::from_secs(1)), at: None });
         let d = match retry_after {
             Some(d) => jittered(d),
             None => w.step.next(now),
@@ -794,13 +815,20 @@ impl<S: PlanSource> Reconciler<S> {
         self.mem(key).write = None;
     }
 
-    /// An outcome did not land: the source keeps it and the loop retries it through `flush`.
-    fn outcome_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
-        let action = self.write_failed(key, what, error, retry_after);
-        if let Some(w) = self.mem(key).write.as_mut() {
-            w.kept = true;
+    /// An outcome did not land: the loop keeps what the source made of it (`keep`) and sends it
+    /// again with back-off.
+    fn outcome_failed(
+        &mut self,
+        key: &S::Key,
+        keep: Option<S::Kept>,
+        what: &str,
+        error: &str,
+        retry_after: Option<Duration>,
+    ) -> Action {
+        if let Some(k) = keep {
+            self.outbox.insert(key.clone(), k);
         }
-        action
+        self.write_failed(key, what, error, retry_after)
     }
 
     /// Reconcile one plan.
@@ -829,25 +857,31 @@ impl<S: PlanSource> Reconciler<S> {
         if let Some(w) = self.mem(key).write.as_mut() {
             w.at = None;
         }
-        // A kept write lands first (as soon as the source is reachable again).
-        match self.source.flush(key).await {
-            Written::Done => {}
-            Written::Abandoned => {
-                tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
-                // The restart asked for is still due (the binary it was for is in place).
-                if self.restart_after_write.as_ref() == Some(key) {
-                    self.restart = true;
-                    return Action::Stop;
+        // A kept outcome lands first (as soon as the source is reachable again), as does one a
+        // previous agent kept on the node: nothing of the plan is decided before.
+        let kept = match self.outbox.remove(key) {
+            Some(k) => Some(k),
+            None => self.source.restored(key).await,
+        };
+        if let Some(kept) = kept {
+            match self.source.resend(key, kept).await {
+                (Written::Done, _) => {
+                    self.wrote(key);
+                    if self.restart {
+                        return Action::Stop;
+                    }
                 }
-            }
-            Written::Failed { error, retry_after } => {
-                return self.outcome_failed(key, "the outcome", &error, retry_after);
-            }
-        }
-        if self.mem(key).write.as_ref().is_some_and(|w| w.kept) {
-            self.wrote(key);
-            if self.restart {
-                return Action::Stop;
+                (Written::Abandoned, _) => {
+                    tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
+                    // The restart asked for is still due (the binary it was for is in place).
+                    if self.restart_after_write.as_ref() == Some(key) {
+                        self.restart = true;
+                        return Action::Stop;
+                    }
+                }
+                (Written::Failed { error, retry_after }, keep) => {
+                    return self.outcome_failed(key, keep, "the outcome", &error, retry_after);
+                }
             }
         }
         let seen = self.source.look(key).await;
@@ -1173,7 +1207,7 @@ impl<S: PlanSource> Reconciler<S> {
             crate::board::outcome(&look.label, &result);
         }
         match self.source.record(key, look, Outcome { run: &run, record, result: &result, probes, failure }).await {
-            Written::Done => {
+            (Written::Done, _) => {
                 self.wrote(key);
                 if let (Some(crate::plan::PlanState::Canceled), Some(seen)) = (&state, self.cancel_seen.take()) {
                     crate::metrics::cancel_recorded(seen.elapsed());
@@ -1203,7 +1237,7 @@ impl<S: PlanSource> Reconciler<S> {
                     None => Action::Wait,
                 }
             }
-            Written::Abandoned => {
+            (Written::Abandoned, _) => {
                 tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
                 if result.restart_requested {
                     self.restart = true;
@@ -1211,8 +1245,8 @@ impl<S: PlanSource> Reconciler<S> {
                 }
                 Action::After(Duration::ZERO)
             }
-            Written::Failed { error, retry_after } => {
-                self.outcome_failed(key, &format!("the outcome of {}", look.label), &error, retry_after)
+            (Written::Failed { error, retry_after }, keep) => {
+                self.outcome_failed(key, keep, &format!("the outcome of {}", look.label), &error, retry_after)
             }
         }
     }

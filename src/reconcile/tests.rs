@@ -54,6 +54,8 @@ struct Store {
     looks: watch::Sender<u64>,
     /// Calls of `show` (what a look found to show, written when the loop asks).
     shows: watch::Sender<u64>,
+    /// Calls of `restored` (the loop asks for an outcome a previous agent kept).
+    restores: std::sync::atomic::AtomicU64,
     /// How long each look takes, in turn, before it reads the plan (a slow API server).
     look_delays: Mutex<std::collections::VecDeque<Duration>>,
     /// When each start was committed.
@@ -72,8 +74,8 @@ struct Store {
     passes: watch::Sender<u64>,
 }
 
-/// The in-memory source: keys are plan names. `kept`: an outcome that could not be written.
-struct MemSource(Arc<Store>, Duration, Option<(String, flow::Record)>);
+/// The in-memory source: keys are plan names; its period.
+struct MemSource(Arc<Store>, Duration);
 
 const OWNER: &str = "mem:";
 
@@ -97,6 +99,7 @@ impl MemSource {
 
 impl PlanSource for MemSource {
     type Key = String;
+    type Kept = flow::Record;
 
     async fn changed(&mut self) -> bool {
         self.0.changed.notified().await;
@@ -110,6 +113,11 @@ impl PlanSource for MemSource {
 
     async fn show(&mut self, _name: &String) {
         self.0.shows.send_modify(|n| *n += 1);
+    }
+
+    async fn restored(&mut self, _name: &String) -> Option<flow::Record> {
+        self.0.restores.fetch_add(1, SeqCst);
+        None
     }
 
     async fn wait(&mut self, name: &String, _: &Look, why: Wait<'_>) {
@@ -178,14 +186,13 @@ impl PlanSource for MemSource {
         w
     }
 
-    async fn record(&mut self, name: &String, _: &Look, outcome: Outcome<'_>) -> Written {
-        let Some(r) = outcome.record else { return Written::Done };
+    async fn record(&mut self, name: &String, _: &Look, outcome: Outcome<'_>) -> Sent<flow::Record> {
+        let Some(r) = outcome.record else { return (Written::Done, None) };
         let r = flow::Record { periodic_output: None, ..r };
         if let Some(s) = outcome.probes {
             self.write(name, |p| p.probes = s);
         }
-        self.2 = Some((name.clone(), r));
-        self.flush(name).await
+        self.resend(name, r).await
     }
 
     async fn not_started(&mut self, _: &String, _: &Look, _: &ApplyError) -> Option<Written> {
@@ -196,14 +203,12 @@ impl PlanSource for MemSource {
         self.write(name, |p| p.probes = statuses)
     }
 
-    async fn flush(&mut self, _: &String) -> Written {
-        let Some((name, r)) = self.2.take() else { return Written::Done };
+    async fn resend(&mut self, name: &String, r: flow::Record) -> Sent<flow::Record> {
         if self.0.down.load(SeqCst) {
             self.0.refused.send_modify(|n| *n += 1);
-            self.2 = Some((name, r));
-            return Written::Failed { error: "down".into(), retry_after: Some(Duration::from_secs(3600)) };
+            return (Written::Failed { error: "down".into(), retry_after: Some(Duration::from_secs(3600)) }, Some(r));
         }
-        self.write(&name, |p| {
+        let w = self.write(name, |p| {
             if let Some(s) = r.state {
                 p.state = s;
             }
@@ -218,7 +223,8 @@ impl PlanSource for MemSource {
             if let Some(o) = r.one_time_output {
                 p.outputs = o;
             }
-        })
+        });
+        (w, None)
     }
 
     async fn set_blocked(&mut self, name: &String, why: Option<&str>) {
@@ -385,7 +391,7 @@ impl Fixture {
     /// Start the loop with this probe (and look) period.
     fn start_every(&self, period: Duration) -> (watch::Sender<bool>, tokio::task::JoinHandle<(AgentExit, MemSource)>) {
         let (tx, rx) = watch::channel(false);
-        let source = MemSource(self.store.clone(), period, None);
+        let source = MemSource(self.store.clone(), period);
         let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (tx, tokio::spawn(r.run()))
     }
@@ -492,7 +498,7 @@ async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it
     let (stop, rx) = watch::channel(false);
     let (_state_tx, gate) = watch::channel(GateState::Open);
     let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
-    let source = MemSource(fx.store.clone(), Duration::from_secs(3600), None);
+    let source = MemSource(fx.store.clone(), Duration::from_secs(3600));
     let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
     let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx);
     let agent = tokio::spawn(r.run());
@@ -765,7 +771,7 @@ async fn a_failed_write_waits_out_the_servers_hint() {
     let fx = fixture();
     let (_stop, rx) = watch::channel(false);
     let mut r = Reconciler::new(
-        MemSource(fx.store.clone(), Duration::from_secs(3600), None),
+        MemSource(fx.store.clone(), Duration::from_secs(3600)),
         fx.app.clone(),
         Arc::new(Prober::new()),
         rx,
@@ -781,8 +787,8 @@ async fn a_failed_write_waits_out_the_servers_hint() {
 }
 
 /// A source whose API server can be down: its writes fail while `down` holds; each attempt's
-/// (virtual) time is recorded. `kept`: an outcome the source keeps from an earlier failed write.
-/// Its period is a second: the loop looks at its plans every second.
+/// (virtual) time is recorded. `kept`: an outcome a previous agent kept on the node, handed to the
+/// loop once. Its period is a second: the loop looks at its plans every second.
 struct Flaky {
     inner: MemSource,
     down: Arc<std::sync::atomic::AtomicBool>,
@@ -791,6 +797,8 @@ struct Flaky {
     /// The source sees no plan (its key stays listed).
     vanish: Arc<std::sync::atomic::AtomicBool>,
     kept: bool,
+    /// The kept outcome landed.
+    landed: bool,
     attempts: watch::Sender<Vec<Instant>>,
 }
 
@@ -810,6 +818,7 @@ impl Flaky {
 
 impl PlanSource for Flaky {
     type Key = String;
+    type Kept = ();
     async fn changed(&mut self) -> bool {
         self.inner.changed().await
     }
@@ -826,8 +835,8 @@ impl PlanSource for Flaky {
             failed => failed,
         }
     }
-    async fn record(&mut self, k: &String, l: &Look, o: Outcome<'_>) -> Written {
-        self.inner.record(k, l, o).await
+    async fn record(&mut self, k: &String, l: &Look, o: Outcome<'_>) -> Sent<()> {
+        (self.inner.record(k, l, o).await.0, None)
     }
     async fn not_started(&mut self, k: &String, l: &Look, e: &ApplyError) -> Option<Written> {
         self.inner.not_started(k, l, e).await
@@ -835,13 +844,14 @@ impl PlanSource for Flaky {
     async fn write_probes(&mut self, k: &String, l: &str, s: BTreeMap<String, ProbeStatus>) -> Written {
         self.inner.write_probes(k, l, s).await
     }
-    async fn flush(&mut self, _: &String) -> Written {
-        if !self.kept {
-            return Written::Done;
-        }
+    async fn restored(&mut self, _: &String) -> Option<()> {
+        std::mem::take(&mut self.kept).then_some(())
+    }
+    async fn resend(&mut self, _: &String, (): ()) -> Sent<()> {
         let w = self.attempt();
-        self.kept = w != Written::Done;
-        w
+        self.landed = w == Written::Done;
+        let keep = matches!(w, Written::Failed { .. }).then_some(());
+        (w, keep)
     }
     async fn set_blocked(&mut self, k: &String, why: Option<&str>) {
         self.inner.set_blocked(k, why).await
@@ -876,8 +886,8 @@ impl Fixture {
         let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let (attempts, seen) = watch::channel(Vec::new());
         let (abandon, vanish) = (self.abandon.clone(), self.vanish.clone());
-        let inner = MemSource(self.store.clone(), Duration::from_secs(3600), None);
-        let source = Flaky { inner, down: down.clone(), abandon, vanish, kept, attempts };
+        let inner = MemSource(self.store.clone(), Duration::from_secs(3600));
+        let source = Flaky { inner, down: down.clone(), abandon, vanish, kept, landed: false, attempts };
         let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (stop, tokio::spawn(r.run()), seen, down)
     }
@@ -927,7 +937,7 @@ async fn a_kept_outcome_is_written_at_the_first_change_after_an_outage() {
     assert_eq!(at[6], at[5], "written at the change, not at the back-off's next step (16 s later)");
     stop.send(true).unwrap();
     let (_, source) = agent.await.unwrap();
-    assert!(!source.kept, "the outcome landed");
+    assert!(source.landed, "the outcome landed");
 }
 
 /// A commit (a start) that does not land backs off too: 1, 2, 4 s, jittered. A pass with nothing
@@ -1114,8 +1124,8 @@ async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
     other.add("b", &[&format!("echo b >> {log}")]);
     let (stop, rx) = watch::channel(false);
     let source = super::both::Both::new(
-        MemSource(fx.store.clone(), Duration::from_secs(3600), None),
-        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+        MemSource(fx.store.clone(), Duration::from_secs(3600)),
+        MemSource(other.store.clone(), Duration::from_secs(3600)),
     );
     let agent = tokio::spawn(Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx).run());
     running(&ready).await;
@@ -1134,24 +1144,26 @@ async fn joined_sources_run_one_plan_at_a_time_each_writing_its_own() {
 /// `fx`'s plans behind `gate`, joined with `other`'s.
 fn gated_beside(fx: &Fixture, gate: Gate, other: &Fixture) -> super::both::Both<Gated<MemSource>, MemSource> {
     super::both::Both::new(
-        Gated::new(MemSource(fx.store.clone(), Duration::from_secs(3600), None), gate),
-        MemSource(other.store.clone(), Duration::from_secs(3600), None),
+        Gated::new(MemSource(fx.store.clone(), Duration::from_secs(3600)), gate),
+        MemSource(other.store.clone(), Duration::from_secs(3600)),
     )
 }
 
 /// Every wrapper (either side of a `Both`, an `Option`, a `Gated`) passes on the calls a source
-/// may leave to the trait's defaults (`show`, `wait`, `event`): a wrapper that did not would drop
-/// what the source shows without a word (a NodePlan's `Waiting` condition went missing that way).
+/// may leave to the trait's defaults (`show`, `wait`, `event`, `restored`): a wrapper that did not
+/// would drop what the source shows without a word (a NodePlan's `Waiting` condition went missing
+/// that way), or an outcome a previous agent kept on the node.
 #[tokio::test]
 async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
     async fn drive<S: PlanSource>(s: &mut S, key: S::Key, look: &Look) {
         s.show(&key).await;
         s.wait(&key, look, Wait::Turn("x")).await;
         s.event(&key, Reason::Started, "note");
+        s.restored(&key).await;
     }
     let fx = fixture();
     fx.add("a", &["true"]);
-    let mem = || MemSource(fx.store.clone(), Duration::from_secs(3600), None);
+    let mem = || MemSource(fx.store.clone(), Duration::from_secs(3600));
     let Seen::Plan(look) = mem().look(&"a".to_string()).await else { panic!("no plan") };
     use super::both::{Both, Side};
     drive(&mut Both::new(mem(), mem()), Side::A("a".to_string()), &look).await;
@@ -1164,6 +1176,7 @@ async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
     assert_eq!(*fx.store.shows.borrow(), 4, "shows");
     assert_eq!(fx.get("a").waits, vec!["turn: x"; 4]);
     assert_eq!(*fx.store.events.lock().unwrap(), vec!["Started: note"; 4]);
+    assert_eq!(fx.store.restores.load(SeqCst), 4, "restored");
 }
 
 /// A look only reads: what it finds to show (a NodePlan that waits says so in its status) is

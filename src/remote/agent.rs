@@ -9,9 +9,9 @@
 //! other. The watch may deliver the echo of an earlier write of ours after a later one returned
 //! (it lags behind the write's answer); such an event carries a resourceVersion the agent has
 //! already moved past and is not newer, so it never replaces the newer object (acting on it would
-//! see `in-progress` again after `succeeded` was written). A write that fails is kept (as the keys
-//! computed from its base, so a retry is idempotent) and retried by the loop until it lands or the
-//! Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
+//! see `in-progress` again after `succeeded` was written). An outcome that fails is kept by the
+//! loop (its outbox holds the keys computed from its base, [`Unwritten`], so a retry is idempotent)
+//! and sent again until it lands or the Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
 //! them as opaque).
 
 use super::client::{SecretClient, SecretSnapshot};
@@ -25,19 +25,19 @@ use crate::k8s::write::{self, Prepared, WriteError};
 use crate::metrics::{self, RetryReason, WriteTarget};
 use crate::plan::{self, ProbeStatus};
 use crate::process::{Owner, Source};
-use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, View, Written};
+use crate::reconcile::{Claim, Look, Observed, Outcome, PlanSource, Seen, Sent, View, Written};
 use futures::StreamExt as _;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// A write that could not land yet; kept until it does (or the plan changes).
+/// An outcome that did not land yet, as the loop keeps it until it does (or the plan changes).
 #[derive(Debug, Clone)]
-struct Pending {
+pub struct Unwritten {
     checksum: String,
     keys: Keys,
-    /// Read back from the node at start-up (a previous agent's outcome, R17): written only onto
-    /// the run it finished, on the Secret it was for.
+    /// The Secret's uid, when read back from the node at start-up (a previous agent's outcome,
+    /// R17): written only onto the run it finished, on the Secret it was for.
     restored: Option<String>,
 }
 
@@ -64,7 +64,9 @@ pub struct SecretSource {
     id: Option<(String, String)>,
     /// The checksum of the plan in the Secret, by resourceVersion ([`SecretSource::checksum_of`]).
     checksum_at: Option<(String, Option<String>)>,
-    pending: Option<Pending>,
+    /// An outcome a previous agent kept on the node, read at the start, for the loop to send once
+    /// the watch has listed the Secret.
+    restored: Option<Unwritten>,
     /// Where an outcome is kept on the node until it is written (R17).
     kept: KeptStore,
     /// The last pause/cancel values the running plan saw (kept while the Secret carries another
@@ -101,7 +103,7 @@ impl SecretSource {
             noted_legacy: None,
             id: None,
             checksum_at: None,
-            pending: None,
+            restored: None,
             kept,
             last_interrupt: Interrupt::default(),
             events: None,
@@ -166,22 +168,24 @@ impl SecretSource {
         write::write(&mut target, base, reapply).await.into()
     }
 
-    /// Write an outcome that must not be lost: a run's outcome (`on_node`) is recorded on the
-    /// node first (R17); kept in memory when the write fails and retried by [`Self::flush`]; the
-    /// record on the node is forgotten once it lands or no longer applies. Probe statuses and
-    /// retries of a kept write are not recorded again (a restarted agent probes anew; the record
-    /// of a kept run outcome is there already).
-    async fn write_outcome(&mut self, checksum: &str, keys: Keys, on_node: bool) -> Written {
-        if on_node && let Some(uid) = self.current().map(|s| s.uid) {
+    /// Write a run's outcome, which must not be lost: recorded on the node first (R17), and handed
+    /// to the loop to keep when the write fails ([`PlanSource::resend`]).
+    async fn write_outcome(&mut self, checksum: &str, keys: Keys) -> Sent<Unwritten> {
+        if let Some(uid) = self.current().map(|s| s.uid) {
             self.kept.save(&uid, checksum, &keys).await;
         }
-        let w = self.write(checksum, keys.clone(), true).await;
+        self.send(Unwritten { checksum: checksum.to_string(), keys, restored: None }).await
+    }
+
+    /// Send an outcome; its record on the node is forgotten once it lands or no longer applies
+    /// (a retry is not recorded again: the record is there already).
+    async fn send(&mut self, u: Unwritten) -> Sent<Unwritten> {
+        let w = self.write(&u.checksum, u.keys.clone(), true).await;
         if matches!(w, Written::Failed { .. }) {
-            self.pending = Some(Pending { checksum: checksum.to_string(), keys, restored: None });
-        } else {
-            self.kept.clear().await;
+            return (w, Some(u));
         }
-        w
+        self.kept.clear().await;
+        (w, None)
     }
 }
 
@@ -237,6 +241,7 @@ impl write::Target for SecretWrite<'_> {
 
 impl PlanSource for SecretSource {
     type Key = ();
+    type Kept = Unwritten;
 
     async fn changed(&mut self) -> bool {
         match self.latest.as_mut() {
@@ -267,7 +272,7 @@ impl PlanSource for SecretSource {
                 "an outcome of plan {} was kept on the node by a previous agent; writing it before anything runs",
                 plan::short(&k.checksum)
             );
-            self.pending = Some(Pending { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
+            self.restored = Some(Unwritten { checksum: k.checksum, keys: k.keys, restored: Some(k.uid) });
         }
     }
 
@@ -361,11 +366,11 @@ impl PlanSource for SecretSource {
         w
     }
 
-    async fn record(&mut self, _: &(), look: &Look, outcome: Outcome<'_>) -> Written {
+    async fn record(&mut self, _: &(), look: &Look, outcome: Outcome<'_>) -> Sent<Unwritten> {
         // Set by a run, not by a look: the loop looks at the Secret while another source's plan
         // runs, and the legacy flow's first run after a start must still happen.
         self.has_run_once = true;
-        let Some(base) = self.current() else { return Written::Abandoned };
+        let Some(base) = self.current() else { return (Written::Abandoned, None) };
         let now = chrono::Utc::now();
         let mut keys = match (&outcome.record, &look.view) {
             (Some(rec), _) => wire::record_keys(&base, &look.checksum, rec, now),
@@ -399,7 +404,7 @@ impl PlanSource for SecretSource {
             None => {}
         }
         wire::failure_key(&mut keys, outcome.failure.as_ref());
-        self.write_outcome(&look.checksum, keys, true).await
+        self.write_outcome(&look.checksum, keys).await
     }
 
     async fn not_started(&mut self, _: &(), _: &Look, _: &ApplyError) -> Option<Written> {
@@ -409,21 +414,23 @@ impl PlanSource for SecretSource {
     }
 
     async fn write_probes(&mut self, _: &(), checksum: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
-        self.write_outcome(checksum, wire::probe_keys(&statuses), false).await
+        self.write(checksum, wire::probe_keys(&statuses), true).await
     }
 
-    async fn flush(&mut self, _: &()) -> Written {
-        let Some(p) = self.pending.take() else { return Written::Done };
-        if p.restored.is_some() && self.latest.as_ref().is_none_or(|l| l.borrow().0 == 0) {
-            // Read back from the node before the watch's first list: nothing to judge it by yet.
-            self.pending = Some(p);
-            return Written::Done;
+    async fn restored(&mut self, _: &()) -> Option<Unwritten> {
+        // Read back from the node: judged once the watch has listed the Secret, not before.
+        if self.latest.as_ref().is_none_or(|l| l.borrow().0 == 0) {
+            return None;
         }
+        self.restored.take()
+    }
+
+    async fn resend(&mut self, _: &(), p: Unwritten) -> Sent<Unwritten> {
         let current = self.current();
         if current.as_ref().and_then(wire::plan_checksum).as_deref() != Some(p.checksum.as_str()) {
             tracing::warn!("dropping an unwritten outcome: the secret now carries another plan");
             self.kept.clear().await;
-            return Written::Abandoned;
+            return (Written::Abandoned, None);
         }
         if let (Some(uid), Some(s)) = (&p.restored, &current) {
             // A previous agent's outcome lands only on the run it finished: the same Secret, still
@@ -435,11 +442,11 @@ impl PlanSource for SecretSource {
                     plan::short(&p.checksum)
                 );
                 self.kept.clear().await;
-                return Written::Abandoned;
+                return (Written::Abandoned, None);
             }
         }
         metrics::write_retried(WriteTarget::Secret, RetryReason::Error);
-        self.write_outcome(&p.checksum, p.keys, false).await
+        self.send(p).await
     }
 
     async fn set_blocked(&mut self, _: &(), _: Option<&str>) {}
@@ -709,16 +716,16 @@ mod tests {
             base
         };
         let checksum = plan::checksum(PLAN);
-        let (w, base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded"), true), server);
+        let ((w, kept), base) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
         assert_eq!(base, "5");
         match w {
             Written::Failed { retry_after, .. } => assert_eq!(retry_after, Some(Duration::from_secs(7))),
             other => panic!("{other:?}"),
         }
-        assert!(source.pending.is_some(), "the outcome is kept for the retry");
+        assert!(kept.is_some(), "the outcome is handed to the loop to keep for the retry");
     }
 
-    /// A kept outcome written again (by the loop's flush) counts as a retry after an error.
+    /// A kept outcome sent again (by the loop, from its outbox) counts as a retry after an error.
     #[tokio::test]
     async fn a_kept_outcome_written_again_is_counted_as_a_retry() {
         let (mut source, handle) = mock_source();
@@ -734,12 +741,13 @@ mod tests {
         };
         let checksum = plan::checksum(PLAN);
         let client = async {
-            let first = source.write_outcome(&checksum, state_keys("succeeded"), true).await;
+            let (first, kept) = source.write_outcome(&checksum, state_keys("succeeded")).await;
             assert!(matches!(first, Written::Failed { .. }), "{first:?}");
             assert_eq!(crate::metrics::sample(errors), before, "a first attempt is no retry");
-            source.flush(&()).await
+            source.resend(&(), kept.expect("kept for the retry")).await
         };
-        let (w, ()) = tokio::join!(client, server);
+        let ((w, kept), ()) = tokio::join!(client, server);
+        assert!(kept.is_none(), "nothing is kept once it landed");
         assert_eq!(w, Written::Done);
         assert!(crate::metrics::sample(errors) > before);
     }
@@ -763,7 +771,7 @@ mod tests {
             send.send_response(r);
         };
         let checksum = plan::checksum(PLAN);
-        let (w, ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded"), true), server);
+        let ((w, _), ()) = tokio::join!(source.write_outcome(&checksum, state_keys("succeeded")), server);
         match w {
             Written::Failed { retry_after, .. } => assert_eq!(retry_after, None),
             other => panic!("{other:?}"),
