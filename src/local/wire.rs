@@ -1,7 +1,7 @@
 //! The `.pos` file as the plan-state flow sees it: pure functions from a stored [`Pos`] to a
 //! [`flow::Snapshot`], and from a commit or a finished run's [`Record`] to the fields written
 //! back. No I/O and no clock (the time is an argument), so every rule here is a table test; the
-//! local source ([`super::LocalSource`]) reads and writes the files around them.
+//! local source ([`super::DirSource`]) reads and writes the files around them.
 //!
 //! What is local mode's own (and not the Secret's): a `.pos` written by system-agent (no plan
 //! state) whose applied checksum is this plan's counts as succeeded; a failed plan is retried by

@@ -39,8 +39,12 @@
 //! join it to the others with one more [`both::Both`] where the agent builds its source
 //! (`cli/agent.rs`; behind a [`gate::Gated`] if it needs a Lease). The source decides nothing about
 //! states: it encodes [`Commit`] and [`Outcome`] into its storage and decodes its storage into a
-//! [`Look`]. `tests.rs` drives this loop with an in-memory source holding several plans through
-//! pause, cancel, a crash and recovery: it is the smallest complete example.
+//! [`Look`]. What it names as [`PlanSource::Kept`] is what the loop keeps of an outcome that did
+//! not land (`std::convert::Infallible` for storage that is read again instead, as local mode's
+//! `.pos`); a source that keeps outcomes on the node for a restart hands them over through
+//! [`PlanSource::restored`]. `tests.rs` drives this loop with an in-memory source holding several
+//! plans through pause, cancel, a crash, an outage and recovery: it is the smallest complete
+//! example.
 
 use crate::apply::{AgentExit, ApplyError, ApplyInput, ApplyResult, Applyinator, Interrupt, LogObserver};
 use crate::backoff::{Backoff, jittered};
