@@ -11,8 +11,8 @@
 //! already moved past and is not newer, so it never replaces the newer object (acting on it would
 //! see `in-progress` again after `succeeded` was written). An outcome that fails is kept by the
 //! loop (its outbox holds the keys computed from its base, [`Unwritten`], so a retry is idempotent)
-//! and sent again until it lands or the Secret carries another plan. resourceVersions are compared for equality only (Kubernetes treats
-//! them as opaque).
+//! and sent again until it lands or the Secret carries another plan. resourceVersions are compared
+//! for equality only (Kubernetes treats them as opaque).
 
 use super::client::{SecretClient, SecretSnapshot};
 use super::kept::KeptStore;
