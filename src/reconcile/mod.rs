@@ -869,17 +869,16 @@ impl<S: PlanSource> Reconciler<S> {
         };
         if let Some(kept) = kept {
             match self.source.resend(key, kept).await {
-                (Written::Done, _) => {
+                // Landed, or no longer applies: either way its back-off ends, and a restart asked
+                // for is due now (the binary it was for is in place).
+                (w @ (Written::Done | Written::Abandoned), _) => {
+                    if w == Written::Abandoned {
+                        tracing::info!(
+                            "the plan changed before its outcome could be written; reconciling the new plan"
+                        );
+                    }
                     self.wrote(key);
                     if self.restart {
-                        return Action::Stop;
-                    }
-                }
-                (Written::Abandoned, _) => {
-                    tracing::info!("the plan changed before its outcome could be written; reconciling the new plan");
-                    // The restart asked for is still due (the binary it was for is in place).
-                    if self.restart_after_write.as_ref() == Some(key) {
-                        self.restart = true;
                         return Action::Stop;
                     }
                 }

@@ -940,6 +940,28 @@ async fn a_kept_outcome_is_written_at_the_first_change_after_an_outage() {
     assert!(source.landed, "the outcome landed");
 }
 
+/// A kept outcome abandoned (the plan changed before it could land) ends its back-off with it: the
+/// new plan's first write that fails waits the first step (1 s), not what was left of the old
+/// outcome's step (8 s).
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_kept_outcome_ends_its_back_off() {
+    let fx = fixture();
+    fx.add("a", &["true"]);
+    fx.store.plans.lock().unwrap().get_mut("a").unwrap().state = PlanState::Failed;
+    let (stop, agent, mut seen, _down) = fx.start_flaky(true);
+    let at = attempts(&mut seen, 4).await;
+    assert!(step_of(at[3] - at[2], 4), "{:?}", gaps(&at));
+    // New content arrives: the kept outcome is abandoned, the new plan's start fails (still down).
+    fx.abandon.store(true, std::sync::atomic::Ordering::SeqCst);
+    fx.add("a", &["echo b"]);
+    fx.store.changed.notify_one();
+    let at = attempts(&mut seen, 7).await;
+    assert_eq!((at[4], at[5]), (at[3], at[3]), "abandoned, then the start tried, at once");
+    assert!(step_of(at[6] - at[5], 1), "the start's back-off begins anew: {:?}", at[6] - at[5]);
+    stop.send(true).unwrap();
+    agent.await.unwrap();
+}
+
 /// A commit (a start) that does not land backs off too: 1, 2, 4 s, jittered. A pass with nothing
 /// kept to flush does not reset that back-off, and the period (a second) does not bring the next
 /// attempt forward.
