@@ -11,7 +11,10 @@
 //!
 //! With NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>, phases 2 and 3 run again with that
 //! build's agents (in a namespace of their own, after this build's have stopped) and the ratios are
-//! printed.
+//! printed; with NODEPLAN_BENCH_ROUNDS=R as well, R fleets of each build, in the order A B B A ...
+//! (the fleet that runs first is slower: see `main`). Phase 2 also prints what each part of the
+//! fan-out cost: the CLI's run, each agent's part (from the cancel landing to `canceled`), CPU
+//! by process and API requests by verb.
 //!
 //! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
 //! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
@@ -79,29 +82,73 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Resident KiB and CPU ticks (user + system) of a process.
-fn rss_and_ticks(pid: u32) -> (u64, u64) {
+/// Resident KiB of a process.
+fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
+    status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
-    let tick = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    (rss, tick(11) + tick(12))
+        .unwrap_or(0)
 }
 
-/// The kube-apiserver process serving `cp` (found by its data directory on its command line).
-fn apiserver_pid(dir: &Path) -> Option<u32> {
+/// CPU time of processes' threads by thread id, in nanoseconds: the time each thread ran, from its
+/// `schedstat` (the scheduler's own clock). Not `stat`'s user and system ticks: those are sampled
+/// at the timer tick (250 Hz here), and a process that wakes for well under a tick at a time (an
+/// idle agent, each of 500 agents handling one cancel) can be charged nothing at all. Not a sum
+/// per process either: a thread that exits (tokio's blocking threads do, after 10 s idle) would
+/// take what it ran before the window out of the sum.
+#[derive(Default)]
+struct Cpu(BTreeMap<u32, u64>);
+
+impl Cpu {
+    fn of(pids: impl IntoIterator<Item = u32>) -> Cpu {
+        let mut by = BTreeMap::new();
+        for pid in pids {
+            for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+                let tid = t.file_name().to_str().and_then(|v| v.parse().ok());
+                let ran = std::fs::read_to_string(t.path().join("schedstat")).ok();
+                if let (Some(tid), Some(ns)) = (tid, ran.and_then(|s| s.split_whitespace().next()?.parse().ok())) {
+                    by.insert(tid, ns);
+                }
+            }
+        }
+        Cpu(by)
+    }
+
+    /// Seconds run since `before`, by the threads alive now (what a thread that exited between
+    /// ran in the window is not counted: idle threads exit).
+    fn since(&self, before: &Cpu) -> f64 {
+        let ns: u64 = self.0.iter().map(|(t, now)| now.saturating_sub(before.0.get(t).copied().unwrap_or(0))).sum();
+        ns as f64 / 1e9
+    }
+}
+
+/// The `program` process (kube-apiserver, etcd) serving `cp`, found by its data directory on its
+/// command line.
+fn server_pid(program: &str, dir: &Path) -> Option<u32> {
     let needle = dir.to_string_lossy().into_owned();
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let argv0 = cmd.split(|b| *b == 0).next().unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd);
-        (cmd.contains("kube-apiserver") && cmd.contains(&needle)).then_some(pid)
+        (String::from_utf8_lossy(argv0).ends_with(program) && cmd.contains(&needle)).then_some(pid)
     })
+}
+
+/// CPU time of the fleet's agents in all, the API server and etcd.
+fn fleet_cpu(cp: &k8s_support::ControlPlane, nodes: &[Node]) -> [Cpu; 3] {
+    let server = |p| Cpu::of(server_pid(p, cp.dir()));
+    [Cpu::of(nodes.iter().map(|nd| nd.agent.id())), server("kube-apiserver"), server("etcd")]
+}
+
+/// CPU seconds used by waited-for children so far (the CLI runs).
+fn children_cpu() -> f64 {
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(ru.ru_utime) + secs(ru.ru_stime)
 }
 
 /// Wait (watching the selected Secrets) until every one of `n` satisfies `done`; per node, when.
@@ -113,12 +160,29 @@ async fn wait_all(
     state: &'static str,
     started: Instant,
 ) -> BTreeMap<String, Duration> {
+    wait_all_asked(client, ns, n, checksum, state, started).await.0
+}
+
+/// [`wait_all`], and per node when the watch first showed it the cancel annotation (the CLI's
+/// write had landed).
+async fn wait_all_asked(
+    client: kube::Client,
+    ns: String,
+    n: usize,
+    checksum: String,
+    state: &'static str,
+    started: Instant,
+) -> (BTreeMap<String, Duration>, BTreeMap<String, Duration>) {
     let mut at = BTreeMap::new();
+    let mut asked = BTreeMap::new();
     let scope = Scope { kind: Kind::Secrets, namespace: Some(ns), selector: "bench=fleet".into() };
     let mut stream = nodeplan::fleet::objects::watch(client, &scope);
     while at.len() < n {
         let Some(e) = tokio::time::timeout(Duration::from_secs(600), stream.next()).await.ok().flatten() else { break };
         if let Selected::Is(name, Object::Secret(s)) = e {
+            if s.annotations.get("plan.cattle.io/canceled").is_some_and(|v| v == "true") {
+                asked.entry(name.clone()).or_insert_with(|| started.elapsed());
+            }
             let ours = s.data.get("plan").is_some_and(|p| nodeplan::plan::checksum(p) == checksum);
             let st = s.data.get("plan-state").map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
             if ours && st == state {
@@ -126,7 +190,7 @@ async fn wait_all(
             }
         }
     }
-    at
+    (at, asked)
 }
 
 /// The baseline orchestrator: write the plan into every Secret, as many writes in flight as the
@@ -170,6 +234,16 @@ struct Measured {
     cancel_p50_ms: f64,
     cancel_p99_ms: f64,
     canceled: usize,
+    /// Over the fan-out (the CLI's start to the last `canceled`): the CLI's wall time, and CPU
+    /// seconds of the agents in all, the API server, etcd and the CLI.
+    cancel_cli_s: f64,
+    /// Per node, from the cancel's landing (as the watch saw it) to `canceled`.
+    agent_p50_ms: f64,
+    agent_p99_ms: f64,
+    cancel_cpu: [f64; 4],
+    /// Requests the API server answered over the fan-out (and the two reads of its counters), by
+    /// verb and resource.
+    cancel_requests: BTreeMap<String, f64>,
     writes_per_agent_hour: f64,
     rss_mib_each: f64,
     cpu_pct: f64,
@@ -207,10 +281,24 @@ async fn cancel_and_idle(
     let running = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "in-progress", Instant::now()));
     push_all(client, ns, names, &raw).await;
     let _ = running.await;
+    let requests0 = request_counters(client).await;
+    let (cpu0, cli0) = (fleet_cpu(cp, nodes), children_cpu());
     let started = Instant::now();
-    let waiter = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "canceled", started));
+    let waiter = tokio::spawn(wait_all_asked(client.clone(), ns.to_string(), n, sum.clone(), "canceled", started));
     cli(ns, &cp.kubeconfig_path(), &["plan", "cancel", "-l", "bench=fleet"]);
-    let at = waiter.await.expect("waiter");
+    let cancel_cli_s = started.elapsed().as_secs_f64();
+    let (at, asked) = waiter.await.expect("waiter");
+    // Per node, from the cancel landing to `canceled`: the agent's part of the fan-out.
+    let mut reacted: Vec<f64> =
+        at.iter().filter_map(|(k, d)| Some(d.checked_sub(*asked.get(k)?)?.as_secs_f64() * 1000.0)).collect();
+    let cpu1 = fleet_cpu(cp, nodes);
+    let spent = |i: usize| cpu1[i].since(&cpu0[i]);
+    let cancel_cpu = [spent(0), spent(1), spent(2), children_cpu() - cli0];
+    let mut cancel_requests = request_counters(client).await;
+    for (k, v) in &mut cancel_requests {
+        *v -= requests0.get(k).copied().unwrap_or(0.0);
+    }
+    cancel_requests.retain(|_, v| *v >= 1.0);
     let mut ms: Vec<f64> = at.values().map(|d| d.as_secs_f64() * 1000.0).collect();
 
     let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -236,25 +324,27 @@ async fn cancel_and_idle(
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
     writes.store(0, std::sync::atomic::Ordering::Relaxed);
-    let api = apiserver_pid(cp.dir());
-    let before: Vec<(u64, u64)> = nodes.iter().map(|nd| rss_and_ticks(nd.agent.id())).collect();
-    let api_before = api.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+    let api = server_pid("kube-apiserver", cp.dir());
+    let agents = || Cpu::of(nodes.iter().map(|nd| nd.agent.id()));
+    let (before, api_before) = (agents(), Cpu::of(api));
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
-    let after: Vec<(u64, u64)> = nodes.iter().map(|nd| rss_and_ticks(nd.agent.id())).collect();
-    let api_after = api.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+    let (cpu, api_cpu) = (agents().since(&before), Cpu::of(api).since(&api_before));
     counter.abort();
-    let hz = 100.0; // USER_HZ
     let secs = idle_secs as f64;
-    let rss_total: u64 = after.iter().map(|(r, _)| r).sum();
-    let cpu: f64 = after.iter().zip(&before).map(|(a, b)| (a.1.saturating_sub(b.1)) as f64 / hz).sum();
+    let rss_total: u64 = nodes.iter().map(|nd| rss_kib(nd.agent.id())).sum();
     Measured {
         cancel_p50_ms: pct(&mut ms, 0.5),
         cancel_p99_ms: pct(&mut ms, 0.99),
         canceled: at.len(),
+        cancel_cli_s,
+        agent_p50_ms: pct(&mut reacted, 0.5),
+        agent_p99_ms: pct(&mut reacted, 0.99),
+        cancel_cpu,
+        cancel_requests,
         writes_per_agent_hour: writes.load(std::sync::atomic::Ordering::Relaxed) as f64 / n as f64 * 3600.0 / secs,
         rss_mib_each: rss_total as f64 / 1024.0 / n as f64,
         cpu_pct: cpu / secs * 100.0,
-        api_cpu_pct: (api_after.saturating_sub(api_before)) as f64 / hz / secs * 100.0,
+        api_cpu_pct: api_cpu / secs * 100.0,
     }
 }
 
@@ -263,6 +353,16 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
         "{what}: cancel fan-out to {n} running nodes: p50 {:.0} ms, p99 {:.0} ms ({} of {n} canceled; system-agent polls every 2 s)",
         m.cancel_p50_ms, m.cancel_p99_ms, m.canceled
     );
+    let [agents, api, etcd, cli] = m.cancel_cpu;
+    println!(
+        "{what}: over the fan-out: from a cancel's landing to canceled p50 {:.0} ms, p99 {:.0} ms; the CLI ran {:.2}s; CPU seconds: agents {agents:.2} ({:.1} ms each), API server {api:.2}, etcd {etcd:.2}, CLI {cli:.2}",
+        m.agent_p50_ms,
+        m.agent_p99_ms,
+        m.cancel_cli_s,
+        agents * 1000.0 / n as f64
+    );
+    let requests: Vec<String> = m.cancel_requests.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+    println!("{what}: API requests over the fan-out: {}", requests.join(", "));
     println!(
         "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is 360), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
         m.writes_per_agent_hour, m.rss_mib_each, m.cpu_pct, m.api_cpu_pct
@@ -329,25 +429,62 @@ async fn main() {
         rollout_s / direct_s
     );
 
-    let now = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
-    show("this build", n, idle_secs, &now);
+    let first = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+    show("this build", n, idle_secs, &first);
     stop(nodes);
     let Some(baseline) = baseline else { return };
     // The same fleet of the older build, on the same API server, one after the other (never both
-    // at once: they would share the cores).
-    let (ns, names) = fleet_secrets(&cp, &client, n).await;
-    let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, &baseline)).collect();
-    let then = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
-    show(&format!("baseline {}", baseline.display()), n, idle_secs, &then);
-    stop(nodes);
+    // at once: they would share the cores). The order matters: a fleet measured later runs on an
+    // API server that has warmed up (this build measured against itself: p50 1.37x, p99 1.20x
+    // for the fleet that ran first). With NODEPLAN_BENCH_ROUNDS=R the fleets run as
+    // A B B A A B ..., R of each, and the ratios are of the means.
+    let rounds: usize = std::env::var("NODEPLAN_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let (mut ours, mut theirs) = (vec![first], Vec::new());
+    for i in 1..2 * rounds {
+        let this = i % 4 == 0 || i % 4 == 3;
+        let (what, binary) = match this {
+            true => ("this build".to_string(), PathBuf::from(NODEPLAN)),
+            false => (format!("baseline {}", baseline.display()), baseline.clone()),
+        };
+        let (ns, names) = fleet_secrets(&cp, &client, n).await;
+        let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, &binary)).collect();
+        let m = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+        show(&what, n, idle_secs, &m);
+        stop(nodes);
+        if this { ours.push(m) } else { theirs.push(m) }
+    }
+    let ratio = |f: fn(&Measured) -> f64| {
+        let mean = |ms: &[Measured]| ms.iter().map(f).sum::<f64>() / ms.len() as f64;
+        mean(&ours) / mean(&theirs)
+    };
     println!(
-        "this build / baseline: idle agents' CPU {:.2}x, API server CPU {:.2}x, cancel p50 {:.2}x, p99 {:.2}x, RSS {:.2}x",
-        now.cpu_pct / then.cpu_pct,
-        now.api_cpu_pct / then.api_cpu_pct,
-        now.cancel_p50_ms / then.cancel_p50_ms,
-        now.cancel_p99_ms / then.cancel_p99_ms,
-        now.rss_mib_each / then.rss_mib_each
+        "this build / baseline ({rounds} of each): idle agents' CPU {:.2}x, API server CPU {:.2}x, cancel p50 {:.2}x, p99 {:.2}x, agents' CPU over the fan-out {:.2}x, RSS {:.2}x",
+        ratio(|m| m.cpu_pct),
+        ratio(|m| m.api_cpu_pct),
+        ratio(|m| m.cancel_p50_ms),
+        ratio(|m| m.cancel_p99_ms),
+        ratio(|m| m.cancel_cpu[0]),
+        ratio(|m| m.rss_mib_each),
     );
+}
+
+/// The API server's count of requests answered, by verb and resource (`apiserver_request_total`,
+/// summed over codes and scopes), watches excluded.
+async fn request_counters(client: &kube::Client) -> BTreeMap<String, f64> {
+    let mut by = BTreeMap::new();
+    let Ok(req) = http::Request::get("/metrics").body(Vec::new()) else { return by };
+    let text = client.request_text(req).await.unwrap_or_default();
+    for l in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
+        let label = |k: &str| l.split(&format!("{k}=\"")).nth(1).and_then(|r| r.split('"').next()).unwrap_or("");
+        let (verb, resource) = (label("verb"), label("resource"));
+        if verb == "WATCH" || resource.is_empty() {
+            continue;
+        }
+        if let Some(v) = l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()) {
+            *by.entry(format!("{verb} {resource}")).or_default() += v;
+        }
+    }
+    by
 }
 
 /// The API server's counters of watch events sent for NodePlans: (events, bytes), summed over
@@ -403,7 +540,7 @@ async fn selectors(cp: &k8s_support::ControlPlane, n: usize) {
     .buffer_unordered(parallel)
     .for_each(|r| async move { r.expect("create a NodePlan") })
     .await;
-    let api_pid = apiserver_pid(cp.dir());
+    let api_pid = server_pid("kube-apiserver", cp.dir());
     println!("selectors: {n} NodePlans, {n} watches, {ROUNDS} changes of every spec (kube-apiserver {})", cp.version());
     let mut results: Vec<(Selection, f64, f64, f64)> = Vec::new();
     for (round_base, selection) in [(0, Selection::Label), (100, Selection::Field), (200, Selection::Everything)] {
@@ -446,7 +583,7 @@ async fn selectors(cp: &k8s_support::ControlPlane, n: usize) {
             continue;
         }
         let (events0, bytes0) = watch_counters(&client).await;
-        let ticks0 = api_pid.map(|p| rss_and_ticks(p).1).unwrap_or(0);
+        let cpu0 = Cpu::of(api_pid);
         let started = Instant::now();
         for round in 0..ROUNDS {
             let token = format!("r{}", round_base + round);
@@ -479,7 +616,7 @@ async fn selectors(cp: &k8s_support::ControlPlane, n: usize) {
             }
         }
         let secs = started.elapsed().as_secs_f64();
-        let cpu = api_pid.map(|p| rss_and_ticks(p).1).unwrap_or(0).saturating_sub(ticks0) as f64 / 100.0;
+        let cpu = Cpu::of(api_pid).since(&cpu0);
         let (events1, bytes1) = watch_counters(&client).await;
         pumps.iter().for_each(|p| p.abort());
         drop(rxs);

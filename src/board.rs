@@ -4,7 +4,8 @@
 //! A leaf: the loop, the sources' gates and the applyinator's observer report through the free
 //! functions below (plain labels, as for `metrics`); they do nothing until [`install`] has been
 //! called (only `nodeplan agent` does). The record is written by one task, after each change,
-//! atomically (a reader never sees half of it), never more often than every [`SETTLE`].
+//! atomically (a reader never sees half of it) but not synced (a crash may lose it; it is a
+//! display, not a record anything is decided from), never more often than every [`SETTLE`].
 //! Owns: the record's file. Must not touch: anything else in the PID directory (the PID
 //! records are `*.json`; this file's name has no extension).
 
@@ -127,10 +128,12 @@ pub fn install(dir: &Path, mut status: AgentStatus, mut shutdown: tokio::sync::w
             };
             let p = path.clone();
             // The PID directory is made on first use, as the PID records make it.
-            let written = tokio::task::spawn_blocking(move || match crate::safefs::write_atomic(&p, &bytes, 0o600) {
+            // Not synced: the record only shows what the agent does, and one a crash left behind
+            // names a pid that is no longer this agent's (`pid_start`).
+            let written = tokio::task::spawn_blocking(move || match crate::safefs::write_shown(&p, &bytes, 0o600) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     std::fs::create_dir_all(p.parent().unwrap_or(Path::new("/")))?;
-                    crate::safefs::write_atomic(&p, &bytes, 0o600)
+                    crate::safefs::write_shown(&p, &bytes, 0o600)
                 }
                 r => r,
             })
