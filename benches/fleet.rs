@@ -151,21 +151,10 @@ fn children_cpu() -> f64 {
     secs(ru.ru_utime) + secs(ru.ru_stime)
 }
 
-/// Wait (watching the selected Secrets) until every one of `n` satisfies `done`; per node, when.
+/// Wait (watching the selected Secrets) until every one of `n` shows `state` for the plan of
+/// `checksum`; per node, when, and when the watch first showed it the cancel annotation (the
+/// CLI's write had landed).
 async fn wait_all(
-    client: kube::Client,
-    ns: String,
-    n: usize,
-    checksum: String,
-    state: &'static str,
-    started: Instant,
-) -> BTreeMap<String, Duration> {
-    wait_all_asked(client, ns, n, checksum, state, started).await.0
-}
-
-/// [`wait_all`], and per node when the watch first showed it the cancel annotation (the CLI's
-/// write had landed).
-async fn wait_all_asked(
     client: kube::Client,
     ns: String,
     n: usize,
@@ -284,7 +273,7 @@ async fn cancel_and_idle(
     let requests0 = request_counters(client).await;
     let (cpu0, cli0) = (fleet_cpu(cp, nodes), children_cpu());
     let started = Instant::now();
-    let waiter = tokio::spawn(wait_all_asked(client.clone(), ns.to_string(), n, sum.clone(), "canceled", started));
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "canceled", started));
     cli(ns, &cp.kubeconfig_path(), &["plan", "cancel", "-l", "bench=fleet"]);
     let cancel_cli_s = started.elapsed().as_secs_f64();
     let (at, asked) = waiter.await.expect("waiter");
@@ -412,7 +401,7 @@ async fn main() {
     let started = Instant::now();
     let waiter = tokio::spawn(wait_all(client.clone(), ns.clone(), n, sum.clone(), "succeeded", started));
     push_all(&client, &ns, &names, &raw).await;
-    let at = waiter.await.expect("waiter");
+    let (at, _) = waiter.await.expect("waiter");
     let direct_s = at.values().max().copied().unwrap_or_default().as_secs_f64();
     let rolled = serde_json::json!({"instructions": [{"name": "a", "command": "true", "args": ["rollout"]}]});
     let (path, _) = plan_file(work.path(), "rollout.plan", &rolled);
