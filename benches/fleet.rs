@@ -98,7 +98,6 @@ fn rss_kib(pid: u32) -> u64 {
 /// idle agent, each of 500 agents handling one cancel) can be charged nothing at all. Not a sum
 /// per process either: a thread that exits (tokio's blocking threads do, after 10 s idle) would
 /// take what it ran before the window out of the sum.
-#[derive(Default)]
 struct Cpu(BTreeMap<u32, u64>);
 
 impl Cpu {
@@ -457,12 +456,17 @@ async fn main() {
     );
 }
 
+/// The API server's `/metrics` text (empty when it cannot be read: the counters then read 0).
+async fn metrics_text(client: &kube::Client) -> String {
+    let Ok(req) = http::Request::get("/metrics").body(Vec::new()) else { return String::new() };
+    client.request_text(req).await.unwrap_or_default()
+}
+
 /// The API server's count of requests answered, by verb and resource (`apiserver_request_total`,
 /// summed over codes and scopes), watches excluded.
 async fn request_counters(client: &kube::Client) -> BTreeMap<String, f64> {
     let mut by = BTreeMap::new();
-    let Ok(req) = http::Request::get("/metrics").body(Vec::new()) else { return by };
-    let text = client.request_text(req).await.unwrap_or_default();
+    let text = metrics_text(client).await;
     for l in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
         let label = |k: &str| l.split(&format!("{k}=\"")).nth(1).and_then(|r| r.split('"').next()).unwrap_or("");
         let (verb, resource) = (label("verb"), label("resource"));
@@ -480,8 +484,7 @@ async fn request_counters(client: &kube::Client) -> BTreeMap<String, f64> {
 /// the label sets that name them (`apiserver_watch_events_total` and
 /// `apiserver_watch_events_sizes_sum`; 1.20 labels them by kind, later releases by resource).
 async fn watch_counters(client: &kube::Client) -> (f64, f64) {
-    let Ok(req) = http::Request::get("/metrics").body(Vec::new()) else { return (0.0, 0.0) };
-    let text = client.request_text(req).await.unwrap_or_default();
+    let text = metrics_text(client).await;
     let sum = |name: &str| -> f64 {
         text.lines()
             .filter(|l| l.starts_with(name) && (l.contains("\"nodeplans\"") || l.contains("\"NodePlan\"")))
