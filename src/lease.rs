@@ -783,14 +783,17 @@ pub struct Rival {
     pub program: String,
     /// The pid of a running one, if any (looked for before acting: a thorough look).
     pub running: RivalCheck,
-    /// The same, looked for every few seconds while the agent acts (a cheap look).
-    pub started: RivalCheck,
+    /// While the agent acts: the pid of one that started, once there is one (pending until then).
+    pub started: RivalStarted,
 }
 
 /// A look for a rival: the pid of a running one, if any.
 pub type RivalCheck = std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, Option<i32>> + Send + Sync>;
 
-/// How often the gate looks for a rival on the node.
+/// A wait for a rival to start: the pid of one once it runs.
+pub type RivalStarted = std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, i32> + Send + Sync>;
+
+/// How often the gate looks for a running rival before it opens.
 const RIVAL_PERIOD: Duration = Duration::from_secs(5);
 
 /// The gate of a plan source (see [`crate::reconcile::gate`]): with `rival`, not while it runs
@@ -842,12 +845,8 @@ pub fn guard(
         state_tx.send_replace(GateState::Open);
         let rival_started = async {
             let Some(r) = &rival else { return std::future::pending().await };
-            loop {
-                tokio::time::sleep(RIVAL_PERIOD).await;
-                if let Some(pid) = (r.started)().await {
-                    return format!("{} (pid {pid}) started on this node", r.program);
-                }
-            }
+            let pid = (r.started)().await;
+            format!("{} (pid {pid}) started on this node", r.program)
         };
         let lease_lost = async {
             let held = match lost.as_mut() {

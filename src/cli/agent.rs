@@ -260,11 +260,10 @@ fn rancher_agent() -> crate::lease::Rival {
             tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p)).await.ok().flatten()
         })
     });
-    let started: crate::lease::RivalCheck = Arc::new(move || {
-        let unit = unit.clone();
-        // A few reads of in-memory files (cgroupfs, procfs): on the loop's thread, not the blocking
-        // pool (waking a pool thread every 5 s was a good part of an idle agent's cost).
-        Box::pin(async move { rival::in_unit(Path::new("/proc"), &unit) })
+    let started: crate::lease::RivalStarted = Arc::new(move || {
+        // A few reads of in-memory files (cgroupfs, procfs), when inotify says the unit's cgroup may
+        // have changed: on the loop's thread, not the blocking pool.
+        Box::pin(rival::started(std::path::PathBuf::from("/proc"), unit.to_vec()))
     });
     crate::lease::Rival { program, running, started }
 }

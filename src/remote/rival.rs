@@ -3,15 +3,21 @@
 //! tell that it runs. Remote mode does not act on Secrets while it does (never two agents running
 //! one plan): it waits before starting, and stops if one appears while it runs.
 //!
-//! Before acting, the agent looks at every process ([`running`]); while it acts, every few
-//! seconds, only at the cgroup systemd gives the program's unit ([`in_unit`]): Rancher's installer
-//! and upgrader start it as that unit, and a look at every process of the node every few seconds
-//! costs what the node runs (a fleet of agents on one host paid for each other's processes).
+//! Before acting, the agent looks at every process ([`running`]); while it acts, only at the
+//! cgroup systemd gives the program's unit ([`in_unit`]), and only when that cgroup may have
+//! changed ([`started`]): Rancher's installer and upgrader start it as that unit, and a look at
+//! every process of the node every few seconds costs what the node runs (a fleet of agents on one
+//! host paid for each other's processes).
 //!
 //! This module only reads `/proc` and the cgroup trees (bounded: the process names, the first
-//! argument, a unit's `cgroup.procs`); it never signals anything.
+//! argument, a unit's `cgroup.procs`) and watches two directories of each tree for new entries; it
+//! never signals anything.
 
+use futures::StreamExt;
+use inotify::{EventMask, WatchMask};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The program system-agent's installer installs.
 pub const PROGRAM: &str = "rancher-system-agent";
@@ -85,6 +91,105 @@ pub fn in_unit(proc_root: &Path, cgroups: &[PathBuf]) -> Option<i32> {
         })
         .flat_map(|d| crate::process::cgroup::procs(d))
         .find(|pid| !is_zombie(&proc_root.join(pid.to_string())))
+}
+
+/// How often the unit's cgroup is looked at when no notification can say that it changed: while
+/// it is there with no live process in it yet (systemd makes it, then moves the process in), and
+/// where inotify cannot be had (none left under `fs.inotify.max_user_instances`, or a hierarchy
+/// that cannot be watched).
+pub const LOOK_PERIOD: Duration = Duration::from_secs(5);
+
+/// The pid of a live process in the unit's cgroup (one of `cgroups`, see [`in_unit`]) once there
+/// is one; pending for as long as there is none. An idle agent does not wake for it: the look is
+/// made once, then again only when inotify says a directory on the way to a unit's cgroup was made
+/// or moved in (the hierarchy's `system.slice`, the unit's own), or events were lost, or a watched
+/// directory went away; and every [`LOOK_PERIOD`] while a unit's cgroup is there but empty, or where
+/// inotify cannot be had. (A timer every few seconds was most of what an idle agent cost: each
+/// wake-up of a process is dear in a virtual machine.)
+pub async fn started(proc_root: PathBuf, cgroups: Vec<PathBuf>) -> i32 {
+    started_with(&cgroups, || in_unit(&proc_root, &cgroups)).await
+}
+
+async fn started_with(cgroups: &[PathBuf], mut look: impl FnMut() -> Option<i32>) -> i32 {
+    let mut watch = UnitWatch::new(cgroups);
+    loop {
+        // The watches first, then the look: a cgroup made between the two is seen either way.
+        let watching = watch.as_mut().is_some_and(UnitWatch::arm);
+        if let Some(pid) = look() {
+            return pid;
+        }
+        let poll = !watching || cgroups.iter().any(|c| c.exists());
+        match watch.as_mut() {
+            Some(w) if !poll => {
+                if !w.changed().await {
+                    watch = None;
+                }
+            }
+            Some(w) => {
+                if let Ok(false) = tokio::time::timeout(LOOK_PERIOD, w.changed()).await {
+                    watch = None;
+                }
+            }
+            None => tokio::time::sleep(LOOK_PERIOD).await,
+        }
+    }
+}
+
+/// Notification of new entries in the directories on the way to each unit's cgroup: inotify for
+/// entries made or moved in, on the deepest one that is there (`system.slice`, else the root of the
+/// hierarchy). Nothing else is watched: opens, reads and the cgroups' own files wake nothing.
+struct UnitWatch {
+    events: inotify::EventStream<[u8; 1024]>,
+    watches: inotify::Watches,
+    /// Each unit cgroup's parent (`system.slice`) and its hierarchy's root.
+    ways: Vec<(PathBuf, PathBuf)>,
+    /// The names whose making is news: each unit's and each parent's.
+    names: Vec<OsString>,
+}
+
+impl UnitWatch {
+    fn new(cgroups: &[PathBuf]) -> Option<UnitWatch> {
+        let mut ways = Vec::new();
+        let mut names = Vec::new();
+        for c in cgroups {
+            let parent = c.parent()?;
+            let root = parent.parent()?;
+            names.extend([c.file_name()?.to_os_string(), parent.file_name()?.to_os_string()]);
+            ways.push((parent.to_path_buf(), root.to_path_buf()));
+        }
+        let inotify = match inotify::Inotify::init() {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::debug!("no inotify for the rival's unit ({e}): looking every {LOOK_PERIOD:?}");
+                return None;
+            }
+        };
+        let watches = inotify.watches();
+        let events = inotify.into_event_stream([0u8; 1024]).ok()?;
+        Some(UnitWatch { events, watches, ways, names })
+    }
+
+    /// Watch the deepest directory that is there on the way to each unit's cgroup; false where
+    /// neither can be watched.
+    fn arm(&mut self) -> bool {
+        let mask = WatchMask::CREATE | WatchMask::MOVED_TO | WatchMask::ONLYDIR;
+        let watches = &mut self.watches;
+        self.ways.iter().all(|(parent, root)| watches.add(parent, mask).is_ok() || watches.add(root, mask).is_ok())
+    }
+
+    /// Until a look is due: a directory of a watched name was made or moved in, events were lost,
+    /// or a watched directory went away (the watches must be set again). False once the
+    /// notification fails: from then on, only looking every [`LOOK_PERIOD`] tells.
+    async fn changed(&mut self) -> bool {
+        while let Some(ev) = self.events.next().await {
+            let Ok(ev) = ev else { return false };
+            let named = ev.name.as_ref().is_some_and(|n| self.names.contains(n));
+            if named || ev.mask.intersects(EventMask::Q_OVERFLOW | EventMask::IGNORED) {
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// What only root can arrange for the process at `dir` (`/proc/<pid>`): it is in the cgroup of
@@ -226,6 +331,54 @@ mod tests {
         assert_eq!(in_unit(proc_root.path(), &dirs), Some(7));
         std::os::unix::fs::chown(&b, Some(1000), Some(1000)).unwrap();
         assert_eq!(in_unit(proc_root.path(), &dirs), None, "a directory another user made");
+    }
+
+    /// While the agent acts it looks at the unit's cgroup once, then only when inotify says a
+    /// directory on the way was made (or moved in), and every few seconds only while the unit's
+    /// cgroup is there but empty: 60 s of an idle node wake it for nothing. Paused clock; the
+    /// directories are a stand-in hierarchy in a temporary directory.
+    #[tokio::test(start_paused = true)]
+    async fn a_unit_is_looked_at_only_when_its_cgroup_may_have_changed() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let none = Path::new("/nonexistent");
+        let proc_root = fake_proc(&[fake("7", "", 0, none)]);
+        let root = tempfile::tempdir().unwrap();
+        let slice = root.path().join("system.slice");
+        let unit = slice.join("rsa.service");
+        let looks = Arc::new(AtomicUsize::new(0));
+        let (l, p, u) = (looks.clone(), proc_root.path().to_path_buf(), unit.clone());
+        let task = tokio::spawn(async move {
+            let cgroups = [u];
+            started_with(&cgroups, || {
+                l.fetch_add(1, Ordering::SeqCst);
+                in_unit(&p, &cgroups)
+            })
+            .await
+        });
+        let minute = || tokio::time::sleep(Duration::from_secs(60));
+        let count = || looks.load(Ordering::SeqCst);
+        minute().await;
+        assert_eq!(count(), 1, "no system.slice yet: one look, then nothing to wake for");
+        std::fs::create_dir(&slice).unwrap();
+        minute().await;
+        assert_eq!(count(), 2, "system.slice made: one look");
+        std::fs::create_dir(&unit).unwrap();
+        minute().await;
+        let polled = count();
+        assert!(polled >= 12, "the unit's cgroup, empty: a look every {LOOK_PERIOD:?} ({polled})");
+        std::fs::remove_dir(&unit).unwrap();
+        minute().await;
+        let after = count();
+        minute().await;
+        assert_eq!(count(), after, "the unit's cgroup gone: nothing to wake for again");
+        assert!(!task.is_finished());
+        let made = root.path().join("rsa.service");
+        std::fs::create_dir(&made).unwrap();
+        std::fs::write(made.join("cgroup.procs"), "7\n").unwrap();
+        std::fs::rename(&made, &unit).unwrap();
+        let pid = tokio::time::timeout(Duration::from_secs(1), task).await.expect("seen when it is moved in");
+        assert_eq!(pid.unwrap(), 7);
     }
 
     /// Executables in directories of every kind: (directory mode, directory owner, file mode,
