@@ -14,7 +14,8 @@
 //! printed; with NODEPLAN_BENCH_ROUNDS=R as well, R fleets of each build, in the order A B B A ...
 //! (the fleet that runs first is slower: see `main`). Phase 2 also prints what each part of the
 //! fan-out cost: the CLI's run, each agent's part (from the cancel landing to `canceled`), CPU
-//! by process and API requests by verb.
+//! by process and API requests by verb. Each agent of this build uses one inotify instance; when
+//! the user's `fs.inotify.max_user_instances` leaves fewer than N, it says so (see `inotify_room`).
 //!
 //! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
 //! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
@@ -352,7 +353,7 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     let requests: Vec<String> = m.cancel_requests.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
     println!("{what}: API requests over the fan-out: {}", requests.join(", "));
     println!(
-        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is 360), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is about 380), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
         m.writes_per_agent_hour, m.rss_mib_each, m.cpu_pct, m.api_cpu_pct
     );
 }
@@ -363,6 +364,33 @@ fn stop(nodes: Vec<Node>) {
     }
     for mut nd in nodes {
         let _ = nd.agent.wait();
+    }
+}
+
+/// Say so when the agents cannot each have an inotify instance: they share one user's
+/// `fs.inotify.max_user_instances` (128 by default; a node's one agent has its own). An agent
+/// without one looks for Rancher's agent every 5 s instead (src/remote/rival.rs), which is the
+/// idle cost of a node with no inotify left, not of a node.
+fn inotify_room(n: usize) {
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let in_use = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|p| std::fs::read_dir(p.path().join("fd")).ok())
+        .flatten()
+        .flatten()
+        .filter(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:inotify"))
+        .count();
+    if in_use + n > limit {
+        println!(
+            "fleet: WARNING fs.inotify.max_user_instances is {limit} and {in_use} are in use: about {} of {n} agents have no inotify and look for Rancher's agent every 5 s (raise it for this run to measure one agent per node: sysctl fs.inotify.max_user_instances={})",
+            (in_use + n).saturating_sub(limit).min(n),
+            (in_use + 2 * n).next_power_of_two()
+        );
     }
 }
 
@@ -386,6 +414,7 @@ async fn main() {
         selectors(&cp, n).await;
         return;
     }
+    inotify_room(n);
     let client = cp.client().await;
     let (ns, names) = fleet_secrets(&cp, &client, n).await;
     let t0 = Instant::now();

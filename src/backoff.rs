@@ -45,9 +45,29 @@ pub fn jittered(d: Duration) -> Duration {
     d + (d / 10).min(Duration::from_secs(1)).mul_f64(r as f64 / u64::MAX as f64)
 }
 
+/// Up to `share` of `d` less, drawn uniformly: a fleet that started together (a rollout, the end
+/// of an outage) spreads its periodic requests out instead of sending them in the same second.
+/// Never more than `d`, so a period that must not be exceeded (a Lease's renewal) stays safe.
+pub fn earlier(d: Duration, share: f64) -> Duration {
+    let r = crate::safefs::random_u64().unwrap_or(0);
+    d.saturating_sub(d.mul_f64(share.clamp(0.0, 1.0) * (r as f64 / u64::MAX as f64)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Within `[d - share·d, d]`, and spread over it (not one fixed value).
+    #[test]
+    fn earlier_is_never_later_and_spreads() {
+        let d = Duration::from_secs(10);
+        let draws: Vec<Duration> = (0..200).map(|_| earlier(d, 0.5)).collect();
+        assert!(draws.iter().all(|e| *e >= d / 2 && *e <= d), "{draws:?}");
+        let (lo, hi) = (draws.iter().min().unwrap(), draws.iter().max().unwrap());
+        assert!(*lo < d.mul_f64(0.6) && *hi > d.mul_f64(0.9), "spread over the range: {lo:?} … {hi:?}");
+        assert_eq!(earlier(d, 0.0), d);
+        assert!(earlier(d, 7.0) <= d, "a share above 1 is 1");
+    }
 
     #[test]
     fn backoff_doubles_caps_and_resets_after_a_healthy_run() {

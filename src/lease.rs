@@ -23,8 +23,9 @@
 //!   cannot fence a partitioned one.
 //! - **No permission, no Lease.** An account that may not read or write Leases (Rancher's
 //!   per-machine role grants the plan Secret only) gets one warning and runs without one.
-//! - **Cost.** One small write per quarter of the duration (with the default 40 s, one every 10 s,
-//!   as the kubelet's own node Lease); a waiting agent watches the Lease (the one list/watch,
+//! - **Cost.** One small write per quarter of the duration (with the default 40 s, one every 10 s
+//!   or up to a second sooner, as the kubelet's own node Lease; spread out, so a fleet's agents
+//!   do not renew in the same second); a waiting agent watches the Lease (the one list/watch,
 //!   `k8s::watch`, of the one object) and writes nothing.
 
 use crate::k8s::watch::Latest;
@@ -584,8 +585,10 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, limit: Duratio
     }
 }
 
-/// Renew every quarter of the duration until another holder shows up; after a failure, again
-/// within a second. `acting` (the fence, R26) is true only until `valid_until`, moved on by every
+/// Renew every quarter of the duration (up to a tenth early; the first renewal, and the first
+/// after failures, at a random point of the quarter's second half, so that a fleet whose agents
+/// took their Leases together, after a rollout or an outage, does not renew them all in the same
+/// second) until another holder shows up; after a failure, again within a second or so. `acting` (the fence, R26) is true only until `valid_until`, moved on by every
 /// renewal that succeeds: a holder that cannot renew stops acting before anybody could take the
 /// Lease over.
 async fn renew(
@@ -597,9 +600,14 @@ async fn renew(
     mut valid_until: Instant,
 ) {
     let limit = (r.period() / 2).clamp(Duration::from_secs(1), REQUEST_TIMEOUT);
-    let mut failing = false;
+    let (mut failing, mut spread) = (false, true);
     loop {
-        let next = Instant::now() + if failing { RETRY_RENEWAL.min(r.period()) } else { r.period() };
+        let wait = match (failing, spread) {
+            (true, _) => crate::backoff::jittered(RETRY_RENEWAL.min(r.period())),
+            (false, true) => crate::backoff::earlier(r.period(), 0.5),
+            (false, false) => crate::backoff::earlier(r.period(), 0.1),
+        };
+        let next = Instant::now() + wait;
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = tokio::time::sleep_until(valid_until), if *acting.borrow() => {
@@ -620,6 +628,7 @@ async fn renew(
                 if failing {
                     tracing::info!("renewed the Lease {}/{} again", r.namespace, r.name);
                 }
+                spread = failing;
                 failing = false;
                 mine = *l;
                 valid_until = sent + r.valid_for();
@@ -764,6 +773,68 @@ mod tests {
         assert!(!previous_incarnation_gone("node-a//99", "node-a//100", dead), "no boot id known");
         // A node name with slashes cannot confuse the split: the last two fields are taken.
         assert!(previous_incarnation_gone("a/b/boot-1/99", "a/b/boot-1/100", dead));
+    }
+
+    /// Agents that took their Leases at the same instant (a fleet's rollout, an outage's end) do not
+    /// renew them in the same second: the first renewal comes at a random point of the period's
+    /// second half, and each later one up to a tenth early, never late. Eight renewers on a paused
+    /// clock against a scripted API server that accepts every renewal.
+    #[tokio::test(start_paused = true)]
+    async fn a_fleet_that_took_its_leases_together_renews_them_spread_out() {
+        use http::{Request, Response};
+        use kube::client::Body;
+        let r = LeaseRef {
+            namespace: "ns".into(),
+            name: "nodeplan-a".into(),
+            identity: "node/boot/1".into(),
+            duration: D,
+            stop_budget: Duration::from_secs(6),
+            what: "secret ns/a".into(),
+        };
+        let start = Instant::now();
+        let mut renewers = Vec::new();
+        for _ in 0..8 {
+            let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
+            let mine = taken(&r, None);
+            let answer = serde_json::to_vec(&Lease {
+                metadata: ObjectMeta { resource_version: Some("1".into()), ..mine.metadata.clone() },
+                ..mine.clone()
+            })
+            .unwrap();
+            let (lost, _lost) = watch::channel(false);
+            let (acting, _acting) = watch::channel(true);
+            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start + r.valid_for()));
+            let server = tokio::spawn(async move {
+                let mut handle = std::pin::pin!(handle);
+                let mut at = Vec::new();
+                while let Some((req, send)) = handle.as_mut().next_request().await {
+                    assert_eq!(req.method(), http::Method::PUT, "only renewals");
+                    at.push(Instant::now() - start);
+                    send.send_response(Response::builder().body(Body::from(answer.clone())).unwrap());
+                }
+                at
+            });
+            renewers.push((task, server));
+        }
+        tokio::time::sleep(Duration::from_secs(35)).await;
+        let period = D / 4;
+        let mut firsts = Vec::new();
+        for (task, server) in renewers {
+            task.abort();
+            let _ = task.await;
+            let at = server.await.unwrap();
+            assert!(at.len() >= 3, "{at:?}");
+            assert!(at[0] >= period / 2 && at[0] <= period, "the first in the period's second half: {at:?}");
+            for w in at.windows(2) {
+                let gap = w[1] - w[0];
+                assert!(gap >= period.mul_f64(0.9) && gap <= period, "then up to a tenth early, never late: {at:?}");
+            }
+            firsts.push(at[0]);
+        }
+        firsts.sort();
+        firsts.dedup();
+        assert!(firsts.len() > 4, "eight agents, (nearly) as many first renewal times: {firsts:?}");
     }
 
     #[test]
