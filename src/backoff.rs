@@ -1,5 +1,6 @@
 //! Back-off: the one exponential delay type ([`Backoff`]) and its jitter ([`jittered`]), shared by
-//! the process supervisor's respawns, the reconcile loop's retries and the Kubernetes list/watch.
+//! the process supervisor's respawns, the reconcile loop's retries and the Kubernetes list/watch;
+//! and [`earlier`], the draw that spreads a fleet's periodic requests (the Lease's renewals).
 //!
 //! Owns: delays only. It sleeps on nothing, spawns nothing and knows no caller; it sits below
 //! every module that waits (`docs/architecture.md` and `tests/architecture.rs`).

@@ -111,6 +111,10 @@ pub async fn started(proc_root: PathBuf, cgroups: Vec<PathBuf>) -> i32 {
 }
 
 async fn started_with(cgroups: &[PathBuf], mut look: impl FnMut() -> Option<i32>) -> i32 {
+    if cgroups.is_empty() {
+        // No hierarchy tracks units here: there is nothing to look at, and no inotify to spend.
+        return std::future::pending().await;
+    }
     let mut watch = UnitWatch::new(cgroups);
     loop {
         // The watches first, then the look: a cgroup made between the two is seen either way.
@@ -379,6 +383,14 @@ mod tests {
         std::fs::rename(&made, &unit).unwrap();
         let pid = tokio::time::timeout(Duration::from_secs(1), task).await.expect("seen when it is moved in");
         assert_eq!(pid.unwrap(), 7);
+
+        let mut nothing = 0;
+        let never = started_with(&[], || {
+            nothing += 1;
+            None
+        });
+        assert!(tokio::time::timeout(Duration::from_secs(60), never).await.is_err());
+        assert_eq!(nothing, 0, "no hierarchy tracks units: nothing to look at, ever");
     }
 
     /// Executables in directories of every kind: (directory mode, directory owner, file mode,
