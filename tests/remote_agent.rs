@@ -588,6 +588,35 @@ async fn cancel_of_a_succeeded_plan_stops_its_periodic_instructions() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The same cancel landing while a periodic pass runs (a handshake: the pass says it started, then
+/// waits): it stops the pass and is recorded as the cancel between passes is, every one-time
+/// instruction done (it once recorded 0/0 and the Event said "canceled (0/1 instructions)").
+#[tokio::test]
+async fn cancel_during_a_periodic_pass_of_a_succeeded_plan_records_it_done() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "cancel-in-pass").await;
+    let (ready, first) = (r.fifo("ready"), r.p("first"));
+    // The first pass (part of the run that succeeds) only leaves a mark; a later one waits.
+    let tick = format!("if [ -e {first} ]; then echo > {ready}; exec sleep 300; fi; touch {first}");
+    let plan = json!({
+        "instructions": [sh("a", "true")],
+        "periodicInstructions": [{"name": "tick", "command": "sh", "args": ["-c", tick], "periodSeconds": 1}]
+    });
+    r.create(&plan, Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    read_fifo(&ready);
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    let s = r.wait("canceled", |s| state(s) == "canceled").await;
+    let mark = Checkpoint::read(s.data.get("plan-checkpoint").map(Vec::as_slice), &plan::checksum(&s.data["plan"]));
+    assert_eq!(mark.map(|c| (c.completed_instructions, c.total_instructions)), Some((1, 1)));
+    let ns = r.client.secret_ref().namespace.clone();
+    let client = cp.client().await;
+    let want = "canceled after it succeeded (1/1 instructions): its periodic instructions stop";
+    wait_events(&client, &ns, "machine-plan", want, |ev| ev.iter().any(|e| e.0 == "Canceled" && e.1 == want)).await;
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test]
 async fn a_pause_pending_while_the_instruction_fails_records_a_failure() {
     let cp = control_plane!();

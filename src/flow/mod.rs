@@ -306,7 +306,13 @@ fn nonempty_outputs(r: &mut Record, result: &Ran) {
 pub fn record(snap: &Snapshot, run: &RunPlan, result: &Ran) -> Record {
     let incomplete = result.termination_incomplete || carried_incomplete(&snap.checkpoint);
     let one_time = run.one_time();
-    let (completed, total) = if one_time { (result.completed, snap.total) } else { (0, 0) };
+    // A succeeded plan's periodic pass comes after every one-time instruction: a pause or cancel
+    // that stops it records them all done, as `decide` does when the hold lands between passes.
+    let (completed, total) = match run {
+        _ if one_time => (result.completed, snap.total),
+        RunPlan::Periodic { .. } => (snap.total, snap.total),
+        _ => (0, 0),
+    };
     match result.interruption {
         Some(Interruption::Shutdown) => Record::default(),
         Some(Interruption::Fenced) if !one_time => Record::default(),

@@ -224,7 +224,15 @@ fn record_table() {
     let periodic_paused = Ran { interruption: Some(Interruption::Paused), ..Default::default() };
     let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_paused);
     let CheckpointWrite::Set(c) = r.checkpoint else { panic!() };
-    assert_eq!((c.resume_state, c.completed_instructions, c.total_instructions), (Some(PlanState::Succeeded), 0, 0));
+    assert_eq!((c.resume_state, c.completed_instructions, c.total_instructions), (Some(PlanState::Succeeded), 3, 3));
+    // A cancel landing while a succeeded plan's periodic instruction runs: every one-time
+    // instruction had run (it once recorded 0/0, unlike a cancel landing between passes).
+    let periodic_canceled = Ran { interruption: Some(Interruption::Canceled), ..Default::default() };
+    let r = record(&snap("succeeded", None, None, None), &run_plan(false), &periodic_canceled);
+    let CheckpointWrite::Set(c) = r.checkpoint else { panic!() };
+    assert_eq!((r.state, c.completed_instructions, c.total_instructions), (Some(PlanState::Canceled), 3, 3));
+    let Decision::Record { transition, .. } = decide(&snap("succeeded", None, Some("true"), None)) else { panic!() };
+    assert_eq!((transition.checkpoint.completed_instructions, transition.checkpoint.total_instructions), (3, 3));
 
     let shutdown = Ran { interruption: Some(Interruption::Shutdown), ..base.clone() };
     assert_eq!(

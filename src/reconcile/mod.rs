@@ -1188,6 +1188,12 @@ impl<S: PlanSource> Reconciler<S> {
             mem.probe_health.set(&id, health(statuses));
         }
         let state = record.as_ref().and_then(|r| r.state.clone());
+        // A succeeded plan's periodic pass stopped by a hold: the Event reads as that hold's when it
+        // lands between passes (every one-time instruction had run).
+        let said = match (&state, record.as_ref().map(|r| &r.checkpoint)) {
+            (Some(s), Some(flow::CheckpointWrite::Set(c))) if !run.one_time() => Some(recorded_note(&look.view, s, c)),
+            _ => None,
+        };
         if result.restart_requested {
             self.restart_after_write = Some(key.clone());
         }
@@ -1218,7 +1224,8 @@ impl<S: PlanSource> Reconciler<S> {
                 if let Some(s) = &state
                     && let Some(reason) = outcome_reason(s, result.termination_incomplete)
                 {
-                    let mut text = format!("{s} ({}/{total} instructions)", result.completed);
+                    let mut text =
+                        said.clone().unwrap_or_else(|| format!("{s} ({}/{total} instructions)", result.completed));
                     if let Some(n) = &note {
                         text = format!("{text}: {n}");
                     }
