@@ -411,12 +411,16 @@ impl Step {
     fn new(initial: Duration) -> Step {
         Step { backoff: backoff(initial), until: None }
     }
-    /// The next delay (the same deadline again when the last one has not passed yet).
-    fn next(&mut self, now: Instant) -> Duration {
+    /// The next delay, when the look or attempt that began at `began` ends at `now`. One that began
+    /// before the last deadline was brought early (a change woke the loop): the same deadline
+    /// holds, and is due at once when it passed meanwhile (a write that was in flight at its
+    /// deadline: the back-off's own attempt is still to come). One that began at or after the
+    /// deadline takes the next step.
+    fn next(&mut self, began: Instant, now: Instant) -> Duration {
         if let Some(t) = self.until
-            && t > now
+            && t > began
         {
-            return t - now;
+            return t.saturating_duration_since(now);
         }
         let d = jittered(self.backoff.after_run(Duration::ZERO));
         self.until = Some(now + d);
@@ -455,6 +459,8 @@ struct Blocked {
 struct Writing {
     step: Step,
     at: Option<Instant>,
+    /// When the pass that tries it again began (its failure is judged against the deadline then).
+    began: Option<Instant>,
 }
 
 /// What the loop remembers about one plan (never persisted): where it stands, and beside that
@@ -530,7 +536,7 @@ impl Memory {
             Standing::Held(step) => step,
             _ => Step::new(Duration::from_secs(1)),
         };
-        let d = step.next(now);
+        let d = step.next(now, now);
         self.standing = Standing::Held(step);
         d
     }
@@ -541,7 +547,7 @@ impl Memory {
             Standing::NotStarted(step) => step,
             _ => Step::new(Duration::from_secs(1)),
         };
-        let d = step.next(now);
+        let d = step.next(now, now);
         self.standing = Standing::NotStarted(step);
         d
     }
@@ -782,7 +788,7 @@ impl<S: PlanSource> Reconciler<S> {
         let mem = self.memory.entry(key.clone()).or_default();
         match why {
             Some(why) => {
-                mem.block(why.clone()).step.next(now);
+                mem.block(why.clone()).step.next(now, now);
                 self.source.set_blocked(key, Some(&why)).await;
                 true
             }
@@ -801,11 +807,15 @@ impl<S: PlanSource> Reconciler<S> {
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
         let now = Instant::now();
-        let w =
-            self.mem(key).write.get_or_insert_with(|| Writing { step: Step::new(Duration::from_secs(1)), at: None });
+        let w = self.mem(key).write.get_or_insert_with(|| Writing {
+            step: Step::new(Duration::from_secs(1)),
+            at: None,
+            began: None,
+        });
+        let began = w.began.take().unwrap_or(now);
         let d = match retry_after {
             Some(d) => jittered(d),
-            None => w.step.next(now),
+            None => w.step.next(began, now),
         };
         w.at = Some(now + d);
         tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
@@ -860,6 +870,7 @@ impl<S: PlanSource> Reconciler<S> {
         // abandoned meanwhile asks for a look at once, which nothing holds back).
         if let Some(w) = self.mem(key).write.as_mut() {
             w.at = None;
+            w.began = Some(now);
         }
         // A kept outcome lands first (as soon as the source is reachable again), as does one a
         // previous agent kept on the node: nothing of the plan is decided before.

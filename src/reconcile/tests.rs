@@ -745,16 +745,22 @@ async fn a_kept_outcome_lands_as_soon_as_the_source_is_back() {
 fn back_off_steps_double_only_once_their_delay_has_passed() {
     let t0 = Instant::now();
     let mut s = Step::new(Duration::from_secs(1));
-    let first = s.next(t0);
+    let first = s.next(t0, t0);
     assert!(first >= Duration::from_secs(1) && first <= Duration::from_millis(1100), "{first:?}");
     // Looked at again early (a change woke the loop): the same deadline, not a doubled one.
-    let again = s.next(t0 + Duration::from_millis(500));
+    let half = t0 + Duration::from_millis(500);
+    let again = s.next(half, half);
     assert_eq!(again, first - Duration::from_millis(500));
-    let second = s.next(t0 + first);
+    // An early attempt still in flight when the deadline passes (a write to a server just back):
+    // the back-off's own attempt is due at once, the step is not taken.
+    let late = t0 + first + Duration::from_millis(300);
+    assert_eq!(s.next(half, late), Duration::ZERO);
+    assert_eq!(s.until, Some(t0 + first));
+    let second = s.next(t0 + first, t0 + first);
     assert!(second >= Duration::from_secs(2) && second <= Duration::from_millis(2200), "{second:?}");
     for _ in 0..20 {
         let now = s.until.unwrap();
-        assert!(s.next(now) <= Duration::from_secs(301));
+        assert!(s.next(now, now) <= Duration::from_secs(301));
     }
     // A plan held again after it was not starts its back-off from the first step.
     let mut m = Memory::default();
