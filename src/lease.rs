@@ -23,10 +23,12 @@
 //!   cannot fence a partitioned one.
 //! - **No permission, no Lease.** An account that may not read or write Leases (Rancher's
 //!   per-machine role grants the plan Secret only) gets one warning and runs without one.
-//! - **Cost.** One small write per quarter of the duration (with the default 40 s, one every 10 s
-//!   or up to a second sooner, as the kubelet's own node Lease; spread out, so a fleet's agents
-//!   do not renew in the same second); a waiting agent watches the Lease (the one list/watch,
-//!   `k8s::watch`, of the one object) and writes nothing.
+//! - **Cost.** One small write per quarter of the duration while a plan executes (with the
+//!   default 40 s, one every 10 s or up to a second sooner, as the kubelet's own node Lease;
+//!   spread out, so a fleet's agents do not renew in the same second). An idle holder states six
+//!   times the duration and writes a sixth as often (once a minute by default); a plan that starts
+//!   has the Lease renewed at once with the configured duration. A waiting agent watches the Lease
+//!   (the one list/watch, `k8s::watch`, of the one object) and writes nothing.
 
 use crate::k8s::watch::Latest;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -40,6 +42,9 @@ pub use crate::config::{LEASE_MAX_DURATION as MAX_DURATION, LEASE_MIN_DURATION a
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the holder's stop ladder is given beyond its stop and kill timeouts (R26).
 const FENCE_GRACE: Duration = Duration::from_secs(2);
+/// While no plan executes the Lease states this many times the configured duration, and so is
+/// renewed this many times less often (R24).
+const IDLE_FACTOR: u32 = 6;
 /// After a failed renewal, the next attempt comes this soon (not a quarter of the duration later).
 const RETRY_RENEWAL: Duration = Duration::from_secs(1);
 /// Who gave the Lease up (set with the empty holder by a clean release): a restarted agent on the
@@ -65,7 +70,19 @@ impl LeaseRef {
     /// How long after the send time of its last successful renewal the holder may act (R26): the
     /// duration less the stop ladder and the grace.
     pub fn valid_for(&self) -> Duration {
-        self.duration.saturating_sub(self.stop_budget + FENCE_GRACE)
+        self.valid_for_stated(self.duration)
+    }
+
+    /// The same, after a renewal that left `stated` in the Lease (the idle duration, or the
+    /// configured one).
+    pub fn valid_for_stated(&self, stated: Duration) -> Duration {
+        stated.saturating_sub(self.stop_budget + FENCE_GRACE)
+    }
+
+    /// The duration the Lease states while no plan executes (R24): [`IDLE_FACTOR`] times the
+    /// configured one, within [`MAX_DURATION`] (and never shorter than the configured one).
+    pub fn idle_duration(&self) -> Duration {
+        (self.duration * IDLE_FACTOR).min(MAX_DURATION).max(self.duration)
     }
 
     /// The renewal period: a quarter of the duration.
@@ -199,6 +216,11 @@ fn now() -> MicroTime {
     MicroTime(k8s_openapi::jiff::Timestamp::now())
 }
 
+/// A duration as `leaseDurationSeconds`.
+fn seconds(d: Duration) -> i32 {
+    i32::try_from(d.as_secs()).unwrap_or(i32::MAX)
+}
+
 /// The Lease as this agent writes it when taking it (from `old`, or new).
 fn taken(r: &LeaseRef, old: Option<&Lease>) -> Lease {
     let mut l = old.cloned().unwrap_or_else(|| Lease {
@@ -217,7 +239,7 @@ fn taken(r: &LeaseRef, old: Option<&Lease>) -> Lease {
     let changed = old.is_some_and(|o| seen_of(o).holder.as_deref() != Some(r.identity.as_str()));
     l.spec = Some(LeaseSpec {
         holder_identity: Some(r.identity.clone()),
-        lease_duration_seconds: Some(i32::try_from(r.duration.as_secs()).unwrap_or(i32::MAX)),
+        lease_duration_seconds: Some(seconds(r.duration)),
         acquire_time: Some(now()),
         renew_time: Some(now()),
         lease_transitions: Some(transitions + i32::from(changed)),
@@ -299,6 +321,8 @@ impl Held {
         if let Some(spec) = l.spec.as_mut() {
             spec.holder_identity = None;
             spec.renew_time = Some(now());
+            // Stopped acting: a waiting agent need not wait out the idle duration.
+            spec.lease_duration_seconds = Some(seconds(r.duration));
         }
         l.metadata.annotations.get_or_insert_default().insert(RELEASED_BY.to_string(), r.identity.clone());
         match bounded(api.replace(&r.name, &PostParams::default(), &l)).await {
@@ -311,7 +335,12 @@ impl Held {
 
 /// Take the Lease, waiting while another agent holds it (saying so once per holder), until taken
 /// or `shutdown`. `None`: shut down while waiting.
-pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiver<bool>) -> Option<Held> {
+pub async fn hold(
+    client: kube::Client,
+    r: LeaseRef,
+    mut shutdown: watch::Receiver<bool>,
+    busy: watch::Receiver<bool>,
+) -> Option<Held> {
     let api: Api<Lease> = Api::namespaced(client, &r.namespace);
     let pace = r.duration / 4;
     let mut observed: Option<(String, Instant)> = None;
@@ -429,7 +458,7 @@ pub async fn hold(client: kube::Client, r: LeaseRef, mut shutdown: watch::Receiv
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
                 crate::board::lease(&r.what, &format!("held as {}", r.identity));
-                return Some(renewing(api, r, l, sent));
+                return Some(renewing(api, r, l, sent, busy));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
             // Another agent wrote it first: read it again.
@@ -497,7 +526,8 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
             Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
         };
         match attempt {
-            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l, sent) })),
+            // A command's Lease is renewed as a busy agent's (its sender gone, it stays busy).
+            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l, sent, watch::channel(true).1) })),
             Err(Refusal::Forbidden(e)) => {
                 without_lease(&r, &e);
                 return Ok(None);
@@ -511,10 +541,10 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
 
 /// The Lease just taken (`l`, as written by a request sent at `sent`), renewed in the background
 /// from now on.
-fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant) -> Held {
+fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant, busy: watch::Receiver<bool>) -> Held {
     let (tx, lost) = watch::channel(false);
     let (acting_tx, acting) = watch::channel(true);
-    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent + r.valid_for()));
+    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent + r.valid_for(), busy));
     Held { renewer: Some(renewer), lost, acting, release: Some((api, r)), quiet: false }
 }
 
@@ -548,12 +578,12 @@ enum Renewal {
 /// One renewal: a replace conditional on the version last seen. On a conflict the Lease is read
 /// again: still ours, it is kept; emptied or deleted by someone else (nobody took it), it is taken
 /// back at once (conditionally too: a taker that wrote first wins); held by another, it is lost.
-async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, limit: Duration) -> Renewal {
+async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Duration, limit: Duration) -> Renewal {
     let mut next = mine.clone();
     if let Some(spec) = next.spec.as_mut() {
         spec.renew_time = Some(now());
         // What someone else wrote into it is put back: the duration is the holder's.
-        spec.lease_duration_seconds = Some(i32::try_from(r.duration.as_secs()).unwrap_or(i32::MAX));
+        spec.lease_duration_seconds = Some(seconds(duration));
     }
     match bounded_by(limit, api.replace(&r.name, &PostParams::default(), &next)).await {
         Ok(l) => return Renewal::Ours(Box::new(l)),
@@ -585,12 +615,21 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, limit: Duratio
     }
 }
 
-/// Renew every quarter of the duration (up to a tenth early; the first renewal, and the first
-/// after failures, at a random point of the quarter's second half, so that a fleet whose agents
-/// took their Leases together, after a rollout or an outage, does not renew them all in the same
-/// second) until another holder shows up; after a failure, again within a second or so. `acting` (the fence, R26) is true only until `valid_until`, moved on by every
-/// renewal that succeeds: a holder that cannot renew stops acting before anybody could take the
-/// Lease over.
+/// Renew every quarter of the duration in force (up to a tenth early; the first renewal, and the
+/// first after failures, at a random point of the quarter's second half, so that a fleet whose
+/// agents took their Leases together, after a rollout or an outage, does not renew them all in the
+/// same second) until another holder shows up; after a failure, again within a second or so.
+///
+/// The duration in force is the configured one while a plan executes (`busy`) and for one
+/// duration after; otherwise the idle one ([`LeaseRef::idle_duration`]), so an idle agent writes
+/// its Lease a sixth as often. A plan that starts while the Lease states the idle duration has it
+/// renewed at once with the configured one.
+///
+/// `acting` (the fence, R26) is true only until `valid_until`: the send time of the last renewal
+/// that succeeded plus what the duration it left in force allows ([`LeaseRef::valid_for_stated`]).
+/// A renewal that shortens the duration counts as landed from its sending (its answer may be
+/// lost while a waiting agent already sees it): a holder that cannot renew stops acting before
+/// anybody could take the Lease over.
 async fn renew(
     api: Api<Lease>,
     r: LeaseRef,
@@ -598,41 +637,67 @@ async fn renew(
     lost: watch::Sender<bool>,
     acting: watch::Sender<bool>,
     mut valid_until: Instant,
+    mut busy: watch::Receiver<bool>,
 ) {
-    let limit = (r.period() / 2).clamp(Duration::from_secs(1), REQUEST_TIMEOUT);
-    let (mut failing, mut spread) = (false, true);
+    let mut busy_alive = true;
+    // The duration the Lease states as this agent last wrote it (the taking wrote the configured
+    // one), and since when no plan executes (`None`: one does).
+    let mut stated = r.duration;
+    let mut quiet_since = (!*busy.borrow_and_update()).then(Instant::now);
+    let mut failing = false;
+    let mut next = Instant::now() + crate::backoff::earlier(stated / 4, 0.5);
     loop {
-        let wait = match (failing, spread) {
-            (true, _) => crate::backoff::jittered(RETRY_RENEWAL.min(r.period())),
-            (false, true) => crate::backoff::earlier(r.period(), 0.5),
-            (false, false) => crate::backoff::earlier(r.period(), 0.1),
-        };
-        let next = Instant::now() + wait;
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = tokio::time::sleep_until(valid_until), if *acting.borrow() => {
-                let _ = acting.send(false);
-                tracing::warn!(
-                    "the Lease {}/{} on {} was not renewed for {}: not acting until it is (another agent could take it over soon)",
-                    r.namespace,
-                    r.name,
-                    r.what,
-                    crate::duration::show(r.valid_for())
-                );
+                expired(&acting, &r, stated);
                 continue;
             }
+            changed = busy.changed(), if busy_alive => {
+                busy_alive = changed.is_ok();
+                let now_busy = *busy.borrow_and_update();
+                match (now_busy, quiet_since) {
+                    (true, _) => quiet_since = None,
+                    (false, None) => quiet_since = Some(Instant::now()),
+                    (false, Some(_)) => {}
+                }
+                // A plan starts while the Lease states the idle duration: renewed at once.
+                if !(now_busy && stated > r.duration && !failing) {
+                    continue;
+                }
+            }
         }
+        let idle = quiet_since.is_some_and(|t| t.elapsed() >= r.duration);
+        let want = if idle { r.idle_duration() } else { r.duration };
         let sent = Instant::now();
-        match renew_once(&api, &r, &mine, limit).await {
+        if want < stated {
+            valid_until = valid_until.min(sent + r.valid_for_stated(want));
+        }
+        let limit = (want / 8).clamp(Duration::from_secs(1), REQUEST_TIMEOUT);
+        // The fence closes on time even while the renewal waits for its answer.
+        let renewal = {
+            let mut renewal = std::pin::pin!(renew_once(&api, &r, &mine, want, limit));
+            loop {
+                tokio::select! {
+                    done = &mut renewal => break done,
+                    _ = tokio::time::sleep_until(valid_until), if *acting.borrow() => expired(&acting, &r, stated),
+                }
+            }
+        };
+        match renewal {
             Renewal::Ours(l) => {
                 if failing {
                     tracing::info!("renewed the Lease {}/{} again", r.namespace, r.name);
                 }
-                spread = failing;
-                failing = false;
+                // What the Lease states now (read back after someone else wrote it, it may say
+                // anything): a waiting agent waits at least the configured duration, and never
+                // more than what it states is counted on.
+                stated = seen_of(&l).duration.unwrap_or(r.duration).max(r.duration).min(want);
+                let first = std::mem::replace(&mut failing, false);
                 mine = *l;
-                valid_until = sent + r.valid_for();
+                valid_until = sent + r.valid_for_stated(stated);
                 acting.send_if_modified(|a| !std::mem::replace(a, true));
+                next = sent + crate::backoff::earlier(stated / 4, if first { 0.5 } else { 0.1 });
             }
             Renewal::Lost(holder) => {
                 let _ = acting.send(false);
@@ -656,9 +721,22 @@ async fn renew(
                     );
                 }
                 failing = true;
+                next = Instant::now() + crate::backoff::jittered(RETRY_RENEWAL.min(r.period()));
             }
         }
     }
+}
+
+/// The fence closes (R26): the last renewal that landed covers acting no longer.
+fn expired(acting: &watch::Sender<bool>, r: &LeaseRef, stated: Duration) {
+    let _ = acting.send(false);
+    tracing::warn!(
+        "the Lease {}/{} on {} was not renewed for {}: not acting until it is (another agent could take it over soon)",
+        r.namespace,
+        r.name,
+        r.what,
+        crate::duration::show(r.valid_for_stated(stated))
+    );
 }
 
 #[cfg(test)]
@@ -804,7 +882,8 @@ mod tests {
             .unwrap();
             let (lost, _lost) = watch::channel(false);
             let (acting, _acting) = watch::channel(true);
-            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start + r.valid_for()));
+            let busy = watch::channel(true).1;
+            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start + r.valid_for(), busy));
             let server = tokio::spawn(async move {
                 let mut handle = std::pin::pin!(handle);
                 let mut at = Vec::new();
@@ -835,6 +914,105 @@ mod tests {
         firsts.sort();
         firsts.dedup();
         assert!(firsts.len() > 4, "eight agents, (nearly) as many first renewal times: {firsts:?}");
+    }
+
+    /// R24: an idle holder states the idle duration and renews a sixth as often; a plan that starts
+    /// has the Lease renewed at once with the configured duration, kept while it executes and for
+    /// one duration after. A shortening renewal whose answer never comes counts from its sending:
+    /// the fence closes by the shorter duration (R26). A scripted API server on a paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_holder_renews_rarely_and_a_plan_that_starts_renews_at_once() {
+        use http::{Request, Response};
+        use kube::client::Body;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let r = LeaseRef {
+            namespace: "ns".into(),
+            name: "nodeplan-a".into(),
+            identity: "node/boot/1".into(),
+            duration: D,
+            stop_budget: Duration::from_secs(6),
+            what: "secret ns/a".into(),
+        };
+        let (idle, s) = (r.idle_duration(), Duration::from_secs);
+        assert_eq!(idle, s(240));
+        let start = Instant::now();
+        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        let hang = Arc::new(AtomicBool::new(false));
+        let silent = hang.clone();
+        let _server = crate::AbortOnDrop(tokio::spawn(async move {
+            let mut handle = std::pin::pin!(handle);
+            let (mut held, mut rv) = (Vec::new(), 1);
+            while let Some((req, send)) = handle.as_mut().next_request().await {
+                assert_eq!(req.method(), http::Method::PUT, "only renewals");
+                let mut l: Lease = serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+                let stated = l.spec.as_ref().and_then(|s| s.lease_duration_seconds).unwrap();
+                let _ = seen_tx.send((Instant::now() - start, Duration::from_secs(stated as u64)));
+                if silent.load(Ordering::SeqCst) {
+                    held.push(send);
+                    continue;
+                }
+                rv += 1;
+                l.metadata.resource_version = Some(rv.to_string());
+                send.send_response(Response::builder().body(Body::from(serde_json::to_vec(&l).unwrap())).unwrap());
+            }
+        }));
+        let (lost, _lost) = watch::channel(false);
+        let (acting_tx, mut acting) = watch::channel(true);
+        let (busy_tx, busy) = watch::channel(false);
+        let _renewer = crate::AbortOnDrop(tokio::spawn(renew(
+            api,
+            r.clone(),
+            taken(&r, None),
+            lost,
+            acting_tx,
+            start + r.valid_for(),
+            busy,
+        )));
+        let mut drain = |until: Duration| {
+            let mut got = Vec::new();
+            while let Ok(x) = seen.try_recv() {
+                got.push(x);
+            }
+            assert!(got.iter().all(|(at, _)| *at <= until), "{got:?}");
+            got
+        };
+        // Idle from the start: the configured duration for one duration, then the idle one.
+        tokio::time::sleep(s(300)).await;
+        let got = drain(s(300));
+        let (busy_part, idle_part): (Vec<_>, Vec<_>) = got.iter().partition(|(at, _)| *at < D);
+        assert!(busy_part.len() >= 4 && busy_part.iter().all(|(_, d)| *d == D), "{got:?}");
+        assert!(idle_part.len() >= 4 && idle_part.iter().all(|(_, d)| *d == idle), "{got:?}");
+        assert!(idle_part[0].0 <= D + s(10), "idle at the first renewal after a quiet duration: {got:?}");
+        for w in idle_part.windows(2) {
+            let gap = w[1].0 - w[0].0;
+            assert!(gap >= s(54) && gap <= s(60), "a sixth as often: {got:?}");
+        }
+        // A plan starts: renewed at once with the configured duration, then every quarter of it.
+        busy_tx.send_replace(true);
+        tokio::time::sleep(s(30)).await;
+        busy_tx.send_replace(false);
+        tokio::time::sleep(s(45)).await;
+        let got = drain(s(375));
+        assert_eq!(got[0], (s(300), D), "renewed as the plan starts: {got:?}");
+        let normal: Vec<_> = got.iter().take_while(|(_, d)| *d == D).collect();
+        assert!(normal.len() >= 7, "while it runs and a duration after: {got:?}");
+        for w in normal.windows(2) {
+            assert!(w[1].0 - w[0].0 <= s(10), "{got:?}");
+        }
+        assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(370)), "then idle again: {got:?}");
+        // Idle again, a plan starts and the shortening renewal is never answered: the fence closes
+        // by the configured duration from its sending, not by the idle one last written.
+        tokio::time::sleep(s(100)).await;
+        drain(s(475));
+        hang.store(true, Ordering::SeqCst);
+        busy_tx.send_replace(true);
+        let sent = Instant::now();
+        acting.wait_for(|a| !*a).await.unwrap();
+        assert_eq!(Instant::now() - sent, r.valid_for_stated(D), "the fence closed by the shorter duration");
+        assert_eq!(seen.try_recv().unwrap(), (s(475), D));
     }
 
     #[test]
@@ -882,6 +1060,7 @@ pub fn guard(
     let (state_tx, state) = watch::channel(GateState::Waiting);
     let (fence_tx, fence) = watch::channel(false);
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let (busy_tx, busy) = watch::channel(false);
     let task = tokio::spawn(async move {
         let what = lease.as_ref().map(|(_, r)| r.what.clone());
         let mut told = false;
@@ -903,7 +1082,7 @@ pub fn guard(
             }
         }
         let held = match lease {
-            Some((client, r)) => match hold(client, r, shutdown.clone()).await {
+            Some((client, r)) => match hold(client, r, shutdown.clone(), busy).await {
                 Some(h) => Some(h),
                 None => return,
             },
@@ -958,5 +1137,5 @@ pub fn guard(
             h.release().await;
         }
     });
-    Gate::new(state, fence, stop, task)
+    Gate::new(state, fence, stop, task).telling_busy(busy_tx)
 }

@@ -1238,6 +1238,60 @@ async fn the_lease_fences_two_agents_against_a_third_party_writing_it() {
     assert_eq!(agents[0].stop(), 0);
 }
 
+/// R24: an idle agent states its Lease's idle duration (six times its own) and renews it a sixth
+/// as often; a plan that starts has it renewed with the agent's own duration at once, kept while
+/// the plan runs; a clean stop releases it stating the agent's own duration, so a waiting agent
+/// is not made to wait out the idle one.
+#[tokio::test]
+async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cp = control_plane!();
+    // 12 s: the shortest safe for the tests' stop and kill timeouts (6 s) is 11 s; idle, 72 s.
+    let namespace = cp.new_namespace("lease-idle").await;
+    let client =
+        SecretClient::new(cp.client().await, SecretRef { namespace: namespace.clone(), name: "machine-plan".into() });
+    let r = Remote {
+        node: ClusterNode::new("remoteEnabled: true\nleaseDuration: 12s\n", &cp.kubeconfig_yaml(), &namespace),
+        client,
+    };
+    let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &namespace);
+    let stated = |within: Duration, want: i32, what: &'static str| {
+        let leases = leases.clone();
+        async move {
+            let deadline = Instant::now() + within;
+            loop {
+                let l = leases.get("nodeplan-machine-plan").await.unwrap();
+                let spec = l.spec.unwrap_or_default();
+                if spec.lease_duration_seconds == Some(want) {
+                    return spec;
+                }
+                assert!(Instant::now() < deadline, "{what}: the Lease states {:?}", spec.lease_duration_seconds);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    stated(GUARD, 72, "idle after a quiet duration").await;
+
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    let raw =
+        serde_json::to_vec(&json!({"instructions": [sh("two", &format!("echo > {ready}; cat {go} > /dev/null"))]}))
+            .unwrap();
+    r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
+    read_fifo(&ready);
+    // At once (the idle renewals come every 16 to 18 s).
+    stated(Duration::from_secs(2), 12, "renewed as the plan starts").await;
+    release_fifo(&go);
+    r.wait("the second plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
+    stated(GUARD, 72, "idle again").await;
+
+    assert_eq!(agent.stop(), 0);
+    let released = stated(Duration::from_secs(2), 12, "released").await;
+    assert_eq!(released.holder_identity, None);
+}
+
 /// R23 in remote mode: an upgrade instruction that asks for a restart has its progress written
 /// to the Secret (in-progress, a suspended checkpoint) before the agent executes its new program;
 /// the restarted agent goes on at the next instruction and the plan succeeds, nothing run twice.

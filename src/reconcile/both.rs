@@ -185,6 +185,10 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
         route_ref!(self, key, |s, k| s.polled(k))
     }
 
+    fn applying(&self, key: &Self::Key, on: bool) {
+        route_ref!(self, key, |s, k| s.applying(k, on))
+    }
+
     fn opened(&mut self) -> bool {
         // Both are asked: each forgets that it opened once asked.
         let a = self.a.opened();
@@ -335,6 +339,12 @@ impl<S: PlanSource> PlanSource for Option<S> {
 
     fn polled(&self, key: &S::Key) -> bool {
         self.as_ref().is_some_and(|s| s.polled(key))
+    }
+
+    fn applying(&self, key: &S::Key, on: bool) {
+        if let Some(s) = self {
+            s.applying(key, on);
+        }
     }
 
     fn opened(&mut self) -> bool {

@@ -36,6 +36,8 @@ pub struct Gate {
     task: Option<tokio::task::JoinHandle<()>>,
     state_alive: bool,
     fence_alive: bool,
+    /// Told whether a plan of the source executes (the Lease's renewals follow it, R24).
+    busy: Option<watch::Sender<bool>>,
 }
 
 impl Gate {
@@ -47,7 +49,12 @@ impl Gate {
         stop: oneshot::Sender<()>,
         task: tokio::task::JoinHandle<()>,
     ) -> Gate {
-        Gate { state, fence, stop: Some(stop), task: Some(task), state_alive: true, fence_alive: true }
+        Gate { state, fence, stop: Some(stop), task: Some(task), state_alive: true, fence_alive: true, busy: None }
+    }
+
+    /// The gate's task is told through `busy` whether a plan of the source executes.
+    pub fn telling_busy(self, busy: watch::Sender<bool>) -> Gate {
+        Gate { busy: Some(busy), ..self }
     }
 
     fn state(&self) -> GateState {
@@ -186,6 +193,13 @@ impl<S: PlanSource> PlanSource for Gated<S> {
 
     fn polled(&self, key: &S::Key) -> bool {
         self.inner.polled(key)
+    }
+
+    fn applying(&self, key: &S::Key, on: bool) {
+        if let Some(b) = &self.gate.busy {
+            b.send_replace(on);
+        }
+        self.inner.applying(key, on);
     }
 
     async fn close(&mut self) -> Option<String> {

@@ -308,6 +308,9 @@ pub trait PlanSource: Send {
     fn polled(&self, _key: &Self::Key) -> bool {
         false
     }
+    /// A plan of the source starts (`true`) or stops (`false`) executing: a source that holds a
+    /// Lease renews it more often while one does (R24).
+    fn applying(&self, _key: &Self::Key, _on: bool) {}
     /// Whether plans of the source became this agent's to act on since the last call (a gate
     /// opened, see [`gate`]): the loop then recovers leftovers again before any of them runs (R17).
     fn opened(&mut self) -> bool {
@@ -1313,9 +1316,18 @@ impl<S: PlanSource> Reconciler<S> {
         }
     }
 
+    /// Run the applyinator (see [`Reconciler::run_apply`]), the source told that a plan of it
+    /// executes meanwhile.
+    async fn apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
+        self.source.applying(key, true);
+        let r = self.run_apply(key, look, run).await;
+        self.source.applying(key, false);
+        r
+    }
+
     /// Run the applyinator, feeding it the pause/cancel values as the source reports them (R15)
     /// and shutdown.
-    async fn apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
+    async fn run_apply(&mut self, key: &S::Key, look: &Look, run: &RunPlan) -> Result<ApplyResult, ApplyError> {
         let first = self.source.interrupt(key, look);
         self.cancel_seen = first.interrupt.cancel.then(Instant::now);
         let mut notes = HashSet::new();
