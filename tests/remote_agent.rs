@@ -569,13 +569,7 @@ async fn cancel_of_a_succeeded_plan_stops_its_periodic_instructions() {
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
     let s = r.wait("canceled", |s| state(s) == "canceled").await;
     let at_cancel = count();
-    // Reported as what it is: every instruction had run (not 0/1), and the Event says so.
-    let mark = Checkpoint::read(s.data.get("plan-checkpoint").map(Vec::as_slice), &plan::checksum(&s.data["plan"]));
-    assert_eq!(mark.map(|c| (c.completed_instructions, c.total_instructions)), Some((1, 1)));
-    let ns = r.client.secret_ref().namespace.clone();
-    let client = cp.client().await;
-    let want = "canceled after it succeeded (1/1 instructions): its periodic instructions stop";
-    wait_events(&client, &ns, "machine-plan", want, |ev| ev.iter().any(|e| e.0 == "Canceled" && e.1 == want)).await;
+    canceled_after_it_succeeded(cp, &r, &s).await;
     r.annotate(plan::ANNOTATION_CANCELED, None).await;
     // Observation window: several periods pass without a tick.
     tokio::time::sleep(Duration::from_secs(4)).await;
@@ -608,13 +602,19 @@ async fn cancel_during_a_periodic_pass_of_a_succeeded_plan_records_it_done() {
     read_fifo(&ready);
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
     let s = r.wait("canceled", |s| state(s) == "canceled").await;
+    canceled_after_it_succeeded(cp, &r, &s).await;
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A canceled one-instruction plan that had succeeded is reported as what it is: its instruction
+/// done (1/1, not 0/1), and its Event says so.
+async fn canceled_after_it_succeeded(cp: &ControlPlane, r: &Remote, s: &SecretSnapshot) {
     let mark = Checkpoint::read(s.data.get("plan-checkpoint").map(Vec::as_slice), &plan::checksum(&s.data["plan"]));
     assert_eq!(mark.map(|c| (c.completed_instructions, c.total_instructions)), Some((1, 1)));
     let ns = r.client.secret_ref().namespace.clone();
     let client = cp.client().await;
     let want = "canceled after it succeeded (1/1 instructions): its periodic instructions stop";
     wait_events(&client, &ns, "machine-plan", want, |ev| ev.iter().any(|e| e.0 == "Canceled" && e.1 == want)).await;
-    assert_eq!(agent.stop(), 0);
 }
 
 #[tokio::test]
