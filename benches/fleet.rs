@@ -7,7 +7,10 @@
 //! 2. cancel fan-out: `nodeplan plan cancel --selector` over every node running a long
 //!    instruction, p50/p99 from the command's start to each Secret showing `canceled`;
 //! 3. idle: API writes per agent-hour (Secrets and Leases, from a watch), agent RSS (sum and per
-//!    agent) and CPU, and the API server's CPU, over a window (NODEPLAN_BENCH_IDLE_SECS, default 60).
+//!    agent) and CPU, and the API server's CPU, over a window (NODEPLAN_BENCH_IDLE_SECS, default 60)
+//!    that begins once the agents have settled after the cancel (NODEPLAN_BENCH_SETTLE_SECS,
+//!    default 55: an agent's Lease goes idle one `leaseDuration` after its last plan, 40 s, at the
+//!    next renewal, up to 10 s later).
 //!
 //! With NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>, phases 2 and 3 run again with that
 //! build's agents (in a namespace of their own, after this build's have stopped) and the ratios are
@@ -261,7 +264,7 @@ async fn cancel_and_idle(
     names: &[String],
     nodes: &[Node],
     work: &Path,
-    idle_secs: u64,
+    (settle_secs, idle_secs): (u64, u64),
 ) -> Measured {
     let n = names.len();
     let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600"]}]});
@@ -311,7 +314,7 @@ async fn cancel_and_idle(
             }
         })
     };
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(settle_secs)).await;
     writes.store(0, std::sync::atomic::Ordering::Relaxed);
     let api = server_pid("kube-apiserver", cp.dir());
     let agents = || Cpu::of(nodes.iter().map(|nd| nd.agent.id()));
@@ -353,7 +356,7 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     let requests: Vec<String> = m.cancel_requests.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
     println!("{what}: API requests over the fan-out: {}", requests.join(", "));
     println!(
-        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; the Lease renewal alone is about 380), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 63), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
         m.writes_per_agent_hour, m.rss_mib_each, m.cpu_pct, m.api_cpu_pct
     );
 }
@@ -404,6 +407,7 @@ async fn main() {
         .or_else(|| std::env::var("NODEPLAN_BENCH_AGENTS").ok().and_then(|v| v.parse().ok()))
         .unwrap_or(200);
     let idle_secs: u64 = std::env::var("NODEPLAN_BENCH_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let settle_secs: u64 = std::env::var("NODEPLAN_BENCH_SETTLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(55);
     // An older build to measure beside this one (its agents only; the CLI is this build's).
     let baseline = std::env::var_os("NODEPLAN_BENCH_BASELINE").map(PathBuf::from);
     let Some(cp) = k8s_support::ControlPlane::start().await else {
@@ -446,7 +450,7 @@ async fn main() {
         rollout_s / direct_s
     );
 
-    let first = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+    let first = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), (settle_secs, idle_secs)).await;
     show("this build", n, idle_secs, &first);
     stop(nodes);
     let Some(baseline) = baseline else { return };
@@ -465,7 +469,7 @@ async fn main() {
         };
         let (ns, names) = fleet_secrets(&cp, &client, n).await;
         let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, &binary)).collect();
-        let m = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), idle_secs).await;
+        let m = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), (settle_secs, idle_secs)).await;
         show(&what, n, idle_secs, &m);
         stop(nodes);
         if this { ours.push(m) } else { theirs.push(m) }

@@ -615,10 +615,11 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
     }
 }
 
-/// Renew every quarter of the duration in force (up to a tenth early; the first renewal, and the
-/// first after failures, at a random point of the quarter's second half, so that a fleet whose
-/// agents took their Leases together, after a rollout or an outage, does not renew them all in the
-/// same second) until another holder shows up; after a failure, again within a second or so.
+/// Renew every quarter of the duration in force (up to a tenth early; the first renewal, the first
+/// after failures and the first after the duration in force changed, at a random point of the
+/// quarter's second half, so that a fleet whose agents took their Leases together, after a rollout
+/// or an outage, or went idle together, does not renew them all in the same second) until another
+/// holder shows up; after a failure, again within a second or so.
 ///
 /// The duration in force is the configured one while a plan executes (`busy`) and for one
 /// duration after; otherwise the idle one ([`LeaseRef::idle_duration`]), so an idle agent writes
@@ -692,8 +693,13 @@ async fn renew(
                 // What the Lease states now (read back after someone else wrote it, it may say
                 // anything): a waiting agent waits at least the configured duration, and never
                 // more than what it states is counted on.
-                stated = seen_of(&l).duration.unwrap_or(r.duration).max(r.duration).min(want);
-                let first = std::mem::replace(&mut failing, false);
+                let before = std::mem::replace(
+                    &mut stated,
+                    seen_of(&l).duration.unwrap_or(r.duration).max(r.duration).min(want),
+                );
+                // Spread again when the duration in force changed: a fleet that went idle together
+                // (one cancel for all) does not renew in the same second every minute.
+                let first = std::mem::replace(&mut failing, false) || stated != before;
                 mine = *l;
                 valid_until = sent + r.valid_for_stated(stated);
                 acting.send_if_modified(|a| !std::mem::replace(a, true));
@@ -986,7 +992,10 @@ mod tests {
         assert!(busy_part.len() >= 4 && busy_part.iter().all(|(_, d)| *d == D), "{got:?}");
         assert!(idle_part.len() >= 4 && idle_part.iter().all(|(_, d)| *d == idle), "{got:?}");
         assert!(idle_part[0].0 <= D + s(10), "idle at the first renewal after a quiet duration: {got:?}");
-        for w in idle_part.windows(2) {
+        // The first idle renewal spread over the second half of the idle quarter, as a first one.
+        let first_gap = idle_part[1].0 - idle_part[0].0;
+        assert!(first_gap >= s(30) && first_gap <= s(60), "{got:?}");
+        for w in idle_part[1..].windows(2) {
             let gap = w[1].0 - w[0].0;
             assert!(gap >= s(54) && gap <= s(60), "a sixth as often: {got:?}");
         }
