@@ -859,6 +859,18 @@ mod tests {
         assert!(previous_incarnation_gone("a/b/boot-1/99", "a/b/boot-1/100", dead));
     }
 
+    /// The Lease of a test holder: 40 s, a stop budget of 6 s.
+    fn a_lease() -> LeaseRef {
+        LeaseRef {
+            namespace: "ns".into(),
+            name: "nodeplan-a".into(),
+            identity: "node/boot/1".into(),
+            duration: D,
+            stop_budget: Duration::from_secs(6),
+            what: "secret ns/a".into(),
+        }
+    }
+
     /// Agents that took their Leases at the same instant (a fleet's rollout, an outage's end) do not
     /// renew them in the same second: the first renewal comes at a random point of the period's
     /// second half, and each later one up to a tenth early, never late. Eight renewers on a paused
@@ -867,14 +879,7 @@ mod tests {
     async fn a_fleet_that_took_its_leases_together_renews_them_spread_out() {
         use http::{Request, Response};
         use kube::client::Body;
-        let r = LeaseRef {
-            namespace: "ns".into(),
-            name: "nodeplan-a".into(),
-            identity: "node/boot/1".into(),
-            duration: D,
-            stop_budget: Duration::from_secs(6),
-            what: "secret ns/a".into(),
-        };
+        let r = a_lease();
         let start = Instant::now();
         let mut renewers = Vec::new();
         for _ in 0..8 {
@@ -932,14 +937,7 @@ mod tests {
         use kube::client::Body;
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
-        let r = LeaseRef {
-            namespace: "ns".into(),
-            name: "nodeplan-a".into(),
-            identity: "node/boot/1".into(),
-            duration: D,
-            stop_budget: Duration::from_secs(6),
-            what: "secret ns/a".into(),
-        };
+        let r = a_lease();
         let (idle, s) = (r.idle_duration(), Duration::from_secs);
         assert_eq!(idle, s(240));
         let start = Instant::now();
