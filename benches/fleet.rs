@@ -20,6 +20,10 @@
 //! by process and API requests by verb. Each agent of this build uses one inotify instance; when
 //! the user's `fs.inotify.max_user_instances` leaves fewer than N, it says so (see `inotify_room`).
 //!
+//! With `-- --side-by-side` (and NODEPLAN_BENCH_BASELINE) it measures instead idle agents of both
+//! builds at the same time on one API server, N of each (`--agents 20` is enough): CPU and
+//! wake-ups per agent ([`side_by_side`]), after the settling time, over the idle window.
+//!
 //! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
 //! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
 //! (with the label, as the agent asks where it can) and, for reference, of the whole namespace,
@@ -101,8 +105,10 @@ fn rss_kib(pid: u32) -> u64 {
 /// at the timer tick (250 Hz here), and a process that wakes for well under a tick at a time (an
 /// idle agent, each of 500 agents handling one cancel) can be charged nothing at all. Not a sum
 /// per process either: a thread that exits (tokio's blocking threads do, after 10 s idle) would
-/// take what it ran before the window out of the sum.
-struct Cpu(BTreeMap<u32, u64>);
+/// take what it ran before the window out of the sum. Beside the time, how many times each thread
+/// was given the CPU (`schedstat`'s third field): an idle process's cost on a quiet host is mostly
+/// its wake-ups.
+struct Cpu(BTreeMap<u32, (u64, u64)>);
 
 impl Cpu {
     fn of(pids: impl IntoIterator<Item = u32>) -> Cpu {
@@ -110,9 +116,10 @@ impl Cpu {
         for pid in pids {
             for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
                 let tid = t.file_name().to_str().and_then(|v| v.parse().ok());
-                let ran = std::fs::read_to_string(t.path().join("schedstat")).ok();
-                if let (Some(tid), Some(ns)) = (tid, ran.and_then(|s| s.split_whitespace().next()?.parse().ok())) {
-                    by.insert(tid, ns);
+                let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+                let fields: Vec<u64> = stat.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+                if let (Some(tid), [ns, _, runs]) = (tid, fields.as_slice()) {
+                    by.insert(tid, (*ns, *runs));
                 }
             }
         }
@@ -122,8 +129,17 @@ impl Cpu {
     /// Seconds run since `before`, by the threads alive now (what a thread that exited between
     /// ran in the window is not counted: idle threads exit).
     fn since(&self, before: &Cpu) -> f64 {
-        let ns: u64 = self.0.iter().map(|(t, now)| now.saturating_sub(before.0.get(t).copied().unwrap_or(0))).sum();
-        ns as f64 / 1e9
+        self.delta(before, |v| v.0) as f64 / 1e9
+    }
+
+    /// Times the threads alive now were given the CPU since `before`.
+    fn runs_since(&self, before: &Cpu) -> u64 {
+        self.delta(before, |v| v.1)
+    }
+
+    fn delta(&self, before: &Cpu, field: fn(&(u64, u64)) -> u64) -> u64 {
+        let then = |t: &u32| before.0.get(t).map_or(0, field);
+        self.0.iter().map(|(t, now)| field(now).saturating_sub(then(t))).sum()
     }
 }
 
@@ -418,6 +434,14 @@ async fn main() {
         selectors(&cp, n).await;
         return;
     }
+    if args.iter().any(|a| a == "--side-by-side") {
+        let Some(baseline) = baseline else {
+            eprintln!("fleet: --side-by-side measures against NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>");
+            return;
+        };
+        side_by_side(&cp, n, &baseline, (settle_secs, idle_secs)).await;
+        return;
+    }
     inotify_room(n);
     let client = cp.client().await;
     let (ns, names) = fleet_secrets(&cp, &client, n).await;
@@ -487,6 +511,46 @@ async fn main() {
         ratio(|m| m.cancel_cpu[0]),
         ratio(|m| m.rss_mib_each),
     );
+}
+
+/// Idle agents of this build and of `baseline`, `n` of each, at the same time on one API server
+/// (each with a plan Secret of its own and no plan): after `settle_secs`, their CPU time and
+/// wake-ups per agent per 10 s over `idle_secs`, and the ratios. Both builds share the host and
+/// the API server for the whole window, so neither is measured on a quieter one; a few minutes
+/// for 20 of each, where the A B B A fleets take a quarter of an hour.
+async fn side_by_side(cp: &k8s_support::ControlPlane, n: usize, baseline: &Path, (settle_secs, idle_secs): (u64, u64)) {
+    inotify_room(2 * n);
+    let client = cp.client().await;
+    let (ours_ns, ours_names) = fleet_secrets(cp, &client, n).await;
+    let (theirs_ns, theirs_names) = fleet_secrets(cp, &client, n).await;
+    // Started in turns, so neither build's agents start on a busier API server.
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for (a, b) in ours_names.iter().zip(&theirs_names) {
+        ours.push(start_node(cp, &ours_ns, a, Path::new(NODEPLAN)));
+        theirs.push(start_node(cp, &theirs_ns, b, baseline));
+    }
+    println!(
+        "fleet: {n} idle agents of this build and {n} of {} side by side; settling {settle_secs}s",
+        baseline.display()
+    );
+    tokio::time::sleep(Duration::from_secs(settle_secs)).await;
+    let cpu = |nodes: &[Node]| Cpu::of(nodes.iter().map(|nd| nd.agent.id()));
+    let before = [cpu(&ours), cpu(&theirs)];
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let after = [cpu(&ours), cpu(&theirs)];
+    let per_agent_10s = |v: f64| v / n as f64 / idle_secs as f64 * 10.0;
+    let ms = |i: usize| per_agent_10s(after[i].since(&before[i]) * 1000.0);
+    let runs = |i: usize| per_agent_10s(after[i].runs_since(&before[i]) as f64);
+    for (i, what) in [(0, "this build".to_string()), (1, format!("baseline {}", baseline.display()))] {
+        println!("{what}: idle, {idle_secs}s: {:.3} ms of CPU and {:.1} wake-ups per agent per 10 s", ms(i), runs(i));
+    }
+    println!(
+        "this build / baseline, side by side: idle agents' CPU {:.2}x, wake-ups {:.2}x",
+        ms(0) / ms(1),
+        runs(0) / runs(1)
+    );
+    stop(ours);
+    stop(theirs);
 }
 
 /// The API server's `/metrics` text (empty when it cannot be read: the counters then read 0).
