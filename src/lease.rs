@@ -576,23 +576,34 @@ enum Renewal {
 }
 
 /// One renewal: a replace conditional on the version last seen. On a conflict the Lease is read
-/// again: still ours, it is kept; emptied or deleted by someone else (nobody took it), it is taken
-/// back at once (conditionally too: a taker that wrote first wins); held by another, it is lost.
+/// again: still ours (someone else wrote something else into it), it is renewed on top of what it
+/// says, since a waiting agent counts its wait from the last write it saw, which is not ours; emptied
+/// or deleted by someone else (nobody took it), it is taken back at once (conditionally too: a
+/// taker that wrote first wins); held by another, it is lost.
 async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Duration, limit: Duration) -> Renewal {
-    let mut next = mine.clone();
-    if let Some(spec) = next.spec.as_mut() {
-        spec.renew_time = Some(now());
-        // What someone else wrote into it is put back: the duration is the holder's.
-        spec.lease_duration_seconds = Some(seconds(duration));
-    }
-    match bounded_by(limit, api.replace(&r.name, &PostParams::default(), &next)).await {
+    let renewed = |l: &Lease| {
+        let mut next = l.clone();
+        if let Some(spec) = next.spec.as_mut() {
+            spec.renew_time = Some(now());
+            // What someone else wrote into it is put back: the duration is the holder's.
+            spec.lease_duration_seconds = Some(seconds(duration));
+        }
+        next
+    };
+    match bounded_by(limit, api.replace(&r.name, &PostParams::default(), &renewed(mine))).await {
         Ok(l) => return Renewal::Ours(Box::new(l)),
         Err(Refusal::Conflict) => {}
         Err(Refusal::Forbidden(e) | Refusal::Other(e)) => return Renewal::Failed(e),
     }
     let back = match bounded_by(limit, api.get_opt(&r.name)).await {
         Ok(Some(l)) => match seen_of(&l).holder.filter(|h| !h.is_empty()) {
-            Some(h) if h == r.identity => return Renewal::Ours(Box::new(l)),
+            Some(h) if h == r.identity => {
+                return match bounded_by(limit, api.replace(&r.name, &PostParams::default(), &renewed(&l))).await {
+                    Ok(l) => Renewal::Ours(Box::new(l)),
+                    Err(Refusal::Conflict) => Renewal::Failed("the Lease changed while it was renewed".into()),
+                    Err(Refusal::Forbidden(e) | Refusal::Other(e)) => Renewal::Failed(e),
+                };
+            }
             Some(h) => return Renewal::Lost(h),
             None => bounded_by(limit, api.replace(&r.name, &PostParams::default(), &taken(r, Some(&l)))).await,
         },
@@ -690,9 +701,8 @@ async fn renew(
                 if failing {
                     tracing::info!("renewed the Lease {}/{} again", r.namespace, r.name);
                 }
-                // What the Lease states now (read back after someone else wrote it, it may say
-                // anything): a waiting agent waits at least the configured duration, and never
-                // more than what it states is counted on.
+                // What the Lease states now, as this agent wrote it (taken back after someone
+                // emptied it, the configured duration): never more is counted on.
                 let before = std::mem::replace(
                     &mut stated,
                     seen_of(&l).duration.unwrap_or(r.duration).max(r.duration).min(want),
@@ -1020,6 +1030,59 @@ mod tests {
         acting.wait_for(|a| !*a).await.unwrap();
         assert_eq!(Instant::now() - sent, r.valid_for_stated(D), "the fence closed by the shorter duration");
         assert_eq!(seen.try_recv().unwrap(), (s(475), D));
+    }
+
+    /// R26: a renewal that finds the Lease rewritten by someone else but still naming this agent
+    /// writes it again on top of what it read (conditionally on that version), since a waiting agent
+    /// counts its wait from the last write it saw: keeping the Lease as read would leave the
+    /// fence open for a wait that began at the other writer's write. A scripted API server.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_someone_else_rewrote_is_renewed_on_top_of_it() {
+        use http::{Method, Request, Response};
+        use kube::client::Body;
+        let r = a_lease();
+        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
+        let mine = Lease {
+            metadata: ObjectMeta { resource_version: Some("1".into()), ..taken(&r, None).metadata },
+            ..taken(&r, None)
+        };
+        let theirs = {
+            let mut l = mine.clone();
+            l.metadata.resource_version = Some("7".into());
+            l.spec.as_mut().unwrap().lease_duration_seconds = Some(1);
+            l
+        };
+        let server = tokio::spawn(async move {
+            let mut handle = std::pin::pin!(handle);
+            let mut seen = Vec::new();
+            while let Some((req, send)) = handle.as_mut().next_request().await {
+                let method = req.method().clone();
+                let body = req.into_body().collect_bytes().await.unwrap();
+                let rv = serde_json::from_slice::<Lease>(&body).ok().and_then(|l| l.metadata.resource_version);
+                seen.push((method.clone(), rv.clone()));
+                let answer = match (method, rv.as_deref()) {
+                    (Method::PUT, Some("1")) => Response::builder().status(409).body(Body::from(
+                        serde_json::to_vec(&serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "changed"})).unwrap(),
+                    )),
+                    (Method::GET, _) => Response::builder().body(Body::from(serde_json::to_vec(&theirs).unwrap())),
+                    (_, _) => Response::builder().body(Body::from(body)),
+                };
+                send.send_response(answer.unwrap());
+                if seen.len() == 3 {
+                    return seen;
+                }
+            }
+            seen
+        });
+        let got = renew_once(&api, &r, &mine, D, Duration::from_secs(5)).await;
+        let Renewal::Ours(l) = got else { panic!("not kept") };
+        assert_eq!(l.spec.and_then(|s| s.lease_duration_seconds), Some(40), "the holder's duration put back");
+        let seen = tokio::time::timeout(Duration::from_secs(1), server).await.expect("a write on top").unwrap();
+        assert_eq!(
+            seen,
+            [(http::Method::PUT, Some("1".into())), (http::Method::GET, None), (http::Method::PUT, Some("7".into()))]
+        );
     }
 
     #[test]
