@@ -29,8 +29,13 @@
 //!   times the duration and writes a sixth as often (once a minute by default); a plan that starts
 //!   has the Lease renewed at once with the configured duration. A waiting agent watches the Lease
 //!   (the one list/watch, `k8s::watch`, of the one object) and writes nothing.
+//! - **Acting is counted from the last renewal, with the configured duration.** The idle duration
+//!   holds a waiting agent off only while nobody else writes the Lease, so an idle holder does not
+//!   act on it: a plan that starts pulls the fence in to the configured duration, and before a start
+//!   or a write the agent asks for a renewal unless its last one leaves it margin (R26).
 
 use crate::k8s::watch::Latest;
+use crate::reconcile::gate::FreshRequest;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -50,6 +55,21 @@ const RETRY_RENEWAL: Duration = Duration::from_secs(1);
 /// Who gave the Lease up (set with the empty holder by a clean release): a restarted agent on the
 /// same machine takes a Lease its own earlier incarnation released at once.
 pub const RELEASED_BY: &str = "nodeplan.cattle.io/released-by";
+
+/// What the holder's agent tells its renewer (R24, R26).
+pub struct Activity {
+    /// Whether a plan of the source executes.
+    pub busy: watch::Receiver<bool>,
+    /// Asked before the agent starts a plan or writes ([`crate::reconcile::gate::Gate::fresh`]).
+    pub fresh: tokio::sync::mpsc::Receiver<FreshRequest>,
+}
+
+impl Activity {
+    /// Always busy and never asked: a command's Lease.
+    fn always_busy() -> Activity {
+        Activity { busy: watch::channel(true).1, fresh: tokio::sync::mpsc::channel(1).1 }
+    }
+}
 
 /// Where the Lease is and who this agent is.
 #[derive(Debug, Clone)]
@@ -339,7 +359,7 @@ pub async fn hold(
     client: kube::Client,
     r: LeaseRef,
     mut shutdown: watch::Receiver<bool>,
-    busy: watch::Receiver<bool>,
+    activity: Activity,
 ) -> Option<Held> {
     let api: Api<Lease> = Api::namespaced(client, &r.namespace);
     let pace = r.duration / 4;
@@ -458,7 +478,7 @@ pub async fn hold(
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
                 crate::board::lease(&r.what, &format!("held as {}", r.identity));
-                return Some(renewing(api, r, l, sent, busy));
+                return Some(renewing(api, r, l, sent, activity));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
             // Another agent wrote it first: read it again.
@@ -526,8 +546,8 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
             Some(_) => bounded(api.replace(&r.name, &PostParams::default(), &taken(&r, current.as_ref()))).await,
         };
         match attempt {
-            // A command's Lease is renewed as a busy agent's (its sender gone, it stays busy).
-            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l, sent, watch::channel(true).1) })),
+            // A command's Lease is renewed as a busy agent's.
+            Ok(l) => return Ok(Some(Held { quiet: true, ..renewing(api, r, l, sent, Activity::always_busy()) })),
             Err(Refusal::Forbidden(e)) => {
                 without_lease(&r, &e);
                 return Ok(None);
@@ -541,10 +561,10 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
 
 /// The Lease just taken (`l`, as written by a request sent at `sent`), renewed in the background
 /// from now on.
-fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant, busy: watch::Receiver<bool>) -> Held {
+fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant, activity: Activity) -> Held {
     let (tx, lost) = watch::channel(false);
     let (acting_tx, acting) = watch::channel(true);
-    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent + r.valid_for(), busy));
+    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent, activity));
     Held { renewer: Some(renewer), lost, acting, release: Some((api, r)), quiet: false }
 }
 
@@ -642,21 +662,35 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
 /// A renewal that shortens the duration counts as landed from its sending (its answer may be
 /// lost while a waiting agent already sees it): a holder that cannot renew stops acting before
 /// anybody could take the Lease over.
+///
+/// The idle duration holds off waiting agents only while nobody else writes the Lease: one that
+/// rewrites it (emptied, or stating a shorter duration) starts a waiting agent's count of the
+/// configured duration. So the agent acts only within [`LeaseRef::valid_for`] of the last renewal
+/// that succeeded, idle or not: a plan that starts pulls the fence in to that at once, and before a
+/// start or a write the agent asks (`fresh`) and is answered at once when that leaves it margin,
+/// else after a renewal sent for the asking.
 async fn renew(
     api: Api<Lease>,
     r: LeaseRef,
     mut mine: Lease,
     lost: watch::Sender<bool>,
     acting: watch::Sender<bool>,
-    mut valid_until: Instant,
-    mut busy: watch::Receiver<bool>,
+    taken_at: Instant,
+    activity: Activity,
 ) {
-    let mut busy_alive = true;
+    let Activity { mut busy, fresh: mut asks } = activity;
+    let (mut busy_alive, mut asks_alive) = (true, true);
     // The duration the Lease states as this agent last wrote it (the taking wrote the configured
     // one), and since when no plan executes (`None`: one does).
     let mut stated = r.duration;
     let mut quiet_since = (!*busy.borrow_and_update()).then(Instant::now);
     let mut failing = false;
+    // The send time of the last renewal that succeeded, and the fence it leaves.
+    let mut renewed = taken_at;
+    let mut valid_until = taken_at + r.valid_for();
+    // Askers waiting for a renewal sent after they asked.
+    let mut asking: Vec<FreshRequest> = Vec::new();
+    let margin = r.period().min(r.valid_for() / 2);
     let mut next = Instant::now() + crate::backoff::earlier(stated / 4, 0.5);
     loop {
         tokio::select! {
@@ -673,12 +707,40 @@ async fn renew(
                     (false, None) => quiet_since = Some(Instant::now()),
                     (false, Some(_)) => {}
                 }
+                if now_busy && valid_until > renewed + r.valid_for() {
+                    // A plan executes: the fence is the configured duration's again.
+                    valid_until = renewed + r.valid_for();
+                    if Instant::now() >= valid_until && *acting.borrow() {
+                        expired(&acting, &r, stated);
+                    }
+                }
                 // A plan starts while the Lease states the idle duration: renewed at once.
                 if !(now_busy && stated > r.duration && !failing) {
                     continue;
                 }
             }
+            ask = asks.recv(), if asks_alive => {
+                let Some(ask) = ask else {
+                    asks_alive = false;
+                    continue;
+                };
+                if *acting.borrow() && Instant::now() + margin < renewed + r.valid_for() {
+                    let _ = ask.send(Ok(()));
+                    continue;
+                }
+                // Asked for: a renewal now, with the configured duration (the agent acts).
+                asking.push(ask);
+                if let Some(q) = quiet_since.as_mut() {
+                    *q = Instant::now();
+                }
+                if failing {
+                    // The next attempt of the failing renewals answers it.
+                    continue;
+                }
+            }
         }
+        // The askers this renewal answers (it is sent after they asked).
+        let answers = std::mem::take(&mut asking);
         let idle = quiet_since.is_some_and(|t| t.elapsed() >= r.duration);
         let want = if idle { r.idle_duration() } else { r.duration };
         let sent = Instant::now();
@@ -711,8 +773,12 @@ async fn renew(
                 // (one cancel for all) does not renew in the same second every minute.
                 let first = std::mem::replace(&mut failing, false) || stated != before;
                 mine = *l;
+                renewed = sent;
                 valid_until = sent + r.valid_for_stated(stated);
                 acting.send_if_modified(|a| !std::mem::replace(a, true));
+                for ask in answers {
+                    let _ = ask.send(Ok(()));
+                }
                 next = sent + crate::backoff::earlier(stated / 4, if first { 0.5 } else { 0.1 });
             }
             Renewal::Lost(holder) => {
@@ -724,6 +790,9 @@ async fn renew(
                     r.what,
                     shown_holder(&holder)
                 );
+                for ask in answers {
+                    let _ = ask.send(Err(format!("another agent ({}) took the Lease", shown_holder(&holder))));
+                }
                 let _ = lost.send(true);
                 return;
             }
@@ -736,6 +805,8 @@ async fn renew(
                         crate::duration::human(valid_until.saturating_duration_since(Instant::now()))
                     );
                 }
+                // They wait for the next attempt (their own wait is bounded).
+                asking = answers;
                 failing = true;
                 next = Instant::now() + crate::backoff::jittered(RETRY_RENEWAL.min(r.period()));
             }
@@ -903,8 +974,7 @@ mod tests {
             .unwrap();
             let (lost, _lost) = watch::channel(false);
             let (acting, _acting) = watch::channel(true);
-            let busy = watch::channel(true).1;
-            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start + r.valid_for(), busy));
+            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start, Activity::always_busy()));
             let server = tokio::spawn(async move {
                 let mut handle = std::pin::pin!(handle);
                 let mut at = Vec::new();
@@ -937,26 +1007,27 @@ mod tests {
         assert!(firsts.len() > 4, "eight agents, (nearly) as many first renewal times: {firsts:?}");
     }
 
-    /// R24: an idle holder states the idle duration and renews a sixth as often; a plan that starts
-    /// has the Lease renewed at once with the configured duration, kept while it executes and for
-    /// one duration after. A shortening renewal whose answer never comes counts from its sending:
-    /// the fence closes by the shorter duration (R26). A scripted API server on a paused clock.
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_holder_renews_rarely_and_a_plan_that_starts_renews_at_once() {
+    /// The Lease API of [`renewals_answered`], what it saw, its `hang` switch and its task.
+    type Renewals = (
+        Api<Lease>,
+        tokio::sync::mpsc::UnboundedReceiver<(Duration, Duration)>,
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        crate::AbortOnDrop,
+    );
+
+    /// A scripted API server on a paused clock that answers every renewal (a PUT) as written, or
+    /// never while `hang` is set; each renewal's send time (from `start`) and stated duration
+    /// come through the receiver.
+    fn renewals_answered(start: Instant) -> Renewals {
         use http::{Request, Response};
         use kube::client::Body;
-        use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let r = a_lease();
-        let (idle, s) = (r.idle_duration(), Duration::from_secs);
-        assert_eq!(idle, s(240));
-        let start = Instant::now();
+        use std::sync::atomic::Ordering;
         let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
-        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
-        let hang = Arc::new(AtomicBool::new(false));
+        let (seen_tx, seen) = tokio::sync::mpsc::unbounded_channel();
+        let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let silent = hang.clone();
-        let _server = crate::AbortOnDrop(tokio::spawn(async move {
+        let server = crate::AbortOnDrop(tokio::spawn(async move {
             let mut handle = std::pin::pin!(handle);
             let (mut held, mut rv) = (Vec::new(), 1);
             while let Some((req, send)) = handle.as_mut().next_request().await {
@@ -973,18 +1044,39 @@ mod tests {
                 send.send_response(Response::builder().body(Body::from(serde_json::to_vec(&l).unwrap())).unwrap());
             }
         }));
-        let (lost, _lost) = watch::channel(false);
-        let (acting_tx, mut acting) = watch::channel(true);
+        (api, seen, hang, server)
+    }
+
+    /// A renewer of the Lease `r` taken at `start`, no plan executing: its fence, its busy switch,
+    /// where it is asked before acting, and its task.
+    fn idle_renewer(
+        api: Api<Lease>,
+        r: &LeaseRef,
+        start: Instant,
+    ) -> (watch::Receiver<bool>, watch::Sender<bool>, tokio::sync::mpsc::Sender<FreshRequest>, crate::AbortOnDrop) {
+        let (lost, _) = watch::channel(false);
+        let (acting_tx, acting) = watch::channel(true);
         let (busy_tx, busy) = watch::channel(false);
-        let _renewer = crate::AbortOnDrop(tokio::spawn(renew(
-            api,
-            r.clone(),
-            taken(&r, None),
-            lost,
-            acting_tx,
-            start + r.valid_for(),
-            busy,
-        )));
+        let (ask_tx, fresh) = tokio::sync::mpsc::channel(1);
+        let activity = Activity { busy, fresh };
+        let task = tokio::spawn(renew(api, r.clone(), taken(r, None), lost, acting_tx, start, activity));
+        (acting, busy_tx, ask_tx, crate::AbortOnDrop(task))
+    }
+
+    /// R24: an idle holder states the idle duration and renews a sixth as often; a plan that starts
+    /// has the Lease renewed at once with the configured duration, kept while it executes and for
+    /// one duration after. A plan that starts pulls the fence in to the configured duration from
+    /// the last renewal that landed, and a shortening renewal whose answer never comes does not
+    /// push it out (R26). A scripted API server on a paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_holder_renews_rarely_and_a_plan_that_starts_renews_at_once() {
+        use std::sync::atomic::Ordering;
+        let r = a_lease();
+        let (idle, s) = (r.idle_duration(), Duration::from_secs);
+        assert_eq!(idle, s(240));
+        let start = Instant::now();
+        let (api, mut seen, hang, _server) = renewals_answered(start);
+        let (mut acting, busy_tx, _ask, _renewer) = idle_renewer(api, &r, start);
         let mut drain = |until: Duration| {
             let mut got = Vec::new();
             while let Ok(x) = seen.try_recv() {
@@ -1020,16 +1112,66 @@ mod tests {
             assert!(w[1].0 - w[0].0 <= s(10), "{got:?}");
         }
         assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(370)), "then idle again: {got:?}");
-        // Idle again, a plan starts and the shortening renewal is never answered: the fence closes
-        // by the configured duration from its sending, not by the idle one last written.
+        // Idle again; a plan starts 5 s after an idle renewal and the shortening renewal is never
+        // answered: the fence closes by the configured duration from the idle renewal, the last
+        // that landed (a waiting agent may count that much from a rewrite by someone else), not by
+        // the idle duration it stated.
         tokio::time::sleep(s(100)).await;
         drain(s(475));
+        let (last, stated) = seen.recv().await.unwrap();
+        assert_eq!(stated, idle);
+        tokio::time::sleep(s(5)).await;
         hang.store(true, Ordering::SeqCst);
         busy_tx.send_replace(true);
-        let sent = Instant::now();
         acting.wait_for(|a| !*a).await.unwrap();
-        assert_eq!(Instant::now() - sent, r.valid_for_stated(D), "the fence closed by the shorter duration");
-        assert_eq!(seen.try_recv().unwrap(), (s(475), D));
+        assert_eq!(Instant::now() - start, last + r.valid_for(), "the fence closed by the configured duration");
+        assert_eq!(seen.try_recv().unwrap(), (last + s(5), D));
+    }
+
+    /// R26: before it starts a plan or writes, an idle holder asks; it is answered at once while
+    /// its last renewal leaves it margin, else only once a renewal sent for the asking (with the
+    /// configured duration) has landed; a renewal that fails keeps the asker waiting. A scripted
+    /// API server on a paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_holder_asked_to_act_renews_first_unless_its_last_renewal_leaves_margin() {
+        use std::sync::atomic::Ordering;
+        let r = a_lease();
+        let (idle, s) = (r.idle_duration(), Duration::from_secs);
+        let start = Instant::now();
+        let (api, mut seen, hang, _server) = renewals_answered(start);
+        let (acting, _busy_tx, ask_tx, _renewer) = idle_renewer(api, &r, start);
+        let ask = || {
+            let ask_tx = ask_tx.clone();
+            async move {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                ask_tx.send(tx).await.unwrap();
+                rx.await.unwrap()
+            }
+        };
+        // Idle: the idle duration stated, the fence open for the idle duration.
+        tokio::time::sleep(s(200)).await;
+        while seen.try_recv().is_ok() {}
+        let (last, stated) = seen.recv().await.unwrap();
+        assert_eq!(stated, idle);
+        // Right after a renewal: answered at once, nothing written.
+        assert_eq!(ask().await, Ok(()));
+        assert_eq!(Instant::now() - start, last);
+        // Past the configured duration's fence less the margin (a quarter of the duration), the
+        // fence still open for the idle one: a renewal first, with the configured duration.
+        tokio::time::sleep_until(start + last + r.valid_for() - r.period()).await;
+        assert!(*acting.borrow());
+        let asked = Instant::now();
+        assert_eq!(ask().await, Ok(()));
+        assert_eq!(seen.try_recv().unwrap(), (asked - start, D), "renewed for the asking");
+        // Renewals that are never answered keep an asker waiting once the last that landed (the
+        // one for the asking) leaves no margin, the fence still open.
+        hang.store(true, Ordering::SeqCst);
+        tokio::time::sleep_until(asked + r.valid_for() - r.period() + s(1)).await;
+        assert!(*acting.borrow());
+        while seen.try_recv().is_ok() {}
+        let waiting = tokio::time::timeout(s(20), ask()).await;
+        assert!(waiting.is_err(), "answered without a renewal: {waiting:?}");
+        assert!(seen.try_recv().is_ok(), "renewals were sent meanwhile");
     }
 
     /// R26: a renewal that finds the Lease rewritten by someone else but still naming this agent
@@ -1131,6 +1273,7 @@ pub fn guard(
     let (fence_tx, fence) = watch::channel(false);
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     let (busy_tx, busy) = watch::channel(false);
+    let (fresh_tx, fresh) = tokio::sync::mpsc::channel(8);
     let task = tokio::spawn(async move {
         let what = lease.as_ref().map(|(_, r)| r.what.clone());
         let mut told = false;
@@ -1152,7 +1295,7 @@ pub fn guard(
             }
         }
         let held = match lease {
-            Some((client, r)) => match hold(client, r, shutdown.clone(), busy).await {
+            Some((client, r)) => match hold(client, r, shutdown.clone(), Activity { busy, fresh }).await {
                 Some(h) => Some(h),
                 None => return,
             },
@@ -1207,5 +1350,5 @@ pub fn guard(
             h.release().await;
         }
     });
-    Gate::new(state, fence, stop, task).telling_busy(busy_tx)
+    Gate::new(state, fence, stop, task).telling(busy_tx, fresh_tx)
 }

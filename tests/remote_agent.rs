@@ -1111,17 +1111,34 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
 
 /// A plan Secret whose agent holds the Lease and has applied its plan, and a twin (a cloned
 /// machine: the same connection info, a ten-minute Lease) waiting for the Lease.
+/// Two nodes of one configuration (`mode`) for one plan Secret in a new namespace (a cloned
+/// machine): the first with the test's Secret client; and the namespace.
+async fn twins(cp: &ControlPlane, prefix: &str, mode: &str) -> (Remote, ClusterNode, String) {
+    let namespace = cp.new_namespace(prefix).await;
+    let client =
+        SecretClient::new(cp.client().await, SecretRef { namespace: namespace.clone(), name: "machine-plan".into() });
+    let r = Remote { node: ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace), client };
+    let twin = ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace);
+    (r, twin, namespace)
+}
+
 async fn a_holder_and_a_waiting_twin(cp: &ControlPlane, test: &str) -> (Remote, ClusterNode, AgentProc, AgentProc) {
     let r = Remote::new(cp, test).await;
     let ns = r.client.secret_ref().namespace.clone();
     let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 10m\n", &cp.kubeconfig_yaml(), &ns);
+    let (first, second) = holding_and_waiting(&r, &twin).await;
+    (r, twin, first, second)
+}
+
+/// The first node's agent runs a plan of one instruction and holds the Lease; the twin's waits.
+async fn holding_and_waiting(r: &Remote, twin: &ClusterNode) -> (AgentProc, AgentProc) {
     r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
     let mut first = r.agent();
     first.wait_log("holding the Lease");
     r.wait("succeeded", |s| state(s) == "succeeded").await;
     let mut second = twin.agent();
     second.wait_log("waiting for the Lease");
-    (r, twin, first, second)
+    (first, second)
 }
 
 /// A waiting agent watches the Lease (the one list/watch): with a Lease of ten minutes, which it
@@ -1167,11 +1184,7 @@ async fn the_lease_fences_two_agents_against_a_third_party_writing_it() {
     let cp = control_plane!();
     // 16 s: renewals every 4 s, and 8 s of acting after each (stop and kill timeouts 6 s).
     let mode = "remoteEnabled: true\nleaseDuration: 16s\n";
-    let namespace = cp.new_namespace("fence").await;
-    let client =
-        SecretClient::new(cp.client().await, SecretRef { namespace: namespace.clone(), name: "machine-plan".into() });
-    let r = Remote { node: ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace), client };
-    let twin = ClusterNode::new(mode, &cp.kubeconfig_yaml(), &namespace);
+    let (r, twin, namespace) = twins(cp, "fence", mode).await;
     let (runs, overlap, pidfile) = (r.p("runs"), r.p("overlap"), r.p("pid"));
     let steps: Vec<serde_json::Value> = (1..=8)
         .map(|i| {
@@ -1290,6 +1303,82 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
     assert_eq!(agent.stop(), 0);
     let released = stated(Duration::from_secs(2), 12, "released").await;
     assert_eq!(released.holder_identity, None);
+}
+
+/// R26 with R24: a third party empties an idle holder's Lease and states 1 s in it, right after
+/// an idle renewal. The waiting agent takes it once unchanged for its own 12 s, well before the
+/// idle holder's next renewal (18 s after its last; its idle Lease said 72 s). A plan written then
+/// is run by the new holder alone: the idle holder renews before it starts anything, finds the
+/// Lease taken and stops, instead of acting on the 72 s its own last write stated.
+#[tokio::test]
+async fn an_idle_holder_whose_lease_was_rewritten_renews_before_it_acts() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cp = control_plane!();
+    let mode = "remoteEnabled: true\nleaseDuration: 12s\n";
+    let (r, twin, namespace) = twins(cp, "lease-idle-rewritten", mode).await;
+    let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &namespace);
+    let lease = "nodeplan-machine-plan";
+    let (mut holder, mut waiter) = holding_and_waiting(&r, &twin).await;
+    // Idle: the holder states 72 s. Right after its next renewal, the third party writes.
+    let idle_renewal = |after: Option<String>| {
+        let leases = leases.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let l = leases.get(lease).await.unwrap();
+                let spec = l.spec.clone().unwrap_or_default();
+                if spec.lease_duration_seconds == Some(72) && l.metadata.resource_version != after {
+                    return l;
+                }
+                assert!(Instant::now() < deadline, "no idle renewal: {spec:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let first = idle_renewal(None).await;
+    let mut l = idle_renewal(first.metadata.resource_version.clone()).await;
+    let held_by = l.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap();
+    let spec = l.spec.as_mut().unwrap();
+    (spec.holder_identity, spec.lease_duration_seconds) = (None, Some(1));
+    leases.replace(lease, &Default::default(), &l).await.unwrap();
+    let rewritten = Instant::now();
+    // The waiting agent takes it after its own 12 s.
+    let deadline = Instant::now() + GUARD;
+    let new_holder = loop {
+        let l = leases.get(lease).await.unwrap();
+        let h = l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+        if !h.is_empty() && h != held_by {
+            break h;
+        }
+        assert!(h.is_empty() || Instant::now() < rewritten + Duration::from_secs(14), "the holder took it back: {h}");
+        assert!(Instant::now() < deadline, "the waiting agent never took the Lease");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(rewritten.elapsed() < Duration::from_secs(16), "taken before the idle holder's next renewal");
+    waiter.wait_log("holding the Lease");
+    // A plan now: only the new holder runs it.
+    let (runs, overlap, pidfile) = (r.p("runs"), r.p("overlap"), r.p("pid"));
+    let check = overlap_check(&pidfile, &overlap, "after-takeover");
+    let raw = serde_json::to_vec(&json!({"instructions": [sh(
+        "after-takeover",
+        &format!("{check}; echo start >> {runs}; sleep 2; echo done >> {runs}")
+    )]}))
+    .unwrap();
+    r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
+    r.wait("the new plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
+    assert_eq!(std::fs::read_to_string(&overlap).unwrap_or_default(), "", "both agents ran it");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "start\ndone\n", "run once");
+    holder.wait_log("lost the Lease");
+    assert_eq!(holder.child.wait().unwrap().code(), Some(1));
+    holder.rest();
+    let said = holder.seen.join("\n");
+    assert!(!said.contains("after-takeover: started"), "the displaced holder started it:\n{said}");
+    // Nor did it write the start (pending to in-progress) without the Lease: the first plan's is
+    // its only one.
+    assert_eq!(said.matches(": applying (").count(), 1, "the displaced holder committed a start:\n{said}");
+    assert!(said.contains("cannot write the start of"), "{said}");
+    assert!(new_holder.ends_with(&format!("/{}", waiter.child.id())), "{new_holder}");
+    assert_eq!(waiter.stop(), 0);
 }
 
 /// R23 in remote mode: an upgrade instruction that asks for a restart has its progress written

@@ -115,6 +115,10 @@ impl<A: PlanSource, B: PlanSource> PlanSource for Both<A, B> {
         route!(self, key, |s, k| s.not_started(k, look, err).await)
     }
 
+    async fn fresh(&mut self, key: &Self::Key) -> Result<(), String> {
+        route!(self, key, |s, k| s.fresh(k).await)
+    }
+
     async fn write_probes(
         &mut self,
         key: &Self::Key,
@@ -264,6 +268,13 @@ impl<S: PlanSource> PlanSource for Option<S> {
         match self {
             Some(s) => s.not_started(key, look, err).await,
             None => None,
+        }
+    }
+
+    async fn fresh(&mut self, key: &S::Key) -> Result<(), String> {
+        match self {
+            Some(s) => s.fresh(key).await,
+            None => Ok(()),
         }
     }
 

@@ -4,7 +4,9 @@
 //!
 //! Until the gate opens the source shows no plans and its storage is not watched; it starts the
 //! moment the gate opens, and the loop then recovers the source's leftovers before any of its
-//! plans runs (R17). While open, the gate's fence says whether the agent may act right now (R26).
+//! plans runs (R17). While open, the gate's fence says whether the agent may act right now, and
+//! before the agent starts a plan or writes one of its states, probe statuses or a kept outcome, the
+//! gate's task is asked for a Lease recent enough to act on ([`Gate::fresh`], R26).
 //! A gate that ends (another agent took the Lease, Rancher's agent started) ends the source, and
 //! with it the loop: the agent stops as a whole and its exit says why ([`crate::apply::AgentExit::Displaced`]).
 //! Closing the source stops the gate's task, which gives the Lease up.
@@ -16,7 +18,7 @@ use crate::plan::ProbeStatus;
 use crate::process::Owner;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// Where a gate stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,7 +40,16 @@ pub struct Gate {
     fence_alive: bool,
     /// Told whether a plan of the source executes (the Lease's renewals follow it, R24).
     busy: Option<watch::Sender<bool>>,
+    /// Asked before the agent starts a plan or writes ([`Gate::fresh`]).
+    fresh: Option<mpsc::Sender<FreshRequest>>,
 }
+
+/// A request for the Lease to leave the agent margin to act (R26), answered once it does (`Err`:
+/// it was lost).
+pub type FreshRequest = oneshot::Sender<Result<(), String>>;
+
+/// How long a start or a write waits for the Lease to be renewed ([`Gate::fresh`]).
+pub const FRESH_WAIT: Duration = Duration::from_secs(15);
 
 impl Gate {
     /// A gate driven by `task`, which publishes `state` and `fence` and, once `stop` fires (or its
@@ -49,12 +60,42 @@ impl Gate {
         stop: oneshot::Sender<()>,
         task: tokio::task::JoinHandle<()>,
     ) -> Gate {
-        Gate { state, fence, stop: Some(stop), task: Some(task), state_alive: true, fence_alive: true, busy: None }
+        Gate {
+            state,
+            fence,
+            stop: Some(stop),
+            task: Some(task),
+            state_alive: true,
+            fence_alive: true,
+            busy: None,
+            fresh: None,
+        }
     }
 
-    /// The gate's task is told through `busy` whether a plan of the source executes.
-    pub fn telling_busy(self, busy: watch::Sender<bool>) -> Gate {
-        Gate { busy: Some(busy), ..self }
+    /// The gate's task is told through `busy` whether a plan of the source executes, and asked
+    /// through `fresh` before the agent starts a plan or writes.
+    pub fn telling(self, busy: watch::Sender<bool>, fresh: mpsc::Sender<FreshRequest>) -> Gate {
+        Gate { busy: Some(busy), fresh: Some(fresh), ..self }
+    }
+
+    /// Before the agent starts a plan or writes (R26): at once when the Lease's last renewal leaves
+    /// it margin to act, else once a renewal sent for the asking has landed (at most
+    /// [`FRESH_WAIT`]). An `Err` says why it may not act now. Without a Lease, at once.
+    pub async fn fresh(&self) -> Result<(), String> {
+        let Some(ask) = &self.fresh else { return Ok(()) };
+        let (tx, answer) = oneshot::channel();
+        if ask.send(tx).await.is_err() {
+            // Nobody renews: no Lease is used (the account may not), or it is gone and the fence
+            // says so.
+            return if *self.fence.borrow() { Ok(()) } else { Err("this agent's Lease is not held".into()) };
+        }
+        match tokio::time::timeout(FRESH_WAIT, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err("this agent's Lease is no longer renewed".into()),
+            Err(_) => {
+                Err(format!("this agent's Lease could not be renewed within {}", crate::duration::human(FRESH_WAIT)))
+            }
+        }
     }
 
     fn state(&self) -> GateState {
@@ -138,6 +179,9 @@ impl<S: PlanSource> PlanSource for Gated<S> {
     }
 
     async fn commit(&mut self, key: &S::Key, look: &Look, commit: &Commit) -> Written {
+        if let Err(e) = self.gate.fresh().await {
+            return Written::failed(e);
+        }
         self.inner.commit(key, look, commit).await
     }
 
@@ -150,11 +194,22 @@ impl<S: PlanSource> PlanSource for Gated<S> {
     }
 
     async fn write_probes(&mut self, key: &S::Key, checksum: &str, statuses: BTreeMap<String, ProbeStatus>) -> Written {
+        if let Err(e) = self.gate.fresh().await {
+            return Written::failed(e);
+        }
         self.inner.write_probes(key, checksum, statuses).await
     }
 
     async fn resend(&mut self, key: &S::Key, kept: S::Kept) -> Sent<S::Kept> {
+        if let Err(e) = self.gate.fresh().await {
+            return (Written::failed(e), Some(kept));
+        }
         self.inner.resend(key, kept).await
+    }
+
+    async fn fresh(&mut self, key: &S::Key) -> Result<(), String> {
+        self.gate.fresh().await?;
+        self.inner.fresh(key).await
     }
 
     async fn restored(&mut self, key: &S::Key) -> Option<S::Kept> {

@@ -311,6 +311,12 @@ pub trait PlanSource: Send {
     /// A plan of the source starts (`true`) or stops (`false`) executing: a source that holds a
     /// Lease renews it more often while one does (R24).
     fn applying(&self, _key: &Self::Key, _on: bool) {}
+    /// Before a plan of the source starts executing: `Err` (why) when the agent may not act on it
+    /// now. A source that holds a Lease has it renewed first unless its last renewal leaves margin
+    /// (R26); its own writes ask the same.
+    fn fresh(&mut self, _key: &Self::Key) -> impl Future<Output = Result<(), String>> + Send {
+        async { Ok(()) }
+    }
     /// Whether plans of the source became this agent's to act on since the last call (a gate
     /// opened, see [`gate`]): the loop then recovers leftovers again before any of them runs (R17).
     fn opened(&mut self) -> bool {
@@ -1071,6 +1077,10 @@ impl<S: PlanSource> Reconciler<S> {
     }
 
     async fn run_plan(&mut self, key: &S::Key, look: &Look, run: RunPlan) -> Action {
+        // R26: the Lease leaves margin to act (renewed first after a quiet while).
+        if let Err(e) = self.source.fresh(key).await {
+            return self.write_failed(key, &format!("the start of {}", look.label), &e, None);
+        }
         // Commit the start (pending → in-progress) or the resume before anything runs.
         if let Some(commit) = run.commit() {
             match self.source.commit(key, look, &commit).await {

@@ -56,6 +56,7 @@ struct Store {
     shows: watch::Sender<u64>,
     /// Calls of `restored` (the loop asks for an outcome a previous agent kept).
     restores: std::sync::atomic::AtomicU64,
+    freshes: std::sync::atomic::AtomicU64,
     /// How long each look takes, in turn, before it reads the plan (a slow API server).
     look_delays: Mutex<std::collections::VecDeque<Duration>>,
     /// When each start was committed.
@@ -118,6 +119,11 @@ impl PlanSource for MemSource {
     async fn restored(&mut self, _name: &String) -> Option<flow::Record> {
         self.0.restores.fetch_add(1, SeqCst);
         None
+    }
+
+    async fn fresh(&mut self, _name: &String) -> Result<(), String> {
+        self.0.freshes.fetch_add(1, SeqCst);
+        Ok(())
     }
 
     async fn wait(&mut self, name: &String, _: &Look, why: Wait<'_>) {
@@ -1178,9 +1184,10 @@ fn gated_beside(fx: &Fixture, gate: Gate, other: &Fixture) -> super::both::Both<
 }
 
 /// Every wrapper (either side of a `Both`, an `Option`, a `Gated`) passes on the calls a source
-/// may leave to the trait's defaults (`show`, `wait`, `event`, `restored`): a wrapper that did not
-/// would drop what the source shows without a word (a NodePlan's `Waiting` condition went missing
-/// that way), or an outcome a previous agent kept on the node.
+/// may leave to the trait's defaults (`show`, `wait`, `event`, `restored`, `fresh`): a wrapper that
+/// did not would drop what the source shows without a word (a NodePlan's `Waiting` condition went
+/// missing that way), an outcome a previous agent kept on the node, or a source's own check before
+/// a start.
 #[tokio::test]
 async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
     async fn drive<S: PlanSource>(s: &mut S, key: S::Key, look: &Look) {
@@ -1188,6 +1195,7 @@ async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
         s.wait(&key, look, Wait::Turn("x")).await;
         s.event(&key, Reason::Started, "note");
         s.restored(&key).await;
+        s.fresh(&key).await.unwrap();
     }
     let fx = fixture();
     fx.add("a", &["true"]);
@@ -1205,6 +1213,7 @@ async fn wrappers_pass_on_what_a_source_may_leave_to_the_defaults() {
     assert_eq!(fx.get("a").waits, vec!["turn: x"; 4]);
     assert_eq!(*fx.store.events.lock().unwrap(), vec!["Started: note"; 4]);
     assert_eq!(fx.store.restores.load(SeqCst), 4, "restored");
+    assert_eq!(fx.store.freshes.load(SeqCst), 4, "fresh");
 }
 
 /// A look only reads: what it finds to show (a NodePlan that waits says so in its status) is
