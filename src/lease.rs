@@ -1294,12 +1294,17 @@ pub fn guard(
                 return;
             }
         }
+        // Without a Lease nobody is told or asked: the channels close, and an ask is answered at once.
+        let activity = Activity { busy, fresh };
         let held = match lease {
-            Some((client, r)) => match hold(client, r, shutdown.clone(), Activity { busy, fresh }).await {
+            Some((client, r)) => match hold(client, r, shutdown.clone(), activity).await {
                 Some(h) => Some(h),
                 None => return,
             },
-            None => None,
+            None => {
+                drop(activity);
+                None
+            }
         };
         let mut acting = held.as_ref().map_or_else(|| watch::channel(true).1, Held::acting);
         // Only a Lease that was held can be lost (a closed channel is no loss).

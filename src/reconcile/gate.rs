@@ -83,19 +83,18 @@ impl Gate {
     /// [`FRESH_WAIT`]). An `Err` says why it may not act now. Without a Lease, at once.
     pub async fn fresh(&self) -> Result<(), String> {
         let Some(ask) = &self.fresh else { return Ok(()) };
-        let (tx, answer) = oneshot::channel();
-        if ask.send(tx).await.is_err() {
-            // Nobody renews: no Lease is used (the account may not), or it is gone and the fence
-            // says so.
-            return if *self.fence.borrow() { Ok(()) } else { Err("this agent's Lease is not held".into()) };
-        }
-        match tokio::time::timeout(FRESH_WAIT, answer).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err("this agent's Lease is no longer renewed".into()),
-            Err(_) => {
-                Err(format!("this agent's Lease could not be renewed within {}", crate::duration::human(FRESH_WAIT)))
+        let asked = async {
+            let (tx, answer) = oneshot::channel();
+            if ask.send(tx).await.is_err() {
+                // Nobody renews: no Lease is used (the account may not), or it is gone and the
+                // fence says so.
+                return if *self.fence.borrow() { Ok(()) } else { Err("this agent's Lease is not held".into()) };
             }
-        }
+            answer.await.unwrap_or_else(|_| Err("this agent's Lease is no longer renewed".into()))
+        };
+        tokio::time::timeout(FRESH_WAIT, asked).await.unwrap_or_else(|_| {
+            Err(format!("this agent's Lease could not be renewed within {}", crate::duration::human(FRESH_WAIT)))
+        })
     }
 
     fn state(&self) -> GateState {

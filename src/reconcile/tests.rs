@@ -1298,3 +1298,51 @@ async fn a_gate_holds_its_source_until_it_opens_and_its_end_stops_the_agent() {
     tokio::time::timeout(GUARD, released).await.unwrap().expect("the gate's task was told to give its Lease up");
     drop(stop);
 }
+
+/// R26: a gate's `fresh` (asked before a start or a write) is answered at once without a Lease
+/// (no asker, or nobody renews while the fence is open), refuses when nobody renews and the fence
+/// is closed, passes on the renewer's answer, and never waits longer than `FRESH_WAIT`, even for a
+/// renewer that never reads (its queue full). On a paused clock.
+#[tokio::test(start_paused = true)]
+async fn a_gate_answers_fresh_at_once_without_a_lease_and_within_its_bound_with_one() {
+    use super::gate::FRESH_WAIT;
+    let gate = |fence: bool| {
+        let (fence_tx, fence_rx) = watch::channel(fence);
+        let (_state_tx, state) = watch::channel(GateState::Open);
+        let g = Gate::new(state, fence_rx, tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
+        (g, fence_tx)
+    };
+    let (g, _f) = gate(true);
+    assert_eq!(g.fresh().await, Ok(()), "no asker");
+    let asker = |g: Gate| {
+        let (ask_tx, ask_rx) = tokio::sync::mpsc::channel(1);
+        (g.telling(watch::channel(false).0, ask_tx), ask_rx)
+    };
+    let (g, _f) = gate(true);
+    let (g, rx) = asker(g);
+    drop(rx);
+    assert_eq!(g.fresh().await, Ok(()), "nobody renews, the fence open");
+    let (g, _f) = gate(false);
+    let (g, rx) = asker(g);
+    drop(rx);
+    assert!(g.fresh().await.is_err(), "nobody renews, the fence closed");
+    // The renewer's answer, as it gives it.
+    let (g, _f) = gate(true);
+    let (g, mut rx) = asker(g);
+    let renewer = tokio::spawn(async move {
+        let first = rx.recv().await.unwrap();
+        first.send(Ok(())).unwrap();
+        let second = rx.recv().await.unwrap();
+        second.send(Err("taken".to_string())).unwrap();
+        rx
+    });
+    assert_eq!(g.fresh().await, Ok(()));
+    assert_eq!(g.fresh().await, Err("taken".to_string()));
+    // A renewer that never answers, then one that never reads (its queue of one full).
+    let _rx = renewer.await.unwrap();
+    for _ in 0..2 {
+        let started = Instant::now();
+        assert!(g.fresh().await.is_err());
+        assert_eq!(started.elapsed(), FRESH_WAIT);
+    }
+}
