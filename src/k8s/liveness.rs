@@ -35,11 +35,13 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Liveness {
     failing: AtomicBool,
     epoch: watch::Sender<u64>,
+    /// The last answer came over HTTP/2, whose connection PINGs itself (`k8s::connection`).
+    http2: AtomicBool,
 }
 
 impl Default for Liveness {
     fn default() -> Self {
-        Liveness { failing: AtomicBool::new(false), epoch: watch::Sender::new(0) }
+        Liveness { failing: AtomicBool::new(false), epoch: watch::Sender::new(0), http2: AtomicBool::new(false) }
     }
 }
 
@@ -56,6 +58,22 @@ impl Liveness {
         }
     }
 
+    /// An answer came over `version`.
+    fn spoke(&self, version: hyper::Version) {
+        let http2 = version == hyper::Version::HTTP_2;
+        if self.http2.swap(http2, Ordering::Relaxed) != http2 {
+            match http2 {
+                true => tracing::debug!("the API server answers over HTTP/2: its connection is PINGed"),
+                false => tracing::debug!("the API server answers over {version:?}: no PINGs, short watches"),
+            }
+        }
+    }
+
+    /// The last answer came over HTTP/2: its connection is PINGed, so a watch on it may be long.
+    pub fn on_http2(&self) -> bool {
+        self.http2.load(Ordering::Relaxed)
+    }
+
     /// The epoch: it moves each time the API server answers again after failures.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.epoch.subscribe()
@@ -69,6 +87,11 @@ pub fn reconnected() -> watch::Receiver<u64> {
     let mut rx = LIVENESS.subscribe();
     rx.mark_unchanged();
     rx
+}
+
+/// The process-wide account's [`Liveness::on_http2`].
+pub fn on_http2() -> bool {
+    LIVENESS.on_http2()
 }
 
 /// The tower layer the agent's kube client is built with.
@@ -106,11 +129,11 @@ impl Drop for Unanswered {
     }
 }
 
-impl<S, Req> tower::Service<Req> for Service<S>
+impl<S, Req, B> tower::Service<Req> for Service<S>
 where
-    S: tower::Service<Req, Error = BoxError>,
+    S: tower::Service<Req, Response = hyper::Response<B>, Error = BoxError>,
     S::Future: Send + 'static,
-    S::Response: Send + 'static,
+    B: Send + 'static,
 {
     type Response = S::Response;
     type Error = BoxError;
@@ -129,6 +152,7 @@ where
             pending.0 = None;
             match r {
                 Ok(Ok(response)) => {
+                    live.spoke(response.version());
                     live.answered();
                     Ok(response)
                 }
@@ -159,16 +183,22 @@ mod tests {
     struct Scripted;
 
     impl tower::Service<&'static str> for Scripted {
-        type Response = ();
+        type Response = hyper::Response<()>;
         type Error = BoxError;
-        type Future = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
+        type Future = Pin<Box<dyn Future<Output = Result<hyper::Response<()>, BoxError>> + Send>>;
         fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
             Poll::Ready(Ok(()))
         }
         fn call(&mut self, req: &'static str) -> Self::Future {
+            let over = |v| {
+                let mut r = hyper::Response::new(());
+                *r.version_mut() = v;
+                Ok(r)
+            };
             Box::pin(async move {
                 match req {
-                    "ok" => Ok(()),
+                    "ok" => over(hyper::Version::HTTP_11),
+                    "ok over h2" => over(hyper::Version::HTTP_2),
                     "err" => Err("connection reset".into()),
                     _ => std::future::pending().await,
                 }
@@ -209,5 +239,18 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_secs(1), s.call("never")).await.is_err());
         s.call("ok").await.unwrap();
         assert_eq!(*rx.borrow_and_update(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_protocol_of_the_last_answer_is_known() {
+        let live = leaked();
+        let mut s = service(live);
+        assert!(!live.on_http2(), "unknown until an answer: not HTTP/2");
+        s.call("ok over h2").await.unwrap();
+        assert!(live.on_http2());
+        assert!(s.call("err").await.is_err());
+        assert!(live.on_http2(), "a failure says nothing of the protocol");
+        s.call("ok").await.unwrap();
+        assert!(!live.on_http2(), "an answer over HTTP/1.1 (a proxy on the way now)");
     }
 }

@@ -1,8 +1,9 @@
 //! The Kubernetes edge: how the agent's client reaches the API server, and the one list/watch
 //! every source follows objects with.
 //!
-//! - [`client()`]: a [`kube::Client`] whose every request is bounded (TCP connect and TLS, each read,
-//!   each write, the answer's headers), counted by [`liveness`], and sent as [`USER_AGENT`].
+//! - [`client()`]: a [`kube::Client`] over HTTP/2 whose connection PINGs itself ([`connection`]),
+//!   whose every request is bounded (TCP connect and TLS, the answer's headers), counted by
+//!   [`liveness`], and sent as [`USER_AGENT`].
 //! - [`liveness`]: the process-wide account of whether the API server answers, and the epoch that
 //!   moves when it answers again after failures.
 //! - [`watch`]: list, then watch with bookmarks and a bound on the gap between events; a list
@@ -16,6 +17,7 @@
 //! It decides nothing about plans: what a write means is its caller's.
 
 pub mod base;
+pub mod connection;
 pub mod liveness;
 pub mod watch;
 pub mod write;
@@ -29,8 +31,9 @@ pub const USER_AGENT: &str = concat!("nodeplan/", env!("CARGO_PKG_VERSION"));
 
 /// TCP connect plus the TLS handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest wait for the next bytes of an answer, or for a write to go out. Longer than
-/// [`watch::WATCH_GAP`], so a quiet watch is given up by its own bound with a clear line first.
+/// On kube's HTTP/1.1 client (no PINGs), the longest wait for the next bytes of an answer, or for
+/// a write to go out. Longer than [`watch::WATCH_GAP`], so a quiet watch is given up by its own
+/// bound with a clear line first.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The API server the process talks to (the first client's; an agent or a command has one).
@@ -76,13 +79,18 @@ pub async fn bounded<T>(
     tokio::time::timeout(timeout, request).await.unwrap_or_else(|_| Err(no_answer(what, timeout)))
 }
 
-/// The agent's client for `config`: every request bounded ([`CONNECT_TIMEOUT`], [`IO_TIMEOUT`],
-/// [`liveness::HEADERS_TIMEOUT`]), counted by [`liveness`] and sent as [`USER_AGENT`].
+/// The agent's client for `config`: HTTP/2 with PINGs where [`connection`] can build it (else
+/// kube's HTTP/1.1 client with [`IO_TIMEOUT`] on each read and write); every request bounded
+/// ([`CONNECT_TIMEOUT`], [`liveness::HEADERS_TIMEOUT`]), counted by [`liveness`] and sent as
+/// [`USER_AGENT`].
 pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {
     let _ = SERVER.set(crate::redact_userinfo(&config.cluster_url.to_string()).trim_end_matches('/').to_string());
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     config.read_timeout = Some(IO_TIMEOUT);
     config.write_timeout = Some(IO_TIMEOUT);
+    if let Some(b) = connection::builder(&config)? {
+        return Ok(b.with_layer(&liveness::Layer).with_layer(&UserAgentLayer).build());
+    }
     Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&liveness::Layer).with_layer(&UserAgentLayer).build())
 }
 

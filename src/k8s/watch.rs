@@ -14,15 +14,19 @@
 //!
 //! **A watch is known to be alive.** A connection can die without a FIN or an RST (a NAT entry
 //! timed out, a load balancer failed over): a watch on it would wait for ever. So:
-//! - the API server is asked to end every watch after [`WATCH_TIMEOUT_SECS`] and to send
-//!   bookmarks, so a healthy watch is never quiet for longer than that;
-//! - a watch quiet for [`WATCH_GAP`] (no event, no bookmark, no end) is given up and the pump
-//!   lists again;
+//! - on a connection that PINGs itself (HTTP/2, `k8s::connection`) a dead connection is closed
+//!   within 20 s and the watch on it ends with an error: the API server is asked to end the watch
+//!   after [`PINGED_WATCH_TIMEOUT_SECS`] ([`Bounds::PINGED`]);
+//! - elsewhere (HTTP/1.1) the API server is asked to end every watch after [`WATCH_TIMEOUT_SECS`]
+//!   and to send bookmarks, so a healthy watch is never quiet for longer than that, and a watch
+//!   quiet for [`WATCH_GAP`] (no event, no bookmark, no end) is given up ([`Bounds::UNPINGED`]);
+//! - either way, a watch given up or broken lists again;
 //! - when any request of the process is answered after failures (`k8s::liveness`: in remote mode
 //!   the Lease renewal notices first), a watch opened before those failures is given up at once and
 //!   the pump lists again on a fresh request.
 //!
-//! Cost: one watch request per object kind every [`WATCH_TIMEOUT_SECS`] (resumed from the last
+//! Cost: one watch request per object kind every [`PINGED_WATCH_TIMEOUT_SECS`] on HTTP/2, every
+//! [`WATCH_TIMEOUT_SECS`] on HTTP/1.1 (resumed from the last
 //! resourceVersion it delivered, bookmarks included, served from the API server's watch cache;
 //! nothing is published and the reconcile loop is not woken); a list only after an error, an
 //! expired resourceVersion (410), a watch that ended at once, or a comeback. (Listing after every
@@ -146,7 +150,16 @@ pub enum WatchError {
 pub trait ListWatch: Send + Sync {
     type Object: kube::Resource + Clone + Send + Sync + 'static;
     fn list(&self) -> impl Future<Output = Result<Listed<Self::Object>, WatchError>> + Send;
-    fn watch(&self, resource_version: &str) -> impl Future<Output = Result<Events<Self::Object>, WatchError>> + Send;
+    /// A watch from `resource_version` that the API server ends after `timeout_secs`.
+    fn watch(
+        &self,
+        resource_version: &str,
+        timeout_secs: u32,
+    ) -> impl Future<Output = Result<Events<Self::Object>, WatchError>> + Send;
+    /// The bounds of the next watch (the connection it goes on may PING itself).
+    fn bounds(&self) -> Bounds {
+        Bounds::UNPINGED
+    }
     /// Moves each time the API server answers again after failures ([`super::liveness`]).
     fn reconnected(&self) -> watch::Receiver<u64>;
     /// The key of an object in the map (its name, by default); `None`: it is left out.
@@ -160,11 +173,39 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a watch may take to start (the API server answers a watch at once; a watch opened
 /// on a connection that died would otherwise wait for the client's header bound).
 const WATCH_START_TIMEOUT: Duration = Duration::from_secs(10);
-/// The watch's server-side timeout (the API server ends it then, and the pump watches again).
+/// The watch's server-side timeout (the API server ends it then, and the pump watches again) on
+/// a connection that is not PINGed (HTTP/1.1).
 pub const WATCH_TIMEOUT_SECS: u32 = 20;
 /// A watch quiet this long (no event, no bookmark, no end: the API server sends a bookmark just
 /// before it ends a watch) sits on a dead connection: the pump gives up on it and lists again.
 pub const WATCH_GAP: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 5);
+/// The watch's server-side timeout on an HTTP/2 connection, which PINGs itself
+/// (`k8s::connection`): a dead one is closed within 20 s, and the watch on it ends with it.
+pub const PINGED_WATCH_TIMEOUT_SECS: u32 = 290;
+
+/// How long the API server is asked to keep a watch, and how long it may be quiet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub timeout_secs: u32,
+    pub gap: Duration,
+}
+
+impl Bounds {
+    /// On HTTP/1.1 the watch's own end is the liveness signal: [`WATCH_TIMEOUT_SECS`],
+    /// [`WATCH_GAP`].
+    pub const UNPINGED: Bounds = Bounds { timeout_secs: WATCH_TIMEOUT_SECS, gap: WATCH_GAP };
+    /// On HTTP/2 the connection's PINGs are: [`PINGED_WATCH_TIMEOUT_SECS`], and a gap bound that
+    /// only catches a server that forgot to end it.
+    pub const PINGED: Bounds = Bounds {
+        timeout_secs: PINGED_WATCH_TIMEOUT_SECS,
+        gap: Duration::from_secs(PINGED_WATCH_TIMEOUT_SECS as u64 + 30),
+    };
+
+    /// The bounds for a connection that is (`true`) or is not PINGed.
+    pub fn for_connection(pinged: bool) -> Bounds {
+        if pinged { Bounds::PINGED } else { Bounds::UNPINGED }
+    }
+}
 /// The back-off between the end of a watch (or a failed list) and the next list: 0.8 s doubling
 /// to 10 s, jittered; back to the start after a watch that ran this long. (kube's default caps at
 /// 30 s: after a long outage without a Lease, nothing else would notice the comeback sooner; a
@@ -255,8 +296,8 @@ impl<K> KubeListWatch<K> {
         }
     }
 
-    fn watch_params(&self) -> WatchParams {
-        let wp = WatchParams::default().timeout(WATCH_TIMEOUT_SECS);
+    fn watch_params(&self, timeout_secs: u32) -> WatchParams {
+        let wp = WatchParams::default().timeout(timeout_secs);
         let wp = match &self.labels {
             Some(l) => wp.labels(l),
             None => wp,
@@ -301,9 +342,13 @@ where
         Ok(Listed { resource_version: list.metadata.resource_version.unwrap_or_default(), items: list.items })
     }
 
-    async fn watch(&self, resource_version: &str) -> Result<Events<K>, WatchError> {
-        let events = self.api.watch(&self.watch_params(), resource_version).await.map_err(kube_error)?;
+    async fn watch(&self, resource_version: &str, timeout_secs: u32) -> Result<Events<K>, WatchError> {
+        let events = self.api.watch(&self.watch_params(timeout_secs), resource_version).await.map_err(kube_error)?;
         Ok(Box::pin(events.map(|e| e.map_err(kube_error))))
+    }
+
+    fn bounds(&self) -> Bounds {
+        Bounds::for_connection(super::liveness::on_http2())
     }
 
     fn reconnected(&self) -> watch::Receiver<u64> {
@@ -466,8 +511,9 @@ async fn watch_from<L: ListWatch>(
     sink: &mut impl Sink<L::Object>,
     mut reconnected: watch::Receiver<u64>,
 ) -> End {
+    let bounds = lw.bounds();
     let started = tokio::select! {
-        r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv.as_str())) => r,
+        r = tokio::time::timeout(WATCH_START_TIMEOUT, lw.watch(rv.as_str(), bounds.timeout_secs)) => r,
         Ok(()) = reconnected.changed() => return End::Reconnected,
         _ = sink.closed() => return End::Unheard,
     };
@@ -479,7 +525,7 @@ async fn watch_from<L: ListWatch>(
     };
     loop {
         let next = tokio::select! {
-            next = tokio::time::timeout(WATCH_GAP, events.next()) => next,
+            next = tokio::time::timeout(bounds.gap, events.next()) => next,
             Ok(()) = reconnected.changed() => return End::Reconnected,
             _ = sink.closed() => return End::Unheard,
         };
@@ -489,7 +535,7 @@ async fn watch_from<L: ListWatch>(
             Err(_) => {
                 return End::Error(format!(
                     "the watch was quiet for {} (no event, no bookmark, no end): the connection is taken for dead",
-                    crate::duration::human(WATCH_GAP)
+                    crate::duration::human(bounds.gap)
                 ));
             }
         };
@@ -551,11 +597,18 @@ mod tests {
         calls: Mutex<Vec<(Instant, String)>>,
         /// What [`ListWatch::reconnected`] follows.
         epoch: watch::Sender<u64>,
+        /// [`ListWatch::bounds`]: the connection PINGs itself.
+        pinged: std::sync::atomic::AtomicBool,
     }
 
     impl Fake {
         fn new(steps: Vec<Step>) -> Arc<Fake> {
-            Arc::new(Fake { steps: Mutex::new(steps.into()), calls: Mutex::default(), epoch: watch::Sender::new(0) })
+            Arc::new(Fake {
+                steps: Mutex::new(steps.into()),
+                calls: Mutex::default(),
+                epoch: watch::Sender::new(0),
+                pinged: Default::default(),
+            })
         }
         fn next(&self, call: String) -> Option<Step> {
             self.calls.lock().unwrap().push((Instant::now(), call));
@@ -580,8 +633,16 @@ mod tests {
                 None => std::future::pending().await,
             }
         }
-        async fn watch(&self, rv: &str) -> Result<Events<DynamicObject>, WatchError> {
-            match self.next(format!("watch {rv}")) {
+        fn bounds(&self) -> Bounds {
+            Bounds::for_connection(self.pinged.load(Ordering::Relaxed))
+        }
+        async fn watch(&self, rv: &str, timeout_secs: u32) -> Result<Events<DynamicObject>, WatchError> {
+            let call = if timeout_secs == WATCH_TIMEOUT_SECS {
+                format!("watch {rv}")
+            } else {
+                format!("watch {rv} for {timeout_secs}s")
+            };
+            match self.next(call) {
                 Some(Step::Watch(r, end_after)) => {
                     let events: VecDeque<(Duration, Event)> = r?.into();
                     let s = futures::stream::unfold((events, end_after), |(mut events, end_after)| async move {
@@ -811,6 +872,28 @@ mod tests {
         assert!(within(g[1], (2 * quiet + WATCH_GAP).as_millis() as u64 + 800), "{g:?}");
     }
 
+    /// On a connection that PINGs itself (HTTP/2) a watch is long and its quiet is no sign of a
+    /// dead connection (a dead one is closed, and the watch on it ends with an error); the gap
+    /// bound still catches a watch the server never ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_on_a_pinged_connection_is_long_and_may_be_quiet() {
+        let quiet = Duration::from_secs(200);
+        let fake = Fake::new(vec![
+            listed("1", &[]),
+            Step::Watch(Ok(vec![(quiet, Ok(WatchEvent::Added(obj("a", "2"))))]), Duration::from_secs(24 * 3600)),
+            listed("3", &[]),
+            Step::Watch(Ok(vec![]), Duration::from_secs(24 * 3600)),
+        ]);
+        fake.pinged.store(true, Ordering::Relaxed);
+        let (seen, _rx) = publishes(&fake, 3).await;
+        assert_eq!(seen[1].1, ["a@2"], "a quiet of {quiet:?} is not given up");
+        let calls = fake.calls();
+        let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
+        assert_eq!(names[..3], ["list", "watch 1 for 290s", "list"]);
+        let gap = Bounds::PINGED.gap;
+        assert!(within(gaps(&calls)[1], (quiet + gap).as_millis() as u64 + 800), "{:?}", gaps(&calls));
+    }
+
     /// When the API server answers again after failures (another request saw them), a watch
     /// opened before is given up at once and the pump lists afresh, without a back-off step.
     #[tokio::test(start_paused = true)]
@@ -923,7 +1006,7 @@ mod tests {
             };
             let client = async {
                 assert_eq!(lw.list().await.map(|l| l.resource_version), Ok("5".to_string()));
-                let _ = lw.watch("5").await;
+                let _ = lw.watch("5", WATCH_TIMEOUT_SECS).await;
                 assert!(lw.list().await.is_ok());
             };
             tokio::join!(client, server);

@@ -1,0 +1,238 @@
+//! How the agent's client reaches the API server: HTTP/2 where the server speaks it, so the
+//! client finds a connection that died without a FIN or an RST by itself. On an HTTP/2
+//! connection it sends a PING every [`PING_INTERVAL`] (with requests in flight or not) and closes
+//! the connection when no answer comes within [`PING_TIMEOUT`]: every request on it fails at
+//! once, watches list again on a new connection, and a write waiting to be sent goes on a new
+//! one too. All the agent's requests share that one connection (a watch, the Lease, writes,
+//! Events), so one PING covers them all.
+//!
+//! A request on that connection that fails or goes unanswered (its caller's bound, or the answer's
+//! header bound) makes the next request go on a new connection ([`Renewing`]): the old one may
+//! have died silently, and its PINGs may take up to [`PING_INTERVAL`] + [`PING_TIMEOUT`] to tell.
+//! So once the network heals, the next request (usually the Lease renewal) is answered at once,
+//! and its comeback makes every watch list afresh (`k8s::liveness`) instead of waiting for the
+//! PINGs; on HTTP/1.1 a busy connection did the same by itself.
+//!
+//! The stack is kube's own (base URL, retry of 429/503/504, credentials, extra headers, the bound
+//! on TCP connect and TLS) with the HTTP/2 settings added, and without kube's read and write
+//! bounds on the socket: the PINGs find a dead connection sooner, and the bound on an answer's
+//! headers is [`super::liveness`]'s. A server that negotiates HTTP/1.1 gets no PINGs: watches
+//! there keep their short server-side timeout as the liveness signal ([`super::watch::Bounds`]). Where that stack takes
+//! a part this one does not have (a proxy, a credential plugin, a `tls-server-name`), kube's
+//! HTTP/1.1 client is used as it is, with its read and write bounds.
+//!
+//! Owns: the transport settings. The bounds of one request and the health account are
+//! [`super::liveness`]'s.
+
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use kube::client::ConfigExt as _;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tower::BoxError;
+
+/// How often an HTTP/2 connection is asked whether it is alive.
+pub const PING_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a PING may go unanswered before its connection is taken for dead and closed.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why `config` is left to kube's own HTTP/1.1 client, if it is.
+pub fn kube_stack_only(config: &kube::Config) -> Option<&'static str> {
+    if config.proxy_url.is_some() {
+        Some("a proxy")
+    } else if config.auth_info.exec.is_some() {
+        Some("a credential plugin")
+    } else if config.tls_server_name.is_some() {
+        Some("tls-server-name")
+    } else {
+        None
+    }
+}
+
+/// The client builder for `config` with HTTP/2 and its PINGs (see the module doc), or `None`
+/// where kube's own stack must be used.
+pub fn builder(config: &kube::Config) -> Result<Option<kube::client::ClientBuilder<Stack>>, kube::Error> {
+    use tower::ServiceBuilder;
+    if kube_stack_only(config).is_some() {
+        return Ok(None);
+    }
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    let tls = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config.rustls_client_config()?)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    // The bound covers TCP and TLS: a relay that accepts and then says nothing is given up.
+    // No read or write bound on the socket: on HTTP/2 every stream shares it, so it would only
+    // find a dead connection later than the PINGs do, and would close a healthy quiet one.
+    let mut connector = hyper_timeout::TimeoutConnector::new(tls);
+    connector.set_connect_timeout(config.connect_timeout);
+    let client = Renewing::new(move || {
+        hyper_util::client::legacy::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(PING_INTERVAL)
+            .http2_keep_alive_timeout(PING_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
+            .build::<_, kube::client::Body>(connector.clone())
+    });
+    let retry =
+        config.default_retry.then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .service(client);
+    let stack = tower::util::BoxService::new(service);
+    Ok(Some(kube::client::ClientBuilder::new(stack, config.default_namespace.clone())))
+}
+
+/// A client (with its own pool of connections) made afresh after a request on it failed or was
+/// given up before its answer: the next request goes on a new connection. Requests already on
+/// the old client go on there (a watch ends with its connection).
+pub struct Renewing<S> {
+    make: Arc<dyn Fn() -> S + Send + Sync>,
+    /// The client in use, and how many were made before it.
+    current: Arc<Mutex<(u64, S)>>,
+}
+
+impl<S> Clone for Renewing<S> {
+    fn clone(&self) -> Self {
+        Renewing { make: self.make.clone(), current: self.current.clone() }
+    }
+}
+
+impl<S> Renewing<S> {
+    pub fn new(make: impl Fn() -> S + Send + Sync + 'static) -> Self {
+        let first = make();
+        Renewing { make: Arc::new(make), current: Arc::new(Mutex::new((0, first))) }
+    }
+
+    /// The client `made` failed a request: the next request gets a new one (once per client).
+    fn renew(&self, made: u64) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.0 == made {
+            *current = (made + 1, (self.make)());
+            tracing::debug!("a request to the API server failed: the next one goes on a new connection");
+        }
+    }
+}
+
+/// Renews the client when dropped armed: its request failed or was given up before an answer.
+struct Unanswered<S>(Option<(Renewing<S>, u64)>);
+
+impl<S> Drop for Unanswered<S> {
+    fn drop(&mut self) {
+        if let Some((r, made)) = self.0.take() {
+            r.renew(made);
+        }
+    }
+}
+
+impl<S, Req> tower::Service<Req> for Renewing<S>
+where
+    S: tower::Service<Req> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Into<BoxError>,
+    Req: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Each call takes the client in use then, and waits for it to be ready (`oneshot`).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let (made, client) = {
+            let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+            (current.0, current.1.clone())
+        };
+        let this = self.clone();
+        Box::pin(async move {
+            let mut pending = Unanswered(Some((this, made)));
+            let answer = tower::ServiceExt::oneshot(client, req).await.map_err(Into::into)?;
+            pending.0 = None;
+            Ok(answer)
+        })
+    }
+}
+
+/// The service [`builder`] makes.
+pub type Stack = tower::util::BoxService<
+    hyper::Request<kube::client::Body>,
+    hyper::Response<hyper::body::Incoming>,
+    tower::BoxError,
+>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tower::Service as _;
+
+    /// A client numbered when made; its answer to a request is decided by the request: `ok`
+    /// (its number), `err`, or never.
+    #[derive(Clone)]
+    struct Numbered(u64);
+
+    impl tower::Service<&'static str> for Numbered {
+        type Response = u64;
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<u64, BoxError>> + Send>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, req: &'static str) -> Self::Future {
+            let n = self.0;
+            Box::pin(async move {
+                match req {
+                    "ok" => Ok(n),
+                    "err" => Err("connection reset".into()),
+                    _ => std::future::pending().await,
+                }
+            })
+        }
+    }
+
+    fn numbered() -> Renewing<Numbered> {
+        let made = Arc::new(AtomicU64::new(0));
+        Renewing::new(move || Numbered(made.fetch_add(1, Ordering::SeqCst)))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_fails_or_goes_unanswered_sends_the_next_on_a_new_client() {
+        let mut r = numbered();
+        assert_eq!(r.call("ok").await.unwrap(), 0);
+        assert_eq!(r.call("ok").await.unwrap(), 0, "answered: the same client");
+        assert!(r.call("err").await.is_err());
+        assert_eq!(r.call("ok").await.unwrap(), 1, "after a failure: a new one");
+        // Given up before its answer (a caller's bound): a new one too.
+        assert!(tokio::time::timeout(Duration::from_secs(5), r.call("never")).await.is_err());
+        assert_eq!(r.call("ok").await.unwrap(), 2);
+        // Two requests that failed on one client make one new client, not two.
+        let (a, b) = (r.call("err"), r.call("err"));
+        assert!(a.await.is_err() && b.await.is_err());
+        assert_eq!(r.call("ok").await.unwrap(), 3);
+    }
+
+    #[test]
+    fn what_kubes_own_stack_keeps() {
+        let plain = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+        assert_eq!(kube_stack_only(&plain), None);
+        let mut proxied = plain.clone();
+        proxied.proxy_url = Some("http://127.0.0.1:3128".parse().unwrap());
+        assert_eq!(kube_stack_only(&proxied), Some("a proxy"));
+        let mut named = plain.clone();
+        named.tls_server_name = Some("api".into());
+        assert_eq!(kube_stack_only(&named), Some("tls-server-name"));
+    }
+}
