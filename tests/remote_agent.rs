@@ -375,6 +375,25 @@ async fn a_silent_partition_heals_without_a_restart() {
     let cp = control_plane!();
     let relay = Relay::start(apiserver_port(cp));
     let r = Remote::new_with(cp, "silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
+    heals_after_silence(&r, &relay).await;
+}
+
+/// The same through an HTTP proxy that goes silent: the client kube's own HTTP/1.1 stack (which
+/// cannot PING its connection), with watches that end every 20 s and a bound on each read.
+#[tokio::test]
+async fn a_silent_partition_heals_without_a_restart_behind_a_proxy() {
+    let cp = control_plane!();
+    let relay = Relay::start_proxy(apiserver_port(cp));
+    let kubeconfig = relay.proxied_kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url());
+    let r = Remote::new_with(cp, "silence-proxied", &kubeconfig).await;
+    heals_after_silence(&r, &relay).await;
+    assert!(relay.carried() >= 2, "the agent went through the proxy, again after each hole: {}", relay.carried());
+}
+
+/// A plan runs; the relay goes silent for [`HOLE`]; a cancel written right after the heal stops
+/// it; again silent; a plan written right after the heal is applied: each within [`AFTER_HEAL`],
+/// nothing twice, by the same agent.
+async fn heals_after_silence(r: &Remote, relay: &Relay) {
     let (ready, pid, marker) = (r.fifo("ready"), r.p("pid"), r.p("marker"));
     let plan = json!({"instructions": [
         sh("one", &format!("echo one >> {marker}")),

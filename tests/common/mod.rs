@@ -511,6 +511,9 @@ impl LocalNode {
 ///   balancer's failover: the open connections stop moving bytes for good (their sockets are
 ///   kept open and never read again), and new connections are accepted and then never carried;
 ///   [`Relay::heal`] carries new connections again, and the connections opened before stay dead.
+///
+/// [`Relay::start_proxy`] makes it an HTTP proxy instead (each connection begins with a `CONNECT`,
+/// answered 200), for a client that reaches the API server through one.
 pub struct Relay {
     pub port: u16,
     state: std::sync::Arc<RelayState>,
@@ -522,12 +525,23 @@ struct RelayState {
     cut: std::sync::atomic::AtomicBool,
     /// New connections are accepted and never carried.
     silent: std::sync::atomic::AtomicBool,
+    /// Connections carried so far (CONNECTs answered, for a proxy).
+    carried: std::sync::atomic::AtomicUsize,
     /// Moves at every cut and every silence: a connection opened before stops being carried.
     epoch: std::sync::Mutex<Option<tokio::sync::watch::Sender<(u64, bool)>>>,
 }
 
 impl Relay {
     pub fn start(target: u16) -> Relay {
+        Relay::start_as(target, false)
+    }
+
+    /// An HTTP proxy (`CONNECT` only) that relays to `127.0.0.1:target` whatever host is asked.
+    pub fn start_proxy(target: u16) -> Relay {
+        Relay::start_as(target, true)
+    }
+
+    fn start_as(target: u16, proxy: bool) -> Relay {
         use std::sync::atomic::Ordering::SeqCst;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
@@ -551,9 +565,15 @@ impl Relay {
                     }
                     let mut moved = epoch.subscribe();
                     moved.mark_unchanged();
+                    let st = st.clone();
                     tokio::spawn(async move {
+                        let mut inbound = inbound;
+                        if proxy && !connect_request(&mut inbound).await {
+                            return;
+                        }
+                        st.carried.fetch_add(1, SeqCst);
                         let Ok(out) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else { return };
-                        let (mut inbound, mut out) = (inbound, out);
+                        let mut out = out;
                         let closed = tokio::select! {
                             _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
                             _ = moved.changed() => moved.borrow().1,
@@ -599,10 +619,37 @@ impl Relay {
         self.state.silent.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// How many connections the relay has carried (a proxy: `CONNECT`s answered).
+    pub fn carried(&self) -> usize {
+        self.state.carried.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// `kubeconfig` with its server `server` replaced by this relay.
     pub fn kubeconfig(&self, kubeconfig: &str, server: &str) -> String {
         kubeconfig.replace(server, &format!("https://127.0.0.1:{}", self.port))
     }
+
+    /// `kubeconfig` (whose cluster's `server:` line is indented four spaces) reaching its server
+    /// through this relay as its `proxy-url`.
+    pub fn proxied_kubeconfig(&self, kubeconfig: &str, server: &str) -> String {
+        let line = format!("    server: {server}\n");
+        assert!(kubeconfig.contains(&line), "no server line in {kubeconfig}");
+        kubeconfig.replace(&line, &format!("{line}    proxy-url: http://127.0.0.1:{}\n", self.port))
+    }
+}
+
+/// Read an HTTP `CONNECT` request's head from `conn` and answer 200; `false` for anything else.
+async fn connect_request(conn: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 8192 || !matches!(conn.read(&mut byte).await, Ok(1)) {
+            return false;
+        }
+        head.push(byte[0]);
+    }
+    head.starts_with(b"CONNECT ") && conn.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.is_ok()
 }
 
 /// `nodeplan status --config CONFIG`, again until its table says what `pred` wants (the agent
