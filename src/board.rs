@@ -39,6 +39,9 @@ pub struct AgentStatus {
     pub config: String,
     pub node: String,
     pub sources: Vec<SourceStatus>,
+    /// The API server, once the agent's client has talked to it (remote and NodePlan modes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api: Option<ApiStatus>,
     /// The plan applying now.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub current: Option<Current>,
@@ -61,6 +64,17 @@ pub struct SourceStatus {
     /// The Lease: `held`, `waiting: …`, or empty without one.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub lease: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ApiStatus {
+    pub server: String,
+    /// How the last answer came: `HTTP/2, PINGed every 10s` or `HTTP/1.1`.
+    pub over: String,
+    /// Since when its requests fail (no answer, or no connection); empty while it answers.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub failing_since: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,6 +178,24 @@ pub fn lease(target: &str, state: &str) {
     update(|s| {
         if let Some(src) = s.sources.iter_mut().find(|x| x.target == target) {
             src.lease = state.to_string();
+        }
+    });
+}
+
+/// The API server `server` answered, over `over` (`HTTP/2, PINGed every 10s`).
+pub fn api_answered(server: &str, over: &str) {
+    update(|s| {
+        s.api = Some(ApiStatus { server: server.to_string(), over: over.to_string(), failing_since: String::new() })
+    });
+}
+
+/// A request to the API server `server` failed after it had answered (the first failure counts).
+pub fn api_failing(server: &str) {
+    update(|s| {
+        let api = s.api.get_or_insert_with(ApiStatus::default);
+        api.server = server.to_string();
+        if api.failing_since.is_empty() {
+            api.failing_since = now();
         }
     });
 }

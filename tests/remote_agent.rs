@@ -375,7 +375,7 @@ async fn a_silent_partition_heals_without_a_restart() {
     let cp = control_plane!();
     let relay = Relay::start(apiserver_port(cp));
     let r = Remote::new_with(cp, "silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
-    heals_after_silence(&r, &relay).await;
+    heals_after_silence(&r, &relay, "HTTP/2, PINGed").await;
 }
 
 /// The same through an HTTP proxy that goes silent: the client kube's own HTTP/1.1 stack (which
@@ -386,14 +386,15 @@ async fn a_silent_partition_heals_without_a_restart_behind_a_proxy() {
     let relay = Relay::start_proxy(apiserver_port(cp));
     let kubeconfig = relay.proxied_kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url());
     let r = Remote::new_with(cp, "silence-proxied", &kubeconfig).await;
-    heals_after_silence(&r, &relay).await;
+    heals_after_silence(&r, &relay, "HTTP/1.1").await;
     assert!(relay.carried() >= 2, "the agent went through the proxy, again after each hole: {}", relay.carried());
 }
 
 /// A plan runs; the relay goes silent for [`HOLE`]; a cancel written right after the heal stops
 /// it; again silent; a plan written right after the heal is applied: each within [`AFTER_HEAL`],
-/// nothing twice, by the same agent.
-async fn heals_after_silence(r: &Remote, relay: &Relay) {
+/// nothing twice, by the same agent. `nodeplan status` says how the agent talks to the API
+/// server (`over`) and, during the hole, since when its requests fail.
+async fn heals_after_silence(r: &Remote, relay: &Relay, over: &str) {
     let (ready, pid, marker) = (r.fifo("ready"), r.p("pid"), r.p("marker"));
     let plan = json!({"instructions": [
         sh("one", &format!("echo one >> {marker}")),
@@ -404,15 +405,21 @@ async fn heals_after_silence(r: &Remote, relay: &Relay) {
     read_fifo(&ready);
     let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
     r.wait("in-progress", |s| state(s) == "in-progress").await;
+    let answering =
+        |t: &str| t.contains("api server: https://127.0.0.1:") && t.contains(over) && !t.contains("failing");
+    agent_status_until(&r.config, &format!("the API server answering over {over}"), answering);
 
     relay.silence();
-    tokio::time::sleep(HOLE).await; // the fault itself: the hole lasts this long
+    let silenced = Instant::now();
+    agent_status_until(&r.config, "requests failing", |t| t.contains("requests failing since"));
+    tokio::time::sleep(HOLE.saturating_sub(silenced.elapsed())).await; // the fault itself: the hole lasts this long
     relay.heal();
     let healed = Instant::now();
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
     let s = r.wait_within(AFTER_HEAL, "canceled after the heal", |s| state(s) == "canceled").await;
     let canceled = healed.elapsed();
     assert!(!alive(long), "the running instruction was stopped");
+    agent_status_until(&r.config, "the API server answering again", answering);
     assert_eq!(checkpoint(&s, &checksum).map(|c| c.completed_instructions), Some(1));
 
     relay.silence();

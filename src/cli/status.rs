@@ -92,6 +92,14 @@ pub fn table(s: &AgentStatus, now: chrono::DateTime<chrono::Utc>) -> Vec<String>
         let lease = if src.lease.is_empty() { String::new() } else { format!(" (Lease: {})", src.lease) };
         out.push(line("source", format!("{}: {}{lease}", src.kind, src.target)));
     }
+    if let Some(api) = &s.api {
+        let over = if api.over.is_empty() { String::new() } else { format!(", over {}", api.over) };
+        let failing = match api.failing_since.as_str() {
+            "" => String::new(),
+            t => format!("; requests failing since {}", when(t, now)),
+        };
+        out.push(line("api server", format!("{}{over}{failing}", api.server)));
+    }
     match &s.current {
         Some(c) => {
             out.push(line("applying", format!("{}, since {}", c.plan, when(&c.since, now))));
@@ -137,7 +145,7 @@ fn shown(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::board::{Current, Last, Retry, SourceStatus};
+    use crate::board::{ApiStatus, Current, Last, Retry, SourceStatus};
 
     #[test]
     fn the_table_says_what_the_agent_does_and_since_when() {
@@ -152,6 +160,11 @@ mod tests {
                 SourceStatus { kind: "local".into(), target: "directory /plans".into(), lease: String::new() },
                 SourceStatus { kind: "secret".into(), target: "secret ns/p".into(), lease: "held as a".into() },
             ],
+            api: Some(ApiStatus {
+                server: "https://10.0.0.1:6443".into(),
+                over: "HTTP/2, PINGed every 10s".into(),
+                failing_since: "2026-12-02T11:59:40Z".into(),
+            }),
             current: Some(Current {
                 plan: "secret ns/p".into(),
                 since: "2026-12-02T11:59:00Z".into(),
@@ -176,6 +189,7 @@ mod tests {
                 "node:       node-a",
                 "source:     local: directory /plans",
                 "source:     secret: secret ns/p (Lease: held as a)",
+                "api server: https://10.0.0.1:6443, over HTTP/2, PINGed every 10s; requests failing since 2026-12-02T11:59:40Z (20s ago)",
                 "applying:   secret ns/p, since 2026-12-02T11:59:00Z (1m ago)",
                 "running:    instruction 2/3 install, since 2026-12-02T11:59:50Z (10s ago)",
                 "last:       /plans/a.plan: failed: instruction 1/1 x: exit status 3\\u{1b}[2J, 2026-12-02T11:30:00Z (30m ago)",

@@ -20,7 +20,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::LazyLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -35,43 +35,66 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Liveness {
     failing: AtomicBool,
     epoch: watch::Sender<u64>,
-    /// The last answer came over HTTP/2, whose connection PINGs itself (`k8s::connection`).
-    http2: AtomicBool,
+    /// How the last answer came: [`NO_ANSWER_YET`], [`HTTP1`] or [`HTTP2`] (whose connection
+    /// PINGs itself, `k8s::connection`).
+    protocol: AtomicU8,
 }
+
+const NO_ANSWER_YET: u8 = 0;
+const HTTP1: u8 = 1;
+const HTTP2: u8 = 2;
 
 impl Default for Liveness {
     fn default() -> Self {
-        Liveness { failing: AtomicBool::new(false), epoch: watch::Sender::new(0), http2: AtomicBool::new(false) }
+        Liveness {
+            failing: AtomicBool::new(false),
+            epoch: watch::Sender::new(0),
+            protocol: AtomicU8::new(NO_ANSWER_YET),
+        }
     }
 }
 
 impl Liveness {
     /// A request failed or was given up before its answer.
     pub fn failed(&self) {
-        self.failing.store(true, Ordering::SeqCst);
+        if !self.failing.swap(true, Ordering::SeqCst) {
+            crate::board::api_failing(&shown_server());
+        }
     }
 
     /// A request was answered: after failures, the connection is back (the epoch moves).
     pub fn answered(&self) {
         if self.failing.swap(false, Ordering::SeqCst) {
             self.epoch.send_modify(|e| *e += 1);
+            self.tell_board();
         }
+    }
+
+    /// The board's line for the API server, as it answers now.
+    fn tell_board(&self) {
+        let over = match self.protocol.load(Ordering::Relaxed) {
+            HTTP2 => format!("HTTP/2, PINGed every {}", crate::duration::human(super::connection::PING_INTERVAL)),
+            HTTP1 => "HTTP/1.1".to_string(),
+            _ => String::new(),
+        };
+        crate::board::api_answered(&shown_server(), &over);
     }
 
     /// An answer came over `version`.
     fn spoke(&self, version: hyper::Version) {
-        let http2 = version == hyper::Version::HTTP_2;
-        if self.http2.swap(http2, Ordering::Relaxed) != http2 {
-            match http2 {
-                true => tracing::debug!("the API server answers over HTTP/2: its connection is PINGed"),
-                false => tracing::debug!("the API server answers over {version:?}: no PINGs, short watches"),
+        let now = if version == hyper::Version::HTTP_2 { HTTP2 } else { HTTP1 };
+        if self.protocol.swap(now, Ordering::Relaxed) != now {
+            match now {
+                HTTP2 => tracing::debug!("the API server answers over HTTP/2: its connection is PINGed"),
+                _ => tracing::debug!("the API server answers over {version:?}: no PINGs, short watches"),
             }
+            self.tell_board();
         }
     }
 
     /// The last answer came over HTTP/2: its connection is PINGed, so a watch on it may be long.
     pub fn on_http2(&self) -> bool {
-        self.http2.load(Ordering::Relaxed)
+        self.protocol.load(Ordering::Relaxed) == HTTP2
     }
 
     /// The epoch: it moves each time the API server answers again after failures.
@@ -87,6 +110,11 @@ pub fn reconnected() -> watch::Receiver<u64> {
     let mut rx = LIVENESS.subscribe();
     rx.mark_unchanged();
     rx
+}
+
+/// The API server's URL for the board (set by the first client made).
+fn shown_server() -> String {
+    super::server().unwrap_or("the API server").to_string()
 }
 
 /// The process-wide account's [`Liveness::on_http2`].
