@@ -17,9 +17,9 @@
 //! on TCP connect and TLS) with the HTTP/2 settings added, and without kube's read and write
 //! bounds on the socket: the PINGs find a dead connection sooner, and the bound on an answer's
 //! headers is [`super::liveness`]'s. A server that negotiates HTTP/1.1 gets no PINGs: watches
-//! there keep their short server-side timeout as the liveness signal ([`super::watch::Bounds`]). Where that stack takes
-//! a part this one does not have (a proxy, a credential plugin, a `tls-server-name`), kube's
-//! HTTP/1.1 client is used as it is, with its read and write bounds.
+//! there keep their short server-side timeout as the liveness signal ([`super::watch::Bounds`]).
+//! Where kube's stack takes a part this one does not have (a proxy, a credential plugin, a
+//! `tls-server-name`), kube's HTTP/1.1 client is used as it is, with its read and write bounds.
 //!
 //! Owns: the transport settings. The bounds of one request and the health account are
 //! [`super::liveness`]'s.

@@ -91,6 +91,9 @@ pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {
     if let Some(b) = connection::builder(&config)? {
         return Ok(b.with_layer(&liveness::Layer).with_layer(&UserAgentLayer).build());
     }
+    if let Some(why) = connection::kube_stack_only(&config) {
+        tracing::debug!("the kubeconfig has {why}: HTTP/1.1 to the API server, no PINGs, watches of 20 s");
+    }
     Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&liveness::Layer).with_layer(&UserAgentLayer).build())
 }
 
