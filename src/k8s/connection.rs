@@ -234,5 +234,9 @@ mod tests {
         let mut named = plain.clone();
         named.tls_server_name = Some("api".into());
         assert_eq!(kube_stack_only(&named), Some("tls-server-name"));
+        let mut plugin = plain.clone();
+        let exec = serde_json::json!({"apiVersion": "client.authentication.k8s.io/v1", "command": "get-token"});
+        plugin.auth_info.exec = Some(serde_json::from_value(exec).unwrap());
+        assert_eq!(kube_stack_only(&plugin), Some("a credential plugin"));
     }
 }
