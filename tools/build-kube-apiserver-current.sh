@@ -46,7 +46,7 @@ main() {
   # Only the module proxy and go.sum, never a toolchain download or a change of go.mod/go.sum.
   export GOTOOLCHAIN=local GOFLAGS="-trimpath -mod=readonly -buildvcs=false" CGO_ENABLED=0 GOWORK=off
   # The versions go.mod requires (read offline: a cached run touches no network).
-  required() { sed -n "s#^[[:space:]]*$1 \(v[^ ]*\).*#\1#p" "$MOD/go.mod" | head -1; }
+  required() { sed -n "s#^[[:space:]]*$1 \(v[^ ]*\).*#\1#p" "$MOD/go.mod" | sed -n 1p; }
   K8S_VERSION=$(required k8s.io/kubernetes)
   ETCD_VERSION=$(required go.etcd.io/etcd/server/v3)
   [ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] || { echo "$MOD/go.mod names no k8s.io/kubernetes or etcd version" >&2; exit 1; }
@@ -103,7 +103,7 @@ main() {
     go version
     "$NEW/bin/kube-apiserver" --version
     "$NEW/bin/kubectl" version --client
-    "$NEW/bin/etcd" --version | head -1
+    "$NEW/bin/etcd" --version | sed -n 1p
   } > "$NEW/versions"
   cat "$NEW/versions" >&2
   grep -qx "Kubernetes $K8S_VERSION" "$NEW/versions" || { echo "kube-apiserver does not say it is $K8S_VERSION" >&2; exit 1; }

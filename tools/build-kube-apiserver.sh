@@ -79,7 +79,7 @@ apt-get "${APT[@]}" update -qq
 for d in "$NEW"/debs/*.deb; do dpkg -x "$d" "$NEW/root"; done
 (cd "$NEW/src" && { apt-get "${APT[@]}" source --download-only -qq "kubernetes=$K8S_DEB_VERSION" \
    || apt-get "${APT[@]}" source --download-only -qq kubernetes; } && tar xzf kubernetes_*.orig.tar.gz)
-SRC=$(ls -d "$NEW"/src/kubernetes-*/ | head -1); SRC=${SRC%/}
+SRC=$(ls -d "$NEW"/src/kubernetes-*/ | sed -n 1p); SRC=${SRC%/}
 
 # Replace the vendored reflect2 1.0.1 and json-iterator 1.1.10 with Debian's 1.0.2 and 1.1.12 (same
 # API; see recipe 2 above). GOPATH mode below reads vendor/ directly, so modules.txt is irrelevant.
@@ -141,7 +141,7 @@ pkgver() { dpkg-deb -f "$(ls "$NEW"/debs/"$1"_*.deb)" Version; }
   done
   "$NEW/bin/kube-apiserver" --version
   "$NEW/bin/kubectl" version --client --short 2>/dev/null || "$NEW/bin/kubectl" version --client
-  "$NEW/bin/etcd" --version | head -1
+  "$NEW/bin/etcd" --version | sed -n 1p
 } > "$NEW/versions"
 cat "$NEW/versions" >&2
 echo "$RECIPE" > "$NEW/recipe"

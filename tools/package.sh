@@ -49,7 +49,7 @@ bin=$stage/nodeplan
 
 # A Debian changelog entry for this build: the version, the commit and that commit's date (as
 # `nodeplan --version` prints them), so the same commit makes the same package.
-version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | sed -n 1p)
 read -r _ _ _ commit date <<<"$("$bin" --version | tr -d '(),')"
 when=$(date -u -R -d "${date/unknown/@0}" 2>/dev/null || date -u -R -d @0)
 cat >"$stage/changelog" <<CHANGELOG

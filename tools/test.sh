@@ -50,7 +50,7 @@ cargo clippy --all-targets --locked -- -D warnings
 # and zig if missing).
 tools/package.sh >&2
 # Each run names the version it is for; a test checks the control plane is that one.
-k8s_current=$(sed -n 's#^[[:space:]]*k8s.io/kubernetes \(v[^ ]*\).*#\1#p' tools/k8s-current/go.mod | head -1)
+k8s_current=$(sed -n 's#^[[:space:]]*k8s.io/kubernetes \(v[^ ]*\).*#\1#p' tools/k8s-current/go.mod | sed -n 1p)
 rc=0
 echo "=== every test; the Kubernetes suites against kube-apiserver v1.20.2 ===" >&2
 NODEPLAN_K8S_EXPECT_VERSION=v1.20.2 cargo nextest run --locked --no-fail-fast "$@" || rc=$?
