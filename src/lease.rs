@@ -334,20 +334,28 @@ impl Held {
         if *self.lost.borrow() {
             return;
         }
-        let Ok(mut l) = bounded(api.get(&r.name)).await else { return };
-        if seen_of(&l).holder.as_deref() != Some(r.identity.as_str()) {
-            return;
-        }
-        if let Some(spec) = l.spec.as_mut() {
-            spec.holder_identity = None;
-            spec.renew_time = Some(now());
-            // Stopped acting: a waiting agent need not wait out the idle duration.
-            spec.lease_duration_seconds = Some(seconds(r.duration));
-        }
-        l.metadata.annotations.get_or_insert_default().insert(RELEASED_BY.to_string(), r.identity.clone());
-        match bounded(api.replace(&r.name, &PostParams::default(), &l)).await {
-            Ok(_) if self.quiet => tracing::debug!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
-            Ok(_) => tracing::info!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
+        // One bound for the read and the write together: a release that cannot land (the network
+        // is down) holds the agent's exit up no longer than one request would; the Lease then
+        // expires by itself.
+        let released = bounded(async {
+            let mut l = api.get(&r.name).await?;
+            if seen_of(&l).holder.as_deref() != Some(r.identity.as_str()) {
+                return Ok(false);
+            }
+            if let Some(spec) = l.spec.as_mut() {
+                spec.holder_identity = None;
+                spec.renew_time = Some(now());
+                // Stopped acting: a waiting agent need not wait out the idle duration.
+                spec.lease_duration_seconds = Some(seconds(r.duration));
+            }
+            l.metadata.annotations.get_or_insert_default().insert(RELEASED_BY.to_string(), r.identity.clone());
+            api.replace(&r.name, &PostParams::default(), &l).await.map(|_| true)
+        })
+        .await;
+        match released {
+            Ok(false) => {}
+            Ok(true) if self.quiet => tracing::debug!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
+            Ok(true) => tracing::info!("released the Lease {}/{} on {}", r.namespace, r.name, r.what),
             Err(_) => tracing::debug!("could not release the Lease {}/{}; it expires by itself", r.namespace, r.name),
         }
     }
@@ -1227,6 +1235,42 @@ mod tests {
         );
     }
 
+    /// A release that cannot land (the network is down) holds the agent's exit up no longer than
+    /// one request's bound in all: the read is answered slowly and the write never. A scripted API
+    /// server on a paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_that_cannot_land_holds_the_exit_up_one_bound_at_most() {
+        use http::{Method, Request, Response};
+        use kube::client::Body;
+        let r = a_lease();
+        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
+        let mine = Lease {
+            metadata: ObjectMeta { resource_version: Some("1".into()), ..taken(&r, None).metadata },
+            ..taken(&r, None)
+        };
+        let server = tokio::spawn(async move {
+            let mut handle = std::pin::pin!(handle);
+            let mut held = Vec::new();
+            while let Some((req, send)) = handle.as_mut().next_request().await {
+                if req.method() == Method::GET {
+                    tokio::time::sleep(REQUEST_TIMEOUT.mul_f64(0.8)).await;
+                    send.send_response(
+                        Response::builder().body(Body::from(serde_json::to_vec(&mine).unwrap())).unwrap(),
+                    );
+                } else {
+                    held.push(send); // never answered
+                }
+            }
+        });
+        let (_lost_tx, lost) = watch::channel(false);
+        let held = Held { renewer: None, lost, acting: watch::channel(true).1, release: Some((api, r)), quiet: false };
+        let started = Instant::now();
+        held.release().await;
+        assert_eq!(started.elapsed(), REQUEST_TIMEOUT, "the read and the write share one bound");
+        server.abort();
+    }
+
     #[test]
     fn lease_names_are_valid() {
         assert_eq!(lease_name("machine-plan"), "nodeplan-machine-plan");
@@ -1274,6 +1318,7 @@ pub fn guard(
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     let (busy_tx, busy) = watch::channel(false);
     let (fresh_tx, fresh) = tokio::sync::mpsc::channel(8);
+    let shutdown_rx = shutdown.clone();
     let task = tokio::spawn(async move {
         let what = lease.as_ref().map(|(_, r)| r.what.clone());
         let mut told = false;
@@ -1355,5 +1400,5 @@ pub fn guard(
             h.release().await;
         }
     });
-    Gate::new(state, fence, stop, task).telling(busy_tx, fresh_tx)
+    Gate::new(state, fence, stop, task).telling(busy_tx, fresh_tx, shutdown_rx)
 }

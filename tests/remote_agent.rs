@@ -375,7 +375,7 @@ async fn a_silent_partition_heals_without_a_restart() {
     let cp = control_plane!();
     let relay = Relay::start(apiserver_port(cp));
     let r = Remote::new_with(cp, "silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
-    heals_after_silence(&r, &relay, "HTTP/2, PINGed").await;
+    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Silence).await;
 }
 
 /// The same through an HTTP proxy that goes silent: the client kube's own HTTP/1.1 stack (which
@@ -386,15 +386,37 @@ async fn a_silent_partition_heals_without_a_restart_behind_a_proxy() {
     let relay = Relay::start_proxy(apiserver_port(cp));
     let kubeconfig = relay.proxied_kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url());
     let r = Remote::new_with(cp, "silence-proxied", &kubeconfig).await;
-    heals_after_silence(&r, &relay, "HTTP/1.1").await;
+    heals_after(&r, &relay, "HTTP/1.1", Hole::Silence).await;
     assert!(relay.carried() >= 2, "the agent went through the proxy, again after each hole: {}", relay.carried());
 }
 
-/// A plan runs; the relay goes silent for [`HOLE`]; a cancel written right after the heal stops
-/// it; again silent; a plan written right after the heal is applied: each within [`AFTER_HEAL`],
+/// The same when the path slows to a trickle (a byte each way every 50 ms) instead of going
+/// silent, and the connections that were slow stay slow after the heal: nothing is lost or closed,
+/// so only the client's own liveness checks (a PING answered too late behind the trickling bytes,
+/// a Lease renewal that gets no answer in time) move it to a new connection.
+#[tokio::test]
+async fn a_slow_path_heals_without_a_restart() {
+    let cp = control_plane!();
+    let relay = Relay::start(apiserver_port(cp));
+    let r = Remote::new_with(cp, "slow", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
+    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Slow).await;
+}
+
+/// The same when every connection is reset (an RST, as from a firewall that lost its state) and
+/// new ones are reset until the network is restored.
+#[tokio::test]
+async fn connections_reset_heal_without_a_restart() {
+    let cp = control_plane!();
+    let relay = Relay::start(apiserver_port(cp));
+    let r = Remote::new_with(cp, "reset", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
+    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Reset).await;
+}
+
+/// A plan runs; the relay has a `hole` for [`HOLE`]; a cancel written right after the heal stops
+/// it; again a hole; a plan written right after the heal is applied: each within [`AFTER_HEAL`],
 /// nothing twice, by the same agent. `nodeplan status` says how the agent talks to the API
 /// server (`over`) and, during the hole, since when its requests fail.
-async fn heals_after_silence(r: &Remote, relay: &Relay, over: &str) {
+async fn heals_after(r: &Remote, relay: &Relay, over: &str, hole: Hole) {
     let (ready, pid, marker) = (r.fifo("ready"), r.p("pid"), r.p("marker"));
     let plan = json!({"instructions": [
         sh("one", &format!("echo one >> {marker}")),
@@ -409,11 +431,11 @@ async fn heals_after_silence(r: &Remote, relay: &Relay, over: &str) {
         |t: &str| t.contains("api server: https://127.0.0.1:") && t.contains(over) && !t.contains("failing");
     agent_status_until(&r.config, &format!("the API server answering over {over}"), answering);
 
-    relay.silence();
-    let silenced = Instant::now();
+    hole.open(relay);
+    let opened = Instant::now();
     agent_status_until(&r.config, "requests failing", |t| t.contains("requests failing since"));
-    tokio::time::sleep(HOLE.saturating_sub(silenced.elapsed())).await; // the fault itself: the hole lasts this long
-    relay.heal();
+    tokio::time::sleep(HOLE.saturating_sub(opened.elapsed())).await; // the fault itself: the hole lasts this long
+    hole.close(relay);
     let healed = Instant::now();
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
     let s = r.wait_within(AFTER_HEAL, "canceled after the heal", |s| state(s) == "canceled").await;
@@ -422,9 +444,9 @@ async fn heals_after_silence(r: &Remote, relay: &Relay, over: &str) {
     agent_status_until(&r.config, "the API server answering again", answering);
     assert_eq!(checkpoint(&s, &checksum).map(|c| c.completed_instructions), Some(1));
 
-    relay.silence();
+    hole.open(relay);
     tokio::time::sleep(HOLE).await;
-    relay.heal();
+    hole.close(relay);
     let healed = Instant::now();
     let raw = serde_json::to_vec(&json!({"instructions": [sh("next", &format!("echo next >> {marker}"))]})).unwrap();
     let next = plan::checksum(&raw);

@@ -42,6 +42,8 @@ pub struct Gate {
     busy: Option<watch::Sender<bool>>,
     /// Asked before the agent starts a plan or writes ([`Gate::fresh`]).
     fresh: Option<mpsc::Sender<FreshRequest>>,
+    /// The agent's shutdown: an ask still waiting then is given up at once.
+    shutdown: Option<watch::Receiver<bool>>,
 }
 
 /// A request for the Lease to leave the agent margin to act (R26), answered once it does (`Err`:
@@ -69,18 +71,26 @@ impl Gate {
             fence_alive: true,
             busy: None,
             fresh: None,
+            shutdown: None,
         }
     }
 
     /// The gate's task is told through `busy` whether a plan of the source executes, and asked
-    /// through `fresh` before the agent starts a plan or writes.
-    pub fn telling(self, busy: watch::Sender<bool>, fresh: mpsc::Sender<FreshRequest>) -> Gate {
-        Gate { busy: Some(busy), fresh: Some(fresh), ..self }
+    /// through `fresh` before the agent starts a plan or writes; an ask gives up at `shutdown`.
+    pub fn telling(
+        self,
+        busy: watch::Sender<bool>,
+        fresh: mpsc::Sender<FreshRequest>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Gate {
+        Gate { busy: Some(busy), fresh: Some(fresh), shutdown: Some(shutdown), ..self }
     }
 
     /// Before the agent starts a plan or writes (R26): at once when the Lease's last renewal leaves
     /// it margin to act, else once a renewal sent for the asking has landed (at most
-    /// [`FRESH_WAIT`]). An `Err` says why it may not act now. Without a Lease, at once.
+    /// [`FRESH_WAIT`], and no longer than until the agent shuts down: a shutdown is not held up
+    /// by a renewal that cannot land). An `Err` says why it may not act now. Without a Lease, at
+    /// once.
     pub async fn fresh(&self) -> Result<(), String> {
         let Some(ask) = &self.fresh else { return Ok(()) };
         let asked = async {
@@ -92,9 +102,16 @@ impl Gate {
             }
             answer.await.unwrap_or_else(|_| Err("this agent's Lease is no longer renewed".into()))
         };
-        tokio::time::timeout(FRESH_WAIT, asked).await.unwrap_or_else(|_| {
-            Err(format!("this agent's Lease could not be renewed within {}", crate::duration::human(FRESH_WAIT)))
-        })
+        let shutdown = async {
+            let mut s = self.shutdown.clone()?;
+            s.wait_for(|s| *s).await.ok().map(|_| ())
+        };
+        tokio::select! {
+            r = tokio::time::timeout(FRESH_WAIT, asked) => r.unwrap_or_else(|_| {
+                Err(format!("this agent's Lease could not be renewed within {}", crate::duration::human(FRESH_WAIT)))
+            }),
+            Some(()) = shutdown => Err("the agent shuts down".into()),
+        }
     }
 
     fn state(&self) -> GateState {

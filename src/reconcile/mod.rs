@@ -827,7 +827,12 @@ impl<S: PlanSource> Reconciler<S> {
             None => w.step.next(began, now),
         };
         w.at = Some(now + d);
-        tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
+        if *self.shutdown.borrow() {
+            // The loop ends before the retry: nothing to warn of.
+            tracing::debug!("did not write {what} ({error}): the agent shuts down");
+        } else {
+            tracing::warn!("cannot write {what} ({error}); retrying in {}", human_duration(d));
+        }
         Action::After(d)
     }
 

@@ -1302,7 +1302,7 @@ async fn a_gate_holds_its_source_until_it_opens_and_its_end_stops_the_agent() {
 /// R26: a gate's `fresh` (asked before a start or a write) is answered at once without a Lease
 /// (no asker, or nobody renews while the fence is open), refuses when nobody renews and the fence
 /// is closed, passes on the renewer's answer, and never waits longer than `FRESH_WAIT`, even for a
-/// renewer that never reads (its queue full). On a paused clock.
+/// renewer that never reads (its queue full), nor past the agent's shutdown. On a paused clock.
 #[tokio::test(start_paused = true)]
 async fn a_gate_answers_fresh_at_once_without_a_lease_and_within_its_bound_with_one() {
     use super::gate::FRESH_WAIT;
@@ -1314,9 +1314,10 @@ async fn a_gate_answers_fresh_at_once_without_a_lease_and_within_its_bound_with_
     };
     let (g, _f) = gate(true);
     assert_eq!(g.fresh().await, Ok(()), "no asker");
+    let (shutdown_tx, shutdown) = watch::channel(false);
     let asker = |g: Gate| {
         let (ask_tx, ask_rx) = tokio::sync::mpsc::channel(1);
-        (g.telling(watch::channel(false).0, ask_tx), ask_rx)
+        (g.telling(watch::channel(false).0, ask_tx, shutdown.clone()), ask_rx)
     };
     let (g, _f) = gate(true);
     let (g, rx) = asker(g);
@@ -1345,4 +1346,19 @@ async fn a_gate_answers_fresh_at_once_without_a_lease_and_within_its_bound_with_
         assert!(g.fresh().await.is_err());
         assert_eq!(started.elapsed(), FRESH_WAIT);
     }
+    // A shutdown while it waits ends the wait then: it is not held up by the renewal.
+    let started = Instant::now();
+    let asked = g.fresh();
+    let shut = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        shutdown_tx.send_replace(true);
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        r = asked => assert_eq!(r, Err("the agent shuts down".to_string())),
+        () = shut => unreachable!(),
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(3));
+    // And once shut down, an ask is refused at once.
+    assert_eq!(g.fresh().await, Err("the agent shuts down".to_string()));
 }

@@ -507,10 +507,16 @@ impl LocalNode {
 /// It runs on a thread and runtime of its own, so the test's blocking handshakes never hold it up.
 /// - [`Relay::cut`]: every connection through it is closed, new ones are closed at once (a FIN:
 ///   the peer knows at once); [`Relay::restore`] carries new connections again.
+/// - [`Relay::reset`]: the same with an RST instead of a FIN (`SO_LINGER` 0), as a firewall or a
+///   peer that lost the connection's state answers; [`Relay::restore`] ends it.
 /// - [`Relay::silence`]: packets stop, without a FIN or an RST, as at a NAT timeout or a load
 ///   balancer's failover: the open connections stop moving bytes for good (their sockets are
 ///   kept open and never read again), and new connections are accepted and then never carried;
 ///   [`Relay::heal`] carries new connections again, and the connections opened before stay dead.
+/// - [`Relay::slow`]: bytes trickle, one every [`TRICKLE`] each way, on every open connection and
+///   every new one (a path that degraded: a lossy link, a congested tunnel); nothing is lost or
+///   closed. [`Relay::heal`] carries new connections at full speed again; the ones that were slow
+///   stay slow.
 ///
 /// [`Relay::start_proxy`] makes it an HTTP proxy instead (each connection begins with a `CONNECT`,
 /// answered 200), for a client that reaches the API server through one.
@@ -519,16 +525,33 @@ pub struct Relay {
     state: std::sync::Arc<RelayState>,
 }
 
-#[derive(Default)]
+/// How fast a slow connection moves bytes: one each way every so often (20 bytes a second).
+pub const TRICKLE: Duration = Duration::from_millis(50);
+
+/// What befalls the connections open when it happens (and, until the relay is restored or healed,
+/// every new one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    /// Closed with a FIN.
+    Cut,
+    /// Closed with an RST.
+    Reset,
+    /// Never moves a byte again, never closed.
+    Silence,
+    /// Moves a byte each way every [`TRICKLE`], for good.
+    Slow,
+}
+
+/// Which fault befell the open connections last, numbered.
+type Hits = tokio::sync::watch::Sender<(u64, Option<Fault>)>;
+
 struct RelayState {
-    /// New connections are closed at once.
-    cut: std::sync::atomic::AtomicBool,
-    /// New connections are accepted and never carried.
-    silent: std::sync::atomic::AtomicBool,
+    /// The fault new connections meet (`None`: carried at full speed).
+    now: std::sync::Mutex<Option<Fault>>,
     /// Connections carried so far (CONNECTs answered, for a proxy).
     carried: std::sync::atomic::AtomicUsize,
-    /// Moves at every cut and every silence: a connection opened before stops being carried.
-    epoch: std::sync::Mutex<Option<tokio::sync::watch::Sender<(u64, bool)>>>,
+    /// Moves at every fault: what befalls the connections open then.
+    hit: Hits,
 }
 
 impl Relay {
@@ -546,9 +569,11 @@ impl Relay {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let state = std::sync::Arc::new(RelayState::default());
-        let (epoch, _) = tokio::sync::watch::channel((0u64, false));
-        *state.epoch.lock().unwrap() = Some(epoch.clone());
+        let state = std::sync::Arc::new(RelayState {
+            now: std::sync::Mutex::new(None),
+            carried: Default::default(),
+            hit: tokio::sync::watch::channel((0u64, None)).0,
+        });
         let st = state.clone();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -556,14 +581,20 @@ impl Relay {
                 let listener = tokio::net::TcpListener::from_std(listener).unwrap();
                 let mut parked = Vec::new();
                 while let Ok((inbound, _)) = listener.accept().await {
-                    if st.cut.load(SeqCst) {
-                        continue; // closed: the peer sees the connection end
+                    let fault = *st.now.lock().unwrap();
+                    match fault {
+                        Some(Fault::Cut) => continue, // closed: the peer sees the connection end
+                        Some(Fault::Reset) => {
+                            let _ = inbound.set_zero_linger(); // closed with an RST
+                            continue;
+                        }
+                        Some(Fault::Silence) => {
+                            parked.push(inbound); // open, never read, never closed
+                            continue;
+                        }
+                        Some(Fault::Slow) | None => {}
                     }
-                    if st.silent.load(SeqCst) {
-                        parked.push(inbound); // open, never read, never closed
-                        continue;
-                    }
-                    let mut moved = epoch.subscribe();
+                    let mut moved = st.hit.subscribe();
                     moved.mark_unchanged();
                     let st = st.clone();
                     tokio::spawn(async move {
@@ -573,15 +604,7 @@ impl Relay {
                         }
                         st.carried.fetch_add(1, SeqCst);
                         let Ok(out) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else { return };
-                        let mut out = out;
-                        let closed = tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
-                            _ = moved.changed() => moved.borrow().1,
-                        };
-                        if !closed {
-                            // Silence: hold both sockets open for ever, moving nothing.
-                            std::future::pending::<()>().await;
-                        }
+                        carry(inbound, out, fault == Some(Fault::Slow), moved).await;
                     });
                 }
             });
@@ -589,34 +612,44 @@ impl Relay {
         Relay { port, state }
     }
 
-    fn moved(&self, closed: bool) {
-        if let Some(tx) = self.state.epoch.lock().unwrap().as_ref() {
-            tx.send_modify(|(n, c)| {
+    fn befall(&self, fault: Option<Fault>) {
+        *self.state.now.lock().unwrap() = fault;
+        if let Some(f) = fault {
+            self.state.hit.send_modify(|(n, what)| {
                 *n += 1;
-                *c = closed;
+                *what = Some(f);
             });
         }
     }
 
     /// Close every connection through the relay and close new ones.
     pub fn cut(&self) {
-        self.state.cut.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.moved(true);
+        self.befall(Some(Fault::Cut));
     }
 
+    /// Reset every connection through the relay and reset new ones.
+    pub fn reset(&self) {
+        self.befall(Some(Fault::Reset));
+    }
+
+    /// Carry new connections again after [`Relay::cut`] or [`Relay::reset`].
     pub fn restore(&self) {
-        self.state.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.befall(None);
     }
 
     /// Stop moving bytes on every connection, without closing any (see [`Relay`]).
     pub fn silence(&self) {
-        self.state.silent.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.moved(false);
+        self.befall(Some(Fault::Silence));
     }
 
-    /// Carry new connections again; the ones silenced stay dead.
+    /// Move bytes at a trickle on every connection, and on new ones (see [`Relay`]).
+    pub fn slow(&self) {
+        self.befall(Some(Fault::Slow));
+    }
+
+    /// Carry new connections at full speed again; the ones silenced or slowed stay so.
     pub fn heal(&self) {
-        self.state.silent.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.befall(None);
     }
 
     /// How many connections the relay has carried (a proxy: `CONNECT`s answered).
@@ -635,6 +668,108 @@ impl Relay {
         let line = format!("    server: {server}\n");
         assert!(kubeconfig.contains(&line), "no server line in {kubeconfig}");
         kubeconfig.replace(&line, &format!("{line}    proxy-url: http://127.0.0.1:{}\n", self.port))
+    }
+}
+
+/// Carry one connection both ways (at a trickle once `slow`) until either side ends it or a fault
+/// befalls it.
+async fn carry(
+    mut inbound: tokio::net::TcpStream,
+    mut out: tokio::net::TcpStream,
+    slow: bool,
+    mut moved: tokio::sync::watch::Receiver<(u64, Option<Fault>)>,
+) {
+    let slow = tokio::sync::watch::channel(slow).0;
+    let fault = {
+        let (ri, wi) = inbound.split();
+        let (ro, wo) = out.split();
+        let (up, down) = (pump(ri, wo, slow.subscribe()), pump(ro, wi, slow.subscribe()));
+        let (mut up, mut down) = (std::pin::pin!(up), std::pin::pin!(down));
+        let (mut up_done, mut down_done) = (false, false);
+        loop {
+            tokio::select! {
+                () = &mut up, if !up_done => up_done = true,
+                () = &mut down, if !down_done => down_done = true,
+                r = moved.changed() => match r.ok().and_then(|_| moved.borrow().1) {
+                    Some(Fault::Slow) => {
+                        slow.send_replace(true);
+                        continue;
+                    }
+                    other => break other,
+                },
+            }
+            if up_done && down_done {
+                return;
+            }
+        }
+    };
+    match fault {
+        Some(Fault::Silence) => std::future::pending::<()>().await, // both sockets open, moving nothing
+        Some(Fault::Reset) => {
+            let _ = inbound.set_zero_linger();
+        }
+        _ => {}
+    }
+}
+
+/// Copy `from` to `to` until `from` ends (then end `to`'s writing side), a byte at a time with a
+/// [`TRICKLE`] after each while `slow` says so. Nothing read is lost when `slow` changes.
+async fn pump<R, W>(mut from: R, mut to: W, slow: tokio::sync::watch::Receiver<bool>)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                let _ = to.shutdown().await;
+                return;
+            }
+            Ok(n) => n,
+        };
+        let mut sent = 0;
+        while sent < n {
+            let step = if *slow.borrow() { 1 } else { n - sent };
+            if to.write_all(&buf[sent..sent + step]).await.is_err() {
+                return;
+            }
+            sent += step;
+            if *slow.borrow() {
+                tokio::time::sleep(TRICKLE).await;
+            }
+        }
+    }
+}
+
+/// A fault the partition tests put on a [`Relay`] for a while, and how it ends.
+#[allow(dead_code)]
+#[derive(Clone, Copy, Debug)]
+pub enum Hole {
+    /// [`Relay::silence`], ended by [`Relay::heal`].
+    Silence,
+    /// [`Relay::slow`], ended by [`Relay::heal`].
+    Slow,
+    /// [`Relay::reset`], ended by [`Relay::restore`].
+    Reset,
+}
+
+#[allow(dead_code)]
+impl Hole {
+    pub fn open(self, relay: &Relay) {
+        match self {
+            Hole::Silence => relay.silence(),
+            Hole::Slow => relay.slow(),
+            Hole::Reset => relay.reset(),
+        }
+    }
+
+    pub fn close(self, relay: &Relay) {
+        match self {
+            Hole::Silence | Hole::Slow => relay.heal(),
+            Hole::Reset => relay.restore(),
+        }
     }
 }
 
