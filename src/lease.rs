@@ -1182,13 +1182,12 @@ mod tests {
         assert!(seen.try_recv().is_ok(), "renewals were sent meanwhile");
     }
 
-    /// R26: a renewal that finds the Lease rewritten by someone else but still naming this agent
-    /// writes it again on top of what it read (conditionally on that version), since a waiting agent
-    /// counts its wait from the last write it saw: keeping the Lease as read would leave the
-    /// fence open for a wait that began at the other writer's write. A scripted API server.
-    #[tokio::test(start_paused = true)]
-    async fn a_lease_someone_else_rewrote_is_renewed_on_top_of_it() {
-        use http::{Method, Request, Response};
+    /// The handle of a scripted API server.
+    type Script = tower_test::mock::Handle<http::Request<kube::client::Body>, http::Response<kube::client::Body>>;
+
+    /// [`a_lease`], a Lease API answered by a script, and the Lease as this agent took it (version 1).
+    fn a_scripted_lease() -> (LeaseRef, Api<Lease>, Script, Lease) {
+        use http::{Request, Response};
         use kube::client::Body;
         let r = a_lease();
         let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -1197,6 +1196,18 @@ mod tests {
             metadata: ObjectMeta { resource_version: Some("1".into()), ..taken(&r, None).metadata },
             ..taken(&r, None)
         };
+        (r, api, handle, mine)
+    }
+
+    /// R26: a renewal that finds the Lease rewritten by someone else but still naming this agent
+    /// writes it again on top of what it read (conditionally on that version), since a waiting agent
+    /// counts its wait from the last write it saw: keeping the Lease as read would leave the
+    /// fence open for a wait that began at the other writer's write. A scripted API server.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_someone_else_rewrote_is_renewed_on_top_of_it() {
+        use http::{Method, Response};
+        use kube::client::Body;
+        let (r, api, handle, mine) = a_scripted_lease();
         let theirs = {
             let mut l = mine.clone();
             l.metadata.resource_version = Some("7".into());
@@ -1240,15 +1251,9 @@ mod tests {
     /// server on a paused clock.
     #[tokio::test(start_paused = true)]
     async fn a_release_that_cannot_land_holds_the_exit_up_one_bound_at_most() {
-        use http::{Method, Request, Response};
+        use http::{Method, Response};
         use kube::client::Body;
-        let r = a_lease();
-        let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let api: Api<Lease> = Api::namespaced(kube::Client::new(svc, "ns"), "ns");
-        let mine = Lease {
-            metadata: ObjectMeta { resource_version: Some("1".into()), ..taken(&r, None).metadata },
-            ..taken(&r, None)
-        };
+        let (r, api, handle, mine) = a_scripted_lease();
         let server = tokio::spawn(async move {
             let mut handle = std::pin::pin!(handle);
             let mut held = Vec::new();
