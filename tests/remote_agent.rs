@@ -372,10 +372,7 @@ fn apiserver_port(cp: &ControlPlane) -> u16 {
 /// its Lease (the default), whose renewals see the comeback first.
 #[tokio::test]
 async fn a_silent_partition_heals_without_a_restart() {
-    let cp = control_plane!();
-    let relay = Relay::start(apiserver_port(cp));
-    let r = Remote::new_with(cp, "silence", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
-    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Silence).await;
+    heals_through_a_relay("silence", Hole::Silence).await;
 }
 
 /// The same through an HTTP proxy that goes silent: the client kube's own HTTP/1.1 stack (which
@@ -396,20 +393,22 @@ async fn a_silent_partition_heals_without_a_restart_behind_a_proxy() {
 /// a Lease renewal that gets no answer in time) move it to a new connection.
 #[tokio::test]
 async fn a_slow_path_heals_without_a_restart() {
-    let cp = control_plane!();
-    let relay = Relay::start(apiserver_port(cp));
-    let r = Remote::new_with(cp, "slow", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
-    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Slow).await;
+    heals_through_a_relay("slow", Hole::Slow).await;
 }
 
 /// The same when every connection is reset (an RST, as from a firewall that lost its state) and
 /// new ones are reset until the network is restored.
 #[tokio::test]
 async fn connections_reset_heal_without_a_restart() {
+    heals_through_a_relay("reset", Hole::Reset).await;
+}
+
+/// [`heals_after`] for an agent `name` that reaches the API server through a relay (HTTP/2).
+async fn heals_through_a_relay(name: &str, hole: Hole) {
     let cp = control_plane!();
     let relay = Relay::start(apiserver_port(cp));
-    let r = Remote::new_with(cp, "reset", &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
-    heals_after(&r, &relay, "HTTP/2, PINGed", Hole::Reset).await;
+    let r = Remote::new_with(cp, name, &relay.kubeconfig(&cp.kubeconfig_yaml(), &cp.server_url())).await;
+    heals_after(&r, &relay, "HTTP/2, PINGed", hole).await;
 }
 
 /// A plan runs; the relay has a `hole` for [`HOLE`]; a cancel written right after the heal stops
