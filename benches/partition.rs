@@ -69,11 +69,10 @@ async fn round(cp: &k8s_support::ControlPlane, silent: bool, lease: bool, hole: 
         .expect("agent");
     until(&client, |s| state(s) == "in-progress").await;
     let fault = |relay: &Relay| if silent { relay.silence() } else { relay.cut() };
-    let heal = |relay: &Relay| if silent { relay.heal() } else { relay.restore() };
 
     fault(&relay);
     tokio::time::sleep(hole).await;
-    heal(&relay);
+    relay.heal();
     let healed = Instant::now();
     client
         .orchestrator_patch(serde_json::json!({"metadata": {"annotations": {"plan.cattle.io/canceled": "true"}}}))
@@ -84,7 +83,7 @@ async fn round(cp: &k8s_support::ControlPlane, silent: bool, lease: bool, hole: 
 
     fault(&relay);
     tokio::time::sleep(hole).await;
-    heal(&relay);
+    relay.heal();
     let healed = Instant::now();
     let raw = plan_json("true");
     let checksum = nodeplan::plan::checksum(&raw);

@@ -387,7 +387,7 @@ async fn a_kept_status_lands_when_the_watch_lists_again_not_at_its_back_off_step
     until_status_writable(&as_agent, "r", true).await;
     proxy.cut();
     agent.wait_log("failed; listing again in");
-    proxy.restore();
+    proxy.heal();
     agent.wait_log("the watch of NodePlans labelled cattle.io/node=node-a");
     let s = n.wait("r", "Applied once the API server is reachable again", phase("Applied")).await;
     let landed = Instant::now();

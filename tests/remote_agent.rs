@@ -1334,6 +1334,15 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
     let mut agent = r.agent();
     r.wait("succeeded", |s| state(s) == "succeeded").await;
     stated(GUARD, 72, "idle after a quiet duration").await;
+    // Changes that bring no new plan (a label, as other controllers add) are looked at and run
+    // nothing: no periodic pass without a periodic instruction due, so the Lease stays idle (a
+    // pass used to begin a run, which renewed the Lease as a busy agent's at once). No event
+    // tells "nothing happened": each change gets a second to show otherwise.
+    for i in 0..3 {
+        r.patch(json!({"metadata": {"labels": {"touched": i.to_string()}}})).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stated(Duration::ZERO, 72, "still idle after a change without a new plan").await;
+    }
 
     let (ready, go) = (r.fifo("ready"), r.fifo("go"));
     let raw =

@@ -604,16 +604,26 @@ impl Applyinator {
     /// work-directory wipe).
     fn has_work(&self, input: &ApplyInput<'_>) -> bool {
         let any_due = input.run_periodic
-            && input.plan.plan.periodic_instructions.iter().any(|p| {
-                !p.common.name.is_empty()
-                    && periodic::is_due(
-                        input.periodic_output.get(&p.common.name),
-                        p.period(),
-                        self.clock.now(),
-                        input.run_one_time,
-                    )
-            });
+            && self
+                .periodic_due_in(&input.plan.plan, &input.periodic_output)
+                .is_some_and(|d| input.run_one_time || d.is_zero());
         input.run_one_time || input.reconcile_files || any_due
+    }
+
+    /// How long until the first of `plan`'s periodic instructions is due, by their saved outputs
+    /// (zero: one is due now); `None` when it has none that can run (none, or none with a name).
+    /// A pass of periodic instructions alone does nothing before then.
+    pub fn periodic_due_in(
+        &self,
+        plan: &crate::plan::Plan,
+        outputs: &BTreeMap<String, PeriodicInstructionOutput>,
+    ) -> Option<Duration> {
+        let now = self.clock.now();
+        plan.periodic_instructions
+            .iter()
+            .filter(|p| !p.common.name.is_empty())
+            .map(|p| periodic::due_in(outputs.get(&p.common.name), p.period(), now))
+            .min()
     }
 
     /// Everything before the first instruction ([`Prepare`]). The interlock, the archive (both

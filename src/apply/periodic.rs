@@ -11,22 +11,21 @@ pub fn failure_backoff(failures: i64) -> Duration {
 
 /// Whether a periodic instruction should run now. A forced run (the one-time instructions were just
 /// applied) always runs; otherwise it waits a full period after its last success and the failure
-/// backoff after its last failure.
+/// backoff after its last failure ([`due_in`] is zero).
 pub fn is_due(prev: Option<&PeriodicInstructionOutput>, period: Duration, now: DateTime<Utc>, forced: bool) -> bool {
-    if forced {
-        return true;
-    }
-    let Some(prev) = prev else { return true };
-    let within = |t: &str, d: Duration| {
-        parse_unix_date(t).is_some_and(|t| chrono::Duration::from_std(d).is_ok_and(|d| t > now - d))
+    forced || due_in(prev, period, now).is_zero()
+}
+
+/// How long until a periodic instruction is due (zero: it is): a full period after its last
+/// success and the failure backoff after its last failure have both passed. A time that cannot be
+/// read holds nothing back.
+pub fn due_in(prev: Option<&PeriodicInstructionOutput>, period: Duration, now: DateTime<Utc>) -> Duration {
+    let Some(prev) = prev else { return Duration::ZERO };
+    let left = |t: &str, d: Duration| {
+        let (Some(t), Ok(d)) = (parse_unix_date(t), chrono::Duration::from_std(d)) else { return Duration::ZERO };
+        t.checked_add_signed(d).and_then(|end| (end - now).to_std().ok()).unwrap_or(Duration::ZERO)
     };
-    if within(&prev.last_successful_run_time, period) {
-        return false;
-    }
-    if within(&prev.last_failed_run_time, failure_backoff(prev.failures)) {
-        return false;
-    }
-    true
+    left(&prev.last_successful_run_time, period).max(left(&prev.last_failed_run_time, failure_backoff(prev.failures)))
 }
 
 /// The saved output after a completed run.
@@ -96,6 +95,38 @@ mod tests {
         ];
         for (what, prev, now, forced, want) in rows {
             assert_eq!(is_due(prev.as_ref(), period, at(now), forced), want, "{what}");
+        }
+    }
+
+    /// How long until due: the later of the period after a success and the backoff after a
+    /// failure; nothing for what never ran or cannot be read.
+    #[test]
+    fn due_in_table() {
+        let period = Duration::from_secs(60);
+        let out = |ok: Option<i64>, failed: Option<i64>, failures| PeriodicInstructionOutput {
+            last_successful_run_time: ok.map(|s| format_unix_date(at(s))).unwrap_or_default(),
+            last_failed_run_time: failed.map(|s| format_unix_date(at(s))).unwrap_or_default(),
+            failures,
+            ..Default::default()
+        };
+        let s = Duration::from_secs;
+        let rows: Vec<(&str, Option<PeriodicInstructionOutput>, i64, Duration)> = vec![
+            ("never ran", None, 0, s(0)),
+            ("ran 20 s ago", Some(out(Some(0), None, 0)), 20, s(40)),
+            ("ran 60 s ago", Some(out(Some(0), None, 0)), 60, s(0)),
+            ("ran an hour ago", Some(out(Some(0), None, 0)), 3600, s(0)),
+            ("2 failures 10 s ago", Some(out(None, Some(0), 2)), 10, s(50)),
+            ("a success 50 s ago, then 3 failures 5 s ago", Some(out(Some(0), Some(45), 3)), 50, s(85)),
+            ("a success 10 s ago, a failure 70 s ago", Some(out(Some(0), Some(-60), 1)), 10, s(50)),
+            (
+                "unreadable times",
+                Some(PeriodicInstructionOutput { last_successful_run_time: "junk".into(), ..Default::default() }),
+                0,
+                s(0),
+            ),
+        ];
+        for (what, prev, now, want) in rows {
+            assert_eq!(due_in(prev.as_ref(), period, at(now)), want, "{what}");
         }
     }
 

@@ -1026,6 +1026,19 @@ impl<S: PlanSource> Reconciler<S> {
                     }
                 }
             }
+            // A pass of periodic instructions alone (a succeeded plan, a legacy plan applied
+            // already) with none due does nothing: no run, no write, the Lease left idle. Its
+            // probes go on as an observed plan's; the loop looks again when one falls due.
+            Decision::Run(run) if !run.one_time() && run.commit().is_none() => {
+                match self.app.periodic_due_in(&look.plan.plan, &look.periodic_output) {
+                    Some(d) if d.is_zero() => self.run_plan(key, &look, run).await,
+                    due => match (self.probe(key).await, due) {
+                        (Action::Wait, Some(d)) => Action::After(d),
+                        (Action::After(a), Some(d)) => Action::After(a.min(d)),
+                        (action, _) => action,
+                    },
+                }
+            }
             Decision::Run(run) => self.run_plan(key, &look, run).await,
         }
     }

@@ -31,6 +31,7 @@ struct Stored {
     failures: i64,
     blocked: Option<String>,
     probes: BTreeMap<String, ProbeStatus>,
+    periodic: BTreeMap<String, crate::plan::PeriodicInstructionOutput>,
     /// Writes of this plan.
     writes: u64,
     /// Every state written, in order.
@@ -57,6 +58,8 @@ struct Store {
     /// Calls of `restored` (the loop asks for an outcome a previous agent kept).
     restores: std::sync::atomic::AtomicU64,
     freshes: std::sync::atomic::AtomicU64,
+    /// Runs begun (`applying(true)`).
+    applies: std::sync::atomic::AtomicU64,
     /// How long each look takes, in turn, before it reads the plan (a slow API server).
     look_delays: Mutex<std::collections::VecDeque<Duration>>,
     /// When each start was committed.
@@ -166,7 +169,7 @@ impl PlanSource for MemSource {
             attempt: p.failures + 1,
             begin_attempt: p.failures + 1,
             one_time_output: p.outputs,
-            periodic_output: BTreeMap::new(),
+            periodic_output: p.periodic,
             probe_statuses: p.probes,
             retry_in,
             stop_after: None,
@@ -194,7 +197,6 @@ impl PlanSource for MemSource {
 
     async fn record(&mut self, name: &String, _: &Look, outcome: Outcome<'_>) -> Sent<flow::Record> {
         let Some(r) = outcome.record else { return (Written::Done, None) };
-        let r = flow::Record { periodic_output: None, ..r };
         if let Some(s) = outcome.probes {
             self.write(name, |p| p.probes = s);
         }
@@ -228,6 +230,9 @@ impl PlanSource for MemSource {
             }
             if let Some(o) = r.one_time_output {
                 p.outputs = o;
+            }
+            if let Some(o) = r.periodic_output {
+                p.periodic = o;
             }
         });
         (w, None)
@@ -265,6 +270,12 @@ impl PlanSource for MemSource {
 
     fn period(&self) -> Duration {
         self.1
+    }
+
+    fn applying(&self, _: &String, on: bool) {
+        if on {
+            self.0.applies.fetch_add(1, SeqCst);
+        }
     }
 
     fn event(&mut self, _: &String, reason: Reason, note: &str) {
@@ -312,12 +323,18 @@ impl Fixture {
 
     /// Add a plan of `sh -c` instructions and these probes, as `pending`.
     fn add_with(&self, name: &str, scripts: &[&str], probes: serde_json::Value) {
+        self.add_plan(name, scripts, serde_json::json!({ "probes": probes }));
+    }
+
+    /// Add a plan of `sh -c` instructions and the other fields of `more`, as `pending`.
+    fn add_plan(&self, name: &str, scripts: &[&str], mut more: serde_json::Value) {
         let ins: Vec<serde_json::Value> = scripts
             .iter()
             .enumerate()
             .map(|(i, s)| serde_json::json!({"name": format!("{name}{}", i + 1), "command": "sh", "args": ["-c", s]}))
             .collect();
-        let raw = serde_json::to_vec(&serde_json::json!({ "instructions": ins, "probes": probes })).unwrap();
+        more["instructions"] = serde_json::Value::Array(ins);
+        let raw = serde_json::to_vec(&more).unwrap();
         let stored = Stored {
             plan: crate::plan::parse(&raw).unwrap(),
             checksum: crate::plan::checksum(&raw),
@@ -329,6 +346,7 @@ impl Fixture {
             failures: 0,
             blocked: None,
             probes: BTreeMap::new(),
+            periodic: BTreeMap::new(),
             writes: 0,
             history: Vec::new(),
             retry_at: None,
@@ -1062,6 +1080,71 @@ async fn a_passed_apply_gate_does_not_keep_the_loop_awake() {
     assert_eq!(lines(&log), 1);
     stop.send(true).unwrap();
     agent.await.unwrap();
+}
+
+/// The wall clock of the applyinator's schedules, following tokio's (paused) clock from a fixed
+/// start: periodic instructions fall due in virtual time.
+struct TokioClock(Instant, chrono::DateTime<chrono::Utc>);
+
+impl crate::apply::Clock for TokioClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.1 + chrono::Duration::from_std(Instant::now() - self.0).unwrap()
+    }
+}
+
+/// The loop over `fx`'s store, looking at every plan each second, with an applyinator on
+/// [`TokioClock`].
+fn start_on_tokio_clock(fx: &Fixture) -> (watch::Sender<bool>, tokio::task::JoinHandle<(AgentExit, MemSource)>) {
+    let sup = Supervisor::new(SupervisorConfig {
+        pid_dir: Some(fx.dir.path().join("pids")),
+        cgroup: CgroupMode::Auto,
+        ..Default::default()
+    });
+    let clock = Arc::new(TokioClock(Instant::now(), chrono::Utc::now()));
+    let app = Arc::new(Applyinator::with_clock(ApplyConfig::new(fx.dir.path().join("work")), sup, clock));
+    let (tx, rx) = watch::channel(false);
+    let r = Reconciler::new(MemSource(fx.store.clone(), Duration::from_secs(1)), app, Arc::new(Prober::new()), rx);
+    (tx, tokio::spawn(r.run()))
+}
+
+/// A succeeded plan is looked at every second (the source's period) for an hour: without periodic
+/// instructions nothing runs again and nothing is written (a pass with nothing due used to begin a
+/// run each time: the Lease renewed as a busy agent's, the outcome written again).
+#[tokio::test(start_paused = true)]
+async fn a_succeeded_plan_without_periodic_instructions_is_not_run_again() {
+    let fx = fixture();
+    let log = fx.path("log");
+    fx.add("a", &[&format!("echo a >> {log}")]);
+    let (stop, agent) = start_on_tokio_clock(&fx);
+    let done = fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    let mut looks = fx.store.looks.subscribe();
+    let start = *looks.borrow_and_update();
+    tokio::time::timeout(GUARD * 60, looks.wait_for(|n| *n >= start + 3000)).await.expect("looked at").unwrap();
+    assert_eq!(fx.store.applies.load(SeqCst), 1, "runs begun");
+    assert_eq!(fx.get("a").writes, done.writes, "writes after it succeeded");
+    assert_eq!(lines(&log), 1);
+    stopped(stop, agent).await;
+}
+
+/// A periodic instruction (every 60 s) runs when it is due, and nothing runs in between although
+/// the plan is looked at every second: each run begun ran it. (The schedule's clock is tokio's
+/// paused one, which runs ahead while a real process works: what counts is runs, not minutes.)
+#[tokio::test(start_paused = true)]
+async fn a_periodic_instruction_runs_when_due_and_nothing_runs_between() {
+    let fx = fixture();
+    let (log, plog) = (fx.path("log"), fx.path("plog"));
+    let periodic = serde_json::json!([{"name": "p", "command": "sh", "args": ["-c", format!("echo p >> {plog}")], "periodSeconds": 60}]);
+    fx.add_plan("a", &[&format!("echo a >> {log}")], serde_json::json!({ "periodicInstructions": periodic }));
+    let (stop, agent) = start_on_tokio_clock(&fx);
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    let start = *fx.store.looks.borrow();
+    fx.until("a", "ran its periodic instruction 4 times more", |_| lines(&plog) >= 5).await;
+    let looks = *fx.store.looks.borrow() - start;
+    let (runs, applies) = (lines(&plog) as u64, fx.store.applies.load(SeqCst));
+    assert!(looks >= 4 * 30, "looked at {looks} times");
+    assert_eq!(applies, runs, "runs begun: the first with the one-time instruction, then one a period");
+    assert_eq!(lines(&log), 1);
+    stopped(stop, agent).await;
 }
 
 /// A plan looked at again after a back-off (held, R3) that is then gone (the source sees no plan)

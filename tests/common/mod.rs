@@ -506,9 +506,9 @@ impl LocalNode {
 /// while the server behind it (and the test's own client, which does not go through it) go on.
 /// It runs on a thread and runtime of its own, so the test's blocking handshakes never hold it up.
 /// - [`Relay::cut`]: every connection through it is closed, new ones are closed at once (a FIN:
-///   the peer knows at once); [`Relay::restore`] carries new connections again.
+///   the peer knows at once); [`Relay::heal`] carries new connections again.
 /// - [`Relay::reset`]: the same with an RST instead of a FIN (`SO_LINGER` 0), as a firewall or a
-///   peer that lost the connection's state answers; [`Relay::restore`] ends it.
+///   peer that lost the connection's state answers; [`Relay::heal`] ends it.
 /// - [`Relay::silence`]: packets stop, without a FIN or an RST, as at a NAT timeout or a load
 ///   balancer's failover: the open connections stop moving bytes for good (their sockets are
 ///   kept open and never read again), and new connections are accepted and then never carried;
@@ -528,7 +528,7 @@ pub struct Relay {
 /// How fast a slow connection moves bytes: one each way every so often (20 bytes a second).
 pub const TRICKLE: Duration = Duration::from_millis(50);
 
-/// What befalls the connections open when it happens (and, until the relay is restored or healed,
+/// What befalls the connections open when it happens (and, until the relay is healed,
 /// every new one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
@@ -632,11 +632,6 @@ impl Relay {
         self.befall(Some(Fault::Reset));
     }
 
-    /// Carry new connections again after [`Relay::cut`] or [`Relay::reset`].
-    pub fn restore(&self) {
-        self.befall(None);
-    }
-
     /// Stop moving bytes on every connection, without closing any (see [`Relay`]).
     pub fn silence(&self) {
         self.befall(Some(Fault::Silence));
@@ -647,7 +642,8 @@ impl Relay {
         self.befall(Some(Fault::Slow));
     }
 
-    /// Carry new connections at full speed again; the ones silenced or slowed stay so.
+    /// Carry new connections at full speed again (after [`Relay::cut`] and [`Relay::reset`] as
+    /// well); the ones silenced or slowed stay so.
     pub fn heal(&self) {
         self.befall(None);
     }
@@ -751,7 +747,7 @@ pub enum Hole {
     Silence,
     /// [`Relay::slow`], ended by [`Relay::heal`].
     Slow,
-    /// [`Relay::reset`], ended by [`Relay::restore`].
+    /// [`Relay::reset`], ended by [`Relay::heal`].
     Reset,
 }
 
@@ -766,10 +762,7 @@ impl Hole {
     }
 
     pub fn close(self, relay: &Relay) {
-        match self {
-            Hole::Silence | Hole::Slow => relay.heal(),
-            Hole::Reset => relay.restore(),
-        }
+        relay.heal();
     }
 }
 
