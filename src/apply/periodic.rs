@@ -18,11 +18,16 @@ pub fn is_due(prev: Option<&PeriodicInstructionOutput>, period: Duration, now: D
 
 /// How long until a periodic instruction is due (zero: it is): a full period after its last
 /// success and the failure backoff after its last failure have both passed. A time that cannot be
-/// read holds nothing back.
+/// read holds nothing back, and neither does one in the future: no run happened then (the node's
+/// clock was set back, as at a boot before the time is synced, or someone else wrote it), and
+/// counting from it would hold the instruction back until the clock gets there.
 pub fn due_in(prev: Option<&PeriodicInstructionOutput>, period: Duration, now: DateTime<Utc>) -> Duration {
     let Some(prev) = prev else { return Duration::ZERO };
     let left = |t: &str, d: Duration| {
         let (Some(t), Ok(d)) = (parse_unix_date(t), chrono::Duration::from_std(d)) else { return Duration::ZERO };
+        if t > now {
+            return Duration::ZERO;
+        }
         t.checked_add_signed(d).and_then(|end| (end - now).to_std().ok()).unwrap_or(Duration::ZERO)
     };
     left(&prev.last_successful_run_time, period).max(left(&prev.last_failed_run_time, failure_backoff(prev.failures)))
@@ -118,6 +123,8 @@ mod tests {
             ("2 failures 10 s ago", Some(out(None, Some(0), 2)), 10, s(50)),
             ("a success 50 s ago, then 3 failures 5 s ago", Some(out(Some(0), Some(45), 3)), 50, s(85)),
             ("a success 10 s ago, a failure 70 s ago", Some(out(Some(0), Some(-60), 1)), 10, s(50)),
+            ("ran a day from now (a clock set back)", Some(out(Some(86_400), None, 0)), 0, s(0)),
+            ("failed a minute from now", Some(out(Some(-30), Some(60), 5)), 0, s(30)),
             (
                 "unreadable times",
                 Some(PeriodicInstructionOutput { last_successful_run_time: "junk".into(), ..Default::default() }),
