@@ -22,7 +22,9 @@
 //!
 //! With `-- --side-by-side` (and NODEPLAN_BENCH_BASELINE) it measures instead idle agents of both
 //! builds at the same time on one API server, N of each (`--agents 20` is enough): CPU and
-//! wake-ups per agent ([`side_by_side`]), after the settling time, over the idle window.
+//! wake-ups per agent ([`side_by_side`]), after the settling time, over the idle window. Their
+//! Secrets carry no plan, or with `--succeeded` a trivial plan each agent runs as it starts and
+//! then holds `succeeded` (a node's usual state between Rancher's plans).
 //!
 //! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
 //! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
@@ -439,7 +441,8 @@ async fn main() {
             eprintln!("fleet: --side-by-side measures against NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>");
             return;
         };
-        side_by_side(&cp, n, &baseline, (settle_secs, idle_secs)).await;
+        let succeeded = args.iter().any(|a| a == "--succeeded");
+        side_by_side(&cp, n, &baseline, (settle_secs, idle_secs), succeeded).await;
         return;
     }
     inotify_room(n);
@@ -518,11 +521,23 @@ async fn main() {
 /// wake-ups per agent per 10 s over `idle_secs`, and the ratios. Both builds share the host and
 /// the API server for the whole window, so neither is measured on a quieter one; a few minutes
 /// for 20 of each, where the A B B A fleets take a quarter of an hour.
-async fn side_by_side(cp: &k8s_support::ControlPlane, n: usize, baseline: &Path, (settle_secs, idle_secs): (u64, u64)) {
+async fn side_by_side(
+    cp: &k8s_support::ControlPlane,
+    n: usize,
+    baseline: &Path,
+    (settle_secs, idle_secs): (u64, u64),
+    succeeded: bool,
+) {
     inotify_room(2 * n);
     let client = cp.client().await;
     let (ours_ns, ours_names) = fleet_secrets(cp, &client, n).await;
     let (theirs_ns, theirs_names) = fleet_secrets(cp, &client, n).await;
+    let plan = serde_json::json!({"instructions": [{"name": "a", "command": "true"}]});
+    let raw = serde_json::to_vec(&plan).expect("plan");
+    if succeeded {
+        push_all(&client, &ours_ns, &ours_names, &raw).await;
+        push_all(&client, &theirs_ns, &theirs_names, &raw).await;
+    }
     // Started in turns, so neither build's agents start on a busier API server.
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
     for (a, b) in ours_names.iter().zip(&theirs_names) {
@@ -530,9 +545,16 @@ async fn side_by_side(cp: &k8s_support::ControlPlane, n: usize, baseline: &Path,
         theirs.push(start_node(cp, &theirs_ns, b, baseline));
     }
     println!(
-        "fleet: {n} idle agents of this build and {n} of {} side by side; settling {settle_secs}s",
-        baseline.display()
+        "fleet: {n} idle agents of this build and {n} of {} side by side, {}; settling {settle_secs}s",
+        baseline.display(),
+        if succeeded { "each holding a succeeded plan" } else { "no plan" }
     );
+    if succeeded {
+        let sum = nodeplan::plan::checksum(&raw);
+        for ns in [&ours_ns, &theirs_ns] {
+            wait_all(client.clone(), ns.clone(), n, sum.clone(), "succeeded", Instant::now()).await;
+        }
+    }
     tokio::time::sleep(Duration::from_secs(settle_secs)).await;
     let cpu = |nodes: &[Node]| Cpu::of(nodes.iter().map(|nd| nd.agent.id()));
     let before = [cpu(&ours), cpu(&theirs)];
