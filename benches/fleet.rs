@@ -7,10 +7,12 @@
 //! 2. cancel fan-out: `nodeplan plan cancel --selector` over every node running a long
 //!    instruction, p50/p99 from the command's start to each Secret showing `canceled`;
 //! 3. idle: API writes per agent-hour (Secrets and Leases, from a watch), agent RSS (sum and per
-//!    agent) and CPU, and the API server's CPU, over a window (NODEPLAN_BENCH_IDLE_SECS, default 60)
-//!    that begins once the agents have settled after the cancel (NODEPLAN_BENCH_SETTLE_SECS,
-//!    default 55: an agent's Lease goes idle one `leaseDuration` after its last plan, 40 s, at the
-//!    next renewal, up to 10 s later).
+//!    agent) and CPU, and the API server's CPU, over two windows (NODEPLAN_BENCH_IDLE_SECS, default
+//!    60 each), each beginning once the agents have settled (NODEPLAN_BENCH_SETTLE_SECS, default
+//!    55: an agent's Lease goes idle one `leaseDuration` after its last plan, 40 s, at the next
+//!    renewal, up to 10 s later): one with every node holding a succeeded plan (a node's usual
+//!    state between plans; before phase 2), one after the cancel (every node holding a canceled
+//!    plan).
 //!
 //! With NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>, phases 2 and 3 run again with that
 //! build's agents (in a namespace of their own, after this build's have stopped) and the ratios are
@@ -254,6 +256,15 @@ struct Measured {
     /// Requests the API server answered over the fan-out (and the two reads of its counters), by
     /// verb and resource.
     cancel_requests: BTreeMap<String, f64>,
+    /// The idle window with every node holding a succeeded plan (a node's usual state between
+    /// plans), before the long plan and its cancel.
+    succeeded: Idle,
+    /// The idle window after the cancel fan-out (every node holding a canceled plan).
+    canceled_idle: Idle,
+}
+
+/// What an idle window measured.
+struct Idle {
     writes_per_agent_hour: f64,
     rss_mib_each: f64,
     cpu_pct: f64,
@@ -285,6 +296,19 @@ async fn cancel_and_idle(
     (settle_secs, idle_secs): (u64, u64),
 ) -> Measured {
     let n = names.len();
+    let done = serde_json::json!({"instructions": [{"name": "done", "command": "true", "args": ["idle"]}]});
+    let (_, raw) = plan_file(work, "done.plan", &done);
+    let succeeded = tokio::spawn(wait_all(
+        client.clone(),
+        ns.to_string(),
+        n,
+        nodeplan::plan::checksum(&raw),
+        "succeeded",
+        Instant::now(),
+    ));
+    push_all(client, ns, names, &raw).await;
+    let _ = succeeded.await;
+    let succeeded = idle(cp, client, ns, nodes, (settle_secs, idle_secs)).await;
     let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600"]}]});
     let (_, raw) = plan_file(work, "long.plan", &long);
     let sum = nodeplan::plan::checksum(&raw);
@@ -310,7 +334,31 @@ async fn cancel_and_idle(
     }
     cancel_requests.retain(|_, v| *v >= 1.0);
     let mut ms: Vec<f64> = at.values().map(|d| d.as_secs_f64() * 1000.0).collect();
+    let canceled_idle = idle(cp, client, ns, nodes, (settle_secs, idle_secs)).await;
+    Measured {
+        cancel_p50_ms: pct(&mut ms, 0.5),
+        cancel_p99_ms: pct(&mut ms, 0.99),
+        canceled: at.len(),
+        cancel_cli_s,
+        agent_p50_ms: pct(&mut reacted, 0.5),
+        agent_p99_ms: pct(&mut reacted, 0.99),
+        cancel_cpu,
+        cancel_requests,
+        succeeded,
+        canceled_idle,
+    }
+}
 
+/// Phase 3, an idle window of the fleet: after `settle_secs`, API writes, memory and CPU over
+/// `idle_secs`.
+async fn idle(
+    cp: &k8s_support::ControlPlane,
+    client: &kube::Client,
+    ns: &str,
+    nodes: &[Node],
+    (settle_secs, idle_secs): (u64, u64),
+) -> Idle {
+    let n = nodes.len();
     let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counter = {
         let (client, ns, writes) = (client.clone(), ns.to_string(), writes.clone());
@@ -342,15 +390,7 @@ async fn cancel_and_idle(
     counter.abort();
     let secs = idle_secs as f64;
     let rss_total: u64 = nodes.iter().map(|nd| rss_kib(nd.agent.id())).sum();
-    Measured {
-        cancel_p50_ms: pct(&mut ms, 0.5),
-        cancel_p99_ms: pct(&mut ms, 0.99),
-        canceled: at.len(),
-        cancel_cli_s,
-        agent_p50_ms: pct(&mut reacted, 0.5),
-        agent_p99_ms: pct(&mut reacted, 0.99),
-        cancel_cpu,
-        cancel_requests,
+    Idle {
         writes_per_agent_hour: writes.load(std::sync::atomic::Ordering::Relaxed) as f64 / n as f64 * 3600.0 / secs,
         rss_mib_each: rss_total as f64 / 1024.0 / n as f64,
         cpu_pct: cpu / secs * 100.0,
@@ -373,10 +413,12 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     );
     let requests: Vec<String> = m.cancel_requests.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
     println!("{what}: API requests over the fan-out: {}", requests.join(", "));
-    println!(
-        "{what}: idle, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 63), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
-        m.writes_per_agent_hour, m.rss_mib_each, m.cpu_pct, m.api_cpu_pct
-    );
+    for (state, i) in [("succeeded", &m.succeeded), ("canceled", &m.canceled_idle)] {
+        println!(
+            "{what}: idle holding a {state} plan, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 63), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+            i.writes_per_agent_hour, i.rss_mib_each, i.cpu_pct, i.api_cpu_pct
+        );
+    }
 }
 
 fn stop(nodes: Vec<Node>) {
@@ -506,13 +548,15 @@ async fn main() {
         mean(&ours) / mean(&theirs)
     };
     println!(
-        "this build / baseline ({rounds} of each): idle agents' CPU {:.2}x, API server CPU {:.2}x, cancel p50 {:.2}x, p99 {:.2}x, agents' CPU over the fan-out {:.2}x, RSS {:.2}x",
-        ratio(|m| m.cpu_pct),
-        ratio(|m| m.api_cpu_pct),
+        "this build / baseline ({rounds} of each): idle agents' CPU {:.2}x holding a succeeded plan, {:.2}x a canceled one; API server CPU {:.2}x and {:.2}x; cancel p50 {:.2}x, p99 {:.2}x, agents' CPU over the fan-out {:.2}x, RSS {:.2}x",
+        ratio(|m| m.succeeded.cpu_pct),
+        ratio(|m| m.canceled_idle.cpu_pct),
+        ratio(|m| m.succeeded.api_cpu_pct),
+        ratio(|m| m.canceled_idle.api_cpu_pct),
         ratio(|m| m.cancel_p50_ms),
         ratio(|m| m.cancel_p99_ms),
         ratio(|m| m.cancel_cpu[0]),
-        ratio(|m| m.rss_mib_each),
+        ratio(|m| m.canceled_idle.rss_mib_each),
     );
 }
 
