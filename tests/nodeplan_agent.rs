@@ -455,7 +455,8 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     assert_eq!(ev.iter().filter(|(reason, _, _)| reason == "Failed").count(), 1, "{ev:?}");
     let why = "instruction 1/1 flaky: exit status 3; last output: no space for ***";
     let note = &ev.iter().find(|(reason, _, _)| reason == "Failed").unwrap().1;
-    assert_eq!(note, &format!("failed (0/1 instructions): {why}"));
+    let id = nodeplan::plan::id_of(&serde_json::to_vec(&plan).unwrap()).unwrap();
+    assert_eq!(note, &format!("plan {id}: failed (0/1 instructions): {why}"));
     let f = s.failure.clone().expect("status.failure");
     assert_eq!((f.instruction, f.name.as_str(), f.outcome.as_str()), (Some(1), "flaky", "exit status 3"));
     assert_eq!(f.last_lines, ["no space for ***"]);

@@ -660,8 +660,9 @@ async fn canceled_after_it_succeeded(cp: &ControlPlane, r: &Remote, s: &SecretSn
     assert_eq!(mark.map(|c| (c.completed_instructions, c.total_instructions)), Some((1, 1)));
     let ns = r.client.secret_ref().namespace.clone();
     let client = cp.client().await;
-    let want = "canceled after it succeeded (1/1 instructions): its periodic instructions stop";
-    wait_events(&client, &ns, "machine-plan", want, |ev| ev.iter().any(|e| e.0 == "Canceled" && e.1 == want)).await;
+    let id = plan::id_of(&s.data["plan"]).unwrap();
+    let want = format!("plan {id}: canceled after it succeeded (1/1 instructions): its periodic instructions stop");
+    wait_events(&client, &ns, "machine-plan", &want, |ev| ev.iter().any(|e| e.0 == "Canceled" && e.1 == want)).await;
 }
 
 #[tokio::test]

@@ -813,6 +813,15 @@ impl<S: PlanSource> Reconciler<S> {
         self.memory.entry(key.clone()).or_default()
     }
 
+    /// A Kubernetes Event about the plan `look` shows. Its note begins with the plan's id (as
+    /// `nodeplan plan status` shows it): `kubectl describe` says which of the plans the object held
+    /// it was about, and the same note for another plan is another event, where it was one series
+    /// (each plan Rancher writes into a machine's Secret began `attempt 1: applying …` again).
+    fn plan_event(&mut self, key: &S::Key, look: &Look, reason: Reason, note: &str) {
+        let id = self.mem(key).id_of(look);
+        self.source.event(key, reason, &format!("plan {id}: {note}"));
+    }
+
     /// A write failed: keep trying with back-off (the server's hint when it gave one).
     fn write_failed(&mut self, key: &S::Key, what: &str, error: &str, retry_after: Option<Duration>) -> Action {
         let now = Instant::now();
@@ -946,7 +955,12 @@ impl<S: PlanSource> Reconciler<S> {
             let first = mem.warn_once(msg);
             let after = mem.held(now);
             if first {
-                self.source.event(key, Reason::InvalidValue, &format!("{e}; the plan is held and nothing is written"));
+                self.plan_event(
+                    key,
+                    &look,
+                    Reason::InvalidValue,
+                    &format!("{e}; the plan is held and nothing is written"),
+                );
             }
             return Action::After(after);
         }
@@ -1016,7 +1030,7 @@ impl<S: PlanSource> Reconciler<S> {
                         self.wrote(key);
                         count_recorded(&state);
                         if let Some(reason) = outcome_reason(&state, false) {
-                            self.source.event(key, reason, &recorded_note(&look.view, &state, &checkpoint));
+                            self.plan_event(key, &look, reason, &recorded_note(&look.view, &state, &checkpoint));
                         }
                         self.probe(key).await
                     }
@@ -1112,11 +1126,16 @@ impl<S: PlanSource> Reconciler<S> {
                                 look.begin_attempt,
                                 crate::count(total, "instruction")
                             );
-                            self.source.event(key, Reason::Started, &note);
+                            self.plan_event(key, look, Reason::Started, &note);
                         }
                         Commit::Resume(_) => {
                             let from = (run.resume_from() + 1).min(total);
-                            self.source.event(key, Reason::Resumed, &format!("resuming at instruction {from}/{total}"));
+                            self.plan_event(
+                                key,
+                                look,
+                                Reason::Resumed,
+                                &format!("resuming at instruction {from}/{total}"),
+                            );
                         }
                         Commit::Record(_) => {}
                     }
@@ -1271,7 +1290,7 @@ impl<S: PlanSource> Reconciler<S> {
                     if let Some(n) = &note {
                         text = format!("{text}: {n}");
                     }
-                    self.source.event(key, reason, &text);
+                    self.plan_event(key, look, reason, &text);
                 }
                 if self.restart {
                     tracing::info!("{}: restarting the agent as asked, its progress recorded", look.label);

@@ -1126,6 +1126,32 @@ async fn a_succeeded_plan_without_periodic_instructions_is_not_run_again() {
     stopped(stop, agent).await;
 }
 
+/// The loop's Events name the plan they are about: two plans with the same shape (the same notes
+/// but for the id) are told apart, as `kubectl describe` shows a machine's plans one after another.
+#[tokio::test]
+async fn each_plan_event_names_its_plan() {
+    let fx = fixture();
+    let mut ids = Vec::new();
+    for script in ["true", "true # another plan"] {
+        fx.add("a", &[script]);
+        ids.push(fx.get("a").plan.id());
+        let (stop, agent) = fx.start();
+        fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+        stopped(stop, agent).await;
+    }
+    assert_ne!(ids[0], ids[1]);
+    let want: Vec<String> = ids
+        .iter()
+        .flat_map(|id| {
+            [
+                format!("Started: plan {id}: attempt 1: applying 1 instruction"),
+                format!("Succeeded: plan {id}: succeeded (1/1 instructions)"),
+            ]
+        })
+        .collect();
+    assert_eq!(*fx.store.events.lock().unwrap(), want);
+}
+
 /// A periodic instruction (every 60 s) runs when it is due, and nothing runs in between although
 /// the plan is looked at every second: each run begun ran it. (The schedule's clock is tokio's
 /// paused one, which runs ahead while a real process works: what counts is runs, not minutes.)
