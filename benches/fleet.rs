@@ -28,6 +28,12 @@
 //! Secrets carry no plan, or with `--succeeded` a trivial plan each agent runs as it starts and
 //! then holds `succeeded` (a node's usual state between Rancher's plans).
 //!
+//! With `-- --cycles N` (and NODEPLAN_BENCH_BASELINE) it measures instead one agent of each build,
+//! A B B A, through N plans each started and canceled ([`cycles`]): the agent's CPU per start
+//! (the plan written → `in-progress`) and per cancel (the annotation → `canceled`), each counted
+//! until 300 ms after the state was written so the work that follows it (the Event, the status
+//! board) is in. The per-cancel cost of the fleet's fan-out, without 500 agents.
+//!
 //! With `-- --selectors` it measures instead what selecting a node's NodePlans costs the API
 //! server ([`selectors`]): N watches like the agents' (one per node) by label, by field selector
 //! (with the label, as the agent asks where it can) and, for reference, of the whole namespace,
@@ -478,6 +484,10 @@ async fn main() {
         selectors(&cp, n).await;
         return;
     }
+    if let Some(n) = args.windows(2).find(|w| w[0] == "--cycles").and_then(|w| w[1].parse().ok()) {
+        cycles(&cp, n, baseline.as_deref()).await;
+        return;
+    }
     if args.iter().any(|a| a == "--side-by-side") {
         let Some(baseline) = baseline else {
             eprintln!("fleet: --side-by-side measures against NODEPLAN_BENCH_BASELINE=<an older nodeplan binary>");
@@ -558,6 +568,71 @@ async fn main() {
         ratio(|m| m.cancel_cpu[0]),
         ratio(|m| m.canceled_idle.rss_mib_each),
     );
+}
+
+/// One agent of this build (and of `baseline`: A B B A) through `n` plans each started and canceled:
+/// its CPU per start and per cancel, and the ratios.
+async fn cycles(cp: &k8s_support::ControlPlane, n: usize, baseline: Option<&Path>) {
+    let client = cp.client().await;
+    let work = tempfile::tempdir().expect("tempdir");
+    let builds: Vec<(&str, &Path)> = match baseline {
+        Some(b) => vec![
+            ("this build", Path::new(NODEPLAN)),
+            ("baseline", b),
+            ("baseline", b),
+            ("this build", Path::new(NODEPLAN)),
+        ],
+        None => vec![("this build", Path::new(NODEPLAN))],
+    };
+    let mut means: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    for (what, binary) in builds {
+        let (ns, names) = fleet_secrets(cp, &client, 1).await;
+        let node = start_node(cp, &ns, &names[0], binary);
+        let pid = node.agent.id();
+        let secret = SecretClient::new(client.clone(), SecretRef { namespace: ns.clone(), name: names[0].clone() });
+        let (mut start, mut cancel) = (0.0, 0.0);
+        // Run 0 warms up (connections, the first directories) and is not counted.
+        for i in 0..=n {
+            let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600", i.to_string()]}]});
+            let (_, raw) = plan_file(work.path(), "cycle.plan", &long);
+            let sum = nodeplan::plan::checksum(&raw);
+            let settled = || tokio::time::sleep(Duration::from_millis(300));
+            let cpu0 = Cpu::of([pid]);
+            let running =
+                tokio::spawn(wait_all(client.clone(), ns.clone(), 1, sum.clone(), "in-progress", Instant::now()));
+            push_all(&client, &ns, &names, &raw).await;
+            let _ = running.await;
+            settled().await;
+            let cpu1 = Cpu::of([pid]);
+            let canceled =
+                tokio::spawn(wait_all(client.clone(), ns.clone(), 1, sum.clone(), "canceled", Instant::now()));
+            let patch = nodeplan::remote::wire::annotation_patch(nodeplan::plan::ANNOTATION_CANCELED, Some("true"));
+            if let Err(e) = secret.orchestrator_patch(patch).await {
+                eprintln!("fleet: cancel: {e}");
+            }
+            let _ = canceled.await;
+            settled().await;
+            if i > 0 {
+                start += cpu1.since(&cpu0);
+                cancel += Cpu::of([pid]).since(&cpu1);
+            }
+        }
+        stop(vec![node]);
+        let (start_ms, cancel_ms) = (start * 1000.0 / n as f64, cancel * 1000.0 / n as f64);
+        println!(
+            "{what} ({}): CPU per start {start_ms:.2} ms, per cancel {cancel_ms:.2} ms ({n} plans)",
+            binary.display()
+        );
+        means.entry(what).or_default().push((start_ms, cancel_ms));
+    }
+    let mean = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    if let (Some(a), Some(b)) = (means.get("this build"), means.get("baseline")) {
+        println!(
+            "this build / baseline: CPU per start {:.2}x, per cancel {:.2}x",
+            mean(a, |m| m.0) / mean(b, |m| m.0),
+            mean(a, |m| m.1) / mean(b, |m| m.1)
+        );
+    }
 }
 
 /// Idle agents of this build and of `baseline`, `n` of each, at the same time on one API server
