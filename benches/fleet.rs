@@ -211,6 +211,14 @@ async fn wait_all(
     (at, asked)
 }
 
+/// Write the plan into every Secret ([`push_all`]) and wait until each shows it `state`.
+async fn push_and_wait(client: &kube::Client, ns: &str, names: &[String], raw: &[u8], state: &'static str) {
+    let sum = nodeplan::plan::checksum(raw);
+    let waiter = tokio::spawn(wait_all(client.clone(), ns.to_string(), names.len(), sum, state, Instant::now()));
+    push_all(client, ns, names, raw).await;
+    let _ = waiter.await;
+}
+
 /// The baseline orchestrator: write the plan into every Secret, as many writes in flight as the
 /// CLI's fan-out.
 async fn push_all(client: &kube::Client, ns: &str, names: &[String], raw: &[u8]) {
@@ -304,23 +312,12 @@ async fn cancel_and_idle(
     let n = names.len();
     let done = serde_json::json!({"instructions": [{"name": "done", "command": "true", "args": ["idle"]}]});
     let (_, raw) = plan_file(work, "done.plan", &done);
-    let succeeded = tokio::spawn(wait_all(
-        client.clone(),
-        ns.to_string(),
-        n,
-        nodeplan::plan::checksum(&raw),
-        "succeeded",
-        Instant::now(),
-    ));
-    push_all(client, ns, names, &raw).await;
-    let _ = succeeded.await;
+    push_and_wait(client, ns, names, &raw, "succeeded").await;
     let succeeded = idle(cp, client, ns, nodes, (settle_secs, idle_secs)).await;
     let long = serde_json::json!({"instructions": [{"name": "long", "command": "sleep", "args": ["600"]}]});
     let (_, raw) = plan_file(work, "long.plan", &long);
     let sum = nodeplan::plan::checksum(&raw);
-    let running = tokio::spawn(wait_all(client.clone(), ns.to_string(), n, sum.clone(), "in-progress", Instant::now()));
-    push_all(client, ns, names, &raw).await;
-    let _ = running.await;
+    push_and_wait(client, ns, names, &raw, "in-progress").await;
     let requests0 = request_counters(client).await;
     let (cpu0, cli0) = (fleet_cpu(cp, nodes), children_cpu());
     let started = Instant::now();
@@ -598,10 +595,7 @@ async fn cycles(cp: &k8s_support::ControlPlane, n: usize, baseline: Option<&Path
             let sum = nodeplan::plan::checksum(&raw);
             let settled = || tokio::time::sleep(Duration::from_millis(300));
             let cpu0 = Cpu::of([pid]);
-            let running =
-                tokio::spawn(wait_all(client.clone(), ns.clone(), 1, sum.clone(), "in-progress", Instant::now()));
-            push_all(&client, &ns, &names, &raw).await;
-            let _ = running.await;
+            push_and_wait(&client, &ns, &names, &raw, "in-progress").await;
             settled().await;
             let cpu1 = Cpu::of([pid]);
             let canceled =
