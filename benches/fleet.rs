@@ -57,7 +57,26 @@ const NODEPLAN: &str = env!("CARGO_BIN_EXE_nodeplan");
 
 struct Node {
     _dir: tempfile::TempDir,
+    _pids: tempfile::TempDir,
     agent: std::process::Child,
+}
+
+/// A directory for an agent's `pidDirectory` where a node has it: on a tmpfs (a node's
+/// `/run/nodeplan/pids`; `/run` is a tmpfs wherever systemd runs), here `/dev/shm`. Elsewhere, and
+/// before 6 December 2026, beside the rest under the system's temporary directory: on this
+/// machine's ext4 root the status board's replacements alone cost an agent about an eighth of its
+/// CPU per plan started or canceled (a twentieth on a tmpfs; docs/benchmarks.md), which a node
+/// does not pay.
+fn pid_dir() -> tempfile::TempDir {
+    const TMPFS_MAGIC: rustix::fs::FsWord = 0x0102_1994;
+    let shm = Path::new("/dev/shm");
+    let on_tmpfs = rustix::fs::statfs(shm).is_ok_and(|f| f.f_type == TMPFS_MAGIC);
+    let b = tempfile::Builder::new().prefix("nodeplan-bench-pids").tempdir_in(if on_tmpfs {
+        shm
+    } else {
+        Path::new("/tmp")
+    });
+    b.unwrap_or_else(|_| tempfile::tempdir().expect("tempdir"))
 }
 
 fn write_0600(path: &Path, bytes: &[u8]) {
@@ -68,10 +87,12 @@ fn write_0600(path: &Path, bytes: &[u8]) {
 fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str, binary: &Path) -> Node {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path().display().to_string();
+    let pids = pid_dir();
+    let p = pids.path().display();
     let conn = serde_json::json!({"kubeConfig": cp.kubeconfig_yaml(), "namespace": ns, "secretName": name});
     write_0600(&dir.path().join("conn.json"), &serde_json::to_vec(&conn).expect("json"));
     let cfg = format!(
-        "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\npidDirectory: {d}/pids\n\
+        "remoteEnabled: true\nconnectionInfoFile: {d}/conn.json\nworkDirectory: {d}/work\npidDirectory: {p}/pids\n\
          appliedPlanDirectory: \"\"\ninterlockDirectory: \"\"\nstopTimeout: 1s\n"
     );
     // More config lines for this build's agents (NODEPLAN_BENCH_CONFIG, e.g. `leaseDuration: 0s` to
@@ -89,7 +110,7 @@ fn start_node(cp: &k8s_support::ControlPlane, ns: &str, name: &str, binary: &Pat
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("agent");
-    Node { _dir: dir, agent }
+    Node { _dir: dir, _pids: pids, agent }
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
