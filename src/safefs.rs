@@ -159,7 +159,9 @@ fn start_fd(path: &Path) -> io::Result<OwnedFd> {
 /// directories are made with that mode (as `mkdir -p` would, less the umask).
 pub fn open_dir(path: &Path, create: Option<u32>) -> io::Result<OwnedFd> {
     let mut walk = Walk { shown: path, links_left: MAX_LINKS, follow: true };
-    walk.dir(start_fd(path)?, path, create.map(Mode::from_raw_mode))
+    // The walk begins at `/` already: its root component is not opened a second time.
+    let rel = path.strip_prefix("/").unwrap_or(path);
+    walk.dir(start_fd(path)?, rel, create.map(Mode::from_raw_mode))
 }
 
 /// Open the directory `rel` beneath the directory `start` (an install tree given as `--root`),
