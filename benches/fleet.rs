@@ -71,12 +71,12 @@ fn pid_dir() -> tempfile::TempDir {
     const TMPFS_MAGIC: rustix::fs::FsWord = 0x0102_1994;
     let shm = Path::new("/dev/shm");
     let on_tmpfs = rustix::fs::statfs(shm).is_ok_and(|f| f.f_type == TMPFS_MAGIC);
-    let b = tempfile::Builder::new().prefix("nodeplan-bench-pids").tempdir_in(if on_tmpfs {
-        shm
-    } else {
-        Path::new("/tmp")
-    });
-    b.unwrap_or_else(|_| tempfile::tempdir().expect("tempdir"))
+    let mut b = tempfile::Builder::new();
+    b.prefix("nodeplan-bench-pids");
+    if on_tmpfs && let Ok(d) = b.tempdir_in(shm) {
+        return d;
+    }
+    b.tempdir().expect("tempdir")
 }
 
 fn write_0600(path: &Path, bytes: &[u8]) {

@@ -318,8 +318,9 @@ fn write_in(
 /// `name`. A rename over an existing file makes ext4 write the new file's data to disk at once
 /// (its `auto_da_alloc`, for programs that rename without syncing), which is what an unsynced
 /// write means to avoid: swapping the two names (`RENAME_EXCHANGE`) and removing the old file does
-/// not ([`write_shown`] says what it saves). Where the swap is refused (no `name` yet, or a filesystem without it), a plain rename. A crash
-/// between the swap and the removal leaves the old content under the temporary name.
+/// not ([`write_shown`] says what it saves). Where the swap is refused (no `name` yet, or a
+/// filesystem without it), a plain rename. A crash between the swap and the removal leaves the old
+/// content under the temporary name.
 fn replace_unsynced(dir: BorrowedFd<'_>, tmp: &[u8], name: &OsStr) -> io::Result<()> {
     let exchange = rustix::fs::RenameFlags::EXCHANGE;
     if rustix::fs::renameat_with(dir, tmp, dir, name, exchange).is_err() {
