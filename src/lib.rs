@@ -35,12 +35,15 @@
 //! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
+//! - [`disk`]: the state disk's operations, in order, on a thread of their own (a stalled disk never
+//!   holds the agent).
 
 pub mod apply;
 pub mod backoff;
 pub mod board;
 pub mod cli;
 pub mod config;
+pub mod disk;
 pub mod duration;
 pub mod events;
 pub mod fleet;
@@ -119,14 +122,6 @@ pub fn redact_userinfo(s: &str) -> String {
         }
         _ => s.to_string(),
     }
-}
-
-/// File I/O that may stall (fsyncs, a slow disk) run on the blocking pool, off the agent's one
-/// runtime thread; a task that panicked is an I/O error.
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
-) -> std::io::Result<T> {
-    tokio::task::spawn_blocking(f).await.map_err(std::io::Error::other)?
 }
 
 /// Aborts the task when dropped (a background task that lives as long as its owner).

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// `crate::redact_userinfo`, `crate::AbortOnDrop`: small text and task helpers) are below everything.
 const LAYERS: &[(&str, &[&str])] = &[
     // Helpers with no knowledge of plans: durations, back-off, race-free files, log levels.
-    ("base", &["duration", "backoff", "safefs", "logging"]),
+    ("base", &["duration", "backoff", "safefs", "logging", "disk"]),
     // Leaves anyone may use: the config (its defaults and ranges) and metrics (plain labels).
     ("leaves", &["config", "metrics", "board"]),
     // The pure model: plans, the pause/cancel flow, the on-node file formats.

@@ -501,6 +501,63 @@ async fn a_fleet_watch_outlives_a_silent_partition() {
     let _ = watch.wait();
 }
 
+/// R31: the filesystem of the agent's state directories stops answering writes (frozen for a
+/// snapshot, a hung disk) while a plan runs. The outcome of the run that finishes meanwhile still
+/// reaches the Secret (its record on the node waits for the disk, the write does not), a new plan
+/// written meanwhile waits saying so, and a cancel of it is written at once; nothing of that plan
+/// happens after the thaw, and the records that waited are written and removed in order.
+#[tokio::test]
+async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let r = Remote::new(cp, "frozen-disk").await;
+    let (d, m) = (r.dir.path().display().to_string(), disk.mnt.display().to_string());
+    let config = std::fs::read_to_string(&r.config).unwrap();
+    let config = ["work", "applied", "interlock", "nodeplans"]
+        .iter()
+        .fold(config, |c, dir| c.replace(&format!("{d}/{dir}\n"), &format!("{m}/{dir}\n")));
+    assert_eq!(config.matches(&m).count(), 4, "{config}");
+    std::fs::write(&r.config, config).unwrap();
+    let go = r.fifo("go");
+    r.create(&json!({"instructions": [sh("a", &format!("read x < {go}; echo a"))]}), Some("pending"), &[]).await;
+    let mut agent = disk.agent(&r.config);
+    r.wait("in-progress", |s| state(s) == "in-progress").await;
+    disk.freeze();
+    // The instruction reads the FIFO: it ends as soon as it is opened, and the disk stays frozen.
+    release_fifo(&go);
+    let s = r.wait("succeeded while the disk is frozen", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "success-count"), "1");
+    agent.wait_log("the disk did not answer in 5s; the outcome goes to the Secret");
+    // A new plan meanwhile: committed, then waiting for the disk; a cancel ends the wait.
+    let (ran, file) = (r.p("ran-b"), r.p("file-b"));
+    let plan_b = json!({
+        "files": [{"path": file, "content": b64(b"b"), "permissions": "0600"}],
+        "instructions": [sh("b", &format!("touch {ran}"))]
+    });
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("plan b in-progress", |s| state(s) == "in-progress").await;
+    agent.wait_log("the disk has not answered for 5s; waiting for it");
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    r.wait("canceled while the disk is frozen", |s| state(s) == "canceled").await;
+    disk.thaw();
+    // After the thaw: what waited runs in order, and a plan runs as usual.
+    r.annotate(plan::ANNOTATION_CANCELED, None).await;
+    let done = r.p("ran-c");
+    let plan_c = json!({"instructions": [sh("c", &format!("touch {done}"))]});
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_c).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("plan c succeeded after the thaw", |s| state(s) == "succeeded").await;
+    assert!(Path::new(&done).exists());
+    assert!(!Path::new(&ran).exists(), "plan b's instruction never ran");
+    assert!(!Path::new(&file).exists(), "plan b's file was never written");
+    let deadline = Instant::now() + GUARD;
+    while disk.list("applied").iter().any(|n| n.starts_with("kept-outcome")) {
+        assert!(Instant::now() < deadline, "a kept outcome stayed on the node: {:?}", disk.list("applied"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(disk.list("interlock").iter().all(|n| n != "applyinator-active"), "{:?}", disk.list("interlock"));
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test]
 async fn an_invalid_value_writes_nothing() {
     let cp = control_plane!();

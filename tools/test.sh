@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 need=()
 # systemd-analyze (package systemd), unshare and mount (util-linux, mount) and curl are for
 # tests/install.rs: the unit check, the read-only /usr/local in a private mount namespace, install.sh.
-for cmd in openssl sh sleep mkfifo systemd-analyze unshare mount curl; do command -v "$cmd" >/dev/null || need+=("$cmd"); done
+# nsenter and fsfreeze (util-linux) freeze the state disk of tests/remote_agent.rs (R31).
+for cmd in openssl sh sleep mkfifo systemd-analyze unshare nsenter fsfreeze mount curl; do command -v "$cmd" >/dev/null || need+=("$cmd"); done
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages for: ${need[*]}" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl coreutils systemd util-linux mount curl >/dev/null
@@ -25,7 +26,8 @@ command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
 # Packaging tests (tests/packaging.rs): the tools that check the .deb and .rpm the way a
 # distribution would, and what tools/package.sh builds them with.
 pkgs=()
-for pair in dpkg-deb:dpkg lintian:lintian rpm:rpm man:man-db objcopy:binutils systemd-analyze:systemd; do
+# mkfs.ext4 (e2fsprogs) makes the small filesystem that test freezes.
+for pair in dpkg-deb:dpkg lintian:lintian rpm:rpm man:man-db objcopy:binutils systemd-analyze:systemd mkfs.ext4:e2fsprogs; do
   command -v "${pair%%:*}" >/dev/null || pkgs+=("${pair#*:}")
 done
 if [ ${#pkgs[@]} -gt 0 ]; then

@@ -394,9 +394,9 @@ pub enum ApplyError {
 /// What went wrong with the work directory or an execution directory in it.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkDirError {
-    /// The task preparing the apply on the blocking pool failed.
+    /// The disk lane's task preparing the apply failed (it panicked).
     #[error("preparing the apply: {0}")]
-    Prepare(#[source] tokio::task::JoinError),
+    Prepare(#[source] std::io::Error),
     #[error("reading {}: {source}", .path.display())]
     Read {
         path: PathBuf,
@@ -448,8 +448,9 @@ pub struct Applyinator {
 
 /// The work directory's lock ([`Applyinator::work_dir_lock`]).
 enum WorkLock {
-    /// Held until dropped (`None`: a work directory without a parent has no lock).
-    Held(Option<OwnerLock>),
+    /// Held until dropped, and let go on the disk lane after the apply's own disk work (`None`: a
+    /// work directory without a parent has no lock).
+    Held(Option<crate::disk::Later<OwnerLock>>),
     /// A pause, cancel or shutdown came while another process held it.
     Interrupted,
 }
@@ -508,7 +509,10 @@ impl Applyinator {
             return Ok(result);
         }
         let exec_dir = self.execution_dir();
-        let _interlock = self.prepare(&input).await?;
+        let Some(_interlock) = self.prepare(&input).await? else {
+            result.interruption = input.interrupt().boundary();
+            return Ok(result);
+        };
 
         if input.run_one_time {
             if let Some(i) = self.one_time_pass(&input, &exec_dir, resume_from, &mut result).await {
@@ -541,16 +545,16 @@ impl Applyinator {
         // Disk stays bounded: a successful apply's execution directory (staged image filesystems
         // included) goes at once; a failed one is kept to look at until the next apply.
         let succeeded = result.interruption.is_none() && result.reports.iter().all(|r| r.outcome.success());
+        // On the disk lane, not waited for (R31): the next apply's work comes after it there.
         if succeeded && !one_time_failed && !self.config.preserve_work_dir {
-            let dir = exec_dir.clone();
-            let removed = tokio::task::spawn_blocking(move || match std::fs::symlink_metadata(&dir) {
-                Ok(_) => crate::safefs::remove(&dir, true),
-                Err(_) => Ok(()),
-            })
-            .await;
-            if let Ok(Err(e)) = removed {
-                tracing::warn!("cannot remove the execution directory {}: {e}", exec_dir.display());
-            }
+            drop(crate::disk::run(move || {
+                if std::fs::symlink_metadata(&exec_dir).is_ok()
+                    && let Err(e) = crate::safefs::remove(&exec_dir, true)
+                {
+                    tracing::warn!("cannot remove the execution directory {}: {e}", exec_dir.display());
+                }
+                Ok(())
+            }));
         }
         Ok(result)
     }
@@ -572,11 +576,13 @@ impl Applyinator {
         let (mut said, mut alive) = (false, true);
         loop {
             let (d, n, o) = (dir.to_path_buf(), name.clone(), note.clone());
-            let taken = tokio::task::spawn_blocking(move || crate::process::owner_lock::lock_file(&d, &n, &o))
-                .await
-                .map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))?;
-            match taken {
-                Ok(l) => return Ok(WorkLock::Held(Some(l))),
+            let take = crate::disk::run(move || Ok(crate::process::owner_lock::lock_file(&d, &n, &o)));
+            let Some(taken) = unless_interrupted(input, "the work directory's lock", take).await else {
+                return Ok(WorkLock::Interrupted);
+            };
+            match taken.map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))? {
+                // A lock taken after its taker stopped waiting is let go in its turn.
+                Ok(l) => return Ok(WorkLock::Held(Some(crate::disk::Later::new(l)))),
                 Err(crate::process::LockError::Held { pid, path }) => {
                     if !said {
                         let who =
@@ -628,9 +634,15 @@ impl Applyinator {
 
     /// Everything before the first instruction ([`Prepare`]). The interlock, the archive (both
     /// synced to disk), the files and the wipe of the work directory (possibly large, e.g.
-    /// extracted images) all go to the blocking pool: the runtime keeps delivering interrupts and
-    /// probes meanwhile. The interlock is held until the returned value is dropped.
-    async fn prepare(&self, input: &ApplyInput<'_>) -> Result<Option<archive::Interlock>, ApplyError> {
+    /// extracted images) all go to the disk lane: the runtime keeps delivering interrupts and
+    /// probes meanwhile. The interlock is held until the returned value is dropped. `None`: a
+    /// pause, cancel or shutdown came while the disk did not answer; the preparation is abandoned
+    /// at its next step (R31: no file of the plan is written after that).
+    async fn prepare(
+        &self,
+        input: &ApplyInput<'_>,
+    ) -> Result<Option<Option<crate::disk::Later<archive::Interlock>>>, ApplyError> {
+        let abandoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let prep = Prepare {
             interlock_dir: self.config.interlock_dir.clone(),
             applied_plan_dir: self.config.applied_plan_dir.clone(),
@@ -640,10 +652,15 @@ impl Applyinator {
             files: if input.reconcile_files { input.plan.files.clone() } else { Vec::new() },
             work_dir: self.config.work_dir.clone(),
             wipe: !self.config.preserve_work_dir,
+            abandoned: abandoned.clone(),
         };
-        tokio::task::spawn_blocking(move || prep.run())
-            .await
-            .map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))?
+        let job = crate::disk::run(move || Ok(prep.run()));
+        let Some(done) = unless_interrupted(input, "preparing the plan", job).await else {
+            abandoned.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Ok(None);
+        };
+        let interlock = done.map_err(|e| ApplyError::WorkDir(WorkDirError::Prepare(e)))??;
+        Ok(Some(interlock.map(crate::disk::Later::new)))
     }
 
     /// The one-time instructions from `resume_from`, in order, until the first failure. Each
@@ -667,7 +684,7 @@ impl Applyinator {
                 break;
             }
             let dir = dir_of(index);
-            next_dir.ready(&dir).await;
+            next_dir.ready(&dir);
             if index + 1 < total {
                 next_dir.prepare(dir_of(index + 1));
             }
@@ -705,7 +722,7 @@ impl Applyinator {
             // The failure itself is reported once, by the observer, with its outcome.
             break;
         }
-        next_dir.discard().await;
+        next_dir.discard();
         stopped_by
     }
 
@@ -800,10 +817,18 @@ impl Applyinator {
             elapsed: started.elapsed(),
             output,
         };
-        if let Err(e) = make_dir(dir) {
-            return report(Outcome::StartFailed(format!("creating {}: {e}", dir.display())), Output::default());
-        }
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
+        // R31: the directory is made on the disk lane; a cancel or shutdown while the disk does
+        // not answer ends the wait (nothing started).
+        let target = dir.to_path_buf();
+        let made = tokio::select! {
+            biased;
+            r = crate::disk::run(move || make_dir(&target)) => r.map_err(|e| Outcome::StartFailed(format!("creating {}: {e}", dir.display()))),
+            r = stop.wait() => Err(Outcome::NotStarted(r)),
+        };
+        if let Err(o) = made {
+            return report(o, Output::default());
+        }
         let timeout = (ins.timeout_seconds > 0).then(|| Duration::from_secs(ins.timeout_seconds as u64));
         // What the process may still use of `timeoutSeconds` (all of it, unless an image was staged).
         let mut remaining = timeout;
@@ -875,17 +900,51 @@ impl Applyinator {
     }
 }
 
+/// Disk work the apply cannot go on without, waited for unless a pause, cancel or shutdown comes
+/// first (`None`: the work still runs in its turn on the disk lane, R31). A wait longer than
+/// [`crate::disk::PATIENCE`] is said once.
+async fn unless_interrupted<T: Send + 'static>(
+    input: &ApplyInput<'_>,
+    what: &str,
+    work: crate::disk::Pending<T>,
+) -> Option<std::io::Result<T>> {
+    let mut interrupts = input.interrupts.clone();
+    let mut alive = true;
+    let patience = tokio::time::sleep(crate::disk::PATIENCE);
+    tokio::pin!(work, patience);
+    let mut said = false;
+    loop {
+        tokio::select! {
+            biased;
+            r = &mut work => return Some(r),
+            r = interrupts.changed(), if alive => {
+                alive = r.is_ok();
+                if input.interrupt().boundary().is_some() {
+                    return None;
+                }
+            }
+            () = &mut patience, if !said => {
+                said = true;
+                tracing::warn!(
+                    "{what}: the disk has not answered for {}; waiting for it (a pause, cancel or shutdown ends the wait)",
+                    crate::duration::human(crate::disk::PATIENCE)
+                );
+            }
+        }
+    }
+}
+
 /// Whether the instruction that ran in `dir` (its own execution directory, made by the agent)
 /// left a restart request; the request is consumed. Anything at the name counts (it is removed,
 /// never followed).
 async fn restart_requested(dir: &Path) -> bool {
     let path = dir.join(RESTART_REQUEST_FILE);
-    tokio::task::spawn_blocking(move || {
+    crate::disk::run(move || {
         let found = std::fs::symlink_metadata(&path).is_ok();
         if found && let Err(e) = std::fs::remove_file(&path) {
             tracing::warn!("cannot remove the restart request {}: {e}", path.display());
         }
-        found
+        Ok(found)
     })
     .await
     .unwrap_or(false)
@@ -983,38 +1042,39 @@ fn make_private(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The next one-time instruction's execution directory, made on the blocking pool while the
-/// current instruction runs: on a busy filesystem a mkdir can cost as much as a short instruction
-/// (ext4 without a journal walks its recently freed inodes on every allocation). `run_one` still
-/// makes the directory itself, so an error here is reported there.
+/// The next one-time instruction's execution directory, made on the disk lane while the current
+/// instruction runs: on a busy filesystem a mkdir can cost as much as a short instruction (ext4
+/// without a journal walks its recently freed inodes on every allocation). `run_one` still makes
+/// the directory itself (after this, in the lane's order), so an error here is reported there.
 #[derive(Default)]
-struct NextDir(Option<(PathBuf, tokio::task::JoinHandle<()>)>);
+struct NextDir(Option<PathBuf>);
 
 impl NextDir {
     fn prepare(&mut self, dir: PathBuf) {
         let target = dir.clone();
-        let made = tokio::task::spawn_blocking(move || {
+        drop(crate::disk::run(move || {
             let _ = make_dir(&target);
-        });
-        self.0 = Some((dir, made));
+            Ok(())
+        }));
+        self.0 = Some(dir);
     }
 
-    /// Wait until the directory prepared for `dir` is made.
-    async fn ready(&mut self, dir: &Path) {
-        if let Some((prepared, made)) = self.0.take() {
-            let _ = made.await;
-            if prepared != dir {
-                let _ = std::fs::remove_dir(&prepared);
-            }
+    /// `dir` is about to run: a directory prepared for another one goes.
+    fn ready(&mut self, dir: &Path) {
+        if self.0.as_deref().is_some_and(|p| p != dir) {
+            self.discard();
         }
+        self.0 = None;
     }
 
     /// Remove a directory prepared for an instruction that did not run (empty, so nothing is
-    /// lost).
-    async fn discard(&mut self) {
-        if let Some((prepared, made)) = self.0.take() {
-            let _ = made.await;
-            let _ = std::fs::remove_dir(&prepared);
+    /// lost), in its turn on the disk lane.
+    fn discard(&mut self) {
+        if let Some(prepared) = self.0.take() {
+            drop(crate::disk::run(move || {
+                let _ = std::fs::remove_dir(&prepared);
+                Ok(())
+            }));
         }
     }
 }
@@ -1079,22 +1139,45 @@ struct Prepare {
     work_dir: PathBuf,
     /// Wipe `work_dir` first.
     wipe: bool,
+    /// Set when the apply stopped waiting (a pause, cancel or shutdown while the disk did not
+    /// answer): nothing more is done.
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Prepare {
+    /// Whether its apply stopped waiting for it (R31): it then stops at its next step, and what it
+    /// returns is read by nobody.
+    fn abandoned(&self) -> bool {
+        self.abandoned.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn run(self) -> Result<Option<archive::Interlock>, ApplyError> {
         // Before anything is touched: a work directory nodeplan does not own stops the apply.
         let earlier = check_work_dir(&self.work_dir).map_err(ApplyError::ForeignWorkDir)?;
+        if self.abandoned() {
+            return Ok(None);
+        }
         let interlock = match &self.interlock_dir {
             Some(d) => Some(archive::Interlock::enter(d, self.now).map_err(ApplyError::Interlock)?),
             None => None,
         };
+        if self.abandoned() {
+            return Ok(None);
+        }
         if let Some(dir) = &self.applied_plan_dir {
             archive::archive_plan(dir, &self.plan, &self.checksum, self.now);
         }
-        self.files.iter().try_for_each(files::apply_file).map_err(ApplyError::Files)?;
+        for file in &self.files {
+            if self.abandoned() {
+                return Ok(None);
+            }
+            files::apply_file(file).map_err(ApplyError::Files)?;
+        }
         if self.wipe {
             for dir in earlier {
+                if self.abandoned() {
+                    return Ok(None);
+                }
                 crate::safefs::remove(&dir, true)
                     .map_err(|source| ApplyError::WorkDir(WorkDirError::Wipe { path: dir.clone(), source }))?;
             }

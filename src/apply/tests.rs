@@ -534,3 +534,62 @@ fn instruction_results_and_their_metric() {
         assert_eq!(instruction_metric(&o), want, "{o:?}");
     }
 }
+
+/// R31: the disk lane does not answer (held here by an operation that waits for the test). A
+/// cancel ends the apply's wait for the work directory's lock: nothing of the plan happens, then
+/// or after the disk answers again, and the next apply runs as usual.
+#[tokio::test]
+async fn a_cancel_while_the_disk_does_not_answer_ends_the_wait() {
+    let fx = fixture();
+    let (planted, ran) = (fx.path("planted"), fx.path("ran"));
+    let mut plan = sh_plan(&[&format!("touch {ran}")]);
+    plan.files = vec![FileOp::Write { path: planted.clone(), content: b"x".to_vec(), mode: 0o600, uid: 0, gid: 0 }];
+    let (go, stalled) = std::sync::mpsc::channel::<()>();
+    let stall = crate::disk::run(move || Ok(stalled.recv().is_ok()));
+    let (tx, rx) = watch::channel(Interrupt::default());
+    let run = fx.app.apply(input(&plan, rx));
+    let cancel = async {
+        // `join!` polls the apply first: it is waiting on the lane by now.
+        tokio::task::yield_now().await;
+        tx.send_modify(|i| i.cancel = true);
+    };
+    let (r, ()) = tokio::time::timeout(Duration::from_secs(30), async { tokio::join!(run, cancel) })
+        .await
+        .expect("the cancel ended the wait");
+    let r = r.unwrap();
+    assert_eq!(r.interruption, Some(Interruption::Canceled));
+    assert!(r.reports.is_empty());
+    go.send(()).unwrap();
+    assert!(stall.await.unwrap(), "the stalled operation ran");
+    crate::disk::run(|| Ok(())).await.unwrap();
+    assert!(!fx.exists("planted") && !fx.exists("ran"), "nothing of the canceled plan happens after the disk answers");
+    let next = sh_plan(&[&format!("touch {}", fx.path("next"))]);
+    let (_tx, rx) = watch::channel(Interrupt::default());
+    let r = fx.app.apply(input(&next, rx)).await.unwrap();
+    assert!(r.one_time_succeeded && fx.exists("next"), "the work directory's lock was let go");
+}
+
+/// R31: a preparation its apply stopped waiting for stops at its next step: no interlock is
+/// entered and no file of the plan is written.
+#[test]
+fn an_abandoned_preparation_writes_nothing_more() {
+    let fx = fixture();
+    let prepare = |abandoned: bool| Prepare {
+        interlock_dir: Some(fx.dir.path().join("interlock")),
+        applied_plan_dir: None,
+        plan: sh_plan(&["true"]).plan,
+        checksum: "c".into(),
+        now: Utc::now(),
+        files: vec![FileOp::Write { path: fx.path("planted"), content: b"x".to_vec(), mode: 0o600, uid: 0, gid: 0 }],
+        work_dir: fx.dir.path().join("work"),
+        wipe: true,
+        abandoned: Arc::new(std::sync::atomic::AtomicBool::new(abandoned)),
+    };
+    assert!(prepare(true).run().unwrap().is_none());
+    assert!(!fx.exists("planted"));
+    assert!(!fx.exists("interlock/applyinator-active"));
+    let held = prepare(false).run().unwrap();
+    assert!(held.is_some() && fx.exists("planted") && fx.exists("interlock/applyinator-active"));
+    drop(held);
+    assert!(!fx.exists("interlock/applyinator-active"));
+}

@@ -84,12 +84,18 @@ impl RunStore {
         let bytes =
             serde_json::to_vec(&crate::formats::stamp(v, crate::formats::SAVED_RUN)).map_err(|e| e.to_string())?;
         let shown = path.display().to_string();
-        crate::blocking(move || {
+        // R31: a disk that does not answer is an error here (the write goes on in its turn).
+        let written = crate::disk::within(crate::disk::PATIENCE, move || {
             crate::safefs::make_dir(&dir, 0o700, None)?;
             crate::safefs::write_atomic(&path, &bytes, 0o600)
         })
-        .await
-        .map_err(|e| format!("{shown}: {e}"))
+        .await;
+        match written {
+            Some(r) => r.map_err(|e| format!("{shown}: {e}")),
+            None => {
+                Err(format!("{shown}: the disk did not answer in {}", crate::duration::human(crate::disk::PATIENCE)))
+            }
+        }
     }
 
     /// The saved spec of run `run` of `name`, if it is there and is that run.
@@ -105,7 +111,7 @@ impl RunStore {
     async fn read(&self, name: &str, run: &str) -> Option<Saved> {
         let path = self.path(name)?;
         let read_path = path.clone();
-        let bytes = match crate::blocking(move || crate::safefs::read_small(&read_path, MAX_BYTES)).await {
+        let bytes = match crate::disk::run(move || crate::safefs::read_small(&read_path, MAX_BYTES)).await {
             Ok(Some(b)) => b,
             Ok(None) => return None,
             Err(e) => {
@@ -122,13 +128,16 @@ impl RunStore {
         }
     }
 
-    /// Forget the run of `name` (it ended).
-    pub async fn remove(&self, name: &str) {
+    /// Forget the run of `name` (it ended): in its turn on the disk lane, after the writes it
+    /// follows, without waiting for it (R31).
+    pub fn remove(&self, name: &str) {
         let Some(path) = self.path(name) else { return };
-        let shown = path.display().to_string();
-        if let Err(e) = crate::blocking(move || crate::safefs::remove(&path, false)).await {
-            tracing::warn!("{shown}: cannot remove it: {e}");
-        }
+        drop(crate::disk::run(move || {
+            if let Err(e) = crate::safefs::remove(&path, false) {
+                tracing::warn!("{}: cannot remove it: {e}", path.display());
+            }
+            Ok(())
+        }));
     }
 }
 
@@ -186,8 +195,9 @@ mod tests {
         assert_eq!(store.load("p", &run).await, None);
         std::fs::write(&path, b"{not json").unwrap();
         assert_eq!(store.load("p", &run).await, None);
-        store.remove("p").await;
-        assert!(!path.exists());
+        store.remove("p");
+        crate::disk::run(|| Ok(())).await.unwrap();
+        assert!(!path.exists(), "removed in its turn on the lane");
         // The outcome of a run that ended is kept beside its spec, for that run only.
         store.save("p", &run, &old).await.unwrap();
         assert_eq!(store.outcome("p", &run).await, None, "a run in progress has no outcome");
@@ -199,7 +209,7 @@ mod tests {
         let other = NodePlanStatus { plan_checksum: "another-run".into(), ..done };
         store.keep_outcome("p", &run, &old, &other).await.unwrap();
         assert_eq!(store.outcome("p", &run).await, None, "an outcome of another run is not believed");
-        store.remove("p").await;
+        store.remove("p");
         // No directory configured: nothing is kept, nothing fails.
         let none = RunStore::new(None, "ns");
         none.save("p", &run, &old).await.unwrap();

@@ -197,7 +197,7 @@ impl NodePlanSource {
             return (w, Some(u));
         }
         if u.on_node {
-            self.store.remove(name).await;
+            self.store.remove(name);
         }
         (w, None)
     }

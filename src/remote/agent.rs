@@ -184,7 +184,7 @@ impl SecretSource {
         if matches!(w, Written::Failed { .. }) {
             return (w, Some(u));
         }
-        self.kept.clear().await;
+        self.kept.clear();
         (w, None)
     }
 }
@@ -429,7 +429,7 @@ impl PlanSource for SecretSource {
         let current = self.current();
         if current.as_ref().and_then(wire::plan_checksum).as_deref() != Some(p.checksum.as_str()) {
             tracing::warn!("dropping an unwritten outcome: the secret now carries another plan");
-            self.kept.clear().await;
+            self.kept.clear();
             return (Written::Abandoned, None);
         }
         if let (Some(uid), Some(s)) = (&p.restored, &current) {
@@ -441,7 +441,7 @@ impl PlanSource for SecretSource {
                     "dropping the outcome kept on the node for plan {}: the secret was reassigned or recreated since",
                     plan::short(&p.checksum)
                 );
-                self.kept.clear().await;
+                self.kept.clear();
                 return (Written::Abandoned, None);
             }
         }

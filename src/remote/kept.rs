@@ -69,32 +69,41 @@ impl KeptStore {
         let bytes = serde_json::to_value(&record)
             .and_then(|v| serde_json::to_vec(&crate::formats::stamp(v, crate::formats::KEPT_OUTCOME)));
         let Ok(bytes) = bytes else { return };
-        let r = crate::blocking(move || {
+        let saved = crate::disk::within(crate::disk::PATIENCE, move || {
             if let Some(dir) = path.parent() {
                 crate::safefs::make_dir(dir, 0o700, None)?;
             }
             crate::safefs::write_atomic(&path, &bytes, 0o600)
         })
         .await;
-        if let Err(e) = r {
-            tracing::warn!("{shown}: cannot keep the outcome on the node: {e}");
+        match saved {
+            Some(Ok(())) => {}
+            Some(Err(e)) => tracing::warn!("{shown}: cannot keep the outcome on the node: {e}"),
+            // R31: the record only guards a restart; the Secret is the other copy.
+            None => tracing::warn!(
+                "{shown}: the disk did not answer in {}; the outcome goes to the Secret without waiting to be kept on the node",
+                crate::duration::human(crate::disk::PATIENCE)
+            ),
         }
     }
 
-    /// Forget the kept outcome (it landed, or no longer applies).
-    pub async fn clear(&self) {
+    /// Forget the kept outcome (it landed, or no longer applies): in its turn on the disk lane,
+    /// after the save it follows, without waiting for it (R31).
+    pub fn clear(&self) {
         let Some(path) = self.path.clone() else { return };
-        let shown = path.display().to_string();
-        if let Err(e) = crate::blocking(move || crate::safefs::remove(&path, false)).await {
-            tracing::warn!("{shown}: cannot remove the kept outcome: {e}");
-        }
+        drop(crate::disk::run(move || {
+            if let Err(e) = crate::safefs::remove(&path, false) {
+                tracing::warn!("{}: cannot remove the kept outcome: {e}", path.display());
+            }
+            Ok(())
+        }));
     }
 
     /// The kept outcome, if there is one that names this Secret.
     pub async fn load(&self) -> Option<Kept> {
         let path = self.path.clone()?;
         let read = path.clone();
-        let bytes = match crate::blocking(move || crate::safefs::read_small(&read, MAX_BYTES)).await {
+        let bytes = match crate::disk::run(move || crate::safefs::read_small(&read, MAX_BYTES)).await {
             Ok(Some(b)) => b,
             Ok(None) => return None,
             Err(e) => {
@@ -150,7 +159,7 @@ mod tests {
         let file = dir.path().join("applied/kept-outcome_ns_machine-plan.json");
         let mode = std::fs::metadata(&file).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
-        store.clear().await;
+        store.clear();
         assert_eq!(store.load().await, None);
         assert!(!file.exists());
         // Nothing kept without a directory.

@@ -800,3 +800,136 @@ pub fn agent_status_until(config: &std::path::Path, what: &str, pred: impl Fn(&s
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A filesystem of its own for an agent's state directories, which a test freezes the way a
+/// snapshot tool (`fsfreeze`) or a hung disk stops answering: a 16 MiB ext4 image on a loop
+/// device, mounted in a private mount namespace that only the agent started with
+/// [`StateDisk::agent`] sees. The namespace is held by a holder process that thaws the filesystem
+/// as soon as its stdin closes (this value dropped, or the test process killed): a failing test
+/// never leaves it frozen, and the loop device goes with the namespace's last process.
+pub struct StateDisk {
+    _dir: tempfile::TempDir,
+    /// Where the filesystem is mounted, inside the namespace (an empty directory outside it).
+    pub mnt: std::path::PathBuf,
+    holder: std::process::Child,
+}
+
+impl StateDisk {
+    /// `None` (after a loud skip outside CI) where loop devices or the tools are missing.
+    pub fn new() -> Option<StateDisk> {
+        let tools = ["mkfs.ext4", "fsfreeze", "nsenter", "unshare", "mount"].iter().all(|t| {
+            std::process::Command::new("sh")
+                .args(["-c", &format!("command -v {t}")])
+                .stdout(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+        let loops = std::path::Path::new("/dev/loop-control").exists() && unsafe { libc::geteuid() } == 0;
+        if !require(tools && loops, "loop devices, root, mkfs.ext4, fsfreeze, nsenter and unshare (a freezable disk)") {
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("state.img");
+        std::fs::File::create(&image).unwrap().set_len(16 << 20).unwrap();
+        let mkfs = std::process::Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image).output().unwrap();
+        assert!(mkfs.status.success(), "mkfs.ext4: {}", String::from_utf8_lossy(&mkfs.stderr));
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let mut holder = std::process::Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c"])
+            .arg("mount -o loop \"$0\" \"$1\" && echo ready && read x; fsfreeze -u \"$1\" 2>/dev/null; exit 0")
+            .arg(&image)
+            .arg(&mnt)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut ready).unwrap();
+        assert_eq!(ready.trim(), "ready", "the state disk was not mounted");
+        Some(StateDisk { _dir: dir, mnt, holder })
+    }
+
+    fn inside(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new("nsenter")
+            .args(["-t", &self.holder.id().to_string(), "-m", "--"])
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// Stop the filesystem answering writes: whoever writes to it sleeps in the kernel until
+    /// [`StateDisk::thaw`], where no signal reaches it.
+    pub fn freeze(&self) {
+        let out = self.inside(&["fsfreeze", "-f", &self.mnt.to_string_lossy()]);
+        assert!(out.status.success(), "fsfreeze -f: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    pub fn thaw(&self) {
+        let out = self.inside(&["fsfreeze", "-u", &self.mnt.to_string_lossy()]);
+        assert!(out.status.success(), "fsfreeze -u: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The names in a directory of the filesystem (`rel` to its root; empty if it is not there).
+    pub fn list(&self, rel: &str) -> Vec<String> {
+        let out = self.inside(&["ls", "-A", &self.mnt.join(rel).to_string_lossy()]);
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
+    }
+
+    /// `nodeplan agent --config config` inside the namespace. The filesystem is thawed before the
+    /// agent is killed when the value is dropped (a process asleep on a frozen filesystem cannot
+    /// be reaped).
+    pub fn agent(&self, config: &std::path::Path) -> DiskAgent {
+        let mut child = std::process::Command::new("nsenter")
+            .args(["-t", &self.holder.id().to_string(), "-m", "--", NODEPLAN, "agent", "--config"])
+            .arg(config)
+            .env("NODEPLAN_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = lines_of(child.stderr.take().unwrap());
+        let agent = AgentProc { child, lines, seen: Vec::new(), backlog: Vec::new(), crashed: false };
+        DiskAgent { _thaw: Thaw(self.holder.id(), self.mnt.clone()), agent }
+    }
+}
+
+impl Drop for StateDisk {
+    fn drop(&mut self) {
+        // Closing its stdin makes the holder thaw and exit.
+        drop(self.holder.stdin.take());
+        let _ = self.holder.wait();
+    }
+}
+
+/// Thaws the state disk when dropped (before the agent it is declared with).
+struct Thaw(u32, std::path::PathBuf);
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nsenter")
+            .args(["-t", &self.0.to_string(), "-m", "--", "fsfreeze", "-u"])
+            .arg(&self.1)
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// An agent on a [`StateDisk`]: the disk is thawed before the agent is killed.
+pub struct DiskAgent {
+    _thaw: Thaw,
+    pub agent: AgentProc,
+}
+
+impl std::ops::Deref for DiskAgent {
+    type Target = AgentProc;
+    fn deref(&self) -> &AgentProc {
+        &self.agent
+    }
+}
+
+impl std::ops::DerefMut for DiskAgent {
+    fn deref_mut(&mut self) -> &mut AgentProc {
+        &mut self.agent
+    }
+}
