@@ -203,6 +203,43 @@ async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_field
     assert_eq!(agent.stop(), 0);
 }
 
+/// R31 in NodePlan mode: the state directories' filesystem stops answering writes while a run
+/// goes on. Its outcome still reaches the status; a NodePlan created meanwhile cannot save its run
+/// and waits, and its cancel is written at once; after the thaw nothing of it runs and the saved
+/// runs are removed in order.
+#[tokio::test]
+async fn a_frozen_state_disk_holds_neither_a_status_nor_a_cancel() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let n = Node::new(cp, "np-frozen-disk").await;
+    n.state_on(&disk);
+    let go = n.fifo("go");
+    n.create("a", "node-a", json!({"plan": {"instructions": [sh("a", &format!("read x < {go}; true"))]}})).await;
+    let mut agent = disk.agent(&n.config);
+    n.wait("a", "Executing", |s| s.state == Some(nodeplan::plan::PlanState::InProgress)).await;
+    disk.freeze();
+    release_fifo(&go);
+    n.wait("a", "Applied while the disk is frozen", phase("Applied")).await;
+    agent.wait_log("the disk did not answer in 5s); writing it");
+    let ran = n.p("ran-b");
+    n.create("b", "node-a", json!({"plan": {"instructions": [sh("b", &format!("touch {ran}"))]}})).await;
+    agent.wait_log("cannot keep the run on this node");
+    n.patch_spec("b", json!({"canceled": true})).await;
+    n.wait("b", "Cancelled while the disk is frozen", phase("Cancelled")).await;
+    disk.thaw();
+    let done = n.p("ran-c");
+    n.create("c", "node-a", json!({"plan": {"instructions": [sh("c", &format!("touch {done}"))]}})).await;
+    n.wait("c", "Applied after the thaw", phase("Applied")).await;
+    assert!(std::path::Path::new(&done).exists());
+    assert!(!std::path::Path::new(&ran).exists(), "the canceled NodePlan never ran");
+    let deadline = Instant::now() + GUARD;
+    while !disk.list("nodeplans").is_empty() {
+        assert!(Instant::now() < deadline, "a saved run stayed on the node: {:?}", disk.list("nodeplans"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test]
 async fn pause_then_resume_without_rerunning_then_cancel_a_tree() {
     let cp = control_plane!();

@@ -511,13 +511,7 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
     let cp = control_plane!();
     let Some(disk) = StateDisk::new() else { return };
     let r = Remote::new(cp, "frozen-disk").await;
-    let (d, m) = (r.dir.path().display().to_string(), disk.mnt.display().to_string());
-    let config = std::fs::read_to_string(&r.config).unwrap();
-    let config = ["work", "applied", "interlock", "nodeplans"]
-        .iter()
-        .fold(config, |c, dir| c.replace(&format!("{d}/{dir}\n"), &format!("{m}/{dir}\n")));
-    assert_eq!(config.matches(&m).count(), 4, "{config}");
-    std::fs::write(&r.config, config).unwrap();
+    r.state_on(&disk);
     let go = r.fifo("go");
     r.create(&json!({"instructions": [sh("a", &format!("read x < {go}; echo a"))]}), Some("pending"), &[]).await;
     let mut agent = disk.agent(&r.config);

@@ -525,6 +525,9 @@ impl PlanSource for NodePlanSource {
             if let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum)
                 && let Err(e) = self.store.save(name, &look.checksum, &run.spec).await
             {
+                // A save that lands after this gave up (R31) is removed in its turn: the start
+                // was not committed, and the plan may never begin (a cancel, a new spec).
+                self.store.remove(name);
                 return Written::failed(format!("cannot keep the run on this node: {e}"));
             }
         }

@@ -399,6 +399,18 @@ impl ClusterNode {
     pub fn agent(&self) -> AgentProc {
         AgentProc::start(&self.config)
     }
+
+    /// Move the node's state directories (work, applied plans, interlock, NodePlan runs) onto
+    /// `disk`; the pid directory stays (a tmpfs on a node).
+    pub fn state_on(&self, disk: &StateDisk) {
+        let (d, m) = (self.dir.path().display().to_string(), disk.mnt.display().to_string());
+        let config = std::fs::read_to_string(&self.config).unwrap();
+        let config = ["work", "applied", "interlock", "nodeplans"]
+            .iter()
+            .fold(config, |c, dir| c.replace(&format!("{d}/{dir}\n"), &format!("{m}/{dir}\n")));
+        assert_eq!(config.matches(&m).count(), 4, "{config}");
+        std::fs::write(&self.config, config).unwrap();
+    }
 }
 
 /// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
