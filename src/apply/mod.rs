@@ -685,10 +685,12 @@ impl Applyinator {
             }
             let dir = dir_of(index);
             next_dir.ready(&dir);
+            // This instruction's directory first on the lane, then the next one's.
+            let made = make_exec_dir(&dir);
             if index + 1 < total {
                 next_dir.prepare(dir_of(index + 1));
             }
-            let report = self.run_one(input, &dir, index, total, &ins.common, input.attempt, false).await;
+            let report = self.run_one(input, &dir, made, index, total, &ins.common, input.attempt, false).await;
             result.termination_incomplete |= report.outcome.termination_incomplete();
             save_output(&mut result.one_time_output, ins, &report);
             let outcome = report.outcome.clone();
@@ -751,7 +753,8 @@ impl Applyinator {
             }
             let attempt = prev.as_ref().map_or(0, |o| o.failures) + 1;
             let dir = exec_dir.join(format!("{}_p{index}", input.plan.checksum));
-            let report = self.run_one(input, &dir, index, periodic.len(), &p.common, attempt, true).await;
+            let made = make_exec_dir(&dir);
+            let report = self.run_one(input, &dir, made, index, periodic.len(), &p.common, attempt, true).await;
             input.observer.instruction_finished(&report);
             crate::metrics::instruction_finished(report.periodic, instruction_metric(&report.outcome), report.elapsed);
             result.termination_incomplete |= report.outcome.termination_incomplete();
@@ -793,10 +796,12 @@ impl Applyinator {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Run one instruction in `dir`, which `made` makes ([`make_exec_dir`]).
     async fn run_one(
         &self,
         input: &ApplyInput<'_>,
         dir: &Path,
+        made: crate::disk::Pending<()>,
         index: usize,
         total: usize,
         ins: &crate::plan::CommonInstruction,
@@ -818,12 +823,11 @@ impl Applyinator {
             output,
         };
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
-        // R31: the directory is made on the disk lane; a cancel or shutdown while the disk does
-        // not answer ends the wait (nothing started).
-        let target = dir.to_path_buf();
+        // R31: a cancel or shutdown while the disk does not answer ends the wait for the
+        // directory (nothing started).
         let made = tokio::select! {
             biased;
-            r = crate::disk::run(move || make_dir(&target)) => r.map_err(|e| Outcome::StartFailed(format!("creating {}: {e}", dir.display()))),
+            r = made => r.map_err(|e| Outcome::StartFailed(format!("creating {}: {e}", dir.display()))),
             r = stop.wait() => Err(Outcome::NotStarted(r)),
         };
         if let Err(o) = made {
@@ -1042,10 +1046,16 @@ fn make_private(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// An instruction's execution directory, made on the disk lane (R31).
+fn make_exec_dir(dir: &Path) -> crate::disk::Pending<()> {
+    let target = dir.to_path_buf();
+    crate::disk::run(move || make_dir(&target))
+}
+
 /// The next one-time instruction's execution directory, made on the disk lane while the current
 /// instruction runs: on a busy filesystem a mkdir can cost as much as a short instruction (ext4
 /// without a journal walks its recently freed inodes on every allocation). `run_one` still makes
-/// the directory itself (after this, in the lane's order), so an error here is reported there.
+/// the directory itself (when this one's turn comes), so an error here is reported there.
 #[derive(Default)]
 struct NextDir(Option<PathBuf>);
 
