@@ -5,12 +5,12 @@
 //! filesystem can stop answering: frozen for a snapshot (`fsfreeze`), a hung network disk, a
 //! dying device. A process that touches it then sleeps in the kernel where no signal reaches it.
 //! So every operation on those directories goes to the *lane*, off the agent's threads, which runs
-//! them one at a time in the order they were handed over. A caller waits for its own operation only as long as
-//! it must ([`run`]: until it is done, [`within`]: up to a limit), and an operation a caller
-//! stopped waiting for still runs, in its place: whatever comes after it (a clear after a save,
-//! the next apply's wipe after an interrupted one's preparation, a lock's release and the next
-//! take of it) runs after it. A value whose drop touches the disk (a lock file, the interlock) is
-//! dropped on the lane ([`Later`]).
+//! them one at a time in the order they were handed over. A caller waits for its own operation
+//! only as long as it must ([`run`]: until it is done, [`within`]: up to a limit, [`queue`]: not
+//! at all), and an operation a caller stopped waiting for still runs, in its place: whatever comes
+//! after it (a clear after a save, the next apply's wipe after an interrupted one's preparation, a
+//! lock's release and the next take of it) runs after it. A value whose drop touches the disk (a
+//! lock file, the interlock) is dropped on the lane ([`Later`]).
 //!
 //! Owns: the lane (the order of the operations). Must not: know what the operations mean, or run
 //! anything that waits on something other than the disk (an operation that waits for another
@@ -62,6 +62,14 @@ pub fn run<T: Send + 'static>(f: impl FnOnce() -> io::Result<T> + Send + 'static
     Pending(rx)
 }
 
+/// Hand `f` to the lane without waiting for it (a clean-up, a removal): it runs in its turn.
+pub fn queue(f: impl FnOnce() + Send + 'static) {
+    drop(run(move || {
+        f();
+        Ok(())
+    }));
+}
+
 /// [`run`], waited for at most `limit`: `None` when the disk did not answer in time (`f` still
 /// runs in its turn).
 pub async fn within<T: Send + 'static>(
@@ -97,10 +105,7 @@ impl<T: Send + 'static> Later<T> {
 impl<T: Send + 'static> Drop for Later<T> {
     fn drop(&mut self) {
         if let Some(v) = self.0.take() {
-            drop(run(move || {
-                drop(v);
-                Ok(())
-            }));
+            queue(move || drop(v));
         }
     }
 }

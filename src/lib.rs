@@ -35,7 +35,7 @@
 //! - [`install`]: `nodeplan install`/`uninstall`: settings, the Rancher exchange, the files and unit.
 //! - [`cli`]: commands, progress display, logging, exit codes.
 //! - [`safefs`]: race-free writes and bounded reads of files other local users may touch.
-//! - [`disk`]: the state disk's operations, in order, on a thread of their own (a stalled disk never
+//! - [`disk`]: the state disk's operations, in order, off the agent's thread (a stalled disk never
 //!   holds the agent).
 
 pub mod apply;

@@ -547,14 +547,13 @@ impl Applyinator {
         let succeeded = result.interruption.is_none() && result.reports.iter().all(|r| r.outcome.success());
         // On the disk lane, not waited for (R31): the next apply's work comes after it there.
         if succeeded && !one_time_failed && !self.config.preserve_work_dir {
-            drop(crate::disk::run(move || {
+            crate::disk::queue(move || {
                 if std::fs::symlink_metadata(&exec_dir).is_ok()
                     && let Err(e) = crate::safefs::remove(&exec_dir, true)
                 {
                     tracing::warn!("cannot remove the execution directory {}: {e}", exec_dir.display());
                 }
-                Ok(())
-            }));
+            });
         }
         Ok(result)
     }
@@ -1062,10 +1061,9 @@ struct NextDir(Option<PathBuf>);
 impl NextDir {
     fn prepare(&mut self, dir: PathBuf) {
         let target = dir.clone();
-        drop(crate::disk::run(move || {
+        crate::disk::queue(move || {
             let _ = make_dir(&target);
-            Ok(())
-        }));
+        });
         self.0 = Some(dir);
     }
 
@@ -1081,10 +1079,9 @@ impl NextDir {
     /// lost), in its turn on the disk lane.
     fn discard(&mut self) {
         if let Some(prepared) = self.0.take() {
-            drop(crate::disk::run(move || {
+            crate::disk::queue(move || {
                 let _ = std::fs::remove_dir(&prepared);
-                Ok(())
-            }));
+            });
         }
     }
 }

@@ -132,12 +132,11 @@ impl RunStore {
     /// follows, without waiting for it (R31).
     pub fn remove(&self, name: &str) {
         let Some(path) = self.path(name) else { return };
-        drop(crate::disk::run(move || {
+        crate::disk::queue(move || {
             if let Err(e) = crate::safefs::remove(&path, false) {
                 tracing::warn!("{}: cannot remove it: {e}", path.display());
             }
-            Ok(())
-        }));
+        });
     }
 }
 

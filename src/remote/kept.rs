@@ -91,12 +91,11 @@ impl KeptStore {
     /// after the save it follows, without waiting for it (R31).
     pub fn clear(&self) {
         let Some(path) = self.path.clone() else { return };
-        drop(crate::disk::run(move || {
+        crate::disk::queue(move || {
             if let Err(e) = crate::safefs::remove(&path, false) {
                 tracing::warn!("{}: cannot remove the kept outcome: {e}", path.display());
             }
-            Ok(())
-        }));
+        });
     }
 
     /// The kept outcome, if there is one that names this Secret.
