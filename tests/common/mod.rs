@@ -199,7 +199,13 @@ impl AgentProc {
 
     /// The agent started as `program` (a copy of the binary, which a plan may replace).
     pub fn start_program(program: &std::path::Path, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
-        let mut child = std::process::Command::new(program)
+        AgentProc::spawn(std::process::Command::new(program), config, env)
+    }
+
+    /// `command` (the binary, or a wrapper whose last arguments name it) with `agent --config
+    /// config` appended.
+    fn spawn(mut command: std::process::Command, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
+        let mut child = command
             .args(["agent", "--config"])
             .arg(config)
             .env("NODEPLAN_LOG", "info")
@@ -892,16 +898,9 @@ impl StateDisk {
     /// agent is killed when the value is dropped (a process asleep on a frozen filesystem cannot
     /// be reaped).
     pub fn agent(&self, config: &std::path::Path) -> DiskAgent {
-        let mut child = std::process::Command::new("nsenter")
-            .args(["-t", &self.holder.id().to_string(), "-m", "--", NODEPLAN, "agent", "--config"])
-            .arg(config)
-            .env("NODEPLAN_LOG", "info")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let lines = lines_of(child.stderr.take().unwrap());
-        let agent = AgentProc { child, lines, seen: Vec::new(), backlog: Vec::new(), crashed: false };
+        let mut nsenter = std::process::Command::new("nsenter");
+        nsenter.args(["-t", &self.holder.id().to_string(), "-m", "--", NODEPLAN]);
+        let agent = AgentProc::spawn(nsenter, config, &[]);
         DiskAgent { _thaw: Thaw(self.holder.id(), self.mnt.clone()), agent }
     }
 }
