@@ -79,6 +79,17 @@ pub async fn within<T: Send + 'static>(
     tokio::time::timeout(limit, run(f)).await.ok()
 }
 
+/// Wait, at most `limit`, until every operation handed to the lane so far has run: a command's
+/// last step, since the runtime drops the operations it has not started when it goes (a successful
+/// apply's execution directory would stay, a kept outcome would not be cleared). `false` when the
+/// disk did not answer in time.
+pub async fn settle(limit: Duration) -> bool {
+    if LAST.lock().unwrap_or_else(PoisonError::into_inner).is_none() {
+        return true;
+    }
+    within(limit, || Ok(())).await.is_some()
+}
+
 /// The result of an operation handed to the lane.
 pub struct Pending<T>(tokio::sync::oneshot::Receiver<io::Result<T>>);
 
@@ -168,6 +179,27 @@ mod tests {
         assert_eq!(first.await.unwrap(), "saved");
         after.await.unwrap();
         assert_eq!(*seen.lock().unwrap(), ["released", "next"]);
+    }
+
+    #[tokio::test]
+    async fn settling_waits_for_everything_handed_over_as_long_as_the_disk_answers() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (go, save) = stalled();
+        let s = seen.clone();
+        queue(move || {
+            let _ = save();
+            s.lock().unwrap().push("save");
+        });
+        let s = seen.clone();
+        queue(move || s.lock().unwrap().push("remove"));
+        assert!(
+            !settle(Duration::from_millis(50)).await,
+            "a disk that does not answer is not waited for past the limit"
+        );
+        assert!(seen.lock().unwrap().is_empty());
+        go.send(()).unwrap();
+        assert!(settle(Duration::from_secs(60)).await);
+        assert_eq!(*seen.lock().unwrap(), ["save", "remove"], "both ran before settle returned");
     }
 
     #[tokio::test]

@@ -58,12 +58,17 @@ fn applies_a_plan_and_exits_zero() {
 
 /// Disk stays bounded: a successful apply removes its execution directory at once (what it
 /// staged goes with it), a failed one keeps it to look at until the next apply, and
-/// `--preserve-work-dir` keeps every one.
+/// `--preserve-work-dir` keeps every one. The removal is handed to the disk lane (R31) and the
+/// command waits for it before it exits: what it staged here is many files, so that removal
+/// takes longer than the runtime's own shutdown would wait for it.
 #[test]
 fn a_successful_apply_leaves_no_execution_directory_and_a_failed_one_does() {
     let e = Env::new();
     let entries = |e: &Env| std::fs::read_dir(e.p("work")).map(|d| d.count()).unwrap_or(0);
-    let ok = e.plan(serde_json::json!({"instructions": [sh("a", "echo staged > staged-file")]}));
+    let ok = e.plan(serde_json::json!({"instructions": [sh(
+        "a",
+        "echo staged > staged-file && mkdir many && cd many && seq 20000 | xargs touch"
+    )]}));
     assert_eq!(e.cmd(&ok, &[]).status().unwrap().code(), Some(0));
     assert_eq!(entries(&e), 0, "the successful apply's directory is gone");
     let bad = e.p("bad.plan");

@@ -130,7 +130,7 @@ async fn pause_while_an_instruction_runs_stops_at_the_boundary() {
     assert!(!r.one_time_succeeded);
     assert!(!fx.exists("b-ran"), "the next instruction must never start");
     assert_eq!(r.one_time_output["a"], b"a-out\na-err\n".to_vec(), "saved output kept with the pause (R12)");
-    assert_eq!(execution_dirs(&fx), ["_0"], "no directory for an instruction the pause held");
+    assert_eq!(execution_dirs(&fx).await, ["_0"], "no directory for an instruction the pause held");
 }
 
 #[tokio::test]
@@ -296,11 +296,14 @@ async fn stops_at_the_first_failure_and_runs_in_order() {
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "one\ntwo\n");
     assert_eq!(r.reports.len(), 2);
     assert!(r.one_time_output.contains_key("b"), "a failed instruction's output is saved too");
-    assert_eq!(execution_dirs(&fx), ["_0", "_1"], "no directory for the instruction that never ran");
+    assert_eq!(execution_dirs(&fx).await, ["_0", "_1"], "no directory for the instruction that never ran");
 }
 
-/// The suffixes (`_<index>`) of the execution directories the last apply made.
-fn execution_dirs(fx: &Fixture) -> Vec<String> {
+/// The suffixes (`_<index>`) of the execution directories the last apply made, once the disk
+/// lane has done what the apply handed to it (a directory prepared for an instruction that did
+/// not run is removed in its turn there, not before the apply returns).
+async fn execution_dirs(fx: &Fixture) -> Vec<String> {
+    crate::disk::run(|| Ok(())).await.unwrap();
     let work = fx.dir.path().join("work");
     let stamps: Vec<_> = std::fs::read_dir(&work).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(stamps.len(), 1, "one execution directory per apply: {stamps:?}");

@@ -295,7 +295,7 @@ pub fn main() -> ExitCode {
         }
     };
     let code = rt.block_on(async move {
-        match cli.command {
+        let code = match cli.command {
             Command::Agent(a) => agent::run(a).await,
             Command::Status(a) => status::run(a),
             Command::ValidateConfig(a) => agent::validate_config(a),
@@ -312,7 +312,17 @@ pub fn main() -> ExitCode {
                 Ok(())
             }),
             Command::Man => generated(|w| clap_mangen::Man::new(Cli::command()).render(w)),
+        };
+        // What the command handed to the state disk and did not wait for (a successful apply's
+        // execution directory, a lock's release, a kept outcome's clear) runs before the runtime
+        // goes, which would drop it unrun; a disk that does not answer holds the exit 5 s (R31).
+        if !crate::disk::settle(crate::disk::PATIENCE).await {
+            tracing::warn!(
+                "the state disk did not answer in {}: what was left to do there (a clean-up, a record) is not done",
+                crate::duration::human(crate::disk::PATIENCE)
+            );
         }
+        code
     });
     // Do not wait for blocking tasks (a stuck /proc read) on the way out.
     rt.shutdown_timeout(Duration::from_millis(100));
