@@ -552,6 +552,56 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// R31 in an agent with both modes, the local plan directory on a filesystem that stops answering
+/// (the state directories elsewhere). A local plan that finishes while it is frozen cannot record
+/// its outcome in its `.pos`: the agent waits 5 s for that write, says so, and holds that plan
+/// alone until the write lands; the Secret's plan runs and is reported meanwhile. After the thaw
+/// the outcome lands and the local plan never runs again.
+#[tokio::test]
+async fn a_frozen_plan_directory_holds_its_own_plan_and_nothing_else() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let r = Remote::new(cp, "frozen-plans").await;
+    let local =
+        format!("localEnabled: true\nlocalPlanDirectory: {}\nrescanSeconds: 1\n", disk.mnt.join("plans").display());
+    std::fs::write(&r.config, std::fs::read_to_string(&r.config).unwrap() + &local).unwrap();
+    let (go, runs) = (r.fifo("go"), r.p("runs"));
+    let plan_l = json!({"instructions": [sh("l", &format!("echo run >> {runs}; read x < {go}; echo l"))]});
+    disk.write("plans/l.plan", &serde_json::to_vec(&plan_l).unwrap());
+    r.create(&json!({"instructions": [sh("first", "true")]}), Some("pending"), &[]).await;
+    let mut agent = disk.agent(&r.config);
+    let ran = |runs: &str| std::fs::read_to_string(runs).unwrap_or_default();
+    let deadline = Instant::now() + GUARD;
+    while ran(&runs).is_empty() {
+        assert!(Instant::now() < deadline, "the local plan never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    disk.freeze();
+    release_fifo(&go);
+    agent.wait_log("the disk did not answer in 5s; nothing else of the plan is decided until that write lands");
+    let done = r.p("ran-r");
+    let plan_r = json!({"instructions": [sh("r", &format!("touch {done}"))]});
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_r).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("the Secret's plan succeeded while the plan directory is frozen", |s| state(s) == "succeeded").await;
+    assert!(Path::new(&done).exists());
+    disk.thaw();
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let pos = disk.read("plans/l.pos").and_then(|b| nodeplan::local::pos::parse_pos(&b).ok());
+        if pos.as_ref().is_some_and(|p| p.success_count == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the local plan's outcome never landed: {pos:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Never twice: one more Secret plan after the thaw, by when a second run would have begun.
+    let plan_s = json!({"instructions": [sh("s", "true")]});
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_s).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("one more Secret plan succeeded after the thaw", |s| state(s) == "succeeded").await;
+    assert_eq!(ran(&runs), "run\n", "the local plan ran once");
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test]
 async fn an_invalid_value_writes_nothing() {
     let cp = control_plane!();

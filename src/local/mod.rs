@@ -4,7 +4,8 @@
 //!
 //! This module owns the plan directory as a plan source of [`crate::reconcile`]: the scan and the
 //! watch (inotify through the `inotify` crate, plus a periodic rescan), reading plans, `.pos` and
-//! control files without following links or blocking, and writing `.pos` files. What a `.pos`
+//! control files without following links or blocking, and writing `.pos` files (off the agent's
+//! threads, waited for 5 s: a plan whose write has not landed is held until it has, R31). What a `.pos`
 //! means is [`wire`] (pure functions); the loop (recovery, back-off, runs, interrupts, probes) is
 //! [`crate::reconcile`]. It must not spawn processes (the applyinator does) or talk to Kubernetes.
 
@@ -70,6 +71,8 @@ pub struct DirSource {
     /// Per plan file, the writes its last look found due (a `.pos` nobody can read moved aside,
     /// a reset applied): made by [`PlanSource::show`] when the loop asks, never by the look.
     shows: HashMap<PathBuf, Vec<LocalShow>>,
+    /// Per plan file, a write the disk did not finish in time (R31).
+    unsettled: HashMap<PathBuf, Unsettled>,
 }
 
 /// A write a look found due.
@@ -143,14 +146,23 @@ fn plan_removed(files: &PlanFiles) -> bool {
     std::fs::symlink_metadata(&files.plan).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
 }
 
-/// Write a `.pos` (it ends in an fsync: off the async threads); an error is logged.
-async fn store(path: PathBuf, p: Pos) -> Written {
-    let shown = path.display().to_string();
-    match tokio::task::spawn_blocking(move || pos::write_pos(&path, &p)).await {
-        Ok(Ok(_)) => Written::Done,
-        Ok(Err(e)) => Written::failed(format!("cannot write {shown}: {e}")),
-        Err(e) => Written::failed(format!("cannot write {shown}: {e}")),
-    }
+/// A write beside a plan (its `.pos`, an unreadable `.pos` moved aside) that the disk did not
+/// finish in [`crate::disk::PATIENCE`] (R31): it still runs, and until it has, nothing else of
+/// the plan is read, decided or written (a look sees the plan held): a `.pos` read before the
+/// write lands would be the state before it, and a decision on it could run the plan again.
+struct Unsettled {
+    write: tokio::task::JoinHandle<()>,
+    /// What the look says while it waits (the same text each time: a held plan's line is logged
+    /// once per distinct text).
+    why: String,
+}
+
+/// The text of a write (`what`: "write PATH") that did not land in time.
+fn not_answered(what: &str) -> String {
+    format!(
+        "cannot {what}: the disk did not answer in {}; nothing else of the plan is decided until that write lands",
+        crate::duration::human(crate::disk::PATIENCE)
+    )
 }
 
 impl DirSource {
@@ -159,7 +171,15 @@ impl DirSource {
             tracing::warn!("local plan directory {} does not exist (yet); watching for it", cfg.plan_dir.display());
         }
         let (events_tx, events) = mpsc::unbounded_channel();
-        DirSource { cfg, events_tx, events, watcher: None, noted: HashSet::new(), shows: HashMap::new() }
+        DirSource {
+            cfg,
+            events_tx,
+            events,
+            watcher: None,
+            noted: HashSet::new(),
+            shows: HashMap::new(),
+            unsettled: HashMap::new(),
+        }
     }
 
     /// Log `line` at warn level, once (while fewer than [`NOTED_CAP`] lines are remembered).
@@ -202,7 +222,10 @@ impl DirSource {
 
     /// Change a plan's `.pos` in place (read, change, write). A `.pos` that cannot be read is
     /// left alone (the next look holds the plan or sets it aside).
-    async fn update(&self, files: &PlanFiles, f: impl FnOnce(&mut Pos)) -> Written {
+    async fn update(&mut self, files: &PlanFiles, f: impl FnOnce(&mut Pos)) -> Written {
+        if let Some(why) = self.waiting(&files.plan) {
+            return Written::failed(why);
+        }
         let path = files.pos();
         let mut p = match pos::read_pos_trusted(&path, &mut Vec::new()) {
             Ok(p) => p,
@@ -213,7 +236,51 @@ impl DirSource {
         if p == before {
             return Written::Done;
         }
-        store(path, p).await
+        let what = format!("write {}", path.display());
+        self.write(&files.plan, &what, move || pos::write_pos(&path, &p).map(drop)).await
+    }
+
+    /// Run `op` (`what`: "write PATH", a write beside the plan `plan`; `.pos` writes end in an
+    /// fsync) off the agent's
+    /// threads, waiting for it at most [`crate::disk::PATIENCE`] (R31). One that takes longer
+    /// still runs; the plan is then held ([`DirSource::waiting`]) until it has, and the loop
+    /// hears of it when it lands (a change of the directory).
+    async fn write(
+        &mut self,
+        plan: &Path,
+        what: &str,
+        op: impl FnOnce() -> std::io::Result<()> + Send + 'static,
+    ) -> Written {
+        let gave_up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (late, wake, key) = (gave_up.clone(), self.events_tx.clone(), plan.to_path_buf());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let write = tokio::task::spawn_blocking(move || {
+            let _ = tx.send(op());
+            if late.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = wake.send(key);
+            }
+        });
+        match tokio::time::timeout(crate::disk::PATIENCE, rx).await {
+            Ok(Ok(Ok(()))) => Written::Done,
+            Ok(Ok(Err(e))) => Written::failed(format!("cannot {what}: {e}")),
+            Ok(Err(_)) => Written::failed(format!("cannot {what}: it did not finish (it panicked)")),
+            Err(_) => {
+                gave_up.store(true, std::sync::atomic::Ordering::SeqCst);
+                let why = not_answered(what);
+                self.unsettled.insert(plan.to_path_buf(), Unsettled { write, why: why.clone() });
+                Written::failed(why)
+            }
+        }
+    }
+
+    /// Why nothing of `plan` may be read or written now: a write beside it has not landed.
+    fn waiting(&mut self, plan: &Path) -> Option<String> {
+        let u = self.unsettled.get(plan)?;
+        if !u.write.is_finished() {
+            return Some(u.why.clone());
+        }
+        self.unsettled.remove(plan);
+        None
     }
 }
 
@@ -249,15 +316,25 @@ impl PlanSource for DirSource {
     async fn show(&mut self, path: &PathBuf) {
         for show in self.shows.remove(path).unwrap_or_default() {
             match show {
-                LocalShow::Aside { from, to, why } => match std::fs::rename(&from, &to) {
-                    Ok(()) => tracing::error!("{}: {why}; moved to {} and starting over", from.display(), to.display()),
-                    Err(e) => tracing::error!("{}: {why}; cannot move it to {}: {e}", from.display(), to.display()),
-                },
+                LocalShow::Aside { from, to, why } => {
+                    let (shown, what) = (from.display().to_string(), format!("move it to {}", to.display()));
+                    let moved = format!("{shown}: {why}; moved to {} and starting over", to.display());
+                    match self.write(path, &what, move || std::fs::rename(&from, &to)).await {
+                        Written::Done => tracing::error!("{moved}"),
+                        Written::Failed { error, .. } => tracing::error!("{shown}: {why}; {error}"),
+                        Written::Abandoned => {}
+                    }
+                }
                 LocalShow::Reset { pos, reset, stored } => {
-                    if let Written::Failed { error, .. } = store(pos, *stored).await {
+                    let what = format!("write {}", pos.display());
+                    let op = move || {
+                        pos::write_pos(&pos, &stored)?;
+                        let _ = std::fs::remove_file(reset);
+                        Ok(())
+                    };
+                    if let Written::Failed { error, .. } = self.write(path, &what, op).await {
                         tracing::error!("{error}");
                     }
-                    let _ = std::fs::remove_file(reset);
                 }
             }
         }
@@ -265,6 +342,9 @@ impl PlanSource for DirSource {
 
     async fn look(&mut self, path: &PathBuf) -> Seen {
         self.shows.remove(path);
+        if let Some(why) = self.waiting(path) {
+            return Seen::Held(why);
+        }
         let Some(files) = PlanFiles::new(path) else { return Seen::Nothing };
         // Anyone who can write the plan can run commands as root; a file that is not what it
         // should be (a FIFO, a link, too large) is refused without blocking. Both hold the plan.

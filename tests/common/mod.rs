@@ -888,6 +888,27 @@ impl StateDisk {
         assert!(out.status.success(), "fsfreeze -u: {}", String::from_utf8_lossy(&out.stderr));
     }
 
+    /// Write `bytes` to `rel` on the filesystem (mode 0600, owned by root, its directories made
+    /// 0700): a plan a local-mode agent trusts.
+    pub fn write(&self, rel: &str, bytes: &[u8]) {
+        let path = self.mnt.join(rel);
+        let mut child = std::process::Command::new("nsenter")
+            .args(["-t", &self.holder.id().to_string(), "-m", "--", "sh", "-c"])
+            .arg("umask 077 && mkdir -p \"$(dirname \"$0\")\" && cat > \"$0\"")
+            .arg(&path)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), bytes).unwrap();
+        assert!(child.wait().unwrap().success(), "cannot write {}", path.display());
+    }
+
+    /// The bytes of `rel` on the filesystem; `None` if it cannot be read.
+    pub fn read(&self, rel: &str) -> Option<Vec<u8>> {
+        let out = self.inside(&["cat", &self.mnt.join(rel).to_string_lossy()]);
+        out.status.success().then_some(out.stdout)
+    }
+
     /// The names in a directory of the filesystem (`rel` to its root; empty if it is not there).
     pub fn list(&self, rel: &str) -> Vec<String> {
         let out = self.inside(&["ls", "-A", &self.mnt.join(rel).to_string_lossy()]);
