@@ -552,6 +552,44 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// R31 with R15: an instruction asleep on the frozen disk (it writes into its execution directory)
+/// cannot be stopped before the thaw. A cancel meanwhile is recorded without waiting for it, and
+/// says that the termination is incomplete; once the disk answers the process goes, and the next
+/// plan runs.
+#[tokio::test]
+async fn an_instruction_asleep_on_a_frozen_disk_is_canceled_and_gone_after_the_thaw() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let r = Remote::new(cp, "frozen-instruction").await;
+    r.state_on(&disk);
+    let (go, started) = (r.fifo("go"), r.p("started"));
+    let plan_a = json!({"instructions": [sh("a", &format!("touch {started}; read x < {go}; echo x > written-here"))]});
+    let checksum = r.create(&plan_a, Some("pending"), &[]).await;
+    let mut agent = disk.agent(&r.config);
+    r.wait("in-progress", |s| state(s) == "in-progress").await;
+    let deadline = Instant::now() + GUARD;
+    while !Path::new(&started).exists() {
+        assert!(Instant::now() < deadline, "the instruction never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    disk.freeze();
+    // The shell goes on to create a file in its execution directory, and sleeps there.
+    release_fifo(&go);
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    let s = r.wait("canceled while the instruction sleeps on the frozen disk", |s| state(s) == "canceled").await;
+    let cp_a = checkpoint(&s, &checksum).expect("a checkpoint of the canceled run");
+    assert!(cp_a.termination_incomplete, "the instruction could not be stopped: {cp_a:?}");
+    disk.thaw();
+    r.annotate(plan::ANNOTATION_CANCELED, None).await;
+    let done = r.p("ran-b");
+    let plan_b = json!({"instructions": [sh("b", &format!("touch {done}"))]});
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.wait("plan b succeeded after the thaw", |s| state(s) == "succeeded").await;
+    assert!(Path::new(&done).exists());
+    let code = agent.stop();
+    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
+}
+
 /// R31 in an agent with both modes, the local plan directory on a filesystem that stops answering
 /// (the state directories elsewhere). A local plan that finishes while it is frozen cannot record
 /// its outcome in its `.pos`: the agent waits 5 s for that write, says so, and holds that plan

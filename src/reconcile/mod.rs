@@ -611,6 +611,8 @@ pub struct Reconciler<S: PlanSource> {
     /// A refused record whose plan cannot be known (or a refused PID directory): every plan of
     /// the source is held, as any of them may still be running.
     blocked_all: Option<String>,
+    /// Why the agent exits with [`AgentExit::Incomplete`]: a run's processes could not be stopped,
+    /// and their plan is still blocked (cleared when the leftovers are found gone).
     incomplete: Option<String>,
     /// An instruction asked for the agent to restart (R23) and its progress is recorded: the loop
     /// ends with [`AgentExit::Restart`].
@@ -803,6 +805,11 @@ impl<S: PlanSource> Reconciler<S> {
             }
             None => {
                 mem.blocked = None;
+                // What a run could not stop is gone: unless another plan is still blocked, there is
+                // nothing left to report on the way out.
+                if self.blocked_all.is_none() && self.memory.values().all(|m| m.blocked.is_none()) {
+                    self.incomplete = None;
+                }
                 self.source.set_blocked(key, None).await;
                 false
             }
