@@ -42,6 +42,9 @@ pub enum Reason {
     LeftoversStopped,
     /// Leftovers could not be stopped: the plan is blocked (R17).
     Blocked,
+    /// An apply could not start (the interlock, the work directory: a full or read-only disk);
+    /// it is tried again with back-off.
+    NotStarted,
 }
 
 impl Reason {
@@ -57,11 +60,19 @@ impl Reason {
             Reason::InvalidValue => "InvalidValue",
             Reason::LeftoversStopped => "LeftoversStopped",
             Reason::Blocked => "Blocked",
+            Reason::NotStarted => "NotStarted",
         }
     }
 
     fn warning(self) -> bool {
-        matches!(self, Reason::CanceledWithSurvivors | Reason::Failed | Reason::InvalidValue | Reason::Blocked)
+        matches!(
+            self,
+            Reason::CanceledWithSurvivors
+                | Reason::Failed
+                | Reason::InvalidValue
+                | Reason::Blocked
+                | Reason::NotStarted
+        )
     }
 }
 

@@ -590,6 +590,46 @@ async fn an_instruction_asleep_on_a_frozen_disk_is_canceled_and_gone_after_the_t
     assert_eq!(code, 0, "{}", agent.rest().join("\n"));
 }
 
+/// A full state disk (ENOSPC, the disk fault nodes meet most): a new plan cannot prepare its work
+/// directory. The agent says so in its log and once in a `NotStarted` Event on the Secret, tries
+/// again with back-off, the plan keeps its state, and it runs once there is room again; nothing
+/// of it runs before.
+#[tokio::test]
+async fn a_full_state_disk_holds_a_plan_until_there_is_room() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let r = Remote::new(cp, "full-disk").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    r.state_on(&disk);
+    r.create(&json!({"instructions": [sh("a", "true")]}), Some("pending"), &[]).await;
+    let mut agent = disk.agent(&r.config);
+    r.wait("plan a succeeded", |s| state(s) == "succeeded").await;
+    disk.fill("filler");
+    let (ran, file) = (r.p("ran-b"), r.p("file-b"));
+    let plan_b = json!({
+        "files": [{"path": file, "content": b64(b"b"), "permissions": "0600"}],
+        "instructions": [sh("b", &format!("touch {ran}"))]
+    });
+    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    let line = agent.wait_log("No space left on device");
+    assert!(line.contains("retrying in"), "{line}");
+    // A second try says the same: one Event for the reason, not one per try.
+    agent.wait_log("No space left on device");
+    let client = cp.client().await;
+    let said =
+        wait_events(&client, &ns, "machine-plan", "NotStarted", |ev| ev.iter().any(|e| e.0 == "NotStarted")).await;
+    let not_started: Vec<_> = said.iter().filter(|e| e.0 == "NotStarted").collect();
+    assert!(not_started.len() == 1 && not_started[0].2 == 1, "{said:?}");
+    assert!(not_started[0].1.contains("cannot start") && not_started[0].1.contains("No space left"), "{said:?}");
+    assert!(!Path::new(&ran).exists(), "nothing of plan b ran on a full disk");
+    disk.unfill("filler");
+    let s = r.wait("plan b succeeded once there is room", |s| state(s) == "succeeded").await;
+    assert_eq!(val(&s, "success-count"), "2", "plan a's success and plan b's one: {}", describe(&s));
+    assert!(Path::new(&ran).exists() && Path::new(&file).exists());
+    let code = agent.stop();
+    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
+}
+
 /// R31 in an agent with both modes, the local plan directory on a filesystem that stops answering
 /// (the state directories elsewhere). A local plan that finishes while it is frozen cannot record
 /// its outcome in its `.pos`: the agent waits 5 s for that write, says so, and holds that plan

@@ -452,7 +452,8 @@ enum Standing {
     Bad(String),
     /// An apply that could not start (the interlock, the work directory): the plan keeps its
     /// state and is not looked at before the step's deadline (a gate); a started apply clears it.
-    NotStarted(Step),
+    /// With why it could not, as last said.
+    NotStarted(Step, String),
 }
 
 /// A plan whose leftovers could not be stopped (R17): nothing of it runs, whatever its look says,
@@ -550,21 +551,22 @@ impl Memory {
         d
     }
 
-    /// An apply could not start: the delay before it is tried again (a step of its back-off).
-    fn not_started(&mut self, now: Instant) -> Duration {
-        let mut step = match std::mem::replace(&mut self.standing, Standing::Clear) {
-            Standing::NotStarted(step) => step,
-            _ => Step::new(Duration::from_secs(1)),
+    /// An apply could not start (`why`): the delay before it is tried again (a step of its
+    /// back-off), and whether `why` is new (not what the last try said).
+    fn not_started(&mut self, now: Instant, why: String) -> (Duration, bool) {
+        let (mut step, new) = match std::mem::replace(&mut self.standing, Standing::Clear) {
+            Standing::NotStarted(step, said) => (step, said != why),
+            _ => (Step::new(Duration::from_secs(1)), true),
         };
         let d = step.next(now, now);
-        self.standing = Standing::NotStarted(step);
-        d
+        self.standing = Standing::NotStarted(step, why);
+        (d, new)
     }
 
     /// Not looked at before this: an apply backing off, or a blocked plan's next recovery.
     fn gate(&self) -> Option<Instant> {
         let apply = match &self.standing {
-            Standing::NotStarted(step) => step.until,
+            Standing::NotStarted(step, _) => step.until,
             _ => None,
         };
         apply.max(self.blocked.as_ref().and_then(|b| b.step.until))
@@ -1173,7 +1175,7 @@ impl<S: PlanSource> Reconciler<S> {
         let result = match applied {
             Ok(r) => {
                 let mem = self.mem(key);
-                if matches!(mem.standing, Standing::NotStarted(_)) {
+                if matches!(mem.standing, Standing::NotStarted(..)) {
                     mem.standing = Standing::Clear;
                 }
                 r
@@ -1191,9 +1193,19 @@ impl<S: PlanSource> Reconciler<S> {
                 // An apply that could not start (interlock, work directory) records nothing and is
                 // retried with back-off; the plan keeps its state.
                 let now = Instant::now();
-                let d = self.mem(key).not_started(now);
+                let (d, new) = self.mem(key).not_started(now, e.to_string());
                 crate::board::retry(&look.label, d);
                 tracing::error!("{}: {e}; retrying in {}", look.label, human_duration(d));
+                // Whoever watches the object sees why nothing happens after "Started": once per
+                // reason, not at every try.
+                if new {
+                    self.plan_event(
+                        key,
+                        look,
+                        Reason::NotStarted,
+                        &format!("cannot start: {e}; retrying with back-off"),
+                    );
+                }
                 return Action::After(d);
             }
         };

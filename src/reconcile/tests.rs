@@ -1471,3 +1471,20 @@ async fn a_gate_answers_fresh_at_once_without_a_lease_and_within_its_bound_with_
     // And once shut down, an ask is refused at once.
     assert_eq!(g.fresh().await, Err("the agent shuts down".to_string()));
 }
+
+/// An apply that could not start says why once per reason (its Event), while its back-off grows
+/// at every try.
+#[test]
+fn a_reason_an_apply_could_not_start_is_new_once() {
+    let mut m = Memory::default();
+    let now = Instant::now();
+    let (first, new) = m.not_started(now, "disk full".into());
+    assert!(new);
+    let later = now + first;
+    let (second, new) = m.not_started(later, "disk full".into());
+    assert!(!new, "the same reason again");
+    assert!(second > first, "the back-off grows: {first:?} then {second:?}");
+    let later = later + second;
+    assert!(m.not_started(later, "interlock held".into()).1, "another reason");
+    assert!(m.not_started(later, "disk full".into()).1, "a reason said before the last one is new again");
+}

@@ -849,7 +849,8 @@ impl StateDisk {
         let dir = tempfile::tempdir().unwrap();
         let image = dir.path().join("state.img");
         std::fs::File::create(&image).unwrap().set_len(16 << 20).unwrap();
-        let mkfs = std::process::Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image).output().unwrap();
+        // No blocks reserved for root (the agent is root): `fill` leaves nothing to write.
+        let mkfs = std::process::Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&image).output().unwrap();
         assert!(mkfs.status.success(), "mkfs.ext4: {}", String::from_utf8_lossy(&mkfs.stderr));
         let mnt = dir.path().join("mnt");
         std::fs::create_dir(&mnt).unwrap();
@@ -901,6 +902,26 @@ impl StateDisk {
             .unwrap();
         std::io::Write::write_all(&mut child.stdin.take().unwrap(), bytes).unwrap();
         assert!(child.wait().unwrap().success(), "cannot write {}", path.display());
+    }
+
+    /// Fill the filesystem to its last block (root's reserve included) with the file `rel`.
+    pub fn fill(&self, rel: &str) {
+        // dd stops at ENOSPC (and says so); the second one fills what the first left of its
+        // last 64 KiB.
+        for (n, bs) in [(1, "64k"), (2, "1k")] {
+            let of = format!("of={}{n}", self.mnt.join(rel).display());
+            let out = self.inside(&["dd", "if=/dev/zero", &of, &format!("bs={bs}")]);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("No space left on device"), "the disk did not fill: {err}");
+        }
+    }
+
+    /// Remove what [`StateDisk::fill`] wrote as `rel`.
+    pub fn unfill(&self, rel: &str) {
+        for n in 1..=2 {
+            let out = self.inside(&["rm", "-f", &format!("{}{n}", self.mnt.join(rel).display())]);
+            assert!(out.status.success(), "rm: {}", String::from_utf8_lossy(&out.stderr));
+        }
     }
 
     /// The bytes of `rel` on the filesystem; `None` if it cannot be read.
