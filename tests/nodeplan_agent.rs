@@ -213,10 +213,13 @@ async fn a_frozen_state_disk_holds_neither_a_status_nor_a_cancel() {
     let Some(disk) = StateDisk::new() else { return };
     let n = Node::new(cp, "np-frozen-disk").await;
     n.state_on(&disk);
-    let go = n.fifo("go");
-    n.create("a", "node-a", json!({"plan": {"instructions": [sh("a", &format!("read x < {go}; true"))]}})).await;
+    let (go, started) = (n.fifo("go"), n.p("started"));
+    let plan_a = json!({"plan": {"instructions": [sh("a", &format!("touch {started}; read x < {go}; true"))]}});
+    n.create("a", "node-a", plan_a).await;
     let mut agent = disk.agent(&n.config);
     n.wait("a", "Executing", |s| s.state == Some(nodeplan::plan::PlanState::InProgress)).await;
+    // Frozen once the instruction runs (its execution directory made), not merely committed.
+    wait_for_file(&started);
     disk.freeze();
     release_fifo(&go);
     n.wait("a", "Applied while the disk is frozen", phase("Applied")).await;
@@ -238,6 +241,39 @@ async fn a_frozen_state_disk_holds_neither_a_status_nor_a_cancel() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(agent.stop(), 0);
+}
+
+/// A full state disk in NodePlan mode: a new NodePlan cannot save its run on the node, so it does
+/// not begin. The agent says why in a `NotStarted` Event on the NodePlan (once), and the plan
+/// begins once there is room again; nothing of it runs before.
+#[tokio::test]
+async fn a_full_state_disk_holds_a_nodeplan_until_there_is_room() {
+    let cp = control_plane!();
+    let Some(disk) = StateDisk::new() else { return };
+    let n = Node::new(cp, "np-full-disk").await;
+    n.state_on(&disk);
+    n.create("a", "node-a", json!({"plan": {"instructions": [sh("a", "true")]}})).await;
+    let mut agent = disk.agent(&n.config);
+    n.wait("a", "Applied", phase("Applied")).await;
+    disk.fill("filler");
+    let ran = n.p("ran-b");
+    n.create("b", "node-a", json!({"plan": {"instructions": [sh("b", &format!("touch {ran}"))]}})).await;
+    let line = agent.wait_log("No space left on device");
+    assert!(line.contains("retrying in"), "{line}");
+    agent.wait_log("No space left on device");
+    let said = wait_events(&n.api.clone().into_client(), &n.namespace, "b", "NotStarted", |ev| {
+        ev.iter().any(|e| e.0 == "NotStarted")
+    })
+    .await;
+    let not_started: Vec<_> = said.iter().filter(|e| e.0 == "NotStarted").collect();
+    assert!(not_started.len() == 1 && not_started[0].2 == 1, "{said:?}");
+    assert!(not_started[0].1.contains("No space left"), "{said:?}");
+    assert!(!std::path::Path::new(&ran).exists(), "nothing of b ran on a full disk");
+    disk.unfill("filler");
+    n.wait("b", "Applied once there is room", phase("Applied")).await;
+    assert!(std::path::Path::new(&ran).exists());
+    let code = agent.stop();
+    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
 }
 
 #[tokio::test]

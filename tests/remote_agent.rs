@@ -512,10 +512,13 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
     let Some(disk) = StateDisk::new() else { return };
     let r = Remote::new(cp, "frozen-disk").await;
     r.state_on(&disk);
-    let go = r.fifo("go");
-    r.create(&json!({"instructions": [sh("a", &format!("read x < {go}; echo a"))]}), Some("pending"), &[]).await;
+    let (go, started) = (r.fifo("go"), r.p("started"));
+    let plan_a = json!({"instructions": [sh("a", &format!("touch {started}; read x < {go}; echo a"))]});
+    r.create(&plan_a, Some("pending"), &[]).await;
     let mut agent = disk.agent(&r.config);
     r.wait("in-progress", |s| state(s) == "in-progress").await;
+    // Frozen once the instruction runs (its execution directory made), not merely committed.
+    wait_for_file(&started);
     disk.freeze();
     // The instruction reads the FIFO: it ends as soon as it is opened, and the disk stays frozen.
     release_fifo(&go);
@@ -567,11 +570,7 @@ async fn an_instruction_asleep_on_a_frozen_disk_is_canceled_and_gone_after_the_t
     let checksum = r.create(&plan_a, Some("pending"), &[]).await;
     let mut agent = disk.agent(&r.config);
     r.wait("in-progress", |s| state(s) == "in-progress").await;
-    let deadline = Instant::now() + GUARD;
-    while !Path::new(&started).exists() {
-        assert!(Instant::now() < deadline, "the instruction never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_file(&started);
     disk.freeze();
     // The shell goes on to create a file in its execution directory, and sleeps there.
     release_fifo(&go);
@@ -649,11 +648,7 @@ async fn a_frozen_plan_directory_holds_its_own_plan_and_nothing_else() {
     r.create(&json!({"instructions": [sh("first", "true")]}), Some("pending"), &[]).await;
     let mut agent = disk.agent(&r.config);
     let ran = |runs: &str| std::fs::read_to_string(runs).unwrap_or_default();
-    let deadline = Instant::now() + GUARD;
-    while ran(&runs).is_empty() {
-        assert!(Instant::now() < deadline, "the local plan never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_file(&runs);
     disk.freeze();
     release_fifo(&go);
     agent.wait_log("the disk did not answer in 5s; nothing else of the plan is decided until that write lands");

@@ -58,6 +58,7 @@ impl NodePlanSource {
             events: None,
             pump: None,
             restored: Default::default(),
+            unkept: HashMap::new(),
         }
     }
 }
@@ -95,6 +96,9 @@ pub struct NodePlanSource {
     pump: Option<crate::AbortOnDrop>,
     /// The NodePlans whose kept outcome was looked for since the agent started.
     restored: std::collections::HashSet<String>,
+    /// Per NodePlan, why its run could not be kept on the node at its last start (said once in
+    /// a `NotStarted` Event).
+    unkept: HashMap<String, String>,
 }
 
 /// What the source remembers of the run it last showed the loop.
@@ -413,6 +417,7 @@ impl PlanSource for NodePlanSource {
         self.runs.retain(|name, _| listed(name));
         self.last_interrupt.retain(|name, _| listed(name));
         self.restored.retain(|name| listed(name));
+        self.unkept.retain(|name, _| listed(name));
         ranked.into_iter().map(|r| r.2).collect()
     }
 
@@ -522,13 +527,22 @@ impl PlanSource for NodePlanSource {
                 wire::set_preflight(&mut next, r, generation, now);
             }
             // Kept on the node before it runs, so a restarted agent goes on with this run.
-            if let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum)
-                && let Err(e) = self.store.save(name, &look.checksum, &run.spec).await
-            {
-                // A save that lands after this gave up (R31) is removed in its turn: the start
-                // was not committed, and the plan may never begin (a cancel, a new spec).
-                self.store.remove(name);
-                return Written::failed(format!("cannot keep the run on this node: {e}"));
+            if let Some(run) = self.runs.get(name).filter(|r| r.checksum == look.checksum) {
+                if let Err(e) = self.store.save(name, &look.checksum, &run.spec).await {
+                    // A save that lands after this gave up (R31) is removed in its turn: the
+                    // start was not committed, and the plan may never begin (a cancel, a new spec).
+                    self.store.remove(name);
+                    let why = format!("cannot keep the run on this node: {e}");
+                    // Whoever watches the NodePlan sees why it does not begin (a full disk): once
+                    // per reason, not at every try.
+                    if self.unkept.get(name) != Some(&why) {
+                        self.unkept.insert(name.clone(), why.clone());
+                        let note = format!("plan {}: cannot start: {why}; retrying with back-off", look.plan.id());
+                        self.event(name, Reason::NotStarted, &note);
+                    }
+                    return Written::failed(why);
+                }
+                self.unkept.remove(name);
             }
         }
         self.write(name, &look.checksum, &next, false).await

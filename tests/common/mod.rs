@@ -419,6 +419,15 @@ impl ClusterNode {
     }
 }
 
+/// Poll until `path` exists (an instruction's "I run" marker); a hang guard, not a sleep.
+pub fn wait_for_file(path: &str) {
+    let deadline = std::time::Instant::now() + GUARD;
+    while !std::path::Path::new(path).exists() {
+        assert!(std::time::Instant::now() < deadline, "{path} never appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `retrying in 4.2s` at the end of a "cannot write the outcome" line.
 pub fn retrying_in(line: &str) -> Option<Duration> {
     if !line.contains("cannot write the outcome") {
