@@ -241,10 +241,9 @@ impl DirSource {
     }
 
     /// Run `op` (`what`: "write PATH", a write beside the plan `plan`; `.pos` writes end in an
-    /// fsync) off the agent's
-    /// threads, waiting for it at most [`crate::disk::PATIENCE`] (R31). One that takes longer
-    /// still runs; the plan is then held ([`DirSource::waiting`]) until it has, and the loop
-    /// hears of it when it lands (a change of the directory).
+    /// fsync) off the agent's threads, waiting for it at most [`crate::disk::PATIENCE`] (R31).
+    /// One that takes longer still runs; the plan is then held ([`DirSource::waiting`]) until it
+    /// has, and the loop hears of it when it lands (a change of the directory).
     async fn write(
         &mut self,
         plan: &Path,
@@ -310,6 +309,8 @@ impl PlanSource for DirSource {
         if let Some(b) = found.bounded {
             self.note_once(format!("scanning {}: {b}", self.cfg.plan_dir.display()));
         }
+        // A late write of a plan that is gone is forgotten once it has landed.
+        self.unsettled.retain(|plan, u| !u.write.is_finished() || found.plans.contains(plan));
         found.plans
     }
 
