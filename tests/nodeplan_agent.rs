@@ -272,8 +272,7 @@ async fn a_full_state_disk_holds_a_nodeplan_until_there_is_room() {
     disk.unfill("filler");
     n.wait("b", "Applied once there is room", phase("Applied")).await;
     assert!(std::path::Path::new(&ran).exists());
-    let code = agent.stop();
-    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
+    agent.stop_cleanly();
 }
 
 #[tokio::test]

@@ -57,6 +57,12 @@ impl Remote {
         checksum
     }
 
+    /// Give the Secret a new plan to apply (`plan-state: pending`), as Rancher does.
+    async fn new_plan(&self, plan: &serde_json::Value) -> SecretSnapshot {
+        self.patch(json!({"data": {"plan": b64(&serde_json::to_vec(plan).unwrap()), "plan-state": b64(b"pending")}}))
+            .await
+    }
+
     async fn patch(&self, patch: serde_json::Value) -> SecretSnapshot {
         self.client.orchestrator_patch(patch).await.unwrap()
     }
@@ -531,7 +537,7 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
         "files": [{"path": file, "content": b64(b"b"), "permissions": "0600"}],
         "instructions": [sh("b", &format!("touch {ran}"))]
     });
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_b).await;
     r.wait("plan b in-progress", |s| state(s) == "in-progress").await;
     agent.wait_log("the disk has not answered for 5s; waiting for it");
     r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
@@ -541,7 +547,7 @@ async fn a_frozen_state_disk_holds_neither_an_outcome_nor_a_cancel() {
     r.annotate(plan::ANNOTATION_CANCELED, None).await;
     let done = r.p("ran-c");
     let plan_c = json!({"instructions": [sh("c", &format!("touch {done}"))]});
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_c).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_c).await;
     r.wait("plan c succeeded after the thaw", |s| state(s) == "succeeded").await;
     assert!(Path::new(&done).exists());
     assert!(!Path::new(&ran).exists(), "plan b's instruction never ran");
@@ -582,11 +588,10 @@ async fn an_instruction_asleep_on_a_frozen_disk_is_canceled_and_gone_after_the_t
     r.annotate(plan::ANNOTATION_CANCELED, None).await;
     let done = r.p("ran-b");
     let plan_b = json!({"instructions": [sh("b", &format!("touch {done}"))]});
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_b).await;
     r.wait("plan b succeeded after the thaw", |s| state(s) == "succeeded").await;
     assert!(Path::new(&done).exists());
-    let code = agent.stop();
-    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
+    agent.stop_cleanly();
 }
 
 /// A full state disk (ENOSPC, the disk fault nodes meet most): a new plan cannot prepare its work
@@ -609,7 +614,7 @@ async fn a_full_state_disk_holds_a_plan_until_there_is_room() {
         "files": [{"path": file, "content": b64(b"b"), "permissions": "0600"}],
         "instructions": [sh("b", &format!("touch {ran}"))]
     });
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_b).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_b).await;
     let line = agent.wait_log("No space left on device");
     assert!(line.contains("retrying in"), "{line}");
     // A second try says the same: one Event for the reason, not one per try.
@@ -625,8 +630,7 @@ async fn a_full_state_disk_holds_a_plan_until_there_is_room() {
     let s = r.wait("plan b succeeded once there is room", |s| state(s) == "succeeded").await;
     assert_eq!(val(&s, "success-count"), "2", "plan a's success and plan b's one: {}", describe(&s));
     assert!(Path::new(&ran).exists() && Path::new(&file).exists());
-    let code = agent.stop();
-    assert_eq!(code, 0, "{}", agent.rest().join("\n"));
+    agent.stop_cleanly();
 }
 
 /// R31 in an agent with both modes, the local plan directory on a filesystem that stops answering
@@ -654,7 +658,7 @@ async fn a_frozen_plan_directory_holds_its_own_plan_and_nothing_else() {
     agent.wait_log("the disk did not answer in 5s; nothing else of the plan is decided until that write lands");
     let done = r.p("ran-r");
     let plan_r = json!({"instructions": [sh("r", &format!("touch {done}"))]});
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_r).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_r).await;
     r.wait("the Secret's plan succeeded while the plan directory is frozen", |s| state(s) == "succeeded").await;
     assert!(Path::new(&done).exists());
     disk.thaw();
@@ -669,7 +673,7 @@ async fn a_frozen_plan_directory_holds_its_own_plan_and_nothing_else() {
     }
     // Never twice: one more Secret plan after the thaw, by when a second run would have begun.
     let plan_s = json!({"instructions": [sh("s", "true")]});
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan_s).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan_s).await;
     r.wait("one more Secret plan succeeded after the thaw", |s| state(s) == "succeeded").await;
     assert_eq!(ran(&runs), "run\n", "the local plan ran once");
     assert_eq!(agent.stop(), 0);
@@ -1318,7 +1322,7 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
 
     // The second agent now acts on the Secret.
     let plan = json!({"instructions": [sh("two", &format!("echo second >> {runs}"))]});
-    r.patch(json!({"data": {"plan": b64(&serde_json::to_vec(&plan).unwrap()), "plan-state": b64(b"pending")}})).await;
+    r.new_plan(&plan).await;
     r.wait("the new plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
     assert_eq!(std::fs::read_to_string(&runs).unwrap(), "first\nsecond\n");
 

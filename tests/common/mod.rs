@@ -283,6 +283,12 @@ impl AgentProc {
         self.signal(libc::SIGTERM);
         self.child.wait().unwrap().code().unwrap_or(-1)
     }
+
+    /// [`AgentProc::stop`], which must exit 0; otherwise what the agent logged last says why.
+    pub fn stop_cleanly(&mut self) {
+        let code = self.stop();
+        assert_eq!(code, 0, "the agent's last lines:\n{}", self.rest().join("\n"));
+    }
 }
 
 impl Drop for AgentProc {
