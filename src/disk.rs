@@ -16,50 +16,101 @@
 //! anything that waits on something other than the disk (an operation that waits for another
 //! holds every one behind it).
 
+use std::collections::VecDeque;
 use std::io;
-use std::sync::{Mutex, PoisonError, mpsc};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 /// How long the agent waits for the disk where it can go on without it (a record that only guards
 /// a restart, a clean-up) before it goes on, or, where it cannot, before it says that it waits.
 pub const PATIENCE: Duration = Duration::from_secs(5);
 
-/// The end of the lane: what the last operation handed over signals when it is done (by dropping
-/// its sender), for the next one to wait on.
-static LAST: Mutex<Option<mpsc::Receiver<()>>> = Mutex::new(None);
+/// An operation handed to the lane, with the sending of its result.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The operations handed over and not yet run, in order, and whether a worker runs them.
+struct Lane {
+    jobs: VecDeque<Job>,
+    worker: bool,
+}
+
+static LANE: Mutex<Lane> = Mutex::new(Lane { jobs: VecDeque::new(), worker: false });
+
+fn lane() -> MutexGuard<'static, Lane> {
+    LANE.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Hand `f` to the lane. The returned future gives its result once it ran; dropping the future
 /// does not stop `f`, which runs in its turn all the same.
 ///
-/// Each operation is a task of the runtime's blocking pool that first waits for the one handed
-/// over before it (a chain, so tokio's paused clock in tests sees the work in flight, as it sees
-/// any blocking task). An operation the runtime drops unrun (at its shutdown) lets the next one go.
+/// One worker at a time runs the operations, a task of the runtime's blocking pool that ends when
+/// none is left (so tokio's paused clock in tests sees the work in flight, as it sees any blocking
+/// task). A disk that does not answer holds that one thread: what waits behind it is a queue
+/// entry, not a thread each, however long the disk takes.
 pub fn run<T: Send + 'static>(f: impl FnOnce() -> io::Result<T> + Send + 'static) -> Pending<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let (done, next) = mpsc::channel::<()>();
-    let before = LAST.lock().unwrap_or_else(PoisonError::into_inner).replace(next);
-    let job = move || {
-        if let Some(before) = before {
-            // Ends when the operation before is done (or was dropped unrun).
-            let _ = before.recv();
-        }
+    let job: Job = Box::new(move || {
         // A panicking operation is that operation's error (its caller hears the sender go), never
         // the end of the lane.
         if let Ok(r) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
             let _ = tx.send(r);
         }
-        drop(done);
+    });
+    let start = {
+        let mut lane = lane();
+        lane.jobs.push_back(job);
+        !std::mem::replace(&mut lane.worker, true)
+    };
+    if start {
+        start_worker();
+    }
+    Pending(rx)
+}
+
+/// The worker's place: a worker that never ran (its runtime shut down first and dropped it, or no
+/// thread could be started) gives it up when dropped, and the next operation starts another one,
+/// which runs what was left in order.
+struct Worker {
+    done: bool,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if !self.done {
+            lane().worker = false;
+        }
+    }
+}
+
+fn start_worker() {
+    let worker = Worker { done: false };
+    let work = move || {
+        // The whole value moves in (not only the field it sets), so its drop is the worker's.
+        let mut worker = worker;
+        loop {
+            let job = {
+                let mut lane = lane();
+                match lane.jobs.pop_front() {
+                    Some(job) => job,
+                    None => {
+                        lane.worker = false;
+                        worker.done = true;
+                        return;
+                    }
+                }
+            };
+            job();
+        }
     };
     match tokio::runtime::Handle::try_current() {
-        Ok(rt) => drop(rt.spawn_blocking(job)),
+        Ok(rt) => drop(rt.spawn_blocking(work)),
         // Outside a runtime (a value dropped late by a test): a thread of its own.
         Err(_) => {
-            if let Err(e) = std::thread::Builder::new().name("nodeplan-disk".into()).spawn(job) {
+            if let Err(e) = std::thread::Builder::new().name("nodeplan-disk".into()).spawn(work) {
                 tracing::error!("cannot start a thread for the disk: {e}");
             }
         }
     }
-    Pending(rx)
 }
 
 /// Hand `f` to the lane without waiting for it (a clean-up, a removal): it runs in its turn.
@@ -84,7 +135,7 @@ pub async fn within<T: Send + 'static>(
 /// apply's execution directory would stay, a kept outcome would not be cleared). `false` when the
 /// disk did not answer in time.
 pub async fn settle(limit: Duration) -> bool {
-    if LAST.lock().unwrap_or_else(PoisonError::into_inner).is_none() {
+    if !lane().worker {
         return true;
     }
     within(limit, || Ok(())).await.is_some()
@@ -124,7 +175,7 @@ impl<T: Send + 'static> Drop for Later<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::{Arc, Mutex};
+    use std::sync::{Arc, Mutex, mpsc};
 
     /// A disk that does not answer until told to: the operation blocks on a channel.
     fn stalled() -> (mpsc::Sender<()>, impl FnOnce() -> io::Result<&'static str> + Send + 'static) {
@@ -200,6 +251,33 @@ mod tests {
         go.send(()).unwrap();
         assert!(settle(Duration::from_secs(60)).await);
         assert_eq!(*seen.lock().unwrap(), ["save", "remove"], "both ran before settle returned");
+    }
+
+    /// The threads of this process (a test runs in a process of its own).
+    fn threads() -> usize {
+        std::fs::read_dir("/proc/self/task").unwrap().count()
+    }
+
+    #[tokio::test]
+    async fn a_disk_that_does_not_answer_holds_one_thread_however_much_waits_behind_it() {
+        let (go, save) = stalled();
+        let first = run(save);
+        // The worker runs the stalled operation: one thread more than before it (counted once
+        // it is there).
+        while !lane().worker {
+            tokio::task::yield_now().await;
+        }
+        let before = threads();
+        let seen = Arc::new(Mutex::new(0));
+        for _ in 0..64 {
+            let s = seen.clone();
+            queue(move || *s.lock().unwrap() += 1);
+        }
+        assert!(threads() <= before + 1, "64 operations waiting: {} threads, {before} before", threads());
+        go.send(()).unwrap();
+        assert_eq!(first.await.unwrap(), "saved");
+        assert!(settle(Duration::from_secs(60)).await);
+        assert_eq!(*seen.lock().unwrap(), 64, "every operation ran once the disk answered");
     }
 
     #[tokio::test]
