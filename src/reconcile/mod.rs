@@ -723,7 +723,11 @@ impl<S: PlanSource> Reconciler<S> {
                 let mem = self.memory.entry(key).or_default();
                 match action {
                     Action::Stop => break 'outer,
-                    Action::After(d) => mem.due = Some(Instant::now() + d),
+                    // The sooner of this and a deadline the pass set itself (a retry's).
+                    Action::After(d) => {
+                        let t = Instant::now() + d;
+                        mem.due = Some(mem.due.filter(|u| *u > started).map_or(t, |u| u.min(t)));
+                    }
                     // A deadline that had passed when this pass began was served by it (a pass
                     // that ends early does not clear it itself). One set by this pass still
                     // holds, even when it has passed meanwhile (a retry due a moment after the

@@ -307,6 +307,7 @@ impl PlanSource for SecretSource {
                 id
             }
         };
+        let mut retry_in = None;
         let (view, saved_key) = match wire::plan_state(&snap) {
             Some(state) => (View::Flow(wire::flow_snapshot(&snap, &checksum, state, total)), wire::APPLIED_OUTPUT),
             None => {
@@ -322,6 +323,7 @@ impl PlanSource for SecretSource {
                 }
                 let saved = if d.was_failed_plan { wire::FAILED_OUTPUT } else { wire::APPLIED_OUTPUT };
                 self.legacy = Some(d);
+                retry_in = d.retry_in;
                 (View::Legacy { one_time: d.needs_apply }, saved)
             }
         };
@@ -338,7 +340,7 @@ impl PlanSource for SecretSource {
             one_time_output: wire::one_time_output(&snap, saved_key),
             periodic_output: wire::periodic_output(&snap),
             probe_statuses: wire::probe_statuses(&snap),
-            retry_in: None,
+            retry_in,
             stop_after: None,
             preflight: Vec::new(),
             checked: None,
@@ -375,7 +377,11 @@ impl PlanSource for SecretSource {
         let mut keys = match (&outcome.record, &look.view) {
             (Some(rec), _) => wire::record_keys(&base, &look.checksum, rec, now),
             (None, View::Legacy { one_time }) => {
-                let d = self.legacy.unwrap_or(wire::LegacyDecision { needs_apply: *one_time, was_failed_plan: false });
+                let d = self.legacy.unwrap_or(wire::LegacyDecision {
+                    needs_apply: *one_time,
+                    was_failed_plan: false,
+                    retry_in: None,
+                });
                 let output = if *one_time {
                     outcome.result.one_time_output.clone()
                 } else {

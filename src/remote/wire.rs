@@ -260,11 +260,14 @@ pub fn record_keys(s: &SecretSnapshot, checksum: &str, r: &Record, now: DateTime
 pub struct LegacyDecision {
     pub needs_apply: bool,
     pub was_failed_plan: bool,
+    /// A failed plan cooling down: when its cooldown is over and it is retried.
+    pub retry_in: Option<std::time::Duration>,
 }
 
 /// system-agent's checksum flow: apply when the applied checksum differs (or on the first
-/// reconcile since start); a plan that failed waits out max-failures and the 30 s cooldown; our own
-/// write echoing back is not a reason to apply.
+/// reconcile since start); a plan that failed waits out max-failures and the 30 s cooldown (and is
+/// retried when the cooldown is over, `retry_in`); our own write echoing back is not a reason to
+/// apply.
 pub fn legacy_decide(
     s: &SecretSnapshot,
     checksum: &str,
@@ -278,6 +281,7 @@ pub fn legacy_decide(
     }
     let failures = failure_count(s);
     let mut was_failed = false;
+    let mut retry_in = None;
     if failures != 0 && text(s, FAILED_CHECKSUM).as_deref() == Some(checksum) {
         was_failed = true;
         let max = max_failures(s);
@@ -287,11 +291,16 @@ pub fn legacy_decide(
         if exhausted || cooling_down {
             needs = false;
         }
+        if cooling_down && !exhausted {
+            // Due the first moment the check above no longer holds it.
+            let over = last + FAILURE_COOLDOWN + chrono::TimeDelta::milliseconds(1);
+            retry_in = (over - now).to_std().ok();
+        }
     }
     if own_echo && !was_failed {
         needs = false;
     }
-    LegacyDecision { needs_apply: needs, was_failed_plan: was_failed }
+    LegacyDecision { needs_apply: needs, was_failed_plan: was_failed, retry_in }
 }
 
 /// The legacy flow's outcome keys.
@@ -487,7 +496,21 @@ mod tests {
         for (what, data, ran_once, echo, want) in rows {
             let d = legacy_decide(&secret(&data), "c", ran_once, echo, now());
             assert_eq!(d.needs_apply, want, "{what}");
+            // Only a plan that waits out its cooldown is due again by itself.
+            let cooling = what == "failed, in cooldown";
+            assert_eq!(d.retry_in.is_some(), cooling, "{what}: {:?}", d.retry_in);
         }
+        // Due right after the 30 s from its last apply, when the check above lets it run.
+        let failed = |last: &str| secret(&[(FAILURE_COUNT, "1"), (FAILED_CHECKSUM, "c"), (LAST_APPLY_TIME, last)]);
+        let d = legacy_decide(&failed(&last10), "c", true, false, now());
+        let due = d.retry_in.unwrap();
+        assert!(due > std::time::Duration::from_secs(19) && due <= std::time::Duration::from_secs(21), "{due:?}");
+        let at = now() + chrono::TimeDelta::from_std(due).unwrap();
+        assert!(legacy_decide(&failed(&last10), "c", true, false, at).needs_apply, "due at {at}");
+        // Exhausted: never due by itself.
+        let spent =
+            secret(&[(FAILURE_COUNT, "3"), (FAILED_CHECKSUM, "c"), (MAX_FAILURES, "3"), (LAST_APPLY_TIME, &last10)]);
+        assert_eq!(legacy_decide(&spent, "c", true, false, now()).retry_in, None);
     }
 
     #[test]
@@ -498,7 +521,7 @@ mod tests {
         let ok = legacy_keys(
             &base,
             "c",
-            LegacyDecision { needs_apply: true, was_failed_plan: false },
+            LegacyDecision { needs_apply: true, was_failed_plan: false, retry_in: None },
             true,
             &out,
             &periodic,
@@ -512,7 +535,7 @@ mod tests {
         let bad = legacy_keys(
             &base,
             "c",
-            LegacyDecision { needs_apply: true, was_failed_plan: false },
+            LegacyDecision { needs_apply: true, was_failed_plan: false, retry_in: None },
             false,
             &out,
             &periodic,
@@ -526,7 +549,7 @@ mod tests {
         let held = legacy_keys(
             &base,
             "c",
-            LegacyDecision { needs_apply: false, was_failed_plan: true },
+            LegacyDecision { needs_apply: false, was_failed_plan: true, retry_in: None },
             false,
             &out,
             &periodic,
