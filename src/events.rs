@@ -172,6 +172,7 @@ async fn publish_all(client: kube::Client, instance: String, mut rx: mpsc::Recei
     let resource = ApiResource::from_gvk_with_plural(&gvk, "events");
     let mut bucket = Bucket::new(Instant::now());
     let (mut dropped, mut warned_failure) = (0u64, false);
+    let mut counts = Counts::default();
     while let Some(p) = rx.recv().await {
         if !bucket.take(Instant::now()) {
             dropped += 1;
@@ -182,7 +183,7 @@ async fn publish_all(client: kube::Client, instance: String, mut rx: mpsc::Recei
         }
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &p.regarding.namespace, &resource);
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        match tokio::time::timeout(REQUEST_TIMEOUT, publish(&api, &p, &instance, &now)).await {
+        match tokio::time::timeout(REQUEST_TIMEOUT, publish(&api, &p, &instance, &now, &mut counts)).await {
             Ok(Ok(())) => warned_failure = false,
             Ok(Err(Refused::Forbidden(e))) => {
                 // The account may not publish events here (Rancher's per-machine role grants the
@@ -222,20 +223,57 @@ fn refused(e: kube::Error) -> Refused {
     }
 }
 
+/// The series counts this process last wrote, by event name: the same event again is one PATCH,
+/// not a create refused, a read and a PATCH. Bounded; forgotten entries cost the three again.
+#[derive(Debug, Default)]
+struct Counts(std::collections::HashMap<String, i64>);
+
+impl Counts {
+    const MAX: usize = 256;
+
+    fn set(&mut self, name: String, count: i64) {
+        if self.0.len() >= Counts::MAX && !self.0.contains_key(&name) {
+            self.0.clear();
+        }
+        self.0.insert(name, count);
+    }
+}
+
 /// Create the event, or (it exists: the same event again) count one more in its series.
-async fn publish(api: &Api<DynamicObject>, p: &Pending, instance: &str, now: &str) -> Result<(), Refused> {
+async fn publish(
+    api: &Api<DynamicObject>,
+    p: &Pending,
+    instance: &str,
+    now: &str,
+    counts: &mut Counts,
+) -> Result<(), Refused> {
+    let name = event_name(&p.regarding, p.reason, &p.note);
+    let series = |count: i64| json!({"series": {"count": count, "lastObservedTime": now}});
+    if let Some(count) = counts.0.remove(&name) {
+        match api.patch(&name, &PatchParams::default(), &Patch::Merge(&series(count + 1))).await {
+            Ok(_) => {
+                counts.set(name, count + 1);
+                return Ok(());
+            }
+            // Gone (events expire): created afresh below.
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(refused(e)),
+        }
+    }
     let obj: DynamicObject =
         serde_json::from_value(event_object(p, instance, now)).map_err(|e| Refused::Other(e.to_string()))?;
     match api.create(&PostParams::default(), &obj).await {
-        Ok(_) => return Ok(()),
+        Ok(_) => {
+            counts.set(name, 1);
+            return Ok(());
+        }
         Err(kube::Error::Api(s)) if s.code == 409 => {}
         Err(e) => return Err(refused(e)),
     }
-    let name = event_name(&p.regarding, p.reason, &p.note);
     let old = api.get(&name).await.map_err(refused)?;
     let count = old.data.pointer("/series/count").and_then(Value::as_i64).unwrap_or(1) + 1;
-    let patch = json!({"series": {"count": count, "lastObservedTime": now}});
-    api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(refused)?;
+    api.patch(&name, &PatchParams::default(), &Patch::Merge(&series(count))).await.map_err(refused)?;
+    counts.set(name, count);
     Ok(())
 }
 

@@ -2348,3 +2348,53 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
     assert!(out.contains("applying:   nothing"), "{out}");
     assert_eq!(agent.stop(), 0);
 }
+
+/// What one plan costs the API server (issue 40): through the watch it already has, the agent
+/// writes `in-progress` and the outcome (system-agent's two requests), renews its Lease only when
+/// the Lease could have lapsed (not here: the plan before renewed it), and publishes at most one
+/// Event request per Event, after the outcome (the same Event again is one PATCH of its count).
+/// Counted from the API server's own audit log.
+#[tokio::test]
+async fn a_plan_costs_two_writes_and_no_lease_write_while_the_lease_is_fresh() {
+    let Some(cp) = ControlPlane::start_audited().await else { return };
+    let r = Remote::new(&cp, "requests").await;
+    // No renewal falls due by itself in the window (every quarter of an hour).
+    let config = std::fs::read_to_string(&r.config).unwrap();
+    std::fs::write(&r.config, format!("{config}leaseDuration: 1h\n")).unwrap();
+    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
+    let mut agent = r.agent();
+    r.wait("the first plan succeeded", |s| state(s) == "succeeded").await;
+    let ns = &r.client.secret_ref().namespace;
+    let admin = cp.client().await;
+    wait_events(&admin, ns, "machine-plan", "the first plan's outcome", |ev| {
+        ev.iter().any(|e| e.0 == "Succeeded" && e.1.contains("1/1"))
+    })
+    .await;
+    // Two plans of three instructions: the second's Events are the first's again.
+    for (n, seen) in [(2, 1), (3, 2)] {
+        let before = cp.audited(ns, "nodeplan/").len();
+        let plan = json!({"instructions": [sh("a", "true"), sh("b", "true"), sh("c", &format!("echo {n}"))]});
+        r.new_plan(&plan).await;
+        // Read after the write that made it pending: succeeded is this plan's.
+        r.wait("the plan succeeded", |s| state(s) == "succeeded").await;
+        wait_events(&admin, ns, "machine-plan", "the plan's outcome", |ev| {
+            ev.iter().any(|e| e.0 == "Succeeded" && e.1.contains("3/3") && e.2 == seen)
+        })
+        .await;
+        let requests: Vec<_> = cp.audited(ns, "nodeplan/").split_off(before);
+        let shown: Vec<String> =
+            requests.iter().map(|a| format!("{} {}/{} {}", a.verb, a.resource, a.name, a.code)).collect();
+        let count = |resource: &str, verbs: &[&str]| {
+            requests.iter().filter(|a| a.resource == resource && verbs.contains(&a.verb.as_str())).count()
+        };
+        let writes = ["create", "update", "patch"];
+        assert_eq!(count("secrets", &writes), 2, "plan {n}: in-progress and the outcome: {shown:#?}");
+        assert_eq!(count("secrets", &["get", "list"]), 0, "plan {n}: the watch carries every read: {shown:#?}");
+        assert_eq!(count("leases", &writes), 0, "plan {n}: renewed for the plan before, a moment ago: {shown:#?}");
+        let events = requests.iter().filter(|a| a.resource == "events").count();
+        let published = count("events", &writes);
+        assert_eq!(events, published, "plan {n}: an Event again is written without reading it: {shown:#?}");
+        assert!(published <= 2, "plan {n}: one request per Event: {shown:#?}");
+    }
+    assert_eq!(agent.stop(), 0);
+}

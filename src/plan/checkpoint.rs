@@ -5,6 +5,12 @@ use std::fmt;
 
 pub const ANNOTATION_PAUSED: &str = "plan.cattle.io/paused";
 pub const ANNOTATION_CANCELED: &str = "plan.cattle.io/canceled";
+/// Cancel as `github.com/rancher/rancher/pkg/plan` spelled it in May 2026 (its `state.go` at
+/// `v0.0.0-20260508124826-0b6b24d9811e`, which system-agent 0.15 pins): read as
+/// [`ANNOTATION_CANCELED`]; a plan canceled through it is written back as [`STATE_CANCELLED`].
+pub const ANNOTATION_CANCELLED: &str = "plan.cattle.io/cancelled";
+/// That version's `PlanStateCancelled`: its `IsTerminal` knows this spelling only.
+pub const STATE_CANCELLED: &str = "cancelled";
 
 /// The `plan-state` values. Unknown values are kept verbatim and treated as terminal.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -25,7 +31,7 @@ impl PlanState {
             "in-progress" => PlanState::InProgress,
             "succeeded" => PlanState::Succeeded,
             "failed" => PlanState::Failed,
-            "canceled" => PlanState::Canceled,
+            "canceled" | STATE_CANCELLED => PlanState::Canceled,
             "paused" => PlanState::Paused,
             other => PlanState::Other(other.to_string()),
         }

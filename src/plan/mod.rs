@@ -12,8 +12,9 @@ pub mod fields;
 mod preflight;
 
 pub use checkpoint::{
-    ANNOTATION_CANCELED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption, InvalidAnnotation, PlanState,
-    optional_state, parse_annotation_value, resolve_annotations, shown_value,
+    ANNOTATION_CANCELED, ANNOTATION_CANCELLED, ANNOTATION_PAUSED, Annotations, Checkpoint, Hold, Interruption,
+    InvalidAnnotation, PlanState, STATE_CANCELLED, optional_state, parse_annotation_value, resolve_annotations,
+    shown_value,
 };
 pub use codec::{
     CodecError, decode_one_time_output, decode_periodic_output, encode_one_time_output, encode_periodic_output,

@@ -168,13 +168,20 @@ impl SecretSource {
         write::write(&mut target, base, reapply).await.into()
     }
 
-    /// Write a run's outcome, which must not be lost: recorded on the node first (R17), and handed
-    /// to the loop to keep when the write fails ([`PlanSource::resend`]).
+    /// Write a run's outcome, which must not be lost: recorded on the node (R17) while it is sent,
+    /// and handed to the loop to keep when the write fails ([`PlanSource::resend`]). Not one after
+    /// the other: a restart runs the plan again only when neither landed, and the record's clear
+    /// follows its save on the disk lane.
     async fn write_outcome(&mut self, checksum: &str, keys: Keys) -> Sent<Unwritten> {
-        if let Some(uid) = self.current().map(|s| s.uid) {
-            self.kept.save(&uid, checksum, &keys).await;
-        }
-        self.send(Unwritten { checksum: checksum.to_string(), keys, restored: None }).await
+        let (kept, uid) = (self.kept.clone(), self.current().map(|s| s.uid));
+        let save = async {
+            if let Some(uid) = uid {
+                kept.save(&uid, checksum, &keys).await;
+            }
+        };
+        let unwritten = Unwritten { checksum: checksum.to_string(), keys: keys.clone(), restored: None };
+        // `save` first: its first step hands the record to the lane before the write starts.
+        tokio::join!(save, self.send(unwritten)).1
     }
 
     /// Send an outcome; its record on the node is forgotten once it lands or no longer applies
@@ -214,7 +221,7 @@ impl write::Target for SecretWrite<'_> {
     }
 
     fn prepare(&self, base: &SecretSnapshot) -> Prepared<Keys> {
-        let keys = wire::changed_only(base, self.keys.clone());
+        let keys = wire::changed_only(base, wire::spelled_for(base, self.keys.clone()));
         if keys.is_empty() { Prepared::Nothing } else { Prepared::Send(keys) }
     }
 

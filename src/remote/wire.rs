@@ -112,10 +112,41 @@ pub fn periodic_output(s: &SecretSnapshot) -> BTreeMap<String, PeriodicInstructi
 }
 
 pub fn annotations(s: &SecretSnapshot) -> Annotations<'_> {
+    let get = |k: &str| s.annotations.get(k).map(String::as_str);
     Annotations {
-        paused: s.annotations.get(plan::ANNOTATION_PAUSED).map(String::as_str),
-        canceled: s.annotations.get(plan::ANNOTATION_CANCELED).map(String::as_str),
+        paused: get(plan::ANNOTATION_PAUSED),
+        canceled: either_cancel(get(plan::ANNOTATION_CANCELED), get(plan::ANNOTATION_CANCELLED)),
     }
+}
+
+/// Cancel read through both of Rancher's spellings with one rule: either saying `true` cancels;
+/// otherwise an invalid value in either holds the plan (R3); otherwise whichever is set.
+fn either_cancel<'a>(us: Option<&'a str>, uk: Option<&'a str>) -> Option<&'a str> {
+    let valid = |v: Option<&str>| plan::parse_annotation_value(v).is_ok();
+    if us == Some("true") || uk == Some("true") {
+        Some("true")
+    } else if !valid(us) {
+        us
+    } else if !valid(uk) {
+        uk
+    } else {
+        us.or(uk)
+    }
+}
+
+/// `keys` as the Secret's Rancher reads them: a plan canceled through the May 2026 spelling of
+/// the annotation alone (`plan.cattle.io/cancelled`) is written `cancelled`, the only spelling that
+/// Rancher's `IsTerminal` knows; every other cancel is written `canceled`.
+pub fn spelled_for(s: &SecretSnapshot, mut keys: Keys) -> Keys {
+    let british = s.annotations.contains_key(plan::ANNOTATION_CANCELLED)
+        && !s.annotations.contains_key(plan::ANNOTATION_CANCELED);
+    if british
+        && let Some(Some(v)) = keys.get_mut(PLAN_STATE)
+        && v.as_slice() == PlanState::Canceled.as_str().as_bytes()
+    {
+        *v = plan::STATE_CANCELLED.as_bytes().to_vec();
+    }
+    keys
 }
 
 /// The checksum of the plan the Secret carries now (`None` without a `plan` key).
@@ -444,6 +475,42 @@ mod tests {
         assert_eq!(s(&begin_keys(&secret(&[]), None), PLAN_REVISION).as_deref(), Some("1"));
         assert_eq!(s(&begin_keys(&secret(&[(PLAN_REVISION, "7")]), None), PLAN_REVISION).as_deref(), Some("8"));
         assert_eq!(s(&begin_keys(&secret(&[(PLAN_REVISION, "junk")]), None), PLAN_REVISION).as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn both_spellings_of_cancel_are_read_alike_and_a_cancel_is_written_as_it_was_asked() {
+        let with = |ann: &[(&str, &str)]| {
+            let mut s = secret(&[]);
+            s.annotations = ann.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            s
+        };
+        let (us, uk) = (plan::ANNOTATION_CANCELED, plan::ANNOTATION_CANCELLED);
+        type Row<'a> = (Vec<(&'a str, &'a str)>, Result<plan::Hold, ()>);
+        let rows: Vec<Row> = vec![
+            (vec![], Ok(plan::Hold::None)),
+            (vec![(us, "true")], Ok(plan::Hold::Cancel)),
+            (vec![(uk, "true")], Ok(plan::Hold::Cancel)),
+            (vec![(us, "false"), (uk, "true")], Ok(plan::Hold::Cancel)),
+            (vec![(us, "true"), (uk, "yes")], Ok(plan::Hold::Cancel)),
+            (vec![(uk, "false")], Ok(plan::Hold::None)),
+            (vec![(uk, "TRUE")], Err(())),
+            (vec![(us, "false"), (uk, "1")], Err(())),
+        ];
+        for (ann, want) in rows {
+            let got = plan::resolve_annotations(&annotations(&with(&ann))).map_err(drop);
+            assert_eq!(got, want, "{ann:?}");
+        }
+        // Rancher's May 2026 IsTerminal knows "cancelled" only; the newer one "canceled" only.
+        let canceled = || Keys::from([(PLAN_STATE.to_string(), Some(b"canceled".to_vec()))]);
+        let state = |k: &Keys| String::from_utf8(k[PLAN_STATE].clone().unwrap()).unwrap();
+        assert_eq!(state(&spelled_for(&with(&[(uk, "true")]), canceled())), "cancelled");
+        assert_eq!(state(&spelled_for(&with(&[(us, "true")]), canceled())), "canceled");
+        assert_eq!(state(&spelled_for(&with(&[(us, "true"), (uk, "true")]), canceled())), "canceled");
+        let done = Keys::from([(PLAN_STATE.to_string(), Some(b"succeeded".to_vec()))]);
+        assert_eq!(state(&spelled_for(&with(&[(uk, "true")]), done)), "succeeded");
+        // Read back, either spelling is the terminal state.
+        assert_eq!(PlanState::parse("cancelled"), PlanState::Canceled);
+        assert!(PlanState::parse("cancelled").is_terminal());
     }
 
     #[test]

@@ -395,6 +395,19 @@ pub struct ControlPlane {
     apiserver: Option<Proc>,
     ca_pem: String,
     started_in: Duration,
+    /// Whether the API server writes an audit log (`audit.log`, [`ControlPlane::audited`]).
+    audit: bool,
+}
+
+/// One request the API server answered, from its audit log.
+#[derive(Debug, Clone)]
+pub struct Audited {
+    pub verb: String,
+    pub resource: String,
+    pub namespace: String,
+    pub name: String,
+    pub user_agent: String,
+    pub code: i64,
 }
 
 impl ControlPlane {
@@ -402,6 +415,16 @@ impl ControlPlane {
     /// 60 s) until `/readyz` says `ok`. Returns None (after the loud skip message) when the
     /// binaries are missing outside CI; panics with the logs' tails if the start fails.
     pub async fn start() -> Option<ControlPlane> {
+        ControlPlane::start_with(false).await
+    }
+
+    /// [`ControlPlane::start`] with an audit log of every request but the API server's own
+    /// ([`ControlPlane::audited`]): what a client asked of it, counted.
+    pub async fn start_audited() -> Option<ControlPlane> {
+        ControlPlane::start_with(true).await
+    }
+
+    async fn start_with(audit: bool) -> Option<ControlPlane> {
         let bin = k8s_bin()?;
         let t0 = Instant::now();
         let dir = tempfile::Builder::new()
@@ -436,7 +459,15 @@ impl ControlPlane {
             apiserver: None,
             ca_pem: String::new(),
             started_in: Duration::ZERO,
+            audit,
         };
+        if audit {
+            let policy = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+                          - level: None\n  users: [\"system:apiserver\"]\n\
+                          - level: None\n  nonResourceURLs: [\"/readyz*\", \"/healthz*\", \"/livez*\"]\n\
+                          - level: Metadata\n";
+            fs::write(cp.dir.join("audit-policy.yaml"), policy).unwrap_or_else(|e| panic!("write audit policy: {e}"));
+        }
         // Another process may still bind a chosen port first; then start over on new ports.
         for attempt in 1.. {
             let why = match cp.launch().await {
@@ -580,6 +611,30 @@ impl ControlPlane {
     /// verification is strict.
     pub fn kubeconfig_yaml_with_ca(&self, ca_pem: &str) -> String {
         self.kubeconfig(ca_pem, TOKEN)
+    }
+
+    /// The requests answered so far in `namespace` whose `User-Agent` begins with `agent` (a
+    /// control plane from [`ControlPlane::start_audited`]; the log is written as each request
+    /// completes). A watch or a list is one request each; a watch appears once it has ended.
+    pub fn audited(&self, namespace: &str, agent: &str) -> Vec<Audited> {
+        assert!(self.audit, "audited() needs ControlPlane::start_audited()");
+        let text = fs::read_to_string(self.dir.join("audit.log")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["stage"] == "ResponseComplete")
+            .map(|e| {
+                let s = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+                Audited {
+                    verb: s(&e["verb"]),
+                    resource: s(&e["objectRef"]["resource"]),
+                    namespace: s(&e["objectRef"]["namespace"]),
+                    name: s(&e["objectRef"]["name"]),
+                    user_agent: s(&e["userAgent"]),
+                    code: e["responseStatus"]["code"].as_i64().unwrap_or_default(),
+                }
+            })
+            .filter(|a| a.namespace == namespace && a.user_agent.starts_with(agent))
+            .collect()
     }
 
     /// The kubeconfig of [`AGENT_USER`].
@@ -806,6 +861,11 @@ impl ControlPlane {
             .arg(format!("--service-account-signing-key-file={}", d.join("sa.key").display()))
             .arg("--service-cluster-ip-range=10.0.0.0/24")
             .arg("--disable-admission-plugins=ServiceAccount");
+        if self.audit {
+            cmd.arg(format!("--audit-log-path={}", d.join("audit.log").display()))
+                .arg(format!("--audit-policy-file={}", d.join("audit-policy.yaml").display()))
+                .arg("--audit-log-mode=blocking");
+        }
         if self.version().at_least(1, 21) {
             // The current release refuses a loopback advertise address for the `kubernetes`
             // Service's endpoints ("cannot use public IP 127.0.0.1 with endpoint reconciler ...
