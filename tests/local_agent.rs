@@ -1012,3 +1012,53 @@ fn an_unreadable_pos_is_moved_aside_and_the_plan_starts_over() {
     assert_eq!(std::fs::read(s.dir.path().join("plans/a.pos.invalid")).unwrap(), b"{ not json");
     assert_eq!(agent.stop(), 0);
 }
+
+/// Issue 41, items 1 and 2: no part of an instruction's env value of 6 characters or more
+/// reaches the agent's log (a failure's last lines at error, a periodic failure's at info, each
+/// output line at debug), `plan status`, `plan logs` or the `.pos` file, however it was printed: a
+/// short value inside a longer one (`5432` in the password), a long token after 500 characters of
+/// prefix (masked before the line is cut), and each line of a value of several lines (a key).
+#[test]
+fn no_part_of_an_env_value_reaches_the_log_the_status_or_the_pos_file() {
+    let s = Setup::new();
+    let token: String = "QXZJKV7931".chars().cycle().take(600).collect();
+    let key = "-----BEGIN TEST KEY-----\nQXZ9JKV7QXZ9JKV7QXZ9\nJKV7931QXZJKV7931QX\n-----END TEST KEY-----";
+    let env =
+        serde_json::json!(["PGPORT=5432", "DB_PASSWORD=Zk5432Lm9Qw", format!("TOKEN={token}"), format!("KEY={key}")]);
+    let mut boom = sh(
+        "boom",
+        "echo \"login failed: password $DB_PASSWORD on port $PGPORT\"; \
+         printf 'x%.0s' $(seq 500); echo \"$TOKEN\"; echo \"$KEY\"; exit 3",
+    );
+    boom["env"] = env.clone();
+    s.plan("f", serde_json::json!({"instructions": [boom]}));
+    let mut watch = sh("watch", "echo \"periodic $DB_PASSWORD\"; echo \"$KEY\"; exit 1");
+    watch["env"] = env;
+    watch["periodSeconds"] = 3600.into();
+    s.plan("p", serde_json::json!({"periodicInstructions": [watch]}));
+    let mut agent = AgentProc::start_with(&s.config(), &[OUTPUT_LOGGED]);
+    s.wait_pos("f", "failed", |p| p.plan_state == Some(PlanState::Failed));
+    agent.wait_log("periodic instruction 1/1 watch: FAILED");
+    assert_eq!(agent.stop(), 0);
+    agent.rest();
+    let mut shown = vec![("the agent's log".to_string(), agent.seen.join("\n"))];
+    for name in ["f", "p"] {
+        let path = s.plan_path(name).display().to_string();
+        for cmd in ["status", "logs"] {
+            let out = Command::new(NODEPLAN).args(["plan", cmd, &path]).output().unwrap();
+            shown.push((format!("plan {cmd} {name}"), String::from_utf8_lossy(&out.stdout).into_owned()));
+        }
+        let pos = std::fs::read_to_string(s.dir.path().join("plans").join(format!("{name}.pos"))).unwrap();
+        shown.push((format!("{name}.pos"), pos));
+    }
+    assert!(shown[1].1.contains("***"), "the failure's lines are shown, masked: {}", shown[1].1);
+    for secret in ["Zk5432Lm9Qw", token.as_str(), key] {
+        let chars: Vec<char> = secret.chars().collect();
+        for w in chars.windows(6) {
+            let part: String = w.iter().collect();
+            for (place, text) in &shown {
+                assert!(!text.contains(&part), "{part:?} of an env value is in {place}:\n{text}");
+            }
+        }
+    }
+}

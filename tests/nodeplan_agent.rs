@@ -532,6 +532,8 @@ async fn a_failing_plan_is_retried_until_max_attempts() {
     let f = s.failure.clone().expect("status.failure");
     assert_eq!((f.instruction, f.name.as_str(), f.outcome.as_str()), (Some(1), "flaky", "exit status 3"));
     assert_eq!(f.last_lines, ["no space for ***"]);
+    // The saved output in the status is masked as well (issue 41).
+    assert_eq!(s.instructions[0].output, "no space for ***\n");
     assert_eq!(condition(&s, "Applied").unwrap().message, format!("plan failed: {why}"));
     let out = nodeplan_cmd(cp, &["plan", "status", "--nodeplan", &format!("{}/r", n.namespace)]).output().unwrap();
     let status = String::from_utf8_lossy(&out.stdout);

@@ -189,11 +189,7 @@ impl Observer for LogObserver {
         }
         let word = result_word(&r.outcome);
         let line = format!("{what}: {word} ({}, {})", r.outcome, crate::duration::human(r.elapsed));
-        let tail = if word == "FAILED" {
-            crate::plan::failure::tail(&r.output.combined, FAILURE_TAIL_LINES)
-        } else {
-            Vec::new()
-        };
+        let tail = if word == "FAILED" { r.mask.tail(&r.output.combined, FAILURE_TAIL_LINES) } else { Vec::new() };
         let tail = tail.iter().map(|l| format!("{what}: | {l}"));
         match (word, r.periodic) {
             ("ok", false) => tracing::info!("{line}"),
@@ -280,6 +276,8 @@ pub struct InstructionReport {
     pub elapsed: Duration,
     /// What the instruction wrote (each stream and the interleaved capture, capped).
     pub output: Output,
+    /// What must not be shown of it (its `env`'s values).
+    pub mask: crate::plan::failure::Mask,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -812,6 +810,7 @@ impl Applyinator {
         // Output lines are logged inside the instruction's span (plan id, i/n, name): the prefix
         // only says which stream.
         let prefix = display_name(&ins.name).to_string();
+        let mask = crate::plan::failure::Mask::of_env(&ins.env);
         let report = |outcome: Outcome, output: Output| InstructionReport {
             index,
             total,
@@ -820,6 +819,7 @@ impl Applyinator {
             outcome,
             elapsed: started.elapsed(),
             output,
+            mask: mask.clone(),
         };
         let mut stop = StopSignal::from_watch(input.interrupts.clone(), |i: &Interrupt| i.stop_reason());
         // R31: a cancel or shutdown while the disk does not answer ends the wait for the
@@ -883,7 +883,7 @@ impl Applyinator {
             cwd: Some(dir.to_path_buf()),
             owner: input.owner.with_slot(Slot::new(index, periodic)),
             timeout: remaining,
-            sink: Arc::new(LogSink { prefix, level: self.config.output_level }),
+            sink: Arc::new(LogSink { prefix, level: self.config.output_level, mask: mask.clone() }),
         };
         let (i, name) = (index + 1, display_name(&ins.name));
         let span = if periodic {

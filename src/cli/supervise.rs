@@ -47,7 +47,7 @@ pub async fn run(args: SuperviseArgs) -> u8 {
     });
     let mut spec = SpawnSpec::new(program.clone(), rest.iter().cloned());
     spec.owner = Owner::supervise(&name);
-    spec.sink = Arc::new(LogSink { prefix: name.clone(), level: tracing::Level::INFO });
+    spec.sink = Arc::new(LogSink { prefix: name.clone(), level: tracing::Level::INFO, mask: Default::default() });
     let (tx, stop) = StopSignal::channel();
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};

@@ -10,7 +10,7 @@
 
 use crate::local::pos::Pos;
 use crate::nodeplan::resource::NodePlanStatus;
-use crate::plan::failure::{self, Failure};
+use crate::plan::failure::{self, Failure, Mask};
 use crate::plan::{Checkpoint, PeriodicInstructionOutput, PlanState, ValidPlan};
 use crate::remote::client::SecretSnapshot;
 use crate::remote::wire;
@@ -71,9 +71,9 @@ fn one_time_lines(plan: &ValidPlan, kept: &Kept) -> Vec<String> {
         if !ran {
             continue;
         }
-        let secrets = secrets_of(&ins.common.env);
+        let mask = Mask::of_env(&ins.common.env);
         match kept.outputs.get(&ins.common.name) {
-            Some(o) => out.extend(output_lines(o, "| ", &secrets)),
+            Some(o) => out.extend(output_lines(o, "| ", &mask)),
             None => match &kept.progress {
                 // The failure keeps the last lines of an instruction whose output is not saved.
                 Progress::Failed(Some(f)) if f.instruction == Some(i + 1) && !f.last_lines.is_empty() => {
@@ -107,9 +107,9 @@ fn periodic_lines(plan: &ValidPlan, periodic: &BTreeMap<String, PeriodicInstruct
             }
         };
         out.push(format!("periodic instruction {}/{m} {name}: exit status {}{when}", i + 1, o.exit_code));
-        let secrets = secrets_of(&p.common.env);
-        out.extend(output_lines(&o.stdout, "| ", &secrets));
-        out.extend(output_lines(&o.stderr, "! ", &secrets));
+        let mask = Mask::of_env(&p.common.env);
+        out.extend(output_lines(&o.stdout, "| ", &mask));
+        out.extend(output_lines(&o.stderr, "! ", &mask));
     }
     out
 }
@@ -205,7 +205,7 @@ pub fn of_nodeplan(plan: &ValidPlan, status: &NodePlanStatus, run: &str) -> Vec<
         };
         out.push(format!("instruction {}/{n} {}: {outcome}", i + 1, shown_name(&ins.common.name)));
         match r.map(|r| r.output.as_str()) {
-            Some(o) if !o.is_empty() => out.extend(output_lines(o.as_bytes(), "| ", &secrets_of(&ins.common.env))),
+            Some(o) if !o.is_empty() => out.extend(output_lines(o.as_bytes(), "| ", &Mask::of_env(&ins.common.env))),
             Some(_) if r.is_some_and(|r| !r.outcome.is_empty()) && !ins.save_output => {
                 out.push("  (output not kept: saveOutput is false)".into())
             }
@@ -234,24 +234,13 @@ pub fn of_object(o: &super::objects::Object) -> Result<Vec<String>, String> {
     }
 }
 
-fn secrets_of(env: &[String]) -> Vec<&str> {
-    env.iter().filter_map(|e| e.split_once('=')).map(|(_, v)| v).collect()
-}
-
 fn shown_name(name: &str) -> String {
     failure::shown_line(failure::display_name(name))
 }
 
-/// `output` as indented lines after `mark`, masked and escaped.
-fn output_lines(output: &[u8], mark: &str, secrets: &[&str]) -> Vec<String> {
-    let text = String::from_utf8_lossy(output);
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    if text.is_empty() {
-        return Vec::new();
-    }
-    text.split('\n')
-        .map(|l| format!("  {mark}{}", failure::shown_line(&failure::mask(l.strip_suffix('\r').unwrap_or(l), secrets))))
-        .collect()
+/// `output` as indented lines after `mark`, masked (as a whole) and escaped.
+fn output_lines(output: &[u8], mark: &str, mask: &Mask) -> Vec<String> {
+    mask.lines(output).iter().map(|l| format!("  {mark}{}", failure::shown_line(l))).collect()
 }
 
 #[cfg(test)]

@@ -461,7 +461,10 @@ fn results(prev: &[InstructionResult], result: &ApplyResult, now: DateTime<Utc>)
     for r in result.reports.iter().filter(|r| !r.periodic) {
         let end = now;
         let start = end - chrono::Duration::from_std(r.elapsed).unwrap_or_default();
-        let saved = result.one_time_output.get(&r.name).map(|o| plain(o, OUTPUT_CAP)).unwrap_or_default();
+        // Masked whole (the instruction's env values), then its tail kept.
+        let masked = |o: &Vec<u8>| r.mask.text(&String::from_utf8_lossy(o));
+        let saved =
+            result.one_time_output.get(&r.name).map(|o| plain(masked(o).as_bytes(), OUTPUT_CAP)).unwrap_or_default();
         let item = InstructionResult {
             name: r.name.clone(),
             outcome: crate::apply::result_word(&r.outcome).to_string(),

@@ -5,10 +5,13 @@
 //! `plan status`, `plan logs`, the Event's note, the NodePlan's condition, the fleet table and
 //! rollouts. Pure: it reads and formats, it writes nothing.
 //!
-//! Masking: the values of the instruction's own `env` (of [`MASK_MIN`] characters or more) are
-//! replaced by `***` wherever they appear, and so is the password of a `user:password@` in a URL;
-//! control characters are escaped where a line is shown ([`shown_line`]). A command that prints a
-//! secret of its own making on failure still shows it (SECURITY.md).
+//! Masking ([`Mask`], the one function every place that shows instruction output uses): the values
+//! of the instruction's own `env` (of [`MASK_MIN`] characters or more), and each line of a value
+//! of several lines, are replaced by `***` wherever they appear, overlapping ones as one, and so is
+//! the password of a `user:password@` in a URL. Output is masked whole before it is split into
+//! lines or cut, so neither a cut nor a line break lets part of a value through. Control
+//! characters are escaped where a line is shown ([`shown_line`]). A command that prints a secret
+//! of its own making on failure still shows it (SECURITY.md).
 
 use serde::{Deserialize, Serialize};
 
@@ -57,14 +60,13 @@ impl Failure {
         output: &[u8],
         env: &[String],
     ) -> Failure {
-        let secrets: Vec<&str> = env.iter().filter_map(|e| e.split_once('=')).map(|(_, v)| v).collect();
         Failure {
             checksum: checksum.to_string(),
             instruction: Some(index + 1),
             total,
             name: name.to_string(),
             outcome,
-            last_lines: tail(output, LINES).iter().map(|l| mask(l, &secrets)).collect(),
+            last_lines: Mask::of_env(env).tail(output, LINES),
         }
     }
 
@@ -75,7 +77,7 @@ impl Failure {
             instruction: None,
             total,
             name: String::new(),
-            outcome: mask(error, &[]),
+            outcome: Mask::default().text(error),
             last_lines: Vec::new(),
         }
     }
@@ -127,31 +129,92 @@ impl Failure {
     }
 }
 
-/// The last `n` lines of `output` (a final newline ends the last line, it does not start an empty
-/// one), each cut to [`LINE_CHARS`] characters.
-pub fn tail(output: &[u8], n: usize) -> Vec<String> {
-    let text = String::from_utf8_lossy(output);
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    if text.is_empty() {
-        return Vec::new();
-    }
-    let mut lines: Vec<String> =
-        text.rsplit('\n').take(n).map(|l| cut(l.strip_suffix('\r').unwrap_or(l), LINE_CHARS)).collect();
-    lines.reverse();
-    lines
+/// What must not be shown of what an instruction printed: the values of its own `env`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mask {
+    /// Each value and each line of a value of several lines, of [`MASK_MIN`] characters or more,
+    /// longest first.
+    values: Vec<String>,
 }
 
-/// `line` with every value of `secrets` ([`MASK_MIN`] characters or more) and every URL's
-/// `user:password@` replaced by `***`.
-pub fn mask(line: &str, secrets: &[&str]) -> String {
-    let mut out = line.to_string();
-    for s in secrets.iter().filter(|s| s.chars().count() >= MASK_MIN) {
-        out = out.replace(s, "***");
+impl Mask {
+    /// The mask of an instruction's `env` (`KEY=VALUE`).
+    pub fn of_env(env: &[String]) -> Mask {
+        Mask::of_values(env.iter().filter_map(|e| e.split_once('=')).map(|(_, v)| v))
     }
-    if !out.contains('@') {
-        return out;
+
+    pub fn of_values<'a>(values: impl IntoIterator<Item = &'a str>) -> Mask {
+        let mut all: Vec<String> = Vec::new();
+        for v in values {
+            all.push(v.to_string());
+            if v.contains('\n') {
+                all.extend(v.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l).to_string()));
+            }
+        }
+        all.retain(|v| v.chars().count() >= MASK_MIN);
+        all.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        all.dedup();
+        Mask { values: all }
     }
-    out.split(' ').map(crate::redact_userinfo).collect::<Vec<_>>().join(" ")
+
+    /// `text` with every occurrence of a value replaced by `***` (occurrences that overlap or touch
+    /// as one), and every URL's `user:password@` by `***@`.
+    pub fn text(&self, text: &str) -> String {
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for v in &self.values {
+            let mut from = 0;
+            while let Some(i) = text[from..].find(v.as_str()) {
+                let at = from + i;
+                spans.push((at, at + v.len()));
+                // Overlapping occurrences too: the next search starts one character on.
+                from = at + text[at..].chars().next().map_or(1, char::len_utf8);
+            }
+        }
+        spans.sort_unstable();
+        let mut out = String::with_capacity(text.len());
+        let (mut pos, mut i) = (0, 0);
+        while i < spans.len() {
+            let (start, mut end) = spans[i];
+            i += 1;
+            while i < spans.len() && spans[i].0 <= end {
+                end = end.max(spans[i].1);
+                i += 1;
+            }
+            out.push_str(&text[pos..start]);
+            out.push_str("***");
+            pos = end;
+        }
+        out.push_str(&text[pos..]);
+        if !out.contains('@') {
+            return out;
+        }
+        let line = |l: &str| l.split(' ').map(crate::redact_userinfo).collect::<Vec<_>>().join(" ");
+        out.split('\n').map(line).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The last `n` lines of `output` (a final newline ends the last line, it does not start an
+    /// empty one), masked as a whole, then each cut to [`LINE_CHARS`] characters.
+    pub fn tail(&self, output: &[u8], n: usize) -> Vec<String> {
+        let text = String::from_utf8_lossy(output);
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        if text.is_empty() || n == 0 {
+            return Vec::new();
+        }
+        // The last n lines, whole: where the (n+1)th newline from the end is.
+        let start = text.rmatch_indices('\n').nth(n - 1).map_or(0, |(i, _)| i + 1);
+        let masked = self.text(&text[start..]);
+        masked.split('\n').map(|l| cut(l.strip_suffix('\r').unwrap_or(l), LINE_CHARS)).collect()
+    }
+
+    /// `output` as lines, masked as a whole (nothing cut): what `plan logs` shows of it.
+    pub fn lines(&self, output: &[u8]) -> Vec<String> {
+        let text = String::from_utf8_lossy(output);
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        if text.is_empty() {
+            return Vec::new();
+        }
+        self.text(text).split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l).to_string()).collect()
+    }
 }
 
 /// A line as a terminal or a one-line note shows it: control characters escaped.
@@ -245,6 +308,102 @@ mod tests {
     }
 
     #[test]
+    fn a_value_is_masked_whole_longest_first_before_the_output_is_cut_and_line_by_line() {
+        // A short value inside a longer one: the longer is masked whole.
+        let f = boom("login failed: password Zk5432Lm9Qw on 5432\n", &["PGPORT=5432", "PW=Zk5432Lm9Qw"]);
+        assert_eq!(f.last_lines, ["login failed: password *** on ***"]);
+        // A long token after a long prefix: masked before the line is cut.
+        let token = "T0K3N".repeat(120);
+        let f = boom(&format!("{}{token}\n", "x".repeat(500)), &[&format!("TOKEN={token}")]);
+        assert_eq!(f.last_lines, [format!("{}***", "x".repeat(500))]);
+        // A value of several lines: the whole, and each of its lines wherever it shows.
+        let key = "-----BEGIN K-----\nAAAABBBBCCCC\nDDDDEEEE\n-----END K-----";
+        let f = boom(&format!("{key}\nonly DDDDEEEE here\n"), &[&format!("KEY={key}")]);
+        assert_eq!(f.last_lines, ["***", "only *** here"]);
+        // Values that overlap are masked as one.
+        let m = Mask::of_values(["abcdef1234", "1234xyzabc"]);
+        assert_eq!(m.text("<abcdef1234xyzabc>"), "<***>");
+        // A value masked across the last lines kept, and an overlapping occurrence of itself.
+        assert_eq!(Mask::of_values(["aaaa"]).text("aaaaa b"), "*** b");
+        assert_eq!(Mask::of_values(["secret-1"]).tail(b"one\nsecret-1\ntwo\n", 2), ["***", "two"]);
+        assert_eq!(Mask::default().tail(b"a\nb\n", 0), Vec::<String>::new());
+    }
+
+    /// A small deterministic generator (xorshift), for the property test.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn word(&mut self, alphabet: &[u8], len: usize) -> String {
+            (0..len).map(|_| alphabet[self.below(alphabet.len())] as char).collect()
+        }
+    }
+
+    /// For random values (of several lines, overlapping each other) printed in random output, no
+    /// substring of 6 characters of a value survives in what any place shows of it.
+    #[test]
+    fn no_six_characters_of_a_value_survive_in_random_output() {
+        // Values from upper case and digits, the rest of the output from lower case: any 6
+        // characters of a value that show came from a value.
+        const VALUE: &[u8] = b"ABCDEFGH0123";
+        const FILLER: &[u8] = b"abcdefgh -:=";
+        let mut rng = Rng(0x5eed_1234_abcd_0001);
+        for case in 0..400 {
+            let mut values: Vec<String> = Vec::new();
+            for _ in 0..1 + rng.below(4) {
+                let len = 4 + rng.below(60);
+                let mut v = rng.word(VALUE, len);
+                if rng.below(4) == 0 {
+                    let len = 4 + rng.below(30);
+                    v = format!("{v}\n{}", rng.word(VALUE, len));
+                }
+                // Sometimes a value that begins with the end of another.
+                if let Some(prev) = values.last().filter(|_| rng.below(3) == 0) {
+                    let tail: String = prev.chars().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect();
+                    v = format!("{tail}{v}");
+                }
+                values.push(v);
+            }
+            let mut out = String::new();
+            for _ in 0..1 + rng.below(30) {
+                let len = rng.below(700);
+                let filler = rng.word(FILLER, len);
+                out.push_str(&filler);
+                if rng.below(2) == 0 {
+                    let v = &values[rng.below(values.len())];
+                    out.push_str(v);
+                }
+                if rng.below(3) == 0 {
+                    out.push('\n');
+                }
+            }
+            let env: Vec<String> = values.iter().enumerate().map(|(i, v)| format!("V{i}={v}")).collect();
+            let m = Mask::of_env(&env);
+            let f = Failure::instruction("c", 0, 1, "x", "exit status 1".into(), out.as_bytes(), &env);
+            let places = [f.last_lines.join("\n"), f.note(), m.lines(out.as_bytes()).join("\n"), m.text(&out)];
+            for v in values.iter().filter(|v| v.chars().count() >= 6) {
+                let chars: Vec<char> = v.chars().collect();
+                for w in chars.windows(6) {
+                    let part: String = w.iter().collect();
+                    if part.contains('\n') {
+                        continue;
+                    }
+                    for p in &places {
+                        assert!(!p.contains(&part), "case {case}: {part:?} of {v:?} survives in {p:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_wire_form_is_camel_case_and_omits_what_is_empty() {
         let f = boom("out\n", &[]);
         let v = serde_json::to_value(&f).unwrap();
@@ -270,7 +429,7 @@ mod tests {
             (long.as_bytes(), 1, vec![format!("{}…", "x".repeat(512))]),
         ];
         for (out, n, want) in cases {
-            assert_eq!(tail(out, n), want, "{:?}", String::from_utf8_lossy(out));
+            assert_eq!(Mask::default().tail(out, n), want, "{:?}", String::from_utf8_lossy(out));
         }
     }
 }

@@ -35,11 +35,14 @@ pub trait LineSink: Send + Sync {
 pub struct LogSink {
     pub prefix: String,
     pub level: tracing::Level,
+    /// What must not reach the log (the instruction's `env` values), line by line.
+    pub mask: crate::plan::failure::Mask,
 }
 
 impl LineSink for LogSink {
     fn line(&self, stream: Stream, line: &[u8]) {
-        let (prefix, stream, line) = (&self.prefix, stream.as_str(), String::from_utf8_lossy(line));
+        let (prefix, stream) = (&self.prefix, stream.as_str());
+        let line = self.mask.text(&String::from_utf8_lossy(line));
         match self.level {
             tracing::Level::ERROR => tracing::error!("[{prefix}:{stream}]: {line}"),
             tracing::Level::WARN => tracing::warn!("[{prefix}:{stream}]: {line}"),
