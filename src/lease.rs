@@ -12,9 +12,11 @@
 //!   for its `leaseDurationSeconds` *as this agent observed it* (client-go's leader election does
 //!   the same), so clock skew between nodes never hands over a Lease early.
 //! - **A restart on the same node takes over at once.** The holder identity is
-//!   `<node>/<boot id>/<pid>`: the same node in the same boot whose holder pid is gone is the
-//!   previous incarnation of this agent (a crash, a `systemctl restart`); a re-exec of the agent
-//!   keeps its pid and so its identity.
+//!   `<node>/<boot id>/<pid namespace>/<pid>/<start time>`: the same node in the same boot and PID
+//!   namespace whose holder process (that pid, started then) no longer runs is the previous
+//!   incarnation of this agent (a crash, a `systemctl restart`); a re-exec of the agent keeps all
+//!   of it and so its identity. An agent in another PID namespace (a container beside the host's
+//!   agent) is another holder, even at the same pid, and its Lease is taken only at its expiry.
 //! - **An outage is not a loss.** While the API server cannot be reached, the holder keeps acting
 //!   (and renewing is retried): nobody else can take the Lease without the API server either. The
 //!   Lease is lost only on evidence: a renewal refused because another holder wrote the Lease.
@@ -135,32 +137,63 @@ pub fn lease_name(source: &str) -> String {
     format!("{}-{}", cut.trim_end_matches(['-', '.']), &hash[..16])
 }
 
-/// This agent's holder identity: `<node>/<boot id>/<pid>`.
+/// This agent's holder identity: `<node>/<boot id>/<pid namespace>/<pid>/<start time>`. Unique
+/// per process on a machine in one boot: two agents in separate PID namespaces (a containerized
+/// agent beside the host's) differ in the namespace even when both are pid 1, and a pid reused
+/// after a crash differs in its start time. A re-exec of the agent keeps all three (R23).
 pub fn identity(node: &str) -> String {
     let boot = crate::process::boot_id().unwrap_or_default();
-    format!("{node}/{boot}/{}", std::process::id())
+    match crate::process::own_identity() {
+        Ok((ns, pid, start)) => format!("{node}/{boot}/{ns}/{pid}/{start}"),
+        // Without /proc nothing of this machine can be told apart: never taken for a previous
+        // incarnation (`this_machines` needs all five fields).
+        Err(_) => format!("{node}/{boot}/{}", std::process::id()),
+    }
+}
+
+/// An agent process of this machine, as its identity names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incarnation {
+    pub pid: i32,
+    pub start: u64,
 }
 
 /// Whether `holder` is an earlier incarnation of this agent that is gone: the same node in the
-/// same boot, with its pid no longer alive (a live pid is taken as still holding: a pid reused by
-/// another process only delays the take-over to the Lease's expiry).
-pub fn previous_incarnation_gone(holder: &str, me: &str, alive: impl Fn(i32) -> bool) -> bool {
-    this_machines(holder, me).is_some_and(|pid| !alive(pid))
+/// same boot and PID namespace, whose process (that pid with that start time) no longer runs.
+pub fn previous_incarnation_gone(holder: &str, me: &str, running: impl Fn(Incarnation) -> bool) -> bool {
+    this_machines(holder, me).is_some_and(|p| !running(p))
 }
 
-/// The pid of `holder` when it is an agent of this machine (the same node in the same boot).
-fn this_machines(holder: &str, me: &str) -> Option<i32> {
-    let split = |s: &str| {
-        let mut it = s.rsplitn(3, '/');
-        let pid = it.next()?.parse::<i32>().ok()?;
-        let boot = it.next()?.to_string();
-        let node = it.next()?.to_string();
-        Some((node, boot, pid))
-    };
-    match (split(holder), split(me)) {
-        (Some((hn, hb, hp)), Some((mn, mb, _))) if hn == mn && hb == mb && !hb.is_empty() => Some(hp),
+/// `id` split into node, boot id, PID namespace, pid and start time (the last four fields: a
+/// node name cannot confuse the split).
+fn fields(id: &str) -> Option<(&str, &str, u64, Incarnation)> {
+    let mut it = id.rsplitn(5, '/');
+    let start = it.next()?.parse().ok()?;
+    let pid = it.next()?.parse().ok()?;
+    let ns = it.next()?.parse().ok()?;
+    let boot = it.next()?;
+    let node = it.next()?;
+    Some((node, boot, ns, Incarnation { pid, start }))
+}
+
+/// The process of `holder` when it is an agent of this machine that this agent can see: the same
+/// node, boot and PID namespace. An identity of another form (an older agent's `node/boot/pid`,
+/// whose namespace is unknown) never is: its Lease is taken at its expiry.
+fn this_machines(holder: &str, me: &str) -> Option<Incarnation> {
+    match (fields(holder), fields(me)) {
+        (Some((hn, hb, hns, p)), Some((mn, mb, mns, _))) if hn == mn && hb == mb && hns == mns && !hb.is_empty() => {
+            Some(p)
+        }
         _ => None,
     }
+}
+
+/// Whether `id` names this very process: its identity, or the `node/boot/pid` an older build
+/// gave it before it executed this one (R23: a release by the old program is this process's).
+fn is_me(id: &str, me: &str) -> bool {
+    id == me
+        || fields(me)
+            .is_some_and(|(node, boot, _, _)| !boot.is_empty() && id == format!("{node}/{boot}/{}", std::process::id()))
 }
 
 /// What the Lease shows.
@@ -202,7 +235,7 @@ pub fn decide(seen: Option<&Seen>, me: &str, unchanged_for: Duration, own: Durat
     let Some(seen) = seen else { return Step::Create };
     let holder = match seen.holder.as_deref() {
         // Released by this very process (it executes itself anew, R23: the same pid).
-        None | Some("") if seen.released_by.as_deref() == Some(me) => return Step::Take,
+        None | Some("") if seen.released_by.as_deref().is_some_and(|r| is_me(r, me)) => return Step::Take,
         None | Some("") => None,
         Some(h) if h == me => return Step::Renew,
         Some(h) => Some(h.to_string()),
@@ -432,7 +465,7 @@ pub async fn hold(
             .as_ref()
             .and_then(|s| s.holder.as_deref().filter(|h| !h.is_empty()).or(s.released_by.as_deref()))
             .and_then(|h| this_machines(h, &r.identity));
-        let gone = local.is_some_and(|pid| !pid_exists(pid));
+        let gone = local.is_some_and(|p| !crate::process::running(p.pid, p.start));
         let step = decide(seen.as_ref(), &r.identity, since.elapsed(), r.duration, gone);
         let sent = Instant::now();
         let attempt = match step {
@@ -505,11 +538,6 @@ pub async fn hold(
 /// Whether a Lease seen now is held by someone: a holder that renewed it within its duration by
 /// `now` (comparing the Lease's `renewTime` with this machine's clock: for a command run once,
 /// which cannot watch the Lease for a duration first; skew between the clocks shifts the expiry).
-/// Whether a process with this pid exists on this machine.
-fn pid_exists(pid: i32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
 fn fresh_holder(l: &Lease, now: k8s_openapi::jiff::Timestamp) -> Option<String> {
     let spec = l.spec.as_ref()?;
     let holder = spec.holder_identity.clone().filter(|h| !h.is_empty())?;
@@ -544,7 +572,7 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
         };
         if let Some(holder) = current.as_ref().and_then(|l| fresh_holder(l, k8s_openapi::jiff::Timestamp::now()))
             && holder != r.identity
-            && !previous_incarnation_gone(&holder, &r.identity, pid_exists)
+            && !previous_incarnation_gone(&holder, &r.identity, |p| crate::process::running(p.pid, p.start))
         {
             return Err(format!("held by {holder}"));
         }
@@ -936,16 +964,47 @@ mod tests {
 
     #[test]
     fn previous_incarnations() {
-        let me = "node-a/boot-1/100";
-        let dead = |_| false;
-        assert!(previous_incarnation_gone("node-a/boot-1/99", me, dead));
-        assert!(!previous_incarnation_gone("node-a/boot-1/99", me, |_| true), "alive: still holding");
-        assert!(!previous_incarnation_gone("node-b/boot-1/99", me, dead), "another node");
-        assert!(!previous_incarnation_gone("node-a/boot-0/99", me, dead), "another boot: expiry decides");
-        assert!(!previous_incarnation_gone("garbage", me, dead));
-        assert!(!previous_incarnation_gone("node-a//99", "node-a//100", dead), "no boot id known");
-        // A node name with slashes cannot confuse the split: the last two fields are taken.
-        assert!(previous_incarnation_gone("a/b/boot-1/99", "a/b/boot-1/100", dead));
+        let me = "node-a/boot-1/4026531836/100/5000";
+        let gone = |_| false;
+        assert!(previous_incarnation_gone("node-a/boot-1/4026531836/99/4000", me, gone));
+        let running = |p: Incarnation| p == Incarnation { pid: 99, start: 4000 };
+        assert!(!previous_incarnation_gone("node-a/boot-1/4026531836/99/4000", me, running), "still running");
+        assert!(
+            previous_incarnation_gone("node-a/boot-1/4026531836/99/3999", me, running),
+            "its pid reused by another process: gone"
+        );
+        assert!(!previous_incarnation_gone("node-b/boot-1/4026531836/99/4000", me, gone), "another node");
+        assert!(!previous_incarnation_gone("node-a/boot-0/4026531836/99/4000", me, gone), "another boot");
+        // Issue 41: an agent in another PID namespace (a container beside the host's agent) cannot
+        // be seen from here, even at the same pid: its Lease is taken at its expiry only.
+        assert!(!previous_incarnation_gone("node-a/boot-1/4026532999/100/5000", me, gone), "another namespace");
+        assert_ne!(
+            identity_in("node-a", "boot-1", 4026532999, 1, 7),
+            identity_in("node-a", "boot-1", 4026531836, 1, 7)
+        );
+        // An older build's `node/boot/pid`: its namespace is unknown, so never taken for gone.
+        assert!(!previous_incarnation_gone("node-a/boot-1/99", me, gone));
+        assert!(!previous_incarnation_gone("garbage", me, gone));
+        assert!(!previous_incarnation_gone("node-a//1/99/4000", "node-a//1/100/5000", gone), "no boot id known");
+        // A node name with slashes cannot confuse the split: the last four fields are taken.
+        assert!(previous_incarnation_gone("a/b/boot-1/1/99/4000", "a/b/boot-1/1/100/5000", gone));
+        // This very process, as an older build of it named itself before executing this one (R23).
+        assert!(is_me(&format!("node-a/boot-1/{}", std::process::id()), me));
+        assert!(!is_me("node-a/boot-1/1", me) || std::process::id() == 1);
+        assert!(is_me(me, me));
+    }
+
+    fn identity_in(node: &str, boot: &str, ns: u64, pid: i32, start: u64) -> String {
+        format!("{node}/{boot}/{ns}/{pid}/{start}")
+    }
+
+    #[test]
+    fn this_agents_identity_names_its_namespace_pid_and_start() {
+        let me = identity("node-a");
+        let (node, boot, _, p) = fields(&me).expect("five fields");
+        assert_eq!((node, boot.is_empty()), ("node-a", false));
+        assert!(crate::process::running(p.pid, p.start), "{me} is this process");
+        assert!(!crate::process::running(p.pid, p.start + 1), "another start time is another process");
     }
 
     /// The Lease of a test holder: 40 s, a stop budget of 6 s.

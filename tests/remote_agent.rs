@@ -1338,6 +1338,32 @@ async fn a_second_agent_on_one_secret_waits_for_the_lease() {
     assert_eq!(second.child.wait().unwrap().code(), Some(1));
 }
 
+/// Issue 41, item 4: two agents in separate PID namespaces on one host (a containerized agent
+/// beside another), each pid 1 in its own, are two holders to the Lease: the second waits and
+/// the plan runs once. Both were `node/boot/1`, both renewed, and both ran the plan.
+#[tokio::test]
+async fn agents_in_separate_pid_namespaces_are_told_apart_by_the_lease() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "pidns").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let twin = ClusterNode::new("remoteEnabled: true\nleaseDuration: 1h\n", &cp.kubeconfig_yaml(), &ns);
+    let runs = r.p("runs");
+    r.create(&json!({"instructions": [sh("one", &format!("echo run >> {runs}"))]}), Some("pending"), &[]).await;
+    // A PID namespace of its own, its /proc, and the agent killed with the wrapper.
+    let unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"];
+    let mut first = AgentProc::start_wrapped(&unshare, &r.config);
+    let held = first.wait_log("holding the Lease");
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    let mut second = AgentProc::start_wrapped(&unshare, &twin.config);
+    let waiting = second.wait_log("waiting for the Lease");
+    assert!(waiting.contains("/1/"), "the holder is pid 1 of its namespace: {waiting} ({held})");
+    // A new plan: the holder runs it, once.
+    r.new_plan(&json!({"instructions": [sh("two", &format!("echo again >> {runs}"))]})).await;
+    r.wait("the second plan succeeded", |s| state(s) == "succeeded").await;
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\nagain\n", "each plan ran once");
+    assert!(second.drain().iter().all(|l| !l.contains("holding the Lease")), "{:?}", second.seen);
+}
+
 /// A plan Secret whose agent holds the Lease and has applied its plan, and a twin (a cloned
 /// machine: the same connection info, a ten-minute Lease) waiting for the Lease.
 /// Two nodes of one configuration (`mode`) for one plan Secret in a new namespace (a cloned

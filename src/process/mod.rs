@@ -17,7 +17,7 @@ mod outcome;
 mod owner;
 pub mod owner_lock;
 mod procfs;
-pub(crate) use procfs::boot_id;
+pub(crate) use procfs::{boot_id, own_identity, running};
 mod record;
 mod spawn;
 pub mod supervise;

@@ -106,6 +106,28 @@ impl ProcHandle {
 }
 
 /// This boot's id (read once; it cannot change while we run).
+/// This process as a Lease names it: the inode of its PID namespace, and its pid and start time
+/// as `/proc` shows them (one view for both).
+pub(crate) fn own_identity() -> io::Result<(u64, i32, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let ns = std::fs::metadata("/proc/self/ns/pid")?.ino();
+    let line = std::fs::read_to_string("/proc/self/stat")?;
+    let pid = line.split_whitespace().next().and_then(|p| p.parse().ok());
+    let start = parse_stat(&line).map(|s| s.start_time);
+    match (pid, start) {
+        (Some(pid), Some(start)) => Ok((ns, pid, start)),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidData, "unparsable /proc/self/stat")),
+    }
+}
+
+/// Whether the process `pid` that started at `start` (clock ticks since boot) still runs (not a
+/// zombie): a pid reused by another process does not count.
+pub(crate) fn running(pid: i32, start: u64) -> bool {
+    ProcHandle::open(pid)
+        .and_then(|p| p.stat())
+        .is_ok_and(|s| s.start_time == start && !matches!(s.state, 'Z' | 'X' | 'x'))
+}
+
 pub(crate) fn boot_id() -> io::Result<String> {
     static BOOT_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     if let Some(b) = BOOT_ID.get() {

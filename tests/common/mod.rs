@@ -202,6 +202,14 @@ impl AgentProc {
         AgentProc::spawn(std::process::Command::new(program), config, env)
     }
 
+    /// The agent started through `wrapper` (a program and its arguments, the binary's path
+    /// appended: `unshare --pid …`).
+    pub fn start_wrapped(wrapper: &[&str], config: &std::path::Path) -> AgentProc {
+        let mut command = std::process::Command::new(wrapper[0]);
+        command.args(&wrapper[1..]).arg(NODEPLAN);
+        AgentProc::spawn(command, config, &[])
+    }
+
     /// `command` (the binary, or a wrapper whose last arguments name it) with `agent --config
     /// config` appended.
     fn spawn(mut command: std::process::Command, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
