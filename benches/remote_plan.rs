@@ -15,6 +15,9 @@
 //! the requests each runner made per plan (the API server's audit log). Not a test: it asserts
 //! nothing.
 //!
+//! With NODEPLAN_BENCH_IDLE_SECS=S it then leaves the agents idle (55 s to settle, then S s) and
+//! prints what each asked of the API server per hour, by verb and resource.
+//!
 //! Run: `cargo bench --bench remote_plan` (needs the cache built by
 //! tools/build-kube-apiserver.sh; NODEPLAN_K8S_BIN picks another).
 
@@ -243,6 +246,29 @@ async fn main() {
     }
     if let (Some(a), Some(b)) = (get("A"), get("B")) {
         println!("A / B:            p50 {:.2}x  p95 {:.2}x", a.0 / b.0, a.1 / b.1);
+    }
+    // Idle: what each agent asks of the API server per hour, holding a succeeded plan (a node's
+    // usual state between Rancher's plans), after its Lease has gone idle.
+    let idle = std::env::var("NODEPLAN_BENCH_IDLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(0u64);
+    if idle > 0 {
+        let settle = Duration::from_secs(55);
+        eprintln!("remote_plan: idle window of {idle} s after {} s of settling", settle.as_secs());
+        tokio::time::sleep(settle).await;
+        let before: Vec<usize> = runners.iter().map(|r| cp.audited(&r.ns, "nodeplan/").len()).collect();
+        tokio::time::sleep(Duration::from_secs(idle)).await;
+        println!("idle, {idle} s: requests per agent-hour by verb and resource (watches counted as they end)");
+        for (r, b) in runners.iter().zip(before) {
+            if r.agent.is_none() {
+                continue;
+            }
+            let mut by: BTreeMap<String, usize> = BTreeMap::new();
+            for a in cp.audited(&r.ns, "nodeplan/").split_off(b) {
+                *by.entry(format!("{} {}", a.verb, a.resource)).or_default() += 1;
+            }
+            let per_hour = |n: usize| n as f64 * 3600.0 / idle as f64;
+            let shown: Vec<String> = by.iter().map(|(k, n)| format!("{k} {:.0}", per_hour(*n))).collect();
+            println!("{:<6} {}", r.name, shown.join(", "));
+        }
     }
     for r in &mut runners {
         if let Some((mut child, _, _)) = r.agent.take() {

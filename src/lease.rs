@@ -31,6 +31,9 @@
 //!   times the duration and writes a sixth as often (once a minute by default); a plan that starts
 //!   has the Lease renewed at once with the configured duration. A waiting agent watches the Lease
 //!   (the one list/watch, `k8s::watch`, of the one object) and writes nothing.
+//! - **The holder watches its own Lease.** A write that is not its own (emptied, another duration,
+//!   another holder) is renewed over, or found lost, as soon as it is seen; until that renewal
+//!   lands the holder acts only as long as a waiter counting from that write would wait.
 //! - **Acting is counted from the last renewal, with the configured duration.** The idle duration
 //!   holds a waiting agent off only while nobody else writes the Lease, so an idle holder does not
 //!   act on it: a plan that starts pulls the fence in to the configured duration, and before a start
@@ -600,7 +603,17 @@ pub async fn take_now(client: kube::Client, r: LeaseRef) -> Result<Option<Held>,
 fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant, activity: Activity) -> Held {
     let (tx, lost) = watch::channel(false);
     let (acting_tx, acting) = watch::channel(true);
-    let renewer = tokio::spawn(renew(api.clone(), r.clone(), l, tx, acting_tx, sent, activity));
+    // The holder watches its own Lease (the one list/watch): a write by someone else is seen as
+    // it happens, not at the next renewal.
+    let (changes_tx, changes) = watch::channel::<Latest<Lease>>((0, Default::default()));
+    let lw = crate::k8s::watch::KubeListWatch::named(api.clone(), &r.name);
+    let what = format!("the Lease {}/{}", r.namespace, r.name);
+    let pump = crate::AbortOnDrop(tokio::spawn(crate::k8s::watch::pump(lw, what, changes_tx)));
+    let task = renew(api.clone(), r.clone(), l, tx, acting_tx, sent, activity, changes);
+    let renewer = tokio::spawn(async move {
+        let _pump = pump;
+        task.await
+    });
     Held { renewer: Some(renewer), lost, acting, release: Some((api, r)), quiet: false }
 }
 
@@ -705,6 +718,7 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
 /// that succeeded, idle or not: a plan that starts pulls the fence in to that at once, and before a
 /// start or a write the agent asks (`fresh`) and is answered at once when that leaves it margin,
 /// else after a renewal sent for the asking.
+#[allow(clippy::too_many_arguments)]
 async fn renew(
     api: Api<Lease>,
     r: LeaseRef,
@@ -713,9 +727,12 @@ async fn renew(
     acting: watch::Sender<bool>,
     taken_at: Instant,
     activity: Activity,
+    mut changes: watch::Receiver<Latest<Lease>>,
 ) {
     let Activity { mut busy, fresh: mut asks } = activity;
-    let (mut busy_alive, mut asks_alive) = (true, true);
+    let (mut busy_alive, mut asks_alive, mut changes_alive) = (true, true, true);
+    // The versions this holder wrote (the watch delivers their echoes, late ones included).
+    let mut written: std::collections::VecDeque<String> = mine.metadata.resource_version.iter().cloned().collect();
     // The duration the Lease states as this agent last wrote it (the taking wrote the configured
     // one), and since when no plan executes (`None`: one does).
     let mut stated = r.duration;
@@ -755,12 +772,40 @@ async fn renew(
                     continue;
                 }
             }
+            changed = changes.changed(), if changes_alive => {
+                changes_alive = changed.is_ok();
+                let seen = changes.borrow_and_update().1.get(&r.name).cloned();
+                let rv = seen.as_ref().and_then(|l| l.metadata.resource_version.clone());
+                if !changes_alive || rv.as_ref().is_some_and(|v| written.contains(v)) {
+                    continue;
+                }
+                if seen.is_none() && changes.borrow().0 == 0 {
+                    continue;
+                }
+                // Someone else wrote the Lease (issue 41): a waiting agent may take it over once it
+                // has stayed so for what it states now, whatever this holder's own duration. Acting
+                // stops by then unless a renewal on top of it lands first, sent now.
+                let states = seen.as_ref().map(seen_of).and_then(|s| s.duration).unwrap_or(MIN_DURATION);
+                valid_until = valid_until.min(Instant::now() + r.valid_for_stated(states.min(stated)));
+                if Instant::now() >= valid_until && *acting.borrow() {
+                    expired(&acting, &r, states);
+                }
+                tracing::info!(
+                    "the Lease {}/{} was written by someone else (it states {}); renewing it now",
+                    r.namespace,
+                    r.name,
+                    crate::duration::show(states)
+                );
+                if failing {
+                    continue;
+                }
+            }
             ask = asks.recv(), if asks_alive => {
                 let Some(ask) = ask else {
                     asks_alive = false;
                     continue;
                 };
-                if *acting.borrow() && Instant::now() + margin < renewed + r.valid_for() {
+                if *acting.borrow() && Instant::now() + margin < valid_until.min(renewed + r.valid_for()) {
                     let _ = ask.send(Ok(()));
                     continue;
                 }
@@ -809,6 +854,12 @@ async fn renew(
                 // (one cancel for all) does not renew in the same second every minute.
                 let first = std::mem::replace(&mut failing, false) || stated != before;
                 mine = *l;
+                if let Some(v) = mine.metadata.resource_version.clone() {
+                    if written.len() == 16 {
+                        written.pop_front();
+                    }
+                    written.push_back(v);
+                }
                 renewed = sent;
                 valid_until = sent + r.valid_for_stated(stated);
                 acting.send_if_modified(|a| !std::mem::replace(a, true));
@@ -1041,7 +1092,8 @@ mod tests {
             .unwrap();
             let (lost, _lost) = watch::channel(false);
             let (acting, _acting) = watch::channel(true);
-            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start, Activity::always_busy()));
+            let (_changes_tx, changes) = watch::channel((0, Default::default()));
+            let task = tokio::spawn(renew(api, r.clone(), mine, lost, acting, start, Activity::always_busy(), changes));
             let server = tokio::spawn(async move {
                 let mut handle = std::pin::pin!(handle);
                 let mut at = Vec::new();
@@ -1126,7 +1178,8 @@ mod tests {
         let (busy_tx, busy) = watch::channel(false);
         let (ask_tx, fresh) = tokio::sync::mpsc::channel(1);
         let activity = Activity { busy, fresh };
-        let task = tokio::spawn(renew(api, r.clone(), taken(r, None), lost, acting_tx, start, activity));
+        let (_changes_tx, changes) = watch::channel((0, Default::default()));
+        let task = tokio::spawn(renew(api, r.clone(), taken(r, None), lost, acting_tx, start, activity, changes));
         (acting, busy_tx, ask_tx, crate::AbortOnDrop(task))
     }
 
@@ -1239,6 +1292,48 @@ mod tests {
         let waiting = tokio::time::timeout(s(20), ask()).await;
         assert!(waiting.is_err(), "answered without a renewal: {waiting:?}");
         assert!(seen.try_recv().is_ok(), "renewals were sent meanwhile");
+    }
+
+    /// Issue 41, item 5: a holder that sees its Lease written by someone else (stating a shorter
+    /// duration) renews on top of it at once, and until that lands acts no longer than a waiting
+    /// agent would wait from that write: the stated duration less its stop ladder, not its own
+    /// duration from its last renewal. The echo of its own write is no reason to renew.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_by_someone_else_is_renewed_over_at_once_and_pulls_the_fence_in() {
+        use std::sync::atomic::Ordering;
+        let r = a_lease();
+        let start = Instant::now();
+        let (api, mut seen, hang, _server) = renewals_answered(start);
+        let (lost, _lost) = watch::channel(false);
+        let (acting_tx, mut acting) = watch::channel(true);
+        let (changes_tx, changes) = watch::channel::<Latest<Lease>>((0, Default::default()));
+        let task = renew(api, r.clone(), taken(&r, None), lost, acting_tx, start, Activity::always_busy(), changes);
+        let _renewer = crate::AbortOnDrop(tokio::spawn(task));
+        let lease = |rv: &str, seconds: i32| {
+            let mut l = taken(&r, None);
+            l.metadata.resource_version = Some(rv.into());
+            l.spec.as_mut().unwrap().lease_duration_seconds = Some(seconds);
+            l
+        };
+        let deliver = |l: Lease| {
+            changes_tx.send_modify(|(n, m)| {
+                *n += 1;
+                m.insert(r.name.clone(), l);
+            })
+        };
+        // The first renewal lands as version 2; its echo comes: nothing is written.
+        seen.recv().await.unwrap();
+        deliver(lease("2", 40));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(seen.try_recv().is_err(), "renewed for its own write's echo");
+        // Renewals hang from now on; someone else states 20 s.
+        hang.store(true, Ordering::SeqCst);
+        let wrote = Instant::now();
+        deliver(lease("99", 20));
+        let (at, stated) = seen.recv().await.unwrap();
+        assert_eq!((start + at, stated), (wrote, D), "renewed at once, stating its own duration");
+        acting.wait_for(|a| !*a).await.unwrap();
+        assert_eq!(Instant::now() - wrote, r.valid_for_stated(Duration::from_secs(20)), "the fence from the write");
     }
 
     /// The handle of a scripted API server.
