@@ -2461,3 +2461,53 @@ async fn a_plan_costs_two_writes_and_no_lease_write_while_the_lease_is_fresh() {
     }
     assert_eq!(agent.stop(), 0);
 }
+
+/// Issue 41, item 7: values a third party writes into a plan Secret (`plan-state`,
+/// `failure-count`, `last-apply-time`, a label) reach no terminal raw: `plan status --secret`, the
+/// fleet table, its summary and its wide form escape every control character (an OSC 52
+/// clipboard write, a screen clear); JSON and YAML keep the values exact.
+#[tokio::test]
+async fn values_a_third_party_writes_reach_no_terminal_raw() {
+    let cp = control_plane!();
+    let ns = cp.new_namespace("hostile").await;
+    let kubeconfig = cp.kubeconfig_path().to_string_lossy().to_string();
+    let hostile = "failed\x1b]52;c;ZXZpbA==\x07\x1b[2J";
+    let c = SecretClient::new(cp.client().await, SecretRef { namespace: ns.clone(), name: "h1".into() });
+    let plan = serde_json::to_vec(&json!({"instructions": [sh("one", "true")]})).unwrap();
+    let data = BTreeMap::from([
+        ("plan".to_string(), plan),
+        ("plan-state".to_string(), hostile.as_bytes().to_vec()),
+        ("failure-count".to_string(), b"3\x1b[2J".to_vec()),
+        ("last-apply-time".to_string(), b"\x1b]0;title\x07".to_vec()),
+    ]);
+    c.create(data, BTreeMap::new()).await.unwrap();
+    c.orchestrator_patch(json!({"metadata": {"labels": {"pool": "hostile"}}})).await.unwrap();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["--kubeconfig", &kubeconfig])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let raw = |c: char| c.is_control() && c != '\n';
+    let secret = format!("{ns}/h1");
+    for args in [
+        &["plan", "status", "--secret", &secret][..],
+        &["plan", "status", "-l", "pool=hostile", "-n", &ns],
+        &["plan", "status", "-l", "pool=hostile", "-n", &ns, "-o", "wide"],
+    ] {
+        let shown = cli(args);
+        assert!(shown.contains("failed"), "{args:?}: {shown}");
+        assert!(!shown.chars().any(raw), "{args:?} printed a raw control character: {shown:?}");
+        assert!(shown.contains("\\u{1b}"), "{args:?}: the escape shows as text: {shown}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&cli(&["plan", "status", "-l", "pool=hostile", "-n", &ns, "-o", "json"])).unwrap();
+    assert_eq!(json["items"][0]["state"], hostile, "JSON keeps the value exact: {json}");
+    let yaml: serde_json::Value =
+        serde_yaml_ng::from_str(&cli(&["plan", "status", "-l", "pool=hostile", "-n", &ns, "-o", "yaml"])).unwrap();
+    assert_eq!(yaml["items"][0]["state"], hostile, "YAML keeps the value exact");
+}

@@ -459,15 +459,47 @@ pub(crate) fn check_cgroup_dir(mode: &crate::process::CgroupMode) -> Result<(), 
     crate::process::cgroup::CgroupRoot::discover(mode).map(|_| ())
 }
 
-/// A line of a command's result on stdout. A closed or broken stdout (`nodeplan plan status … |
-/// head -1`) is the reader's choice, not an error worth a panic: the line is dropped.
+/// A line of a command's result on stdout, made safe for a terminal ([`terminal_safe`]): what it
+/// shows of objects others write (a Secret's keys, a NodePlan's status, a file) can carry no
+/// escape sequence. A closed or broken stdout (`nodeplan plan status … | head -1`) is the reader's
+/// choice, not an error worth a panic: the line is dropped.
 macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let line = $crate::cli::terminal_safe(&format!($($t)*)).into_owned();
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
+    }};
+}
+pub(crate) use out;
+
+/// [`out!`] for the command's own control sequences (a redrawn view's clear): what it formats from
+/// others' values must be passed through [`terminal_safe`] first.
+macro_rules! out_raw {
     ($($t:tt)*) => {{
         use std::io::Write as _;
         let _ = writeln!(std::io::stdout().lock(), $($t)*);
     }};
 }
-pub(crate) use out;
+pub(crate) use out_raw;
+
+/// `text` with every control character but line breaks and tabs escaped (`\u{1b}`): nothing in
+/// it can move the cursor, clear the screen or set the clipboard (OSC 52). JSON and YAML carry no
+/// such character raw, so they pass unchanged.
+pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
 
 /// One error or result line for a person on stderr (an error event with `--log-format json`).
 /// Never blocks or panics, whatever stderr is (see [`output`]).

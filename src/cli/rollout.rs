@@ -935,7 +935,7 @@ fn report(
         let c = rollout::counts(places);
         if let Some(standings) = terminal {
             let rows = crate::fleet::sorted(standings.values().map(crate::fleet::row_of).collect());
-            crate::cli::out!("\x1b[H\x1b[2J{}", crate::fleet::table(&rows, false));
+            crate::cli::out_raw!("\x1b[H\x1b[2J{}", crate::cli::terminal_safe(&crate::fleet::table(&rows, false)));
             crate::cli::out!("{}", rollout::bar(c, places.len(), 40));
         }
         crate::cli::out!(

@@ -122,7 +122,7 @@ async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), 
         };
         if changed && tracker.listed && !each {
             if redraw {
-                crate::cli::out!("\x1b[H\x1b[2J");
+                crate::cli::out_raw!("\x1b[H\x1b[2J");
             }
             let all = rows.all();
             if all.is_empty() {
