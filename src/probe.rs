@@ -1,6 +1,6 @@
 //! Health probes: this module owns running a plan's `probes` (an `httpGet` is one GET, TLS set up
 //! from the probe's `caCert` / `clientCert` / `clientKey` / `insecure`; a `fileExists` checks that
-//! a path exists, off the runtime threads and bounded by the probe's timeout), applying the
+//! a path exists), applying the
 //! success/failure thresholds, and producing the `ProbeStatus` map that the writer publishes as
 //! `probe-statuses`. It decides nothing about plan state (paused, canceled, failed: callers keep
 //! probing through all of them), spawns no processes and does no Kubernetes I/O.
@@ -29,15 +29,19 @@
 //!   only logs it and probes anyway.
 //! - An invalid URL is a probe failure (Rancher leaves the status untouched).
 //!
+//! Files are looked at only off the runtime threads, one check per path or TLS configuration at a
+//! time, each bounded by its probe's timeout ([`Waiting`]): a path that never answers (a hung
+//! mount) is a failing probe, never a stuck agent or a growing number of threads.
+//!
 //! One `reqwest::Client` is built per distinct TLS configuration (insecure flag and the three
 //! paths) and cached in the [`Prober`]. Before each probe the referenced files are `stat`ed; the
 //! cached client is rebuilt when any file's modification time or length changed. System roots are
 //! read only when a client is built. `probe_all` drops cache entries that no current probe uses.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use futures::future::join_all;
@@ -81,10 +85,59 @@ impl fmt::Display for ProbeResult {
     }
 }
 
-/// Runs probes; holds the cache of HTTP clients (one per TLS configuration).
+/// Runs probes; holds the cache of HTTP clients (one per TLS configuration), and the checks whose
+/// file system has not answered yet.
 #[derive(Debug, Default)]
 pub struct Prober {
-    clients: Mutex<HashMap<TlsKey, CachedClient>>,
+    clients: Arc<Mutex<HashMap<TlsKey, CachedClient>>>,
+    waiting: Waiting,
+}
+
+/// The file-system checks still waiting for an answer (a `fileExists` path, a TLS configuration's
+/// files), by key. Each check runs on a thread of its own, bounded by its probe's timeout; while
+/// one has not returned (a hung mount), the next check of the same key fails at once instead of
+/// starting another: at most one thread per key ever waits, and the runtime threads and the
+/// blocking pool (the disk lane, spawns) never do.
+#[derive(Debug, Default, Clone)]
+struct Waiting(Arc<Mutex<HashSet<String>>>);
+
+impl Waiting {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `f` on a thread of its own, waited for at most `timeout`.
+    async fn check<T: Send + 'static>(
+        &self,
+        key: String,
+        timeout: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        if !self.lock().insert(key.clone()) {
+            return Err("the previous check has not returned: no answer from the file system".into());
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (waiting, done) = (self.clone(), key.clone());
+        let spawned = std::thread::Builder::new().name("probe-check".into()).spawn(move || {
+            let r = f();
+            waiting.lock().remove(&done);
+            let _ = tx.send(r);
+        });
+        if let Err(e) = spawned {
+            self.lock().remove(&key);
+            return Err(format!("cannot start a thread: {e}"));
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(_)) => Err("the check ended without an answer".into()),
+            Err(_) => Err("no answer from the file system".into()),
+        }
+    }
+
+    #[cfg(test)]
+    fn count(&self) -> usize {
+        self.lock().len()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -174,7 +227,7 @@ impl Prober {
         let statuses = join_all(runs).await.into_iter().collect();
 
         let in_use: Vec<TlsKey> = probes.values().map(TlsKey::of).collect();
-        self.lock_clients().retain(|key, _| in_use.contains(key));
+        lock(&self.clients).retain(|key, _| in_use.contains(key));
         statuses
     }
 
@@ -198,7 +251,16 @@ impl Prober {
 
     async fn run(&self, name: &str, probe: &Probe) -> ProbeResult {
         if let Some(f) = &probe.file_exists {
-            return file_exists(f.path.clone(), effective_timeout(probe)).await;
+            let path = f.path.clone();
+            let check = self.waiting.check(format!("path {path}"), effective_timeout(probe), {
+                let path = path.clone();
+                move || std::fs::metadata(&path).map(|_| ())
+            });
+            return match check.await {
+                Ok(Ok(())) => ProbeResult::Success,
+                Ok(Err(e)) => ProbeResult::Failure(format!("{path}: {e}")),
+                Err(why) => ProbeResult::Failure(format!("{path}: {why}")),
+            };
         }
         let url = match Url::parse(&probe.http_get.url) {
             Ok(url) => url,
@@ -210,59 +272,55 @@ impl Prober {
         if !matches!(url.scheme(), "http" | "https") {
             return ProbeResult::Failure(format!("unsupported URL scheme {:?}", url.scheme()));
         }
-        let client = match self.client_for(name, probe) {
-            Ok(client) => client,
-            Err(reason) => return ProbeResult::Failure(reason),
-        };
         let timeout = effective_timeout(probe);
+        let key = TlsKey::of(probe);
+        if probe.http_get.client_cert.is_empty() != probe.http_get.client_key.is_empty() {
+            debug!(probe = %name, "only one of clientCert/clientKey is set; no client certificate is presented");
+        }
+        // Its files are looked at (and read for a new client) off the runtime threads.
+        let cached = key.files().is_empty().then(|| lock(&self.clients).get(&key).map(|c| c.client.clone())).flatten();
+        let client = match cached {
+            Some(client) => client,
+            None => {
+                let (clients, name) = (self.clients.clone(), name.to_string());
+                let files = key.files().iter().map(|(_, p)| *p).collect::<Vec<_>>().join(", ");
+                let check =
+                    self.waiting.check(format!("tls {key:?}"), timeout, move || client_for(&clients, &name, key));
+                match check.await {
+                    Ok(Ok(client)) => client,
+                    Ok(Err(reason)) => return ProbeResult::Failure(reason),
+                    Err(why) => return ProbeResult::Failure(format!("{files}: {why}")),
+                }
+            }
+        };
         match tokio::time::timeout(timeout, request(&client, url)).await {
             Ok(result) => result,
             Err(_) => ProbeResult::Failure(format!("timed out after {}", crate::duration::show(timeout))),
         }
     }
-
-    fn lock_clients(&self) -> std::sync::MutexGuard<'_, HashMap<TlsKey, CachedClient>> {
-        // The map holds no invariant a panic could break, so a poisoned lock is still usable.
-        self.clients.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Returns the cached client for the probe's TLS configuration, rebuilding it when one of
-    /// its files changed. Errors are logged (naming the probe and the file) and returned as the
-    /// failure reason.
-    fn client_for(&self, name: &str, probe: &Probe) -> Result<Client, String> {
-        let key = TlsKey::of(probe);
-        let http = &probe.http_get;
-        if http.client_cert.is_empty() != http.client_key.is_empty() {
-            debug!(probe = %name, "only one of clientCert/clientKey is set; no client certificate is presented");
-        }
-        let stamps = key
-            .files()
-            .into_iter()
-            .map(|(field, path)| stamp(path).map_err(|err| file_error(name, field, path, &err)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let cached =
-            self.lock_clients().get(&key).filter(|cached| cached.stamps == stamps).map(|cached| cached.client.clone());
-        if let Some(client) = cached {
-            return Ok(client);
-        }
-        let client = build_client(name, &key)?;
-        self.lock_clients().insert(key, CachedClient { stamps, client: client.clone() });
-        Ok(client)
-    }
 }
 
-/// A `fileExists` probe: the path exists (a link counts by what it points to). The check runs on
-/// the blocking pool, bounded by the probe's timeout as a request is: a hung file system is a
-/// failure, never a stuck agent.
-async fn file_exists(path: String, timeout: Duration) -> ProbeResult {
-    let shown = path.clone();
-    let check = tokio::task::spawn_blocking(move || std::fs::metadata(&path).map(|_| ()));
-    match tokio::time::timeout(timeout, check).await {
-        Ok(Ok(Ok(()))) => ProbeResult::Success,
-        Ok(Ok(Err(e))) => ProbeResult::Failure(format!("{shown}: {e}")),
-        Ok(Err(e)) => ProbeResult::Failure(format!("{shown}: {e}")),
-        Err(_) => ProbeResult::Failure(format!("{shown}: no answer from the file system")),
+fn lock(clients: &Mutex<HashMap<TlsKey, CachedClient>>) -> std::sync::MutexGuard<'_, HashMap<TlsKey, CachedClient>> {
+    // The map holds no invariant a panic could break, so a poisoned lock is still usable.
+    clients.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The cached client for a TLS configuration, rebuilt when one of its files changed. Errors are
+/// logged (naming the probe and the file) and returned as the failure reason. It reads files: off
+/// the runtime threads ([`Waiting::check`]).
+fn client_for(clients: &Mutex<HashMap<TlsKey, CachedClient>>, name: &str, key: TlsKey) -> Result<Client, String> {
+    let stamps = key
+        .files()
+        .into_iter()
+        .map(|(field, path)| stamp(path).map_err(|err| file_error(name, field, path, &err)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cached = lock(clients).get(&key).filter(|cached| cached.stamps == stamps).map(|cached| cached.client.clone());
+    if let Some(client) = cached {
+        return Ok(client);
     }
+    let client = build_client(name, &key)?;
+    lock(clients).insert(key, CachedClient { stamps, client: client.clone() });
+    Ok(client)
 }
 
 /// Applies one probe outcome to `status`, with Rancher's saturating counters: the counter of the
@@ -469,12 +527,74 @@ mod tests {
         std::fs::write(&path, b"").unwrap();
         let up = prober.probe_all(&probes, &down, false).await;
         assert_eq!(up["ready"], st(true, 1, 0));
-        let ProbeResult::Failure(why) =
-            file_exists(dir.path().join("gone").display().to_string(), DEFAULT_TIMEOUT).await
-        else {
-            panic!("a missing path is healthy")
+        let gone = Probe {
+            file_exists: Some(crate::plan::FileExistsAction { path: dir.path().join("gone").display().to_string() }),
+            ..Probe::default()
         };
+        let ProbeResult::Failure(why) = prober.probe_once(&gone).await else { panic!("a missing path is healthy") };
         assert!(why.contains("gone") && why.contains("No such file"), "{why}");
+    }
+
+    /// Issue 41, item 6: a check whose file system never answers holds one thread, fails at its
+    /// timeout, and makes the next check of the same path fail at once instead of starting
+    /// another; once it returns, checks run again.
+    #[tokio::test]
+    async fn a_check_that_does_not_return_holds_one_thread_and_the_next_fails_at_once() {
+        let waiting = Waiting::default();
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        let t = Duration::from_millis(100);
+        let first = waiting.check("path /hung".into(), t, move || hung.recv().is_ok()).await;
+        assert_eq!(first, Err("no answer from the file system".into()));
+        for _ in 0..20 {
+            let again = waiting.check("path /hung".into(), t, || true).await;
+            assert!(again.is_err_and(|e| e.contains("previous check has not returned")));
+        }
+        assert_eq!(waiting.count(), 1, "one thread waits, however many checks came");
+        assert_eq!(waiting.check("path /other".into(), t, || 7).await, Ok(7), "another path is checked");
+        release.send(()).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while waiting.count() > 0 {
+            assert!(std::time::Instant::now() < deadline, "the check never returned");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(waiting.check("path /hung".into(), t, || true).await, Ok(true));
+    }
+
+    /// Issue 41, item 6: an `httpGet` probe whose `caCert` never opens (a FIFO nobody writes, as a
+    /// hung mount) fails at its timeout on a runtime of one thread (the file is read off it), and
+    /// probing it again holds no more threads. A watchdog opens the FIFO after 20 s, so a
+    /// regression fails instead of hanging.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_ca_cert_that_never_opens_fails_the_probe_without_holding_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("ca.pem");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let opener = fifo.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(20));
+            let _ = std::fs::OpenOptions::new().write(true).open(opener);
+        });
+        let mut p = Probe { timeout_seconds: 1, ..Probe::default() };
+        p.http_get.url = "https://127.0.0.1:9/".into();
+        p.http_get.ca_cert = fifo.display().to_string();
+        let prober = Prober::new();
+        let started = std::time::Instant::now();
+        let ProbeResult::Failure(why) = prober.probe_once(&p).await else { panic!("healthy") };
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}: {why}", started.elapsed());
+        assert!(why.contains("ca.pem") && why.contains("no answer"), "{why}");
+        for _ in 0..5 {
+            let ProbeResult::Failure(why) = prober.probe_once(&p).await else { panic!("healthy") };
+            assert!(why.contains("has not returned"), "{why}");
+        }
+        assert_eq!(prober.waiting.count(), 1);
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     /// Applies `outcomes` ('S' success, 'F' failure) from the default status and returns every

@@ -1062,3 +1062,31 @@ fn no_part_of_an_env_value_reaches_the_log_the_status_or_the_pos_file() {
         }
     }
 }
+
+/// Issue 41, item 6: a plan whose `httpGet` probe reads its `caCert` from a path that never
+/// answers (a FIFO nobody writes, as a hung mount a user controls) fails that probe and holds
+/// nothing else: another plan applies meanwhile, and the agent stops on SIGTERM. Before, the file
+/// was read on a runtime thread and the agent froze.
+#[test]
+fn a_probe_whose_ca_cert_never_opens_holds_nothing_else() {
+    let s = Setup::new();
+    let fifo = s.p("ca.pem");
+    mkfifo(&fifo);
+    let probe = serde_json::json!({"https://hung": {
+        "httpGet": {"url": "https://127.0.0.1:9/", "caCert": fifo},
+        "timeoutSeconds": 1
+    }});
+    s.plan("probed", serde_json::json!({"instructions": [sh("one", "true")], "probes": probe}));
+    let mut agent = s.start();
+    s.wait_pos("probed", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    let ran = s.p("ran");
+    s.plan("next", serde_json::json!({"instructions": [sh("next", &format!("touch {ran}"))]}));
+    s.wait_pos("next", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert!(Path::new(&ran).exists());
+    let probed = s.pos("probed");
+    let status = &probed.probe_status["https://hung"];
+    assert!(!status.healthy && status.failure_count >= 1, "{status:?}");
+    let started = std::time::Instant::now();
+    assert_eq!(agent.stop(), 0);
+    assert!(started.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", started.elapsed());
+}
