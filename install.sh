@@ -23,11 +23,40 @@ fatal() {
     exit 2
 }
 
+# Refuse a file root would run that another user could change, as `nodeplan install --binary`
+# does: it and every directory above it must be root's (or this user's), and not writable by
+# group or others (a sticky directory, such as /tmp, is accepted on the way). $1 is a path with
+# no link left in it (readlink -f).
+changeable_by_others() {
+    me=$(id -u)
+    p=$1
+    while :; do
+        st=$(stat -c '%u %a' "$p" 2>/dev/null) || { echo "$p cannot be looked at"; return 0; }
+        owner=${st% *}
+        mode=${st#* }
+        if [ "$owner" != 0 ] && [ "$owner" != "$me" ]; then
+            echo "$p is owned by uid $owner"
+            return 0
+        fi
+        if [ $((0$mode & 022)) -ne 0 ] && { [ "$p" = "$1" ] || [ $((0$mode & 01000)) -eq 0 ]; }; then
+            echo "$p is writable by group or others (mode $mode)"
+            return 0
+        fi
+        [ "$p" = / ] && return 1
+        p=$(dirname "$p")
+    done
+}
+
 if [ "${CATTLE_AGENT_BINARY_LOCAL:-false}" = "true" ]; then
     bin=${CATTLE_AGENT_BINARY_LOCAL_LOCATION:-}
     [ -n "$bin" ] || fatal "CATTLE_AGENT_BINARY_LOCAL is true but CATTLE_AGENT_BINARY_LOCAL_LOCATION is not set"
     [ -f "$bin" ] && [ -x "$bin" ] || fatal "$bin is not an executable file"
-    exec "$bin" install --binary "$bin" "$@"
+    # Checked, then run, by the path with its links resolved: no link can be swapped in between.
+    real=$(readlink -f "$bin") || fatal "$bin: cannot resolve its path"
+    if why=$(changeable_by_others "$real"); then
+        fatal "CATTLE_AGENT_BINARY_LOCAL_LOCATION $bin: refused: $why, so another user could change what root runs"
+    fi
+    exec "$real" install --binary "$real" "$@"
 fi
 
 url=${CATTLE_AGENT_BINARY_URL:-}

@@ -1286,3 +1286,48 @@ async fn another_users_tree_binary_and_planted_files_are_never_trusted() {
         assert_eq!(std::fs::read_dir(b.root()).unwrap().count(), 0, "nothing written");
     }
 }
+
+/// Issue 41, item 9: install.sh with `CATTLE_AGENT_BINARY_LOCAL=true` runs the named file as root
+/// only when no other user could change it, as `nodeplan install --binary` requires: a file
+/// another user owns, or one in a directory others may write (not sticky), is refused before
+/// anything runs (exit 2, one line naming it); a root-owned file in a sticky directory runs.
+#[tokio::test]
+async fn install_sh_runs_a_local_binary_only_when_no_other_user_can_change_it() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/install.sh");
+    let dir = tempfile::tempdir().unwrap();
+    let ran = dir.path().join("ran");
+    let bin = dir.path().join("nodeplan");
+    std::fs::write(&bin, format!("#!/bin/sh\ntouch '{}'\nexit 7\n", ran.display())).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let run = || async {
+        tokio::process::Command::new("sh")
+            .arg(script)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CATTLE_AGENT_BINARY_LOCAL", "true")
+            .env("CATTLE_AGENT_BINARY_LOCAL_LOCATION", &bin)
+            .output()
+            .await
+            .unwrap()
+    };
+    let chown = |uid: u32| std::os::unix::fs::chown(&bin, Some(uid), None).unwrap();
+    let dir_mode = |mode: u32| std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+    dir_mode(0o755);
+    chown(65534);
+    let o = run().await;
+    assert_eq!(code(&o), 2, "{:?}", text(&o));
+    let (_, err) = text(&o);
+    assert!(err.contains("refused") && err.contains("owned by uid 65534"), "{err}");
+    assert!(!ran.exists(), "a file another user owns ran as root");
+    chown(0);
+    dir_mode(0o777);
+    let o = run().await;
+    assert_eq!(code(&o), 2, "{:?}", text(&o));
+    assert!(text(&o).1.contains("writable by group or others"), "{:?}", text(&o));
+    assert!(!ran.exists(), "a file in a directory others may write ran as root");
+    // Root's file in a sticky directory (as /tmp): run, with install's arguments.
+    dir_mode(0o1777);
+    let o = run().await;
+    assert_eq!(code(&o), 7, "{:?}", text(&o));
+    assert!(ran.exists());
+}
