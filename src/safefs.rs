@@ -683,6 +683,16 @@ fn read_regular(fd: OwnedFd, cap: u64) -> io::Result<Vec<u8>> {
 /// one else can replace its owner's entries there. The check is on names, once: use it where what
 /// it guards is read right after (a binary to install) or cannot change (a running executable).
 pub fn changeable_by_others(path: &Path, owners: &[u32]) -> io::Result<Option<String>> {
+    changeable(path, owners, true)
+}
+
+/// [`changeable_by_others`] for a directory to create something in: it may be sticky as well (a
+/// name made in `/tmp` is then judged as opened, by its caller).
+pub fn changeable_by_others_beneath(dir: &Path, owners: &[u32]) -> io::Result<Option<String>> {
+    changeable(dir, owners, false)
+}
+
+fn changeable(path: &Path, owners: &[u32], whole: bool) -> io::Result<Option<String>> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let real = std::fs::canonicalize(path)?;
     let mut chain: Vec<&Path> = real.ancestors().collect();
@@ -690,7 +700,7 @@ pub fn changeable_by_others(path: &Path, owners: &[u32]) -> io::Result<Option<St
     for (i, p) in chain.iter().enumerate() {
         let m = std::fs::symlink_metadata(p)?;
         let mode = m.permissions().mode();
-        let last = i + 1 == chain.len();
+        let last = whole && i + 1 == chain.len();
         if !owners.contains(&m.uid()) {
             return Ok(Some(format!("{} is owned by uid {}", p.display(), m.uid())));
         }

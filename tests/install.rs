@@ -1331,3 +1331,69 @@ async fn install_sh_runs_a_local_binary_only_when_no_other_user_can_change_it() 
     assert_eq!(code(&o), 7, "{:?}", text(&o));
     assert!(ran.exists());
 }
+
+/// Issue 41, item 8: `install --root DIR` in a sticky world-writable directory, raced by another
+/// user who keeps making DIR (0777, theirs) and removing it. The root is judged as it was opened,
+/// so every attempt either installs into a tree of root's or refuses: never into the user's (it
+/// checked the path, then opened it by path; the user won about one try in 31).
+#[tokio::test]
+async fn install_root_raced_by_another_user_never_installs_into_their_tree() {
+    use std::os::unix::fs::MetadataExt as _;
+    let has_setpriv = std::process::Command::new("setpriv").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !require(has_setpriv, "setpriv (util-linux), which runs the racing user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sticky = dir.path().join("shared");
+    std::fs::create_dir(&sticky).unwrap();
+    std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let bin = dir.path().join("nodeplan-binary");
+    std::fs::write(&bin, b"not really nodeplan").unwrap();
+    let turn = sticky.join("turn");
+    let script = format!(
+        "while :; do i=$(cat {turn} 2>/dev/null); mkdir -m 0777 {s}/r$i 2>/dev/null; rmdir {s}/r$i 2>/dev/null; done",
+        turn = turn.display(),
+        s = sticky.display()
+    );
+    /// Stops the racing user's loop however the test ends.
+    struct Racer(std::process::Child);
+    impl Drop for Racer {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let racer = Racer(
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", &script])
+            .spawn()
+            .unwrap(),
+    );
+    let (mut installed, mut refused) = (0, 0);
+    for i in 0..300 {
+        std::fs::write(&turn, i.to_string()).unwrap();
+        let root = sticky.join(format!("r{i}"));
+        let o = nodeplan(
+            &["install", "--root", &root.display().to_string(), "--local", "--binary", &bin.display().to_string()],
+            &[],
+        )
+        .await;
+        let (_, err) = text(&o);
+        match code(&o) {
+            0 => installed += 1,
+            _ if err.contains("refused") => refused += 1,
+            c => {
+                // The user removed the directory under the install: fine, as long as nothing of
+                // theirs holds what it wrote (checked below).
+                assert!(err.contains("--root") || err.contains("No such file"), "exit {c}: {err}");
+            }
+        }
+        if let Ok(m) = std::fs::metadata(&root) {
+            let holds = root.join("etc").exists() || root.join("usr").exists();
+            assert!(!(m.uid() == 65534 && holds), "attempt {i}: installed into a tree uid 65534 owns");
+        }
+    }
+    drop(racer);
+    eprintln!("300 attempts: {installed} installed into root's tree, {refused} refused the user's");
+    assert!(installed > 0, "no attempt installed");
+}

@@ -70,10 +70,32 @@ fn random_id() -> Result<String, Error> {
 
 /// Install as `s` says.
 pub async fn install(s: &Settings) -> Result<Outcome, Error> {
-    if s.root != Path::new("/") && s.root.exists() {
-        refuse_if_others_can_change("--root", &s.root)?;
+    let host = s.root == Path::new("/");
+    if !host && let Some(parent) = s.root.parent().filter(|p| p.exists()) {
+        let uid = rustix::process::geteuid().as_raw();
+        match crate::safefs::changeable_by_others_beneath(parent, &[0, uid]) {
+            Ok(None) => {}
+            Ok(Some(why)) => {
+                return Err(Error::Bad(format!(
+                    "--root {}: refused: {why}, so another user could change what root installs",
+                    shown(&s.root)
+                )));
+            }
+            Err(e) => return Err(Error::Bad(format!("--root {}: {e}", shown(&s.root)))),
+        }
     }
     let tree = Tree::open(&s.root, true).map_err(|e| Error::Bad(format!("--root: {e}")))?;
+    // The root is judged as opened, not by its path again: in a sticky directory (/tmp) another
+    // user could put a directory of theirs there between a check and the open.
+    if !host {
+        let uid = rustix::process::geteuid().as_raw();
+        if let Some(why) = tree.root_changeable_by_others(&[0, uid]).map_err(failed)? {
+            return Err(Error::Bad(format!(
+                "--root {}: refused: {why}, so another user could change what root installs",
+                shown(&s.root)
+            )));
+        }
+    }
     let mut out = Outcome::default();
     let old = read_manifest(&tree, &s.config_dir)?.unwrap_or_default();
 

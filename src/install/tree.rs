@@ -48,6 +48,21 @@ impl Tree {
         Ok(Tree { root: root.into(), fd: Some(fd) })
     }
 
+    /// Why another user could change the tree's root directory as it was opened (its owner is not
+    /// one of `owners`, or group or others may write it), if they could; `None` on this machine.
+    pub fn root_changeable_by_others(&self, owners: &[u32]) -> io::Result<Option<String>> {
+        let Some(fd) = &self.fd else { return Ok(None) };
+        let st = rustix::fs::fstat(fd)?;
+        let mode = st.st_mode & 0o7777;
+        Ok(if !owners.contains(&st.st_uid) {
+            Some(format!("it is owned by uid {}", st.st_uid))
+        } else if mode & 0o022 != 0 {
+            Some(format!("it is writable by group or others (mode {mode:04o})"))
+        } else {
+            None
+        })
+    }
+
     pub fn is_host(&self) -> bool {
         self.fd.is_none()
     }
