@@ -1090,3 +1090,52 @@ fn a_probe_whose_ca_cert_never_opens_holds_nothing_else() {
     assert_eq!(agent.stop(), 0);
     assert!(started.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", started.elapsed());
 }
+
+/// Issue 41, item 3 (R32): two agents on one plan directory (a unit started twice, a container
+/// beside the host's agent), each with a work directory of its own. The second waits for the
+/// directory, saying so in its log and in `nodeplan status`, and runs nothing; each plan runs
+/// once. When the first stops, the second takes the directory over and applies the next plan.
+#[test]
+fn a_second_agent_on_one_plan_directory_waits_and_each_plan_runs_once() {
+    let s = Setup::new();
+    let other = tempfile::tempdir().unwrap();
+    let o = other.path().display().to_string();
+    let plans = s.dir.path().join("plans");
+    let config = other.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "localEnabled: true\nlocalPlanDirectory: {}\nworkDirectory: {o}/work\nappliedPlanDirectory: {o}/applied\n\
+             interlockDirectory: {o}/interlock\npidDirectory: {o}/pids\nstopTimeout: 1s\nkillTimeout: 5s\n\
+             rescanSeconds: 1\nprobePeriodSeconds: 1\nlocalRetrySeconds: 1\n",
+            plans.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&config, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let runs = s.p("runs");
+    let mut first = s.start();
+    s.plan("a", serde_json::json!({"instructions": [sh("one", &format!("echo a >> {runs}"))]}));
+    s.wait_pos("a", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    let mut second = AgentProc::start(&config);
+    second.wait_log("waiting for the plan directory");
+    // The status board is written a moment after the change.
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        let out = Command::new(NODEPLAN).args(["status", "--config", config.to_str().unwrap()]).output().unwrap();
+        let status = String::from_utf8_lossy(&out.stdout).into_owned();
+        if status.contains("another agent holds the plan directory") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}{}", String::from_utf8_lossy(&out.stderr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s.plan("b", serde_json::json!({"instructions": [sh("two", &format!("echo b >> {runs}"))]}));
+    s.wait_pos("b", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(first.stop(), 0);
+    second.wait_log("holding the plan directory");
+    s.plan("c", serde_json::json!({"instructions": [sh("three", &format!("echo c >> {runs}"))]}));
+    s.wait_pos("c", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(second.stop(), 0);
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "a\nb\nc\n", "each plan ran once");
+}

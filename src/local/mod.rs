@@ -73,6 +73,23 @@ pub struct DirSource {
     shows: HashMap<PathBuf, Vec<LocalShow>>,
     /// Per plan file, a write the disk did not finish in time (R31).
     unsettled: HashMap<PathBuf, Unsettled>,
+    /// The plan directory, locked (`flock`) for as long as this agent runs: one agent per plan
+    /// directory. `None` until taken.
+    fence: Fence,
+}
+
+/// One agent per plan directory (R32): an exclusive `flock` on the directory itself, taken before
+/// any plan of it is looked at and held until the process ends (the kernel drops it then, so a
+/// crashed agent leaves no stale holder; instructions do not inherit it).
+#[derive(Debug, Default)]
+enum Fence {
+    #[default]
+    Untried,
+    /// Another process holds it: nothing of the directory is looked at.
+    Waiting,
+    Held(#[allow(dead_code)] rustix::fd::OwnedFd),
+    /// Cannot be taken here (no such directory yet, a file system without locks): plans go on.
+    Unavailable,
 }
 
 /// A write a look found due.
@@ -179,6 +196,58 @@ impl DirSource {
             noted: HashSet::new(),
             shows: HashMap::new(),
             unsettled: HashMap::new(),
+            fence: Fence::Untried,
+        }
+    }
+
+    /// Whether this agent may look at the plan directory's plans: it holds the directory's lock,
+    /// or the lock cannot be taken here. Tried again at every pass while another agent holds it.
+    fn fenced(&mut self) -> bool {
+        use rustix::fs::{FlockOperation, Mode, OFlags};
+        if matches!(self.fence, Fence::Held(_) | Fence::Unavailable) {
+            return true;
+        }
+        let dir = self.cfg.plan_dir.display().to_string();
+        let target = format!("directory {dir}");
+        let opened = rustix::fs::open(
+            &self.cfg.plan_dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        );
+        let fd = match opened {
+            Ok(fd) => fd,
+            // Not there yet: nothing to look at; tried again when it is.
+            Err(rustix::io::Errno::NOENT) => return true,
+            Err(e) => {
+                tracing::warn!("{dir}: cannot lock it ({e}); a second agent on it would not be kept off");
+                self.fence = Fence::Unavailable;
+                return true;
+            }
+        };
+        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {
+                if matches!(self.fence, Fence::Waiting) {
+                    tracing::info!("holding the plan directory {dir}: the agent that held it is gone");
+                }
+                crate::board::lease(&target, "held (one agent per plan directory)");
+                self.fence = Fence::Held(fd);
+                true
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                if !matches!(self.fence, Fence::Waiting) {
+                    tracing::warn!(
+                        "waiting for the plan directory {dir}: another agent holds it; none of its plans is looked at until that agent stops"
+                    );
+                    crate::board::lease(&target, "waiting (another agent holds the plan directory)");
+                }
+                self.fence = Fence::Waiting;
+                false
+            }
+            Err(e) => {
+                tracing::warn!("{dir}: cannot lock it ({e}); a second agent on it would not be kept off");
+                self.fence = Fence::Unavailable;
+                true
+            }
         }
     }
 
@@ -298,6 +367,9 @@ impl PlanSource for DirSource {
 
     async fn keys(&mut self) -> Vec<PathBuf> {
         self.watch_directory();
+        if !self.fenced() {
+            return Vec::new();
+        }
         let dir = self.cfg.plan_dir.clone();
         let found = tokio::task::spawn_blocking(move || scan::scan(&dir)).await.unwrap_or_default();
         for u in found.untrusted {
