@@ -124,10 +124,21 @@ async fn floor(client: kube::Client, ns: String) {
     let params = WatchParams::default().fields(&format!("metadata.name={SECRET}"));
     let mut rv = "0".to_string();
     loop {
-        let Ok(stream) = api.watch(&params, &rv).await else { continue };
+        let Ok(stream) = api.watch(&params, &rv).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
         let mut stream = std::pin::pin!(stream);
         while let Some(Ok(ev)) = stream.next().await {
-            let (WatchEvent::Added(s) | WatchEvent::Modified(s)) = ev else { continue };
+            let s = match ev {
+                WatchEvent::Added(s) | WatchEvent::Modified(s) => s,
+                // Gone (410): from the latest, at once.
+                WatchEvent::Error(_) => {
+                    rv = "0".to_string();
+                    break;
+                }
+                _ => continue,
+            };
             rv = s.metadata.resource_version.clone().unwrap_or_default();
             if state(&s).as_deref() != Some("pending") {
                 continue;
