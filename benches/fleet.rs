@@ -439,7 +439,7 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     println!("{what}: API requests over the fan-out: {}", requests.join(", "));
     for (state, i) in [("succeeded", &m.succeeded), ("canceled", &m.canceled_idle)] {
         println!(
-            "{what}: idle holding a {state} plan, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 63), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
+            "{what}: idle holding a {state} plan, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 15), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
             i.writes_per_agent_hour, i.rss_mib_each, i.cpu_pct, i.api_cpu_pct
         );
     }

@@ -87,7 +87,7 @@ pub struct AgentConfig {
     /// hostname.
     pub node_name: String,
     /// `leaseDuration`: remote and NodePlan modes hold a Kubernetes Lease per plan source for this
-    /// long, renewed every quarter of it (while idle, six times less often), so two agents never
+    /// long, renewed every quarter of it (while idle, 24 times less often), so two agents never
     /// act on one source; 0 turns it off.
     pub lease_duration: Duration,
     /// `preserveWorkDirectory`: do not wipe `work_directory` before an apply.
@@ -274,7 +274,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "leaseDuration",
             crate::duration::show(d.lease_duration),
-            "remote and NodePlan modes: the Lease that keeps a second agent off the same plan source (renewed every quarter of it while a plan runs, six times less often while idle; 0 = no Lease)",
+            "remote and NodePlan modes: the Lease that keeps a second agent off the same plan source (renewed every quarter of it while a plan runs, 24 times less often while idle; 0 = no Lease)",
         ),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (

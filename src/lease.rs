@@ -27,8 +27,8 @@
 //!   per-machine role grants the plan Secret only) gets one warning and runs without one.
 //! - **Cost.** One small write per quarter of the duration while a plan executes (with the
 //!   default 40 s, one every 10 s or up to a second sooner, as the kubelet's own node Lease;
-//!   spread out, so a fleet's agents do not renew in the same second). An idle holder states six
-//!   times the duration and writes a sixth as often (once a minute by default); a plan that starts
+//!   spread out, so a fleet's agents do not renew in the same second). An idle holder states 24
+//!   times the duration and writes a 24th as often (every 4 min by default); a plan that starts
 //!   has the Lease renewed at once with the configured duration. A waiting agent watches the Lease
 //!   (the one list/watch, `k8s::watch`, of the one object) and writes nothing.
 //! - **The holder watches its own Lease.** A write that is not its own (emptied, another duration,
@@ -53,8 +53,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the holder's stop ladder is given beyond its stop and kill timeouts (R26).
 const FENCE_GRACE: Duration = Duration::from_secs(2);
 /// While no plan executes the Lease states this many times the configured duration, and so is
-/// renewed this many times less often (R24).
-const IDLE_FACTOR: u32 = 6;
+/// renewed this many times less often (R24): a 40 s Lease states 16 min and is written every 4 min.
+/// A waiting agent on another machine waits that long for a dead idle holder; a restart on the
+/// same machine takes over at once.
+const IDLE_FACTOR: u32 = 24;
 /// After a failed renewal, the next attempt comes this soon (not a quarter of the duration later).
 const RETRY_RENEWAL: Duration = Duration::from_secs(1);
 /// Who gave the Lease up (set with the empty holder by a clean release): a restarted agent on the
@@ -703,7 +705,7 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
 ///
 /// The duration in force is the configured one while a plan executes (`busy`) and for one
 /// duration after; otherwise the idle one ([`LeaseRef::idle_duration`]), so an idle agent writes
-/// its Lease a sixth as often. A plan that starts while the Lease states the idle duration has it
+/// its Lease a 24th as often. A plan that starts while the Lease states the idle duration has it
 /// renewed at once with the configured one.
 ///
 /// `acting` (the fence, R26) is true only until `valid_until`: the send time of the last renewal
@@ -1183,7 +1185,7 @@ mod tests {
         (acting, busy_tx, ask_tx, crate::AbortOnDrop(task))
     }
 
-    /// R24: an idle holder states the idle duration and renews a sixth as often; a plan that starts
+    /// R24: an idle holder states the idle duration and renews a 24th as often; a plan that starts
     /// has the Lease renewed at once with the configured duration, kept while it executes and for
     /// one duration after. A plan that starts pulls the fence in to the configured duration from
     /// the last renewal that landed, and a shortening renewal whose answer never comes does not
@@ -1193,7 +1195,7 @@ mod tests {
         use std::sync::atomic::Ordering;
         let r = a_lease();
         let (idle, s) = (r.idle_duration(), Duration::from_secs);
-        assert_eq!(idle, s(240));
+        assert_eq!(idle, s(960));
         let start = Instant::now();
         let (api, mut seen, hang, _server) = renewals_answered(start);
         let (mut acting, busy_tx, _ask, _renewer) = idle_renewer(api, &r, start);
@@ -1206,38 +1208,38 @@ mod tests {
             got
         };
         // Idle from the start: the configured duration for one duration, then the idle one.
-        tokio::time::sleep(s(300)).await;
-        let got = drain(s(300));
+        tokio::time::sleep(s(1000)).await;
+        let got = drain(s(1000));
         let (busy_part, idle_part): (Vec<_>, Vec<_>) = got.iter().partition(|(at, _)| *at < D);
         assert!(busy_part.len() >= 4 && busy_part.iter().all(|(_, d)| *d == D), "{got:?}");
         assert!(idle_part.len() >= 4 && idle_part.iter().all(|(_, d)| *d == idle), "{got:?}");
         assert!(idle_part[0].0 <= D + s(10), "idle at the first renewal after a quiet duration: {got:?}");
         // The first idle renewal spread over the second half of the idle quarter, as a first one.
         let first_gap = idle_part[1].0 - idle_part[0].0;
-        assert!(first_gap >= s(30) && first_gap <= s(60), "{got:?}");
+        assert!(first_gap >= s(120) && first_gap <= s(240), "{got:?}");
         for w in idle_part[1..].windows(2) {
             let gap = w[1].0 - w[0].0;
-            assert!(gap >= s(54) && gap <= s(60), "a sixth as often: {got:?}");
+            assert!(gap >= s(216) && gap <= s(240), "a 24th as often: {got:?}");
         }
         // A plan starts: renewed at once with the configured duration, then every quarter of it.
         busy_tx.send_replace(true);
         tokio::time::sleep(s(30)).await;
         busy_tx.send_replace(false);
         tokio::time::sleep(s(45)).await;
-        let got = drain(s(375));
-        assert_eq!(got[0], (s(300), D), "renewed as the plan starts: {got:?}");
+        let got = drain(s(1075));
+        assert_eq!(got[0], (s(1000), D), "renewed as the plan starts: {got:?}");
         let normal: Vec<_> = got.iter().take_while(|(_, d)| *d == D).collect();
         assert!(normal.len() >= 7, "while it runs and a duration after: {got:?}");
         for w in normal.windows(2) {
             assert!(w[1].0 - w[0].0 <= s(10), "{got:?}");
         }
-        assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(370)), "then idle again: {got:?}");
+        assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(1070)), "then idle again: {got:?}");
         // Idle again; a plan starts 5 s after an idle renewal and the shortening renewal is never
         // answered: the fence closes by the configured duration from the idle renewal, the last
         // that landed (a waiting agent may count that much from a rewrite by someone else), not by
         // the idle duration it stated.
         tokio::time::sleep(s(100)).await;
-        drain(s(475));
+        drain(s(1175));
         let (last, stated) = seen.recv().await.unwrap();
         assert_eq!(stated, idle);
         tokio::time::sleep(s(5)).await;

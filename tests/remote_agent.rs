@@ -1544,7 +1544,7 @@ async fn a_lease_writer_cannot_make_agents_of_different_durations_overlap() {
     assert_eq!(holder.stop(), 0);
 }
 
-/// R24: an idle agent states its Lease's idle duration (six times its own) and renews it a sixth
+/// R24: an idle agent states its Lease's idle duration (24 times its own) and renews it a 24th
 /// as often; a plan that starts has it renewed with the agent's own duration at once, kept while
 /// the plan runs; a clean stop releases it stating the agent's own duration, so a waiting agent
 /// is not made to wait out the idle one.
@@ -1552,7 +1552,7 @@ async fn a_lease_writer_cannot_make_agents_of_different_durations_overlap() {
 async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
     use k8s_openapi::api::coordination::v1::Lease;
     let cp = control_plane!();
-    // 12 s: the shortest safe for the tests' stop and kill timeouts (6 s) is 11 s; idle, 72 s.
+    // 12 s: the shortest safe for the tests' stop and kill timeouts (6 s) is 11 s; idle, 288 s.
     let namespace = cp.new_namespace("lease-idle").await;
     let client =
         SecretClient::new(cp.client().await, SecretRef { namespace: namespace.clone(), name: "machine-plan".into() });
@@ -1579,7 +1579,7 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
     r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
     let mut agent = r.agent();
     r.wait("succeeded", |s| state(s) == "succeeded").await;
-    stated(GUARD, 72, "idle after a quiet duration").await;
+    stated(GUARD, 288, "idle after a quiet duration").await;
     // Changes that bring no new plan (a label, as other controllers add) are looked at and run
     // nothing: no periodic pass without a periodic instruction due, so the Lease stays idle (a
     // pass used to begin a run, which renewed the Lease as a busy agent's at once). No event
@@ -1587,7 +1587,7 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
     for i in 0..3 {
         r.patch(json!({"metadata": {"labels": {"touched": i.to_string()}}})).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
-        stated(Duration::ZERO, 72, "still idle after a change without a new plan").await;
+        stated(Duration::ZERO, 288, "still idle after a change without a new plan").await;
     }
 
     let (ready, go) = (r.fifo("ready"), r.fifo("go"));
@@ -1596,11 +1596,11 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
             .unwrap();
     r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
     read_fifo(&ready);
-    // At once (the idle renewals come every 16 to 18 s).
+    // At once (the idle renewals come every 65 to 72 s).
     stated(Duration::from_secs(2), 12, "renewed as the plan starts").await;
     release_fifo(&go);
     r.wait("the second plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;
-    stated(GUARD, 72, "idle again").await;
+    stated(GUARD, 288, "idle again").await;
 
     assert_eq!(agent.stop(), 0);
     let released = stated(Duration::from_secs(2), 12, "released").await;
@@ -1608,8 +1608,8 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
 }
 
 /// R26 with R24: a third party empties an idle holder's Lease and states 1 s in it, right after
-/// an idle renewal (its idle Lease said 72 s). The waiting agent would take it once unchanged for
-/// its own 12 s, well before the idle holder's next renewal (18 s after its last); but the holder
+/// an idle renewal (its idle Lease said 288 s). The waiting agent would take it once unchanged for
+/// its own 12 s, well before the idle holder's next renewal (72 s after its last); but the holder
 /// watches its own Lease (issue 41): it sees the write, stops acting until a renewal lands, and
 /// takes the Lease back at once, so the waiter's count starts over and it never takes it. A plan
 /// written then is run once, by the holder.
@@ -1622,24 +1622,17 @@ async fn an_idle_holder_whose_lease_was_rewritten_takes_it_back_at_once() {
     let leases: kube::Api<Lease> = kube::Api::namespaced(cp.client().await, &namespace);
     let lease = "nodeplan-machine-plan";
     let (mut holder, mut waiter) = holding_and_waiting(&r, &twin).await;
-    // Idle: the holder states 72 s. Right after its next renewal, the third party writes.
-    let idle_renewal = |after: Option<String>| {
-        let leases = leases.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            loop {
-                let l = leases.get(lease).await.unwrap();
-                let spec = l.spec.clone().unwrap_or_default();
-                if spec.lease_duration_seconds == Some(72) && l.metadata.resource_version != after {
-                    return l;
-                }
-                assert!(Instant::now() < deadline, "no idle renewal: {spec:?}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+    // Idle: the holder states 288 s. Right after the renewal that says so, the third party writes.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut l = loop {
+        let l = leases.get(lease).await.unwrap();
+        let spec = l.spec.clone().unwrap_or_default();
+        if spec.lease_duration_seconds == Some(288) {
+            break l;
         }
+        assert!(Instant::now() < deadline, "no idle renewal: {spec:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let first = idle_renewal(None).await;
-    let mut l = idle_renewal(first.metadata.resource_version.clone()).await;
     let held_by = l.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap();
     let spec = l.spec.as_mut().unwrap();
     (spec.holder_identity, spec.lease_duration_seconds) = (None, Some(1));

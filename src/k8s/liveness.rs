@@ -8,7 +8,7 @@
 //! RST (a NAT timeout, a load balancer's failover): it would wait for events that never come.
 //! Watches therefore subscribe to [`reconnected`] and list again from scratch when the epoch moves
 //! (`k8s::watch`). Any request counts: while a plan executes, the Lease renewal every few seconds
-//! is what notices a healed network first (an idle agent renews once a minute: its watch's own
+//! is what notices a healed network first (an idle agent renews every 4 min: its watch's own
 //! bound usually notices first).
 //!
 //! The account is one per process (the agent talks to one API server). A second client in the same
