@@ -204,7 +204,16 @@ impl DirSource {
     /// or the lock cannot be taken here. Tried again at every pass while another agent holds it.
     fn fenced(&mut self) -> bool {
         use rustix::fs::{FlockOperation, Mode, OFlags};
-        if matches!(self.fence, Fence::Held(_) | Fence::Unavailable) {
+        if let Fence::Held(fd) = &self.fence {
+            // The directory removed (and maybe made again): the lock held on the old one is let go,
+            // since holding it open would also keep its watch from hearing of the removal.
+            let same = |a: &rustix::fs::Stat, b: &rustix::fs::Stat| a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+            match (rustix::fs::fstat(fd), rustix::fs::stat(&self.cfg.plan_dir)) {
+                (Ok(held), Ok(now)) if same(&held, &now) => return true,
+                _ => self.fence = Fence::Untried,
+            }
+        }
+        if matches!(self.fence, Fence::Unavailable) {
             return true;
         }
         let dir = self.cfg.plan_dir.display().to_string();
