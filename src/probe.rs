@@ -93,11 +93,11 @@ pub struct Prober {
     waiting: Waiting,
 }
 
-/// The file-system checks still waiting for an answer (a `fileExists` path, a TLS configuration's
-/// files), by key. Each check runs on a thread of its own, bounded by its probe's timeout; while
-/// one has not returned (a hung mount), the next check of the same key fails at once instead of
-/// starting another: at most one thread per key ever waits, and the runtime threads and the
-/// blocking pool (the disk lane, spawns) never do.
+/// The file-system checks still waiting for an answer (a probe's `fileExists` path, its TLS
+/// configuration's files), by probe and what it looks at. Each check runs on a thread of its own,
+/// bounded by its probe's timeout; while one has not returned (a hung mount), the probe's next
+/// check fails at once instead of starting another: at most one thread per probe ever waits, and
+/// the runtime threads and the blocking pool (the disk lane, spawns) never do.
 #[derive(Debug, Default, Clone)]
 struct Waiting(Arc<Mutex<HashSet<String>>>);
 
@@ -252,7 +252,7 @@ impl Prober {
     async fn run(&self, name: &str, probe: &Probe) -> ProbeResult {
         if let Some(f) = &probe.file_exists {
             let path = f.path.clone();
-            let check = self.waiting.check(format!("path {path}"), effective_timeout(probe), {
+            let check = self.waiting.check(format!("{name}\0path {path}"), effective_timeout(probe), {
                 let path = path.clone();
                 move || std::fs::metadata(&path).map(|_| ())
             });
@@ -284,8 +284,9 @@ impl Prober {
             None => {
                 let (clients, name) = (self.clients.clone(), name.to_string());
                 let files = key.files().iter().map(|(_, p)| *p).collect::<Vec<_>>().join(", ");
-                let check =
-                    self.waiting.check(format!("tls {key:?}"), timeout, move || client_for(&clients, &name, key));
+                let check = self
+                    .waiting
+                    .check(format!("{name}\0tls {key:?}"), timeout, move || client_for(&clients, &name, key));
                 match check.await {
                     Ok(Ok(client)) => client,
                     Ok(Err(reason)) => return ProbeResult::Failure(reason),
