@@ -83,7 +83,7 @@ impl Activity {
 pub struct LeaseRef {
     pub namespace: String,
     pub name: String,
-    /// `<node>/<boot id>/<pid>` (see [`identity`]).
+    /// `<node>/<boot id>/<pid namespace>/<pid>/<start time>` (see [`identity`]).
     pub identity: String,
     pub duration: Duration,
     /// The longest the holder's stop ladder takes (`stopTimeout` + `killTimeout`): the holder
