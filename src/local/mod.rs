@@ -87,7 +87,7 @@ enum Fence {
     Untried,
     /// Another process holds it: nothing of the directory is looked at.
     Waiting,
-    Held(#[allow(dead_code)] rustix::fd::OwnedFd),
+    Held(rustix::fd::OwnedFd),
     /// Cannot be taken here (no such directory yet, a file system without locks): plans go on.
     Unavailable,
 }
