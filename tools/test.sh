@@ -3,7 +3,8 @@
 # cargo-nextest if missing), builds or reuses the two kube-apiserver/etcd caches outside the clone
 # (1.20.2 and the current release), then runs fmt, clippy, the whole test suite against 1.20, the
 # Kubernetes test binaries again against the current release, and the Rancher conformance suite
-# (tests/conformance, Go) against both. Arguments go to both `cargo nextest run`s. `.ci/run` calls
+# (tests/conformance, Go) against both (and once more with the May 2026 pkg/plan, which spells
+# cancel "cancelled"). Arguments go to both `cargo nextest run`s. `.ci/run` calls
 # exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,11 +81,15 @@ if command -v go >/dev/null; then
     cd tests/conformance
     test -z "$(gofmt -l .)" || { echo "gofmt: $(gofmt -l .)" >&2; exit 1; }
     go vet .
+    go vet -modfile=go.cancelled.mod -tags cancelled .
     crc=0
     for bin in "$NODEPLAN_K8S_BIN" "$K8S_CURRENT_BIN"; do
       echo "=== the Rancher conformance suite against $bin ===" >&2
       NODEPLAN_K8S_BIN="$bin" NODEPLAN_BIN="$PWD/../../target/debug/nodeplan" go test -count=1 -timeout 10m -v . || crc=$?
     done
+    # Again with the May 2026 pkg/plan, which spells cancel "cancelled" (state and annotation).
+    echo "=== the Rancher conformance suite, cancel spelt \"cancelled\", against $NODEPLAN_K8S_BIN ===" >&2
+    NODEPLAN_BIN="$PWD/../../target/debug/nodeplan" go test -modfile=go.cancelled.mod -tags cancelled -count=1 -timeout 10m -v . || crc=$?
     exit "$crc"
   ) || rc=$?
 elif [ -n "${NODEPLAN_CI:-}" ]; then

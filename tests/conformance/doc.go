@@ -26,9 +26,11 @@
 //   - The later versions of that module add the Store (AssignPlan, CancelPlan, Status and the
 //     retry after the 30 s cooldown), the annotation and key constants, the plan states, the
 //     checkpoint struct (Rancher PR #56931 and after) and the output readers (ReadAppliedOutput,
-//     ReadAppliedPeriodicOutput). The proxy lists no versions of the module and refused the one
-//     later version tried (v0.0.0-20260508124826-0b6b24d9811e, which system-agent's main pins:
-//     "403 This module version is not available"), as it refuses github.com/rancher/rancher
+//     ReadAppliedPeriodicOutput). The proxy lists no versions of the module; of the later ones it
+//     serves v0.0.0-20260508124826-0b6b24d9811e (system-agent's main pins it) as .mod and .zip
+//     but refuses its .info ("403 This module version is not available"), so go.cancelled.mod
+//     names it with go.sum lines made from those files: that version has the plan states
+//     (spelling cancel "cancelled") and no Store. The proxy refuses github.com/rancher/rancher
 //     itself, where the operations code (the pause/cancel sync) and the plan-secret controller
 //     live. What stands in for them is rancher_test.go: a Store written for this suite from
 //     Rancher's documented behaviour (docs/rancher-keys.md, the table this suite checks), with the
@@ -45,6 +47,13 @@
 //     system-agent's main decodes with.
 //   - k8s.io/client-go v0.34.3 talks to the API server (its Secrets API is the same on 1.20 and
 //     current releases).
+//
+// # Two spellings of cancel
+//
+// spelling_canceled_test.go (the default build) names the newer spelling, "canceled" for the state
+// and plan.cattle.io/canceled; spelling_cancelled_test.go (-tags cancelled, with
+// -modfile=go.cancelled.mod) takes the May module's own constants and IsTerminal, with
+// plan.cattle.io/cancelled. Every subtest then plays a Rancher of that spelling.
 //
 // Fetching a module the first time needs no checksum-database look-up: go.sum holds every hash.
 // (Adding or bumping a rancher module does: the checksum database here answers 404 for them, so

@@ -23,7 +23,6 @@ import (
 // Keys and annotations of a machine-plan Secret (docs/rancher-keys.md).
 const (
 	keyPlan             = "plan"
-	keyPlanState        = "plan-state"
 	keyCheckpoint       = "plan-checkpoint"
 	keyProbeStatuses    = "probe-statuses"
 	keyMaxFailures      = "max-failures"
@@ -34,7 +33,6 @@ const (
 	annWriter       = "plan.cattle.io/writer"
 	annAttempt      = "plan.cattle.io/attempt"
 	annPaused       = "plan.cattle.io/paused"
-	annCanceled     = "plan.cattle.io/canceled"
 	annProbesPassed = "rke.cattle.io/plan-probes-passed"
 	annLastUpdated  = "rke.cattle.io/plan-last-updated"
 
@@ -45,22 +43,14 @@ const (
 	retryCooldown = 30 * time.Second
 )
 
+// planState is a plan-state value; the states, the cancel annotation and which states are
+// terminal come from spelling_*_test.go, one file per spelling of cancel.
 type planState string
 
-const (
-	statePending    planState = "pending"
-	stateInProgress planState = "in-progress"
-	stateSucceeded  planState = "succeeded"
-	stateFailed     planState = "failed"
-	statePaused     planState = "paused"
-	stateCanceled   planState = "canceled"
-)
+// statePaused is written by the agent while a plan is held; no pkg/plan version names it yet.
+const statePaused planState = "paused"
 
 var knownStates = map[planState]bool{statePending: true, stateInProgress: true, stateSucceeded: true, stateFailed: true, statePaused: true, stateCanceled: true}
-
-func (s planState) terminal() bool {
-	return s == stateSucceeded || s == stateFailed || s == stateCanceled
-}
 
 // checkpoint is the plan-checkpoint JSON as Rancher declares it: every field omitempty.
 type checkpoint struct {
