@@ -38,34 +38,64 @@
 //! - [`disk`]: the state disk's operations, in order, off the agent's thread (a stalled disk never
 //!   holds the agent).
 
+#[cfg(unix)]
 pub mod apply;
+#[cfg(unix)]
 pub mod backoff;
+#[cfg(unix)]
 pub mod board;
+#[cfg(unix)]
 pub mod cli;
+#[cfg(unix)]
 pub mod config;
+#[cfg(unix)]
 pub mod disk;
 pub mod duration;
+#[cfg(unix)]
 pub mod events;
+#[cfg(unix)]
 pub mod fleet;
+#[cfg(unix)]
 pub mod flow;
+#[cfg(unix)]
 pub mod formats;
+#[cfg(unix)]
 pub mod image;
+#[cfg(unix)]
 pub mod install;
+#[cfg(unix)]
 pub mod k8s;
+#[cfg(unix)]
 pub mod lease;
+#[cfg(unix)]
 pub mod local;
+#[cfg(unix)]
 pub mod logging;
+#[cfg(unix)]
 pub mod metrics;
+#[cfg(unix)]
 pub mod nodeplan;
+#[cfg(unix)]
 pub mod plan;
+#[cfg(unix)]
 pub mod probe;
+#[cfg(unix)]
 pub mod process;
+/// On Windows, the process layer alone so far (issue 42): each run in a Job Object, the stop
+/// ladder through Ctrl-C on the run's console and `TerminateJobObject`. `docs/windows.md` says what else is to come.
+#[cfg(windows)]
+#[path = "process/windows.rs"]
+pub mod process;
+#[cfg(unix)]
 pub mod reconcile;
+#[cfg(unix)]
 pub mod remote;
+#[cfg(unix)]
 pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not
 /// repeated): the one-line form every user-facing message takes.
+#[cfg(unix)]
 pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
     let mut out = err.to_string();
     let mut source = err.source();
@@ -125,8 +155,10 @@ pub fn redact_userinfo(s: &str) -> String {
 }
 
 /// Aborts the task when dropped (a background task that lives as long as its owner).
+#[cfg(unix)]
 pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
 
+#[cfg(unix)]
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();

@@ -4,8 +4,8 @@
 # (1.20.2 and the current release), then runs fmt, clippy, the whole test suite against 1.20, the
 # Kubernetes test binaries again against the current release, and the Rancher conformance suite
 # (tests/conformance, Go) against both (and once more with the May 2026 pkg/plan, which spells
-# cancel "cancelled"). Arguments go to both `cargo nextest run`s. `.ci/run` calls
-# exactly this.
+# cancel "cancelled"), and last the Windows tests under Wine (tools/windows.sh). Arguments go to
+# both `cargo nextest run`s. `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -98,4 +98,8 @@ elif [ -n "${NODEPLAN_CI:-}" ]; then
 else
   echo "*** SKIPPED the Rancher conformance suite (tests/conformance): go is not installed ***" >&2
 fi
+
+# The Windows build and its tests under Wine (docs/windows.md): its own toolchain (Debian's Rust,
+# mingw-w64, Wine 8), installed on first use; the build goes to target/windows.
+tools/windows.sh || rc=$?
 exit "$rc"

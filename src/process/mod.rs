@@ -25,7 +25,7 @@ mod tree;
 
 pub use capture::{Capture, LineSink, LogSink, NullSink, Output, Stream};
 pub use cgroup::CgroupMode;
-pub use outcome::{ExitKind, Outcome, Rung, StopReason, signal_name};
+pub use outcome::{ExitKind, Outcome, Rung, StopPolicy, StopReason, signal_name};
 pub use owner::{Owner, Slot, Source};
 pub use owner_lock::{LockError, OwnerLock};
 pub use record::{PidRecord, RecordFile};
@@ -46,23 +46,6 @@ use tree::{Tree, TreeOps};
 
 /// How often the ladder looks at the tree while waiting for it to empty.
 const POLL: Duration = Duration::from_millis(5);
-
-/// Settings of the stop ladder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StopPolicy {
-    /// How long the tree gets after SIGTERM.
-    pub grace: Duration,
-    /// How long the tree gets after SIGKILL.
-    pub kill_timeout: Duration,
-    /// false = k0s's policy: give up after the grace period and leave the processes.
-    pub kill: bool,
-}
-
-impl Default for StopPolicy {
-    fn default() -> Self {
-        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true }
-    }
-}
 
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {

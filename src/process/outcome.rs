@@ -15,6 +15,23 @@ pub enum StopReason {
     Timeout(Duration),
 }
 
+/// Settings of the stop ladder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopPolicy {
+    /// How long the tree gets after the graceful step (SIGTERM; CTRL_BREAK on Windows).
+    pub grace: Duration,
+    /// How long the tree gets after the kill (SIGKILL; `TerminateJobObject` on Windows).
+    pub kill_timeout: Duration,
+    /// false = k0s's policy: give up after the grace period and leave the processes.
+    pub kill: bool,
+}
+
+impl Default for StopPolicy {
+    fn default() -> Self {
+        StopPolicy { grace: Duration::from_secs(10), kill_timeout: Duration::from_secs(5), kill: true }
+    }
+}
+
 /// How a process ended by itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitKind {
@@ -25,6 +42,7 @@ pub enum ExitKind {
 }
 
 impl ExitKind {
+    #[cfg(unix)]
     pub fn from_status(s: std::process::ExitStatus) -> ExitKind {
         use std::os::unix::process::ExitStatusExt;
         match (s.code(), s.signal()) {
@@ -32,6 +50,13 @@ impl ExitKind {
             (None, Some(sig)) => ExitKind::Signal(sig),
             (None, None) => ExitKind::Code(-1),
         }
+    }
+
+    /// On Windows every exit has a code (a process ended by `TerminateProcess` or its job has
+    /// the code it was given).
+    #[cfg(windows)]
+    pub fn from_status(s: std::process::ExitStatus) -> ExitKind {
+        ExitKind::Code(s.code().unwrap_or(-1))
     }
 }
 
@@ -46,6 +71,7 @@ impl fmt::Display for ExitKind {
 }
 
 /// Go-style signal descriptions (`signal: terminated`, `signal: killed`).
+#[cfg(unix)]
 pub fn signal_name(sig: i32) -> String {
     match sig {
         libc::SIGHUP => "hangup".into(),
@@ -64,6 +90,12 @@ pub fn signal_name(sig: i32) -> String {
         libc::SIGUSR2 => "user defined signal 2".into(),
         other => format!("signal {other}"),
     }
+}
+
+/// Windows has no signals; an [`ExitKind::Signal`] is never made there.
+#[cfg(windows)]
+pub fn signal_name(sig: i32) -> String {
+    format!("signal {sig}")
 }
 
 /// Which rung of the stop ladder ended a stopped run.
@@ -174,7 +206,7 @@ impl fmt::Display for Outcome {
                 human(*grace)
             ),
             Outcome::Incomplete { survivors, .. } => {
-                write!(f, "termination incomplete: {survivors} {} survived SIGKILL", processes(*survivors))
+                write!(f, "termination incomplete: {survivors} {} survived {KILL}", processes(*survivors))
             }
             Outcome::SignalFailed { error, .. } => write!(f, "failed to signal: {error}"),
             Outcome::WaitFailed(e) => write!(f, "failed to wait: {e}"),
@@ -182,6 +214,7 @@ impl fmt::Display for Outcome {
     }
 }
 
+#[cfg(unix)]
 impl Outcome {
     /// What the stop ladder's metric says of this outcome; `None` for outcomes the ladder does not
     /// produce.
@@ -199,11 +232,14 @@ impl Outcome {
     }
 }
 
+/// The stop ladder's last rung, as the outcome names it.
+const KILL: &str = if cfg!(windows) { "TerminateJobObject" } else { "SIGKILL" };
+
 fn processes(n: usize) -> &'static str {
     if n == 1 { "process" } else { "processes" }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use crate::metrics::Ladder;
