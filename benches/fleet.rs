@@ -304,6 +304,7 @@ struct Idle {
     rss_mib_each: f64,
     cpu_pct: f64,
     api_cpu_pct: f64,
+    etcd_cpu_pct: f64,
 }
 
 /// Run `args` of the current `nodeplan` against the fleet's namespace.
@@ -406,11 +407,12 @@ async fn idle(
     };
     tokio::time::sleep(Duration::from_secs(settle_secs)).await;
     writes.store(0, std::sync::atomic::Ordering::Relaxed);
-    let api = server_pid("kube-apiserver", cp.dir());
+    let (api, etcd) = (server_pid("kube-apiserver", cp.dir()), server_pid("etcd", cp.dir()));
     let agents = || Cpu::of(nodes.iter().map(|nd| nd.agent.id()));
-    let (before, api_before) = (agents(), Cpu::of(api));
+    let (before, api_before, etcd_before) = (agents(), Cpu::of(api), Cpu::of(etcd));
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
-    let (cpu, api_cpu) = (agents().since(&before), Cpu::of(api).since(&api_before));
+    let (cpu, api_cpu, etcd_cpu) =
+        (agents().since(&before), Cpu::of(api).since(&api_before), Cpu::of(etcd).since(&etcd_before));
     counter.abort();
     let secs = idle_secs as f64;
     let rss_total: u64 = nodes.iter().map(|nd| rss_kib(nd.agent.id())).sum();
@@ -419,6 +421,7 @@ async fn idle(
         rss_mib_each: rss_total as f64 / 1024.0 / n as f64,
         cpu_pct: cpu / secs * 100.0,
         api_cpu_pct: api_cpu / secs * 100.0,
+        etcd_cpu_pct: etcd_cpu / secs * 100.0,
     }
 }
 
@@ -439,8 +442,14 @@ fn show(what: &str, n: usize, idle_secs: u64, m: &Measured) {
     println!("{what}: API requests over the fan-out: {}", requests.join(", "));
     for (state, i) in [("succeeded", &m.succeeded), ("canceled", &m.canceled_idle)] {
         println!(
-            "{what}: idle holding a {state} plan, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 15), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% of one core",
-            i.writes_per_agent_hour, i.rss_mib_each, i.cpu_pct, i.api_cpu_pct
+            "{what}: idle holding a {state} plan, {idle_secs}s: {:.0} API writes per agent-hour (Secrets and Leases; an idle agent's Lease renewal alone is about 15), agents' RSS {:.1} MiB each, agents' CPU {:.2}% of one core in all, API server CPU {:.2}% and etcd {:.2}% of one core ({:.2} s and {:.2} s per 180 s; system-agent's 200, issue 40: 5.5 s and 1.65 s)",
+            i.writes_per_agent_hour,
+            i.rss_mib_each,
+            i.cpu_pct,
+            i.api_cpu_pct,
+            i.etcd_cpu_pct,
+            i.api_cpu_pct * 1.8,
+            i.etcd_cpu_pct * 1.8
         );
     }
 }
@@ -518,6 +527,10 @@ async fn main() {
     inotify_room(n);
     let client = cp.client().await;
     let (ns, names) = fleet_secrets(&cp, &client, n).await;
+    // What the API server and etcd cost with no agent at all, subtracted below: on a 2-core
+    // machine their own idle work is most of what the idle windows see.
+    let alone = plane_alone(&cp, idle_secs).await;
+    println!("the control plane alone, {idle_secs}s: API server {:.2}% and etcd {:.2}% of one core", alone.0, alone.1);
     let t0 = Instant::now();
     let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, Path::new(NODEPLAN))).collect();
     println!("fleet: {n} agents on one kube-apiserver (started in {:.1}s)", t0.elapsed().as_secs_f64());
@@ -549,6 +562,7 @@ async fn main() {
 
     let first = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), (settle_secs, idle_secs)).await;
     show("this build", n, idle_secs, &first);
+    per_agent("this build", n, alone, &first);
     stop(nodes);
     let Some(baseline) = baseline else { return };
     // The same fleet of the older build, on the same API server, one after the other (never both
@@ -568,6 +582,7 @@ async fn main() {
         let nodes: Vec<Node> = names.iter().map(|name| start_node(&cp, &ns, name, &binary)).collect();
         let m = cancel_and_idle(&cp, &client, &ns, &names, &nodes, work.path(), (settle_secs, idle_secs)).await;
         show(&what, n, idle_secs, &m);
+        per_agent(&what, n, alone, &m);
         stop(nodes);
         if this { ours.push(m) } else { theirs.push(m) }
     }
@@ -576,16 +591,44 @@ async fn main() {
         mean(&ours) / mean(&theirs)
     };
     println!(
-        "this build / baseline ({rounds} of each): idle agents' CPU {:.2}x holding a succeeded plan, {:.2}x a canceled one; API server CPU {:.2}x and {:.2}x; cancel p50 {:.2}x, p99 {:.2}x, agents' CPU over the fan-out {:.2}x, RSS {:.2}x",
+        "this build / baseline ({rounds} of each): idle agents' CPU {:.2}x holding a succeeded plan, {:.2}x a canceled one; API server CPU {:.2}x and {:.2}x; etcd CPU {:.2}x (succeeded); cancel p50 {:.2}x, p99 {:.2}x, agents' CPU over the fan-out {:.2}x, RSS {:.2}x",
         ratio(|m| m.succeeded.cpu_pct),
         ratio(|m| m.canceled_idle.cpu_pct),
         ratio(|m| m.succeeded.api_cpu_pct),
         ratio(|m| m.canceled_idle.api_cpu_pct),
+        ratio(|m| m.succeeded.etcd_cpu_pct),
         ratio(|m| m.cancel_p50_ms),
         ratio(|m| m.cancel_p99_ms),
         ratio(|m| m.cancel_cpu[0]),
         ratio(|m| m.canceled_idle.rss_mib_each),
     );
+    let added = |m: &Measured| m.succeeded.api_cpu_pct + m.succeeded.etcd_cpu_pct - alone.0 - alone.1;
+    let mean = |ms: &[Measured]| ms.iter().map(added).sum::<f64>() / ms.len() as f64;
+    println!(
+        "this build / baseline: API server + etcd CPU per idle agent (holding a succeeded plan, above the control plane alone) {:.2}x",
+        mean(&ours) / mean(&theirs)
+    );
+}
+
+/// The API server's and etcd's CPU (% of one core) over `secs` with no agent running.
+async fn plane_alone(cp: &k8s_support::ControlPlane, secs: u64) -> (f64, f64) {
+    let (api, etcd) = (server_pid("kube-apiserver", cp.dir()), server_pid("etcd", cp.dir()));
+    let (a, e) = (Cpu::of(api), Cpu::of(etcd));
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let s = secs as f64;
+    (Cpu::of(api).since(&a) / s * 100.0, Cpu::of(etcd).since(&e) / s * 100.0)
+}
+
+/// What each idle agent adds to the API server and etcd, above the control plane alone.
+fn per_agent(what: &str, n: usize, alone: (f64, f64), m: &Measured) {
+    for (state, i) in [("succeeded", &m.succeeded), ("canceled", &m.canceled_idle)] {
+        let api = (i.api_cpu_pct - alone.0) * 10.0 / n as f64;
+        let etcd = (i.etcd_cpu_pct - alone.1) * 10.0 / n as f64;
+        println!(
+            "{what}: each idle agent holding a {state} plan adds {api:.3} ms of API server CPU and {etcd:.3} ms of etcd CPU per second ({:.1} ms per 180 s in all)",
+            (api + etcd) * 180.0
+        );
+    }
 }
 
 /// One agent of this build (and of `baseline`: A B B A) through `n` plans each started and canceled:
