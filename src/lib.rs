@@ -38,60 +38,23 @@
 //! - [`disk`]: the state disk's operations, in order, off the agent's thread (a stalled disk never
 //!   holds the agent).
 
-#[cfg(unix)]
-pub mod apply;
-#[cfg(unix)]
-pub mod backoff;
-#[cfg(unix)]
-pub mod board;
-#[cfg(unix)]
-pub mod cli;
-#[cfg(unix)]
-pub mod config;
-#[cfg(unix)]
-pub mod disk;
+/// Modules built for Unix only so far (issue 42 brings them to Windows one by one).
+macro_rules! unix_only {
+    ($($module:ident),* $(,)?) => { $( #[cfg(unix)] pub mod $module; )* };
+}
+
+unix_only!(
+    apply, backoff, board, cli, config, disk, events, fleet, flow, formats, image, install, k8s, lease, local, logging,
+    metrics, nodeplan, plan, probe, reconcile, remote, safefs,
+);
 pub mod duration;
-#[cfg(unix)]
-pub mod events;
-#[cfg(unix)]
-pub mod fleet;
-#[cfg(unix)]
-pub mod flow;
-#[cfg(unix)]
-pub mod formats;
-#[cfg(unix)]
-pub mod image;
-#[cfg(unix)]
-pub mod install;
-#[cfg(unix)]
-pub mod k8s;
-#[cfg(unix)]
-pub mod lease;
-#[cfg(unix)]
-pub mod local;
-#[cfg(unix)]
-pub mod logging;
-#[cfg(unix)]
-pub mod metrics;
-#[cfg(unix)]
-pub mod nodeplan;
-#[cfg(unix)]
-pub mod plan;
-#[cfg(unix)]
-pub mod probe;
 #[cfg(unix)]
 pub mod process;
 /// On Windows, the process layer alone so far (issue 42): each run in a Job Object, the stop
-/// ladder through Ctrl-C on the run's console and `TerminateJobObject`. `docs/windows.md` says what else is to come.
+/// ladder through Ctrl-C on the run's console and `TerminateJobObject`.
 #[cfg(windows)]
 #[path = "process/windows.rs"]
 pub mod process;
-#[cfg(unix)]
-pub mod reconcile;
-#[cfg(unix)]
-pub mod remote;
-#[cfg(unix)]
-pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not
 /// repeated): the one-line form every user-facing message takes.

@@ -68,6 +68,14 @@ fn all_gone_within(ids: &[Identity], limit: Duration) -> bool {
     true
 }
 
+/// The job counts no process, and none of the tree runs.
+fn assert_none_left(run: &mut Run, ids: &[Identity]) {
+    assert_eq!(run.active().expect("ActiveProcesses"), 0, "the job's count");
+    for id in ids {
+        assert!(!id.alive(), "pid {} is still running", id.pid);
+    }
+}
+
 fn policy(grace_ms: u64) -> StopPolicy {
     StopPolicy { grace: Duration::from_millis(grace_ms), kill_timeout: Duration::from_secs(5), kill: true }
 }
@@ -105,10 +113,7 @@ fn a_cancel_ends_a_three_level_tree_that_honours_ctrl_c_within_the_grace_period(
         "Ctrl-C on the run's console ends every level before the grace period: {outcome:?}"
     );
     assert!(t.elapsed() < Duration::from_secs(10), "not a grace period's wait: {:?}", t.elapsed());
-    assert_eq!(run.active().expect("ActiveProcesses"), 0);
-    for id in ids.iter() {
-        assert!(!id.alive(), "pid {} is still running", id.pid);
-    }
+    assert_none_left(&mut run, &ids);
 }
 
 #[test]
@@ -121,10 +126,7 @@ fn a_tree_that_ignores_ctrl_c_is_ended_by_terminate_job_object_after_the_grace_p
         "Ctrl-C ignored: the job is terminated: {outcome:?}"
     );
     assert!(t.elapsed() >= Duration::from_millis(300), "the grace period was given: {:?}", t.elapsed());
-    assert_eq!(run.active().expect("ActiveProcesses"), 0, "confirmed by the job's count");
-    for id in ids.iter() {
-        assert!(!id.alive(), "pid {} is still running", id.pid);
-    }
+    assert_none_left(&mut run, &ids);
     assert_eq!(run.wait().expect("exit status").code(), Some(process::TERMINATED as i32));
 }
 

@@ -662,12 +662,24 @@ async fn drive(
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut view = View::default();
     let mut shown: BTreeMap<String, Place> = BTreeMap::new();
+    // The first list is one request's work: an API server that cannot be read ends the rollout
+    // (exit 1) after --request-timeout rather than being retried for ever.
+    let first_list = tokio::time::sleep(t.request_timeout);
+    tokio::pin!(first_list);
     crate::cli::out!("rollout of plan {} to {}", plan.id, scope.describe());
     loop {
         tokio::select! {
             () = &mut stop => {
                 crate::cli::out!("interrupted: the nodes in flight go on; run the same command to continue");
                 return Ok(exit::INTERRUPTED);
+            }
+            () = &mut first_list, if !view.tracker.listed => {
+                let why = format!(
+                    "cannot read the API server: {} could not be listed within {} (--request-timeout); nothing was written",
+                    scope.describe(),
+                    crate::duration::show(t.request_timeout)
+                );
+                return Err((exit::FAILED, why));
             }
             _ = tick.tick() => {}
             c = controls.next() => if let Some(c) = c {
