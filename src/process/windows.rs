@@ -47,7 +47,8 @@ use windows_sys::Win32::System::JobObjects::{
 use windows_sys::Win32::System::SystemServices::JOB_OBJECT_QUERY;
 use windows_sys::Win32::System::Threading::{
     CREATE_NO_WINDOW, CREATE_SUSPENDED, DETACHED_PROCESS, GetCurrentProcess, GetExitCodeProcess, GetProcessTimes,
-    OpenProcess, OpenThread, PROCESS_QUERY_INFORMATION, PROCESS_QUERY_LIMITED_INFORMATION, ResumeThread, THREAD_SUSPEND_RESUME,
+    OpenProcess, OpenThread, PROCESS_QUERY_INFORMATION, PROCESS_QUERY_LIMITED_INFORMATION, ResumeThread,
+    THREAD_SUSPEND_RESUME,
 };
 
 /// How often the ladder looks at the job while waiting for it to empty (as on Linux).
