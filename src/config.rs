@@ -500,6 +500,33 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
     Ok(c)
 }
 
+/// The known key an unknown one is most likely a misspelling of: at most two edits away (case
+/// aside), or one is the other with letters added at the end.
+fn nearest_key(unknown: &str) -> Option<&'static str> {
+    let u = unknown.to_ascii_lowercase();
+    KEYS.iter()
+        .map(|k| (edits(&u, &k.to_ascii_lowercase()), *k))
+        .filter(|(d, k)| *d <= 2 || (u.len() >= 6 && k.to_ascii_lowercase().starts_with(&u)))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance (insertions, deletions, substitutions), by characters.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            prev = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
 /// Checks what [`load`] cannot: at least one mode enabled, remote mode with a `connectionInfoFile`,
 /// local mode with a `localPlanDirectory`, non-empty `workDirectory` and `pidDirectory`, `cgroupRoot`,
 /// positive durations and periods, `outputCap` ≥ [`MIN_OUTPUT_CAP`]. Every problem is reported in
@@ -509,9 +536,15 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
     let mut problems = Vec::new();
     let mut warnings = Vec::new();
     if !cfg.local_enabled && !cfg.remote_enabled && !cfg.node_plan_enabled {
-        problems.push(
-            "none of localEnabled, remoteEnabled and nodePlanEnabled is true: the agent would do nothing".to_string(),
-        );
+        let misspelt: Vec<String> = cfg
+            .unknown_keys
+            .iter()
+            .filter_map(|k| nearest_key(k).filter(|n| n.ends_with("Enabled")).map(|n| format!("{} is not {n}", quoted(k))))
+            .collect();
+        let hint = if misspelt.is_empty() { String::new() } else { format!(" ({})", misspelt.join(", ")) };
+        problems.push(format!(
+            "none of localEnabled, remoteEnabled and nodePlanEnabled is true: the agent would do nothing{hint}"
+        ));
     }
     if cfg.remote_enabled || cfg.node_plan_enabled {
         if cfg.connection_info_file.as_os_str().is_empty() {
@@ -591,7 +624,8 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         }
     }
     for k in &cfg.unknown_keys {
-        warnings.push(format!("unknown key {} ignored", quoted(k)));
+        let hint = nearest_key(k).map(|n| format!(" (did you mean {n}?)")).unwrap_or_default();
+        warnings.push(format!("unknown key {} ignored{hint}", quoted(k)));
     }
     if problems.is_empty() { Ok(warnings) } else { Err(ConfigError::Invalid { problems }) }
 }
@@ -933,6 +967,30 @@ fn open_nonblocking(path: &Path) -> io::Result<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_key_is_named_with_the_key_it_misspells() {
+        for (unknown, nearest) in [
+            ("remoteEnable", Some("remoteEnabled")),
+            ("RemoteEnabeld", Some("remoteEnabled")),
+            ("localenabled", Some("localEnabled")),
+            ("workDir", Some("workDirectory")),
+            ("connectionInfo", Some("connectionInfoFile")),
+            ("colour", None),
+            ("", None),
+        ] {
+            assert_eq!(nearest_key(unknown), nearest, "{unknown}");
+        }
+        let cfg = AgentConfig { unknown_keys: vec!["remoteEnable".into()], ..AgentConfig::default() };
+        let problems = match validate(&cfg) {
+            Err(ConfigError::Invalid { problems }) => problems,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            problems[0].ends_with("the agent would do nothing (\"remoteEnable\" is not remoteEnabled)"),
+            "{problems:?}"
+        );
+    }
 
     #[test]
     fn defaults_table_covers_every_key_in_order() {

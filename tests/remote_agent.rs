@@ -1235,6 +1235,8 @@ async fn the_plan_commands_drive_a_node_without_rancher() {
     assert_eq!(val(&s, "plan-state"), "paused");
     let status = cli(&["plan", "status"]);
     assert!(status.contains("state:      paused") && status.contains("paused=\"true\""), "{status}");
+    // Nothing counted yet reads as none, not as blanks (issue 43).
+    assert!(status.contains("attempts:   0 failed, 0 succeeded; applied no; last never"), "{status}");
     cli(&["plan", "resume"]);
     read_fifo(&ready);
     r.wait("succeeded", |s| state(s) == "succeeded").await;

@@ -683,10 +683,12 @@ mod remote {
                     ann(plan::ANNOTATION_CANCELED)
                 );
                 let last = text(wire::LAST_APPLY_TIME);
+                // An agent that has not counted yet has written no count: none so far.
+                let count = |k: &str| Some(text(k)).filter(|c| !c.is_empty()).unwrap_or_else(|| "0".into());
                 crate::cli::out!(
                     "attempts:   {} failed, {} succeeded; applied {}; last {}",
-                    text(wire::FAILURE_COUNT),
-                    text(wire::SUCCESS_COUNT),
+                    count(wire::FAILURE_COUNT),
+                    count(wire::SUCCESS_COUNT),
                     if text(wire::APPLIED_CHECKSUM) == checksum { "yes" } else { "no" },
                     if last.is_empty() {
                         "never".into()

@@ -264,7 +264,7 @@ async fn control(args: &ControlArgs, act: Act) -> Result<u8, (u8, String)> {
     let answers = objects::write_all(&kube, &scope, writes, t.request_timeout).await;
     let failed = super::plan_cmd::fleet::tell_writes(&scope, answers, done);
     if failed > 0 {
-        return Err((exit::FAILED, format!("{failed} of {n} nodes could not be {done}")));
+        return Err((exit::FAILED, format!("{failed} of {} could not be {done}", crate::count(n, "node"))));
     }
     crate::cli::out!("{done} the rollout over {} ({n} of its nodes {done})", scope.describe());
     Ok(exit::OK)

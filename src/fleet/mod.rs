@@ -163,8 +163,33 @@ pub fn row_of(s: &Standing) -> Row {
 
 /// Rows sorted as the table shows them: failures first, then by node.
 pub fn sorted(mut rows: Vec<Row>) -> Vec<Row> {
-    rows.sort_by(|a, b| (a.rank(), &a.node).cmp(&(b.rank(), &b.node)));
+    rows.sort_by(|a, b| a.rank().cmp(&b.rank()).then_with(|| natural(&a.node, &b.node)));
     rows
+}
+
+/// Names in the order people count them: runs of digits by their value (`node-2` before
+/// `node-10`), everything else as text.
+fn natural(a: &str, b: &str) -> std::cmp::Ordering {
+    fn runs(s: &str) -> Vec<(bool, &str)> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for (i, c) in s.char_indices().skip(1) {
+            let prev = s[..i].chars().next_back().is_some_and(|p| p.is_ascii_digit());
+            if c.is_ascii_digit() != prev {
+                out.push((prev, &s[start..i]));
+                start = i;
+            }
+        }
+        if !s.is_empty() {
+            out.push((s[start..].starts_with(|c: char| c.is_ascii_digit()), &s[start..]));
+        }
+        out
+    }
+    fn key((digits, run): (bool, &str)) -> (bool, usize, &str, &str) {
+        let n = if digits { run.trim_start_matches('0') } else { "" };
+        (!digits, n.len(), n, run)
+    }
+    runs(a).into_iter().map(key).cmp(runs(b).into_iter().map(key))
 }
 
 /// The table, one line per node under a header, columns padded to their widest cell; `wide`
@@ -204,7 +229,7 @@ pub fn summary(rows: &[Row]) -> String {
         *counts.entry(r.state.as_str()).or_default() += 1;
     }
     let parts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
-    format!("{} nodes: {}", rows.len(), parts.join(", "))
+    format!("{}: {}", crate::count(rows.len(), "node"), parts.join(", "))
 }
 
 /// The latest row of every node, for a watch.
@@ -269,6 +294,14 @@ mod tests {
         assert!(lines[0].starts_with("NODE   STATE         PLAN   INSTRUCTIONS"), "{t}");
         assert!(lines[1].starts_with("b      failed        abc    1/2"), "{t}");
         assert_eq!(summary(&rows), "4 nodes: 2 failed, 1 in-progress, 1 succeeded");
+        assert_eq!(summary(&rows[..1]), "1 node: 1 failed", "one node is not \"1 nodes\"");
+    }
+
+    #[test]
+    fn nodes_sort_as_people_count_them() {
+        let mut names = vec!["node-10", "node-2", "node-1", "node-02", "alpha", "node-", "node-1a", "7", "10", ""];
+        names.sort_by(|a, b| natural(a, b));
+        assert_eq!(names, ["", "7", "10", "alpha", "node-", "node-1", "node-1a", "node-02", "node-2", "node-10"]);
     }
 
     #[test]

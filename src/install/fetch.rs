@@ -154,7 +154,7 @@ async fn get(client: &reqwest::Client, url: &str, headers: &[(&str, String)], b:
             Err(Fail::Retry(why)) => why,
         };
         if attempt >= b.retries {
-            return Err(format!("GET {shown}: {why} (gave up after {} attempts)", attempt + 1));
+            return Err(format!("GET {shown}: {why} (gave up after {})", crate::count(attempt as usize + 1, "attempt")));
         }
         attempt += 1;
         tracing::warn!("GET {shown}: {why}; retry {attempt}/{} in {}", b.retries, crate::duration::show(b.interval));
