@@ -347,7 +347,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "localRetrySeconds",
             d.local_retry_seconds.to_string(),
-            "local mode: a failed plan is retried after this many seconds, doubling per failure up to 5 minutes",
+            "local mode: a failed plan is retried after this many seconds, doubling per failure up to 5 minutes (or this, if longer)",
         ),
         (
             "metricsAddress",

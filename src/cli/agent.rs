@@ -146,7 +146,7 @@ pub async fn run(args: AgentArgs) -> u8 {
         let mut lc = LocalConfig::new(&cfg.local_plan_directory);
         lc.rescan = cfg.rescan_period();
         lc.probe_period = cfg.probe_period();
-        lc.retry_base = Duration::from_secs(cfg.local_retry_seconds);
+        lc.set_retry_base(Duration::from_secs(cfg.local_retry_seconds));
         lc.inotify = std::env::var_os("NODEPLAN_NO_INOTIFY").is_none_or(|v| v != "1");
         crate::board::source("local", &format!("directory {}", cfg.local_plan_directory.display()), "");
         DirSource::new(lc)

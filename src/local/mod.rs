@@ -55,6 +55,13 @@ impl LocalConfig {
         }
     }
 
+    /// The first retry's delay (`localRetrySeconds`). One later than the usual cap is what was
+    /// asked for: the cap moves up to it rather than cutting it short unsaid.
+    pub fn set_retry_base(&mut self, base: Duration) {
+        self.retry_base = base;
+        self.retry_max = self.retry_max.max(base);
+    }
+
     fn retry(&self) -> RetryPolicy {
         RetryPolicy { base: self.retry_base, max: self.retry_max }
     }
@@ -631,4 +638,21 @@ pub enum PlanFileError {
 /// Read a plan file without following a link or blocking; regular files of at most [`PLAN_CAP`].
 fn read_plan(path: &Path) -> Result<Vec<u8>, PlanFileError> {
     crate::safefs::read_small(path, PLAN_CAP)?.ok_or(PlanFileError::Gone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_first_retry_later_than_the_usual_cap_is_kept() {
+        let mut c = LocalConfig::new("/plans");
+        c.set_retry_base(Duration::from_secs(3600));
+        assert_eq!(c.retry().delay(1), Duration::from_secs(3600), "not cut to 5 minutes");
+        assert_eq!(c.retry().delay(4), Duration::from_secs(3600));
+        let mut c = LocalConfig::new("/plans");
+        c.set_retry_base(Duration::from_secs(30));
+        assert_eq!(c.retry().delay(2), Duration::from_secs(60));
+        assert_eq!(c.retry().delay(9), Duration::from_secs(300), "the usual cap");
+    }
 }
