@@ -711,3 +711,28 @@ fn a_duration_in_an_error_is_shown_as_written() {
         "{stderr}"
     );
 }
+
+/// Issue 43: `validate-config` checks what the agent's start checks. A remote config whose
+/// connection-info file is missing (or unreadable as one) is invalid (exit 1, the file named): the
+/// agent would exit 2 on it, a crash loop under `Restart=always`.
+#[test]
+fn validate_config_refuses_a_remote_config_whose_connection_info_the_agent_could_not_read() {
+    let dir = TempDir::new().unwrap();
+    let missing = dir.path().join("absent.json");
+    let run = |config: &Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeplan"))
+            .args(["validate-config", config.to_str().unwrap()])
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let cfg = write(&dir, "config.yaml", &format!("remoteEnabled: true\nconnectionInfoFile: {}\n", missing.display()));
+    let (code, err) = run(&cfg);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("Validation failed") && err.contains("absent.json"), "{err}");
+    // Present but not a connection-info file: refused the same way.
+    write(&dir, "absent.json", "{}");
+    let (code, err) = run(&cfg);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kubeConfig"), "{err}");
+}

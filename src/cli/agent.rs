@@ -349,7 +349,15 @@ async fn node_plan_source(
 }
 
 pub fn validate_config(args: ValidateArgs) -> u8 {
-    let r = config::load(&args.file).and_then(|c| config::validate(&c));
+    // What the agent's start reads too: a remote or NodePlan mode needs its connection info
+    // (without it the agent exits 2, so a config that lacks it is not valid).
+    let r = config::load(&args.file).and_then(|c| {
+        let warnings = config::validate(&c)?;
+        if c.remote_enabled || c.node_plan_enabled {
+            config::load_connection(&c.connection_info_file)?;
+        }
+        Ok(warnings.into_iter().filter(|w| !w.starts_with("connectionInfoFile ")).collect::<Vec<_>>())
+    });
     match r {
         Ok(warnings) => {
             for w in warnings {
