@@ -1432,6 +1432,32 @@ mod tests {
         server.abort();
     }
 
+    /// R26: a lost Lease ends the gate with its fence closed, so the running plan stops at a
+    /// recorded boundary (not as at a shutdown), whichever of the renewer's two signals (fence
+    /// closed, then Lease lost) the gate's task takes first: `select!` picks among ready branches
+    /// at random, hence the repeats. A rival that starts ends the gate with the fence as it was.
+    #[tokio::test]
+    async fn a_lost_lease_ends_the_gate_with_its_fence_closed() {
+        for _ in 0..64 {
+            let (acting_tx, acting) = watch::channel(true);
+            let (lost_tx, lost) = watch::channel(false);
+            let (fence_tx, fence) = watch::channel(true);
+            let (_stop, mut stopped) = tokio::sync::oneshot::channel();
+            acting_tx.send_replace(false);
+            lost_tx.send_replace(true);
+            let ended = fence_until_ended(acting, Some(lost), std::future::pending(), &mut stopped, &fence_tx).await;
+            assert_eq!(ended.as_deref(), Some("another agent took the plan source's Lease"));
+            assert!(!*fence.borrow(), "the fence closed with the Lease");
+        }
+        let (_acting_tx, acting) = watch::channel(true);
+        let (fence_tx, fence) = watch::channel(true);
+        let (_stop, mut stopped) = tokio::sync::oneshot::channel();
+        let rival = async { "rancher-system-agent (pid 7) started on this node".to_string() };
+        let ended = fence_until_ended(acting, None, rival, &mut stopped, &fence_tx).await;
+        assert_eq!(ended.as_deref(), Some("rancher-system-agent (pid 7) started on this node"));
+        assert!(*fence.borrow(), "a rival leaves the Lease's fence as it was");
+    }
+
     #[test]
     fn lease_names_are_valid() {
         assert_eq!(lease_name("machine-plan"), "nodeplan-machine-plan");
@@ -1512,45 +1538,20 @@ pub fn guard(
                 None
             }
         };
-        let mut acting = held.as_ref().map_or_else(|| watch::channel(true).1, Held::acting);
+        let acting = held.as_ref().map_or_else(|| watch::channel(true).1, Held::acting);
         // Only a Lease that was held can be lost (a closed channel is no loss).
-        let mut lost = held.as_ref().map(Held::lost);
+        let lost = held.as_ref().map(Held::lost);
         fence_tx.send_replace(*acting.borrow());
         state_tx.send_replace(GateState::Open);
         let rival_started = async {
             let Some(r) = &rival else { return std::future::pending().await };
             let pid = (r.started)().await;
-            format!("{} (pid {pid}) started on this node", r.program)
+            let what = format!("{} (pid {pid}) started on this node", r.program);
+            tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
+            what
         };
-        let lease_lost = async {
-            let held = match lost.as_mut() {
-                Some(l) => l.wait_for(|l| *l).await.is_ok(),
-                None => false,
-            };
-            if !held {
-                std::future::pending::<()>().await;
-            }
-        };
-        let mut rival_started = std::pin::pin!(rival_started);
-        let mut lease_lost = std::pin::pin!(lease_lost);
-        let mut acting_alive = true;
-        let ended = loop {
-            tokio::select! {
-                _ = &mut stopped => break None,
-                r = acting.changed(), if acting_alive => {
-                    acting_alive = r.is_ok();
-                    fence_tx.send_replace(*acting.borrow());
-                }
-                () = &mut lease_lost => break Some("another agent took the plan source's Lease".to_string()),
-                what = &mut rival_started => {
-                    tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
-                    break Some(what);
-                }
-            }
-        };
+        let ended = fence_until_ended(acting, lost, rival_started, &mut stopped, &fence_tx).await;
         if let Some(why) = ended {
-            // The fence stays as the Lease's renewals left it: the loop stops the running plan
-            // as at a shutdown, and a lost Lease has closed the fence already (R26).
             if let Some(w) = &what {
                 crate::board::lease(w, &format!("ended: {why}"));
             }
@@ -1562,4 +1563,44 @@ pub fn guard(
         }
     });
     Gate::new(state, fence, stop, task).telling(busy_tx, fresh_tx, shutdown_rx)
+}
+
+/// An open gate's fence, following `acting` (the Lease's renewals) until the gate is stopped
+/// (`None`) or ends: the Lease `lost`, or `rival_started` (why). The fence is published before
+/// the end: the loop then stops a running plan at a recorded boundary when the fence closed with
+/// the Lease (R26), and as at a shutdown when it did not (a rival).
+async fn fence_until_ended(
+    mut acting: watch::Receiver<bool>,
+    mut lost: Option<watch::Receiver<bool>>,
+    rival_started: impl std::future::Future<Output = String>,
+    stopped: &mut tokio::sync::oneshot::Receiver<()>,
+    fence: &watch::Sender<bool>,
+) -> Option<String> {
+    let lease_lost = async {
+        let held = match lost.as_mut() {
+            Some(l) => l.wait_for(|l| *l).await.is_ok(),
+            None => false,
+        };
+        if !held {
+            std::future::pending::<()>().await;
+        }
+    };
+    let mut rival_started = std::pin::pin!(rival_started);
+    let mut lease_lost = std::pin::pin!(lease_lost);
+    let mut acting_alive = true;
+    let ended = loop {
+        tokio::select! {
+            _ = &mut *stopped => break None,
+            r = acting.changed(), if acting_alive => {
+                acting_alive = r.is_ok();
+                fence.send_replace(*acting.borrow());
+            }
+            () = &mut lease_lost => break Some("another agent took the plan source's Lease".to_string()),
+            what = &mut rival_started => break Some(what),
+        }
+    };
+    // A loss closes the fence before it is told (the renewer does both), but the select may
+    // have taken the loss first.
+    fence.send_replace(*acting.borrow());
+    ended
 }

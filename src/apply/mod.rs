@@ -129,13 +129,14 @@ pub enum AgentExit {
 
 pub use crate::plan::Interruption;
 
-/// What a stop of the running tree means: a shutdown stop is the fence's when the agent is
-/// fenced (see [`Interrupt::boundary`]).
+/// What a stop of the running tree means: a shutdown stop is the agent's shutdown only while it
+/// shuts down and is not fenced (see [`Interrupt::boundary`]); otherwise the fence asked for it,
+/// though it may have opened again while the tree was on its way out (R26).
 fn interruption_of_stop(r: StopReason, now: Interrupt) -> Option<Interruption> {
     match r {
         StopReason::Cancel => Some(Interruption::Canceled),
-        StopReason::Shutdown if now.fenced => Some(Interruption::Fenced),
-        StopReason::Shutdown => Some(Interruption::Shutdown),
+        StopReason::Shutdown if now.shutdown && !now.fenced => Some(Interruption::Shutdown),
+        StopReason::Shutdown => Some(Interruption::Fenced),
         StopReason::Timeout(_) => None,
     }
 }

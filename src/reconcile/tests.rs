@@ -552,6 +552,46 @@ async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it
     assert_eq!(exit, AgentExit::Clean);
 }
 
+/// R26: a fence that opens again while the instruction it stopped is still on its way out (a
+/// renewal landed during the stop ladder) leaves a fenced stop, not a shutdown: the boundary is
+/// recorded and the plan goes on there, and the agent keeps running. (Before, the stop read as the
+/// agent's own shutdown: nothing recorded, and the loop ended as if told to stop.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_that_opens_again_during_the_stop_leaves_a_recorded_boundary() {
+    let fx = fixture();
+    let (ready, stopping, go, log) = (fx.fifo("ready"), fx.fifo("stopping"), fx.fifo("go"), fx.path("log"));
+    let once = fx.path("once");
+    fx.add(
+        "a",
+        &[
+            &format!("echo a1 >> {log}"),
+            &format!(
+                "echo a2 >> {log}; [ -e {once} ] && exit 0; : > {once}; \
+                 trap 'echo > {stopping}; read x < {go}; exit 1' TERM; echo > {ready}; sleep 300 & wait"
+            ),
+            &format!("echo a3 >> {log}"),
+        ],
+    );
+    let (fence_tx, fence) = watch::channel(true);
+    let (stop, rx) = watch::channel(false);
+    let (_state_tx, gate) = watch::channel(GateState::Open);
+    let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
+    let source = MemSource(fx.store.clone(), Duration::from_secs(3600));
+    let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
+    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx);
+    let agent = tokio::spawn(r.run());
+    running(&ready).await;
+    fence_tx.send(false).unwrap();
+    running(&stopping).await;
+    fence_tx.send(true).unwrap();
+    open(&go).await;
+    fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "a1\na2\na2\na3\n", "resumed at the stopped instruction");
+    assert!(!agent.is_finished(), "the loop goes on");
+    let (exit, _) = stopped(stop, agent).await;
+    assert_eq!(exit, AgentExit::Clean);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_value_holds_its_plan_without_a_write_and_others_run() {
     let fx = fixture();

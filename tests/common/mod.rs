@@ -22,6 +22,23 @@ pub fn lines_of(out: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Re
     rx
 }
 
+/// The lines of `rx`, each also appended to `file` (`NODEPLAN_TEST_AGENT_LOGS=<dir>` keeps every
+/// agent's log there, one file per pid: for a failure that shows only under load).
+fn copied(rx: std::sync::mpsc::Receiver<String>, file: std::path::PathBuf) -> std::sync::mpsc::Receiver<String> {
+    use std::io::Write;
+    let (tx, out) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut f = std::fs::File::create(&file).ok();
+        for l in rx {
+            if let Some(f) = f.as_mut() {
+                let _ = writeln!(f, "{l}");
+            }
+            let _ = tx.send(l);
+        }
+    });
+    out
+}
+
 /// Hang guard for awaits that must finish: a failure message instead of a stuck test.
 pub const GUARD: Duration = Duration::from_secs(30);
 
@@ -222,7 +239,10 @@ impl AgentProc {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let rx = lines_of(child.stderr.take().unwrap());
+        let mut rx = lines_of(child.stderr.take().unwrap());
+        if let Some(dir) = std::env::var_os("NODEPLAN_TEST_AGENT_LOGS") {
+            rx = copied(rx, std::path::Path::new(&dir).join(format!("{}.log", child.id())));
+        }
         AgentProc { child, lines: rx, seen: Vec::new(), backlog: Vec::new(), crashed: false }
     }
 
