@@ -637,6 +637,21 @@ fn plan_commands_say_what_they_did_and_refuse_a_missing_plan() {
     assert!(out.contains("for a.canceled (expected"), "the control file is named: {out}");
 }
 
+/// Issue 43: a plan with a misspelt key (`instruction`) is taken as system-agent takes it (an
+/// empty plan, succeeded), and the agent says so in its log, once, naming the key.
+#[test]
+fn a_misspelt_plan_key_is_said_once_by_the_agent() {
+    let s = Setup::new();
+    s.plan("typo", serde_json::json!({"instruction": [sh("one", "true")]}));
+    let mut agent = s.start();
+    s.wait_pos("typo", "succeeded", |p| p.plan_state == Some(PlanState::Succeeded));
+    assert_eq!(agent.stop(), 0);
+    let log = agent.rest().join("\n");
+    let said: Vec<&str> = log.lines().filter(|l| l.contains("unknown plan key(s) \"plan.instruction\"")).collect();
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(said[0].contains(" WARN ") && said[0].contains("(a typo?)"), "{log}");
+}
+
 /// A fleet's logs stay small: each one-time instruction's start and end at info, periodic
 /// instructions only at debug.
 #[test]

@@ -274,6 +274,8 @@ pub struct ValidPlan {
     pub checksum: String,
     /// Decoded file contents and modes, parallel to `plan.files`.
     pub files: Vec<FileOp>,
+    /// The line naming keys of the plan that nothing reads (a typo such as `instruction`), if any.
+    pub unknown_keys: Option<String>,
 }
 
 impl ValidPlan {
@@ -348,7 +350,7 @@ pub fn parse(raw: &[u8]) -> Result<ValidPlan, PlanError> {
         probe.name = key.clone();
     }
     let files = validate(&plan)?;
-    Ok(ValidPlan { plan, checksum: checksum(raw), files })
+    Ok(ValidPlan { plan, checksum: checksum(raw), files, unknown_keys: fields::unknown_keys_warning(raw) })
 }
 
 fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {

@@ -956,6 +956,10 @@ impl<S: PlanSource> Reconciler<S> {
             }
             Seen::Plan(look) => look,
         };
+        if let Some(w) = &look.plan.unknown_keys {
+            // Taken as system-agent takes it, but said (once per plan): a typo makes an empty plan.
+            self.mem(key).warn_once(format!("{}: {w}", look.label));
+        }
         let id = self.mem(key).id_of(&look);
         let decision = match &look.view {
             View::Flow(snap) => flow::decide(snap),
