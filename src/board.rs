@@ -75,6 +75,16 @@ pub struct ApiStatus {
     /// Since when its requests fail (no answer, or no connection); empty while it answers.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub failing_since: String,
+    /// Refusals in force (401, 403: answers that no retry cures), each with since when.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<Refused>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Refused {
+    pub what: String,
+    pub since: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -185,7 +195,17 @@ pub fn lease(target: &str, state: &str) {
 /// The API server `server` answered, over `over` (`HTTP/2, PINGed every 10s`).
 pub fn api_answered(server: &str, over: &str) {
     update(|s| {
-        s.api = Some(ApiStatus { server: server.to_string(), over: over.to_string(), failing_since: String::new() })
+        let refused = s.api.take().map(|a| a.refused).unwrap_or_default();
+        s.api = Some(ApiStatus { server: server.to_string(), over: over.to_string(), failing_since: String::new(), refused })
+    });
+}
+
+/// The refusals of the API server `server` in force now: each one's line and since when.
+pub fn api_refused(server: &str, now: Vec<(String, String)>) {
+    update(|s| {
+        let api = s.api.get_or_insert_with(ApiStatus::default);
+        api.server = server.to_string();
+        api.refused = now.into_iter().map(|(what, since)| Refused { what, since }).collect();
     });
 }
 

@@ -2535,3 +2535,53 @@ async fn values_a_third_party_writes_reach_no_terminal_raw() {
         serde_yaml_ng::from_str(&cli(&["plan", "status", "-l", "pool=hostile", "-n", &ns, "-o", "yaml"])).unwrap();
     assert_eq!(yaml["items"][0]["state"], hostile, "YAML keeps the value exact");
 }
+
+/// Issue 43: an agent whose token the API server refuses (401) is not shown as healthy. The
+/// connection answers, so it is not "failing"; the refusal is said once in the log (not at every
+/// retry), shown by `nodeplan status` with the fix, and counted in the metrics; the agent never
+/// holds the Lease.
+#[tokio::test]
+async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
+    use std::io::{Read, Write};
+    let cp = control_plane!();
+    let namespace = cp.new_namespace("refused").await;
+    let wrong: String = cp
+        .kubeconfig_yaml()
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("token:") {
+                "    token: not-the-token\n".to_string()
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let node =
+        ClusterNode::new(&format!("remoteEnabled: true\nmetricsAddress: 127.0.0.1:{port}\n"), &wrong, &namespace);
+    let mut agent = AgentProc::start(&node.config);
+    agent.wait_log("metrics: serving GET /metrics");
+    let said = agent.wait_log("refused the agent's token (401 Unauthorized)");
+    assert!(said.contains("ERROR") && said.contains("connectionInfoFile"), "{said}");
+    let status = agent_status_until(&node.config, "the refusal", |t| t.contains("refused:"));
+    assert!(
+        status.contains("refused:    the API server refused the agent's token (401 Unauthorized)")
+            && !status.contains("requests failing"),
+        "{status}"
+    );
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    for line in
+        ["nodeplan_api_refusals{status=\"401\"} 1", "nodeplan_api_refusals{status=\"403\"} 0", "nodeplan_build{"]
+    {
+        assert!(body.contains(line), "{line} in:\n{body}");
+    }
+    agent.drain();
+    let told = agent.seen.iter().filter(|l| l.contains("refused the agent's token")).count();
+    assert_eq!(told, 1, "said once while it lasts under a minute: {:?}", agent.seen);
+    assert!(agent.seen.iter().all(|l| !l.contains("holding the Lease")), "{:?}", agent.seen);
+    agent.stop_cleanly();
+}

@@ -99,6 +99,9 @@ pub fn table(s: &AgentStatus, now: chrono::DateTime<chrono::Utc>) -> Vec<String>
             t => format!("; requests failing since {}", when(t, now)),
         };
         out.push(line("api server", format!("{}{over}{failing}", api.server)));
+        for r in &api.refused {
+            out.push(line("refused", format!("{}; since {}", r.what, when(&r.since, now))));
+        }
     }
     match &s.current {
         Some(c) => {
@@ -145,7 +148,7 @@ fn shown(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::board::{ApiStatus, Current, Last, Retry, SourceStatus};
+    use crate::board::{ApiStatus, Current, Last, Refused, Retry, SourceStatus};
 
     #[test]
     fn the_table_says_what_the_agent_does_and_since_when() {
@@ -164,6 +167,7 @@ mod tests {
                 server: "https://10.0.0.1:6443".into(),
                 over: "HTTP/2, PINGed every 10s".into(),
                 failing_since: "2026-12-02T11:59:40Z".into(),
+                refused: vec![Refused { what: "the token was refused".into(), since: "2026-12-02T11:58:00Z".into() }],
             }),
             current: Some(Current {
                 plan: "secret ns/p".into(),
@@ -190,6 +194,7 @@ mod tests {
                 "source:     local: directory /plans",
                 "source:     secret: secret ns/p (Lease: held as a)",
                 "api server: https://10.0.0.1:6443, over HTTP/2, PINGed every 10s; requests failing since 2026-12-02T11:59:40Z (20s ago)",
+                "refused:    the token was refused; since 2026-12-02T11:58:00Z (2m ago)",
                 "applying:   secret ns/p, since 2026-12-02T11:59:00Z (1m ago)",
                 "running:    instruction 2/3 install, since 2026-12-02T11:59:50Z (10s ago)",
                 "last:       /plans/a.plan: failed: instruction 1/1 x: exit status 3\\u{1b}[2J, 2026-12-02T11:30:00Z (30m ago)",

@@ -38,6 +38,9 @@ pub struct Liveness {
     /// How the last answer came: [`NO_ANSWER_YET`], [`HTTP1`] or [`HTTP2`] (whose connection
     /// PINGs itself, `k8s::connection`).
     protocol: AtomicU8,
+    /// Answers that refused the agent (401, 403), and whether any is in force (the fast path).
+    refusals: super::refusals::Refusals,
+    refused: AtomicBool,
 }
 
 const NO_ANSWER_YET: u8 = 0;
@@ -50,6 +53,8 @@ impl Default for Liveness {
             failing: AtomicBool::new(false),
             epoch: watch::Sender::new(0),
             protocol: AtomicU8::new(NO_ANSWER_YET),
+            refusals: Default::default(),
+            refused: AtomicBool::new(false),
         }
     }
 }
@@ -90,6 +95,35 @@ impl Liveness {
             }
             self.tell_board();
         }
+    }
+
+    /// An answer with `status` to `method` `uri`: a refusal (401, 403) is accounted, said and
+    /// shown; a success ends the refusals it proves wrong ([`super::refusals`]).
+    fn judged(&self, status: u16, method: &hyper::Method, uri: &hyper::Uri) {
+        use super::refusals::Tell;
+        let refusal = status == 401 || status == 403;
+        let cure = self.refused.load(Ordering::Relaxed) && (200..300).contains(&status);
+        if !(refusal || cure) {
+            return;
+        }
+        let what = super::refusals::what(method, uri.path_and_query().map_or(uri.path(), |p| p.as_str()));
+        let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let tells = self.refusals.account(status, &what, &at, std::time::Instant::now());
+        if tells.is_empty() || tells == [Tell::Nothing] {
+            return;
+        }
+        for t in tells {
+            match t {
+                Tell::Refused { line, again: false, .. } => tracing::error!("{line}"),
+                Tell::Refused { line, since, again: true } => tracing::error!("still, since {since}: {line}"),
+                Tell::Ended { line, since } => tracing::info!("answered again (refused since {since}): {line}"),
+                Tell::Nothing => {}
+            }
+        }
+        let now = self.refusals.in_force();
+        self.refused.store(!now.lines.is_empty(), Ordering::Relaxed);
+        crate::board::api_refused(&shown_server(), now.lines);
+        crate::metrics::api_refusals(now.counts);
     }
 
     /// The last answer came over HTTP/2: its connection is PINGed, so a watch on it may be long.
@@ -157,9 +191,9 @@ impl Drop for Unanswered {
     }
 }
 
-impl<S, Req, B> tower::Service<Req> for Service<S>
+impl<S, ReqBody, B> tower::Service<hyper::Request<ReqBody>> for Service<S>
 where
-    S: tower::Service<Req, Response = hyper::Response<B>, Error = BoxError>,
+    S: tower::Service<hyper::Request<ReqBody>, Response = hyper::Response<B>, Error = BoxError>,
     S::Future: Send + 'static,
     B: Send + 'static,
 {
@@ -171,7 +205,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, req: hyper::Request<ReqBody>) -> Self::Future {
+        let (method, uri) = (req.method().clone(), req.uri().clone());
         let answer = self.inner.call(req);
         let (live, timeout) = (self.live, self.timeout);
         Box::pin(async move {
@@ -182,6 +217,7 @@ where
                 Ok(Ok(response)) => {
                     live.spoke(response.version());
                     live.answered();
+                    live.judged(response.status().as_u16(), &method, &uri);
                     Ok(response)
                 }
                 Ok(Err(e)) => {
@@ -210,23 +246,25 @@ mod tests {
     #[derive(Clone)]
     struct Scripted;
 
-    impl tower::Service<&'static str> for Scripted {
+    impl tower::Service<hyper::Request<&'static str>> for Scripted {
         type Response = hyper::Response<()>;
         type Error = BoxError;
         type Future = Pin<Box<dyn Future<Output = Result<hyper::Response<()>, BoxError>> + Send>>;
         fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
             Poll::Ready(Ok(()))
         }
-        fn call(&mut self, req: &'static str) -> Self::Future {
-            let over = |v| {
+        fn call(&mut self, req: hyper::Request<&'static str>) -> Self::Future {
+            let over = |v, status: u16| {
                 let mut r = hyper::Response::new(());
                 *r.version_mut() = v;
+                *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
                 Ok(r)
             };
             Box::pin(async move {
-                match req {
-                    "ok" => over(hyper::Version::HTTP_11),
-                    "ok over h2" => over(hyper::Version::HTTP_2),
+                match *req.body() {
+                    "ok" => over(hyper::Version::HTTP_11, 200),
+                    "ok over h2" => over(hyper::Version::HTTP_2, 200),
+                    "401" => over(hyper::Version::HTTP_2, 401),
                     "err" => Err("connection reset".into()),
                     _ => std::future::pending().await,
                 }
@@ -238,19 +276,24 @@ mod tests {
         Service { inner: Scripted, live, timeout: Duration::from_secs(5) }
     }
 
+    /// A request whose answer is scripted by `script` (see [`Scripted`]).
+    fn req(script: &'static str) -> hyper::Request<&'static str> {
+        hyper::Request::builder().method("PUT").uri("/apis/coordination.k8s.io/v1/namespaces/n/leases/l").body(script).unwrap()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_epoch_moves_once_per_comeback() {
         let live = leaked();
         let mut rx = live.subscribe();
         let mut s = service(live);
-        s.call("ok").await.unwrap();
+        s.call(req("ok")).await.unwrap();
         assert!(!rx.has_changed().unwrap(), "answers without failures are no comeback");
-        assert!(s.call("err").await.is_err());
-        assert!(s.call("err").await.is_err());
+        assert!(s.call(req("err")).await.is_err());
+        assert!(s.call(req("err")).await.is_err());
         assert!(!rx.has_changed().unwrap());
-        s.call("ok").await.unwrap();
+        s.call(req("ok")).await.unwrap();
         assert_eq!(*rx.borrow_and_update(), 1);
-        s.call("ok").await.unwrap();
+        s.call(req("ok")).await.unwrap();
         assert!(!rx.has_changed().unwrap(), "one comeback, one move");
     }
 
@@ -259,14 +302,29 @@ mod tests {
         let live = leaked();
         let mut rx = live.subscribe();
         let mut s = service(live);
-        let e = s.call("never").await.unwrap_err();
+        let e = s.call(req("never")).await.unwrap_err();
         assert!(e.to_string().contains("no answer from the API server within 5s"), "{e}");
-        s.call("ok").await.unwrap();
+        s.call(req("ok")).await.unwrap();
         assert_eq!(*rx.borrow_and_update(), 1);
         // The caller's own shorter timeout drops the request before the layer's.
-        assert!(tokio::time::timeout(Duration::from_secs(1), s.call("never")).await.is_err());
-        s.call("ok").await.unwrap();
+        assert!(tokio::time::timeout(Duration::from_secs(1), s.call(req("never"))).await.is_err());
+        s.call(req("ok")).await.unwrap();
         assert_eq!(*rx.borrow_and_update(), 2);
+    }
+
+    /// A 401 is an answer (the connection is alive) and a refusal, in force until a success.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_token_is_an_answer_and_a_refusal_until_a_success() {
+        let live = leaked();
+        let mut s = service(live);
+        s.call(req("401")).await.unwrap();
+        assert!(!live.failing.load(Ordering::SeqCst), "answered");
+        let now = live.refusals.in_force();
+        assert_eq!(now.counts, [(401, 1), (403, 0)]);
+        assert!(now.lines[0].0.contains("refused the agent's token"), "{:?}", now.lines);
+        s.call(req("ok")).await.unwrap();
+        assert_eq!(live.refusals.in_force().counts, [(401, 0), (403, 0)]);
+        assert!(!live.refused.load(Ordering::SeqCst));
     }
 
     #[tokio::test(start_paused = true)]
@@ -274,11 +332,11 @@ mod tests {
         let live = leaked();
         let mut s = service(live);
         assert!(!live.on_http2(), "unknown until an answer: not HTTP/2");
-        s.call("ok over h2").await.unwrap();
+        s.call(req("ok over h2")).await.unwrap();
         assert!(live.on_http2());
-        assert!(s.call("err").await.is_err());
+        assert!(s.call(req("err")).await.is_err());
         assert!(live.on_http2(), "a failure says nothing of the protocol");
-        s.call("ok").await.unwrap();
+        s.call(req("ok")).await.unwrap();
         assert!(!live.on_http2(), "an answer over HTTP/1.1 (a proxy on the way now)");
     }
 }

@@ -19,6 +19,7 @@
 pub mod base;
 pub mod connection;
 pub mod liveness;
+pub mod refusals;
 pub mod watch;
 pub mod write;
 

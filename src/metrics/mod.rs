@@ -77,6 +77,17 @@ struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabel {
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WriteLabels {
     target: &'static str,
     reason: &'static str,
@@ -136,6 +147,7 @@ pub struct Metrics {
     write_retries: Family<WriteLabels, Counter>,
     pull_bytes: Counter,
     pull_seconds: HistogramFamily<ResultLabel>,
+    api_refusals: Family<StatusLabel, Gauge>,
     disk: disk::DiskGauges,
 }
 
@@ -196,6 +208,21 @@ impl Metrics {
             "How long pulling one image from its registries took",
             pull_seconds.clone(),
         );
+        let api_refusals = Family::<StatusLabel, Gauge>::default();
+        registry.register(
+            "nodeplan_api_refusals",
+            "Kinds of request the API server refuses now, by status (401: the agent's token; 403: its account's rights)",
+            api_refusals.clone(),
+        );
+        for status in ["401", "403"] {
+            api_refusals.get_or_create(&StatusLabel { status }).set(0);
+        }
+        for result in [PlanResult::Succeeded, PlanResult::Failed, PlanResult::Paused, PlanResult::Canceled] {
+            plans.get_or_create(&ResultLabel { result: result.label() }).inc_by(0);
+        }
+        let build = Family::<BuildLabels, Gauge>::default();
+        registry.register("nodeplan_build", "1, labelled with the agent's version and commit", build.clone());
+        build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), commit: env!("NODEPLAN_COMMIT") }).set(1);
         let disk = disk::DiskGauges::new(dirs);
         disk.register(&mut registry);
         Metrics {
@@ -211,6 +238,7 @@ impl Metrics {
             write_retries,
             pull_bytes,
             pull_seconds,
+            api_refusals,
             disk,
         }
     }
@@ -460,6 +488,16 @@ pub fn pid_record_recovered(result: Recovery) {
 pub fn write_retried(target: WriteTarget, reason: RetryReason) {
     if let Some(m) = get() {
         m.write_retried(target, reason);
+    }
+}
+
+/// The kinds of request the API server refuses now, per status ([`crate::k8s::refusals`]).
+pub fn api_refusals(counts: [(u16, i64); 2]) {
+    if let Some(m) = get() {
+        for (status, n) in counts {
+            let status = if status == 401 { "401" } else { "403" };
+            m.api_refusals.get_or_create(&StatusLabel { status }).set(n);
+        }
     }
 }
 
