@@ -64,6 +64,11 @@ pub struct SourceStatus {
     /// The Lease: `held`, `waiting: …`, or empty without one.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub lease: String,
+    /// Why the source gives the agent nothing to do (its object does not exist), and since when.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub problem: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub problem_since: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -180,7 +185,17 @@ fn update(f: impl FnOnce(&mut AgentStatus)) {
 /// A plan source the agent runs (`kind`: `local`, `secret`, `nodeplans`); `lease` as for
 /// [`lease`] (empty without one).
 pub fn source(kind: &str, target: &str, lease: &str) {
-    update(|s| s.sources.push(SourceStatus { kind: kind.into(), target: target.into(), lease: lease.into() }));
+    update(|s| s.sources.push(SourceStatus { kind: kind.into(), target: target.into(), lease: lease.into(), ..Default::default() }));
+}
+
+/// A source's problem began (`problem`, now) or ended (empty).
+pub fn source_problem(target: &str, problem: &str) {
+    update(|s| {
+        if let Some(src) = s.sources.iter_mut().find(|x| x.target == target) {
+            src.problem = problem.to_string();
+            src.problem_since = if problem.is_empty() { String::new() } else { now() };
+        }
+    });
 }
 
 /// A source's Lease changed (`held`, `waiting: …`).

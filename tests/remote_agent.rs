@@ -2585,3 +2585,20 @@ async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
     assert!(agent.seen.iter().all(|l| !l.contains("holding the Lease")), "{:?}", agent.seen);
     agent.stop_cleanly();
 }
+
+/// Issue 43: an agent whose plan Secret does not exist says so (it held its Lease and said
+/// nothing more): in its log and in `nodeplan status`, until the Secret is created; then it says
+/// the Secret exists, the status line goes, and the plan runs.
+#[tokio::test]
+async fn a_plan_secret_that_does_not_exist_is_said_until_it_is_created() {
+    let r = Remote::new(control_plane!(), "absent").await;
+    let mut agent = r.agent();
+    let said = agent.wait_log("does not exist: nothing to apply until it is created");
+    assert!(said.contains("/machine-plan") && said.contains("secretName"), "{said}");
+    agent_status_until(&r.config, "the absent Secret", |t| t.contains("; the Secret does not exist, since"));
+    r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
+    agent.wait_log("exists now");
+    r.wait("succeeded", |s| state(s) == "succeeded").await;
+    agent_status_until(&r.config, "no problem", |t| t.contains("source:") && !t.contains("does not exist"));
+    agent.stop_cleanly();
+}

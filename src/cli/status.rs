@@ -90,7 +90,11 @@ pub fn table(s: &AgentStatus, now: chrono::DateTime<chrono::Utc>) -> Vec<String>
     }
     for src in &s.sources {
         let lease = if src.lease.is_empty() { String::new() } else { format!(" (Lease: {})", src.lease) };
-        out.push(line("source", format!("{}: {}{lease}", src.kind, src.target)));
+        let problem = match src.problem.as_str() {
+            "" => String::new(),
+            p => format!("; {p}, since {}", when(&src.problem_since, now)),
+        };
+        out.push(line("source", format!("{}: {}{lease}{problem}", src.kind, src.target)));
     }
     if let Some(api) = &s.api {
         let over = if api.over.is_empty() { String::new() } else { format!(", over {}", api.over) };
@@ -160,8 +164,14 @@ mod tests {
             config: "/etc/rancher/agent/config.yaml".into(),
             node: "node-a".into(),
             sources: vec![
-                SourceStatus { kind: "local".into(), target: "directory /plans".into(), lease: String::new() },
-                SourceStatus { kind: "secret".into(), target: "secret ns/p".into(), lease: "held as a".into() },
+                SourceStatus { kind: "local".into(), target: "directory /plans".into(), ..Default::default() },
+                SourceStatus {
+                    kind: "secret".into(),
+                    target: "secret ns/p".into(),
+                    lease: "held as a".into(),
+                    problem: "the Secret does not exist".into(),
+                    problem_since: "2026-12-02T11:59:00Z".into(),
+                },
             ],
             api: Some(ApiStatus {
                 server: "https://10.0.0.1:6443".into(),
@@ -192,7 +202,7 @@ mod tests {
                 "config:     /etc/rancher/agent/config.yaml",
                 "node:       node-a",
                 "source:     local: directory /plans",
-                "source:     secret: secret ns/p (Lease: held as a)",
+                "source:     secret: secret ns/p (Lease: held as a); the Secret does not exist, since 2026-12-02T11:59:00Z (1m ago)",
                 "api server: https://10.0.0.1:6443, over HTTP/2, PINGed every 10s; requests failing since 2026-12-02T11:59:40Z (20s ago)",
                 "refused:    the token was refused; since 2026-12-02T11:58:00Z (2m ago)",
                 "applying:   secret ns/p, since 2026-12-02T11:59:00Z (1m ago)",

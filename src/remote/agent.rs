@@ -69,6 +69,8 @@ pub struct SecretSource {
     restored: Option<Unwritten>,
     /// Where an outcome is kept on the node until it is written (R17).
     kept: KeptStore,
+    /// Since when (RFC 3339) and as of when last said, the watch lists no plan Secret.
+    absent: Option<(String, std::time::Instant)>,
     /// The last pause/cancel values the running plan saw (kept while the Secret carries another
     /// plan or none: never a change on a guess).
     last_interrupt: Interrupt,
@@ -108,6 +110,36 @@ impl SecretSource {
             last_interrupt: Interrupt::default(),
             events: None,
             pump: None,
+            absent: None,
+        }
+    }
+
+    /// Say when the watch lists no plan Secret (not created yet, or the connection info names
+    /// another): when it starts, every minute while it lasts (at the loop's looks), and when the
+    /// Secret appears; `nodeplan status` shows it meanwhile.
+    fn note_presence(&mut self) {
+        let absent = self.latest.as_ref().is_some_and(|l| matches!(&*l.borrow(), (seq, None) if *seq > 0));
+        let what = format!("secret {}", self.client.describe());
+        let now = std::time::Instant::now();
+        match (absent, &mut self.absent) {
+            (true, None) => {
+                tracing::warn!(
+                    "the plan Secret {} does not exist: nothing to apply until it is created (Rancher creates it when the machine registers; check namespace and secretName in the connection info)",
+                    self.client.describe()
+                );
+                crate::board::source_problem(&what, "the Secret does not exist");
+                self.absent = Some((chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true), now));
+            }
+            (true, Some((since, told))) if now.duration_since(*told) >= crate::k8s::refusals::RETELL => {
+                tracing::warn!("the plan Secret {} still does not exist (since {since})", self.client.describe());
+                *told = now;
+            }
+            (false, Some((since, _))) => {
+                tracing::info!("the plan Secret {} exists now (it did not since {since})", self.client.describe());
+                crate::board::source_problem(&what, "");
+                self.absent = None;
+            }
+            _ => {}
         }
     }
 
@@ -284,6 +316,7 @@ impl PlanSource for SecretSource {
     }
 
     async fn look(&mut self, _: &()) -> Seen {
+        self.note_presence();
         let Some(snap) = self.current() else { return Seen::Nothing };
         // UID guard: a recreated Secret starts over.
         if self.uid.as_deref() != Some(snap.uid.as_str()) {
