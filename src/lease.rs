@@ -500,6 +500,7 @@ pub async fn hold(
                         None => "no holder, but the last one may still be stopping".to_string(),
                     };
                     crate::board::lease(&r.what, &format!("waiting ({why})"));
+                    crate::metrics::lease_held(&r.what, false);
                 }
                 if let Some(tx) = tx.take() {
                     let lw = crate::k8s::watch::KubeListWatch::named(api.clone(), &r.name);
@@ -524,6 +525,7 @@ pub async fn hold(
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
                 crate::board::lease(&r.what, &format!("held as {}", r.identity));
+                crate::metrics::lease_held(&r.what, true);
                 return Some(renewing(api, r, l, sent, activity));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
@@ -1554,6 +1556,7 @@ pub fn guard(
         if let Some(why) = ended {
             if let Some(w) = &what {
                 crate::board::lease(w, &format!("ended: {why}"));
+                crate::metrics::lease_held(w, false);
             }
             state_tx.send_replace(GateState::Ended(why));
             let _ = stopped.await;

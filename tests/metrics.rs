@@ -138,7 +138,16 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
     let ok_info = format!("nodeplan_plan_info{{plan=\"{ok_id}\",name=\"{}\"}}", s.plan_path("ok").display());
     let mut agent = s.start();
     let before = scrape(s.port);
-    assert_eq!(value(&before, "nodeplan_plans_total{result=\"succeeded\"}"), None, "nothing ran yet:\n{before}");
+    // Every result's count is there at 0 before anything ran, and the build is named.
+    for result in ["succeeded", "failed", "paused", "canceled"] {
+        let series = format!("nodeplan_plans_total{{result=\"{result}\"}}");
+        assert_eq!(value(&before, &series), Some(0.0), "{series} before anything ran:\n{before}");
+    }
+    assert!(
+        before.contains(&format!("nodeplan_build{{version=\"{}\",commit=\"", env!("CARGO_PKG_VERSION"))),
+        "{before}"
+    );
+    assert_eq!(value(&before, "nodeplan_api_refusals{status=\"401\"}"), Some(0.0), "{before}");
 
     read_fifo(&ready);
     let out =
@@ -152,6 +161,7 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
             && value(t, "nodeplan_plans_total{result=\"succeeded\"}") == Some(1.0)
             && value(t, &probe) == Some(1.0)
             && value(t, &ok_info) == Some(1.0)
+            && value(t, "nodeplan_plans_failed") == Some(1.0)
     });
     assert_eq!(t.lines().filter(|l| l.starts_with("nodeplan_plan_info{")).count(), 4, "one per plan file:\n{t}");
     assert_eq!(value(&t, "nodeplan_plans_total{result=\"canceled\"}"), Some(1.0), "{t}");
@@ -186,6 +196,9 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
     wait_metrics(s.port, "the probe unhealthy", |t| value(t, &probe) == Some(0.0));
     std::fs::remove_file(s.plan_path("ok")).unwrap();
     wait_metrics(s.port, "the probe gone", |t| !t.contains("nodeplan_probe_healthy{") && value(t, &ok_info).is_none());
+    // The failed plan is counted as failed now until it goes away.
+    std::fs::remove_file(s.plan_path("bad")).unwrap();
+    wait_metrics(s.port, "no plan failed now", |t| value(t, "nodeplan_plans_failed") == Some(0.0));
 
     // OpenMetrics for those who ask; 404 for every other path.
     let (status, head, body) = http_get(s.port, "/metrics", Some("application/openmetrics-text; version=1.0.0"));

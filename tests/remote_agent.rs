@@ -2542,7 +2542,6 @@ async fn values_a_third_party_writes_reach_no_terminal_raw() {
 /// holds the Lease.
 #[tokio::test]
 async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
-    use std::io::{Read, Write};
     let cp = control_plane!();
     let namespace = cp.new_namespace("refused").await;
     let wrong: String = cp
@@ -2556,7 +2555,7 @@ async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
             }
         })
         .collect();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let node =
         ClusterNode::new(&format!("remoteEnabled: true\nmetricsAddress: 127.0.0.1:{port}\n"), &wrong, &namespace);
     let mut agent = AgentProc::start(&node.config);
@@ -2569,11 +2568,7 @@ async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
             && !status.contains("requests failing"),
         "{status}"
     );
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(GUARD)).unwrap();
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
+    let body = scrape_metrics(port);
     for line in
         ["nodeplan_api_refusals{status=\"401\"} 1", "nodeplan_api_refusals{status=\"403\"} 0", "nodeplan_build{"]
     {
@@ -2588,11 +2583,23 @@ async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
 
 /// Issue 43: an agent whose plan Secret does not exist says so (it held its Lease and said
 /// nothing more): in its log and in `nodeplan status`, until the Secret is created; then it says
-/// the Secret exists, the status line goes, and the plan runs.
+/// the Secret exists, the status line goes, and the plan runs. Its metrics say it holds the Lease.
 #[tokio::test]
 async fn a_plan_secret_that_does_not_exist_is_said_until_it_is_created() {
-    let r = Remote::new(control_plane!(), "absent").await;
+    let cp = control_plane!();
+    let namespace = cp.new_namespace("absent").await;
+    let secret = SecretRef { namespace: namespace.clone(), name: "machine-plan".into() };
+    let port = free_port();
+    let mode = format!("remoteEnabled: true\nmetricsAddress: 127.0.0.1:{port}\n");
+    let r = Remote {
+        node: ClusterNode::new(&mode, &cp.kubeconfig_yaml(), &namespace),
+        client: SecretClient::new(cp.client().await, secret),
+    };
     let mut agent = r.agent();
+    agent.wait_log("holding the Lease");
+    let held = format!("nodeplan_lease_held{{source=\"secret {namespace}/machine-plan\"}} 1");
+    let metrics = scrape_metrics(port);
+    assert!(metrics.contains(&held), "{held} in:\n{metrics}");
     let said = agent.wait_log("does not exist: nothing to apply until it is created");
     assert!(said.contains("/machine-plan") && said.contains("secretName"), "{said}");
     agent_status_until(&r.config, "the absent Secret", |t| t.contains("; the Secret does not exist, since"));

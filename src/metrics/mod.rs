@@ -82,6 +82,11 @@ struct StatusLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
@@ -148,6 +153,8 @@ pub struct Metrics {
     pull_bytes: Counter,
     pull_seconds: HistogramFamily<ResultLabel>,
     api_refusals: Family<StatusLabel, Gauge>,
+    plans_failed: Gauge,
+    lease_held: Family<SourceLabel, Gauge>,
     disk: disk::DiskGauges,
 }
 
@@ -220,6 +227,18 @@ impl Metrics {
         for result in [PlanResult::Succeeded, PlanResult::Failed, PlanResult::Paused, PlanResult::Canceled] {
             plans.get_or_create(&ResultLabel { result: result.label() }).inc_by(0);
         }
+        let plans_failed = Gauge::default();
+        registry.register(
+            "nodeplan_plans_failed",
+            "Plans whose state is failed now (a retry that starts or a success takes one off)",
+            plans_failed.clone(),
+        );
+        let lease_held = Family::<SourceLabel, Gauge>::default();
+        registry.register(
+            "nodeplan_lease_held",
+            "1 while the agent holds the Lease of a plan source, 0 while it waits for it",
+            lease_held.clone(),
+        );
         let build = Family::<BuildLabels, Gauge>::default();
         registry.register("nodeplan_build", "1, labelled with the agent's version and commit", build.clone());
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), commit: env!("NODEPLAN_COMMIT") }).set(1);
@@ -239,6 +258,8 @@ impl Metrics {
             pull_bytes,
             pull_seconds,
             api_refusals,
+            plans_failed,
+            lease_held,
             disk,
         }
     }
@@ -498,6 +519,35 @@ pub fn api_refusals(counts: [(u16, i64); 2]) {
             let status = if status == 401 { "401" } else { "403" };
             m.api_refusals.get_or_create(&StatusLabel { status }).set(n);
         }
+    }
+}
+
+/// Whether the agent holds the Lease of the source `what` (`secret NS/NAME`) or waits for it.
+pub fn lease_held(what: &str, held: bool) {
+    if let Some(m) = get() {
+        m.lease_held.get_or_create(&SourceLabel { source: label_text(what) }).set(i64::from(held));
+    }
+}
+
+/// One plan's share of `nodeplan_plans_failed`: [`FailedNow::set`] follows the plan's state,
+/// dropping it (the plan is gone) takes the plan off.
+#[derive(Debug, Default)]
+pub struct FailedNow(bool);
+
+impl FailedNow {
+    pub fn set(&mut self, failed: bool) {
+        if self.0 != failed {
+            self.0 = failed;
+            if let Some(m) = get() {
+                m.plans_failed.inc_by(if failed { 1 } else { -1 });
+            }
+        }
+    }
+}
+
+impl Drop for FailedNow {
+    fn drop(&mut self) {
+        self.set(false);
     }
 }
 

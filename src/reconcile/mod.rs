@@ -494,6 +494,8 @@ struct Memory {
     /// `nodeplan_plan_info` series (removed when the plan is forgotten).
     id: Option<(String, String)>,
     plan_info: crate::metrics::PlanInfo,
+    /// The plan's share of `nodeplan_plans_failed` (its state as last looked at).
+    failed_now: crate::metrics::FailedNow,
 }
 
 /// What probing a plan needs, kept between looks (small: not the plan).
@@ -519,6 +521,7 @@ impl Default for Memory {
             probe_health: crate::metrics::ProbeHealth::default(),
             id: None,
             plan_info: crate::metrics::PlanInfo::default(),
+            failed_now: crate::metrics::FailedNow::default(),
         }
     }
 }
@@ -536,6 +539,7 @@ impl Memory {
             }
         };
         self.plan_info.set(&id, &look.place);
+        self.failed_now.set(matches!(&look.view, View::Flow(s) if s.state == crate::plan::PlanState::Failed));
         id
     }
 

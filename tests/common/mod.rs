@@ -39,6 +39,22 @@ fn copied(rx: std::sync::mpsc::Receiver<String>, file: std::path::PathBuf) -> st
     out
 }
 
+/// `GET /metrics` from an agent's `metricsAddress` on loopback `port`: the whole answer.
+pub fn scrape_metrics(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 /// Hang guard for awaits that must finish: a failure message instead of a stuck test.
 pub const GUARD: Duration = Duration::from_secs(30);
 
