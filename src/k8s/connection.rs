@@ -18,8 +18,9 @@
 //! bounds on the socket: the PINGs find a dead connection sooner, and the bound on an answer's
 //! headers is [`super::liveness`]'s. A server that negotiates HTTP/1.1 gets no PINGs: watches
 //! there keep their short server-side timeout as the liveness signal ([`super::watch::Bounds`]).
-//! Where kube's stack takes a part this one does not have (a proxy, a credential plugin, a
-//! `tls-server-name`), kube's HTTP/1.1 client is used as it is, with its read and write bounds.
+//! An HTTP proxy (`proxy-url`, with its `user:password`), a `tls-server-name` and a credential
+//! plugin are taken as kube takes them; a proxy of another kind (SOCKS) is left to kube's own
+//! HTTP/1.1 client, which refuses it with its own error.
 //!
 //! Every connection sets `TCP_NODELAY`: a write never waits for the server's delayed ACK.
 //!
@@ -43,21 +44,15 @@ pub const PING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why `config` is left to kube's own HTTP/1.1 client, if it is.
 pub fn kube_stack_only(config: &kube::Config) -> Option<&'static str> {
-    if config.proxy_url.is_some() {
-        Some("a proxy")
-    } else if config.auth_info.exec.is_some() {
-        Some("a credential plugin")
-    } else if config.tls_server_name.is_some() {
-        Some("tls-server-name")
-    } else {
-        None
+    match &config.proxy_url {
+        Some(p) if p.scheme_str() != Some("http") => Some("a proxy that is not an HTTP proxy"),
+        _ => None,
     }
 }
 
 /// The client builder for `config` with HTTP/2 and its PINGs (see the module doc), or `None`
 /// where kube's own stack must be used.
 pub fn builder(config: &kube::Config) -> Result<Option<kube::client::ClientBuilder<Stack>>, kube::Error> {
-    use tower::ServiceBuilder;
     if kube_stack_only(config).is_some() {
         return Ok(None);
     }
@@ -66,12 +61,49 @@ pub fn builder(config: &kube::Config) -> Result<Option<kube::client::ClientBuild
     // Each request goes out at once: with Nagle's algorithm a request written in two parts
     // (headers, then body) waits for the server's delayed ACK of the first, about 40 ms.
     http.set_nodelay(true);
-    let tls = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config.rustls_client_config()?)
-        .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .wrap_connector(http);
+    match &config.proxy_url {
+        Some(proxy) => {
+            let mut tunnel = hyper_util::client::legacy::connect::proxy::Tunnel::new(proxy.clone(), http);
+            if let Some(auth) = proxy_authorization(proxy) {
+                tunnel = tunnel.with_auth(auth);
+            }
+            stack(config, tunnel)
+        }
+        None => stack(config, http),
+    }
+}
+
+/// The `Proxy-Authorization` for a proxy URL's `user:password`, if it has one.
+fn proxy_authorization(proxy: &hyper::Uri) -> Option<hyper::header::HeaderValue> {
+    use base64::Engine as _;
+    let (userinfo, _) = proxy.authority()?.as_str().rsplit_once('@')?;
+    let plain: Vec<u8> = percent_encoding::percent_decode_str(userinfo).collect();
+    let mut v = hyper::header::HeaderValue::from_str(&format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(plain)
+    ))
+    .ok()?;
+    v.set_sensitive(true);
+    Some(v)
+}
+
+/// [`builder`]'s stack over `tcp` (a connection to the server, or a tunnel through a proxy).
+fn stack<C>(config: &kube::Config, tcp: C) -> Result<Option<kube::client::ClientBuilder<Stack>>, kube::Error>
+where
+    C: tower::Service<hyper::Uri> + Clone + Send + Sync + 'static,
+    C::Response: hyper::rt::Read + hyper::rt::Write + hyper_util::client::legacy::connect::Connection + Send + Unpin,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    use tower::ServiceBuilder;
+    let mut tls = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config.rustls_client_config()?).https_or_http();
+    if let Some(name) = &config.tls_server_name {
+        let name = name.clone().try_into().map_err(|e| {
+            kube::Error::Service(format!("tls-server-name {name:?} is not a valid server name: {e}").into())
+        })?;
+        tls = tls.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name));
+    }
+    let tls = tls.enable_http1().enable_http2().wrap_connector(tcp);
     // The bound covers TCP and TLS: a relay that accepts and then says nothing is given up.
     // No read or write bound on the socket: on HTTP/2 every stream shares it, so it would only
     // find a dead connection later than the PINGs do, and would close a healthy quiet one.
@@ -270,18 +302,65 @@ mod tests {
     }
 
     #[test]
-    fn what_kubes_own_stack_keeps() {
+    fn only_a_proxy_that_is_not_http_is_left_to_kube() {
         let plain = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
         assert_eq!(kube_stack_only(&plain), None);
         let mut proxied = plain.clone();
         proxied.proxy_url = Some("http://127.0.0.1:3128".parse().unwrap());
-        assert_eq!(kube_stack_only(&proxied), Some("a proxy"));
+        assert_eq!(kube_stack_only(&proxied), None);
+        proxied.proxy_url = Some("socks5://127.0.0.1:1080".parse().unwrap());
+        assert_eq!(kube_stack_only(&proxied), Some("a proxy that is not an HTTP proxy"));
         let mut named = plain.clone();
         named.tls_server_name = Some("api".into());
-        assert_eq!(kube_stack_only(&named), Some("tls-server-name"));
+        assert_eq!(kube_stack_only(&named), None);
         let mut plugin = plain.clone();
         let exec = serde_json::json!({"apiVersion": "client.authentication.k8s.io/v1", "command": "get-token"});
         plugin.auth_info.exec = Some(serde_json::from_value(exec).unwrap());
-        assert_eq!(kube_stack_only(&plugin), Some("a credential plugin"));
+        assert_eq!(kube_stack_only(&plugin), None);
+    }
+
+    /// The first bytes a client made from `config` sends to `listener` (a request to the API
+    /// server at `config`'s URL), and whether its socket has `TCP_NODELAY`.
+    async fn first_bytes(config: kube::Config, listener: tokio::net::TcpListener) -> (Vec<u8>, Option<bool>) {
+        use tokio::io::AsyncReadExt as _;
+        let client = crate::k8s::client(config).unwrap();
+        let _request = crate::AbortOnDrop(tokio::spawn(async move {
+            let req = http::Request::patch("/api/v1/namespaces/n/secrets/s").body(b"{}".to_vec()).unwrap();
+            let _ = client.request_text(req).await;
+        }));
+        let (mut server, client_addr) = listener.accept().await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = server.read(&mut buf).await.unwrap();
+        buf.truncate(n);
+        let nodelay = tokio::task::spawn_blocking(move || nodelay_of(client_addr)).await.unwrap();
+        (buf, nodelay)
+    }
+
+    /// Through an HTTP proxy (with credentials in its URL) the tunnel's socket sends at once too,
+    /// and the proxy is asked for the API server with the decoded credentials.
+    #[tokio::test]
+    async fn a_connection_through_a_proxy_sends_at_once_and_authenticates() {
+        let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut config = kube::Config::new("https://10.0.0.1:6443".parse().unwrap());
+        config.proxy_url = Some(format!("http://user:p%40ss@{}", proxy.local_addr().unwrap()).parse().unwrap());
+        let (sent, nodelay) = first_bytes(config, proxy).await;
+        let sent = String::from_utf8_lossy(&sent);
+        assert!(sent.starts_with("CONNECT 10.0.0.1:6443 HTTP/1.1\r\n"), "{sent}");
+        // base64("user:p@ss")
+        assert!(sent.contains("Basic dXNlcjpwQHNz"), "{sent}");
+        assert_eq!(nodelay, Some(true));
+    }
+
+    /// With `tls-server-name` the TLS handshake names that server (SNI), on a socket that sends
+    /// at once.
+    #[tokio::test]
+    async fn a_tls_server_name_is_the_name_the_handshake_asks_for() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut config = kube::Config::new(format!("https://{}", listener.local_addr().unwrap()).parse().unwrap());
+        config.tls_server_name = Some("api.cluster.example".into());
+        let (hello, nodelay) = first_bytes(config, listener).await;
+        assert_eq!(hello.first(), Some(&0x16), "a TLS handshake record");
+        assert!(hello.windows(19).any(|w| w == b"api.cluster.example"), "SNI names the server");
+        assert_eq!(nodelay, Some(true));
     }
 }
