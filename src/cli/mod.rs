@@ -138,11 +138,13 @@ enum Command {
     #[command(after_help = CRD_HELP)]
     Crd(CrdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish or powershell).
+    #[command(after_help = PRINTED_EXIT_CODES)]
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
     /// Print the man page (roff; `nodeplan man | man -l -`).
+    #[command(after_help = PRINTED_EXIT_CODES)]
     Man,
 }
 
@@ -211,6 +213,11 @@ const AGENT_EXIT_CODES: &str = "Exit codes:
   1  a process could not be stopped on the way out, or another agent took a plan source's Lease,
      or rancher-system-agent started on this node
   2  bad arguments, an invalid config or connection-info file";
+
+const PRINTED_EXIT_CODES: &str = "Exit codes:
+  0  printed
+  1  stdout could not be written
+  2  bad arguments";
 
 const VALIDATE_EXIT_CODES: &str = "Exit codes:
   0  valid
@@ -543,5 +550,33 @@ mod tests {
         assert!(absolute_path("work").unwrap_err().contains("relative"));
         assert!(absolute_path("").is_err());
         assert_eq!(absolute_path("/w"), Ok("/w".into()));
+    }
+}
+
+#[cfg(test)]
+mod help_tests {
+    use super::*;
+
+    /// Every command's `--help` ends with its exit codes (docs/commands.md promises them).
+    #[test]
+    fn every_command_says_its_exit_codes() {
+        fn walk(cmd: &mut clap::Command, path: String, missing: &mut Vec<String>) {
+            let help = cmd.render_long_help().to_string();
+            if !help.contains("Exit codes:") {
+                missing.push(path.clone());
+            }
+            for sub in cmd.get_subcommands_mut().filter(|s| s.get_name() != "help") {
+                let name = format!("{path} {}", sub.get_name());
+                walk(sub, name, missing);
+            }
+        }
+        let mut root = Cli::command();
+        root.build();
+        let mut missing = Vec::new();
+        for sub in root.get_subcommands_mut().filter(|s| s.get_name() != "help") {
+            let name = format!("nodeplan {}", sub.get_name());
+            walk(sub, name, &mut missing);
+        }
+        assert!(missing.is_empty(), "no exit codes in --help of: {missing:?}");
     }
 }

@@ -109,6 +109,7 @@ pub struct Acting {
 pub enum PlanAction {
     /// Put a plan into a node's Secret (`--secret`) as `pending`, creating the Secret if needed,
     /// or into a NodePlan's spec.plan (`--nodeplan`), creating the NodePlan if needed.
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Push {
         /// The plan file (validated before anything is written).
         file: PathBuf,
@@ -132,19 +133,25 @@ pub enum PlanAction {
         show_secrets: bool,
     },
     /// Pause at the next instruction boundary (NAME.paused, the paused annotation, spec.paused).
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Pause(Acting),
     /// Resume a paused plan without re-running finished instructions.
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Resume(Acting),
     /// Cancel: stop the running instruction's whole tree now; terminal until reset.
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Cancel(Acting),
     /// Run the plan again from its first instruction (clears the cancel and the pause).
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Reset(Acting),
     /// Show what each instruction of the current plan printed (its saved output) and how it
     /// ended, then the periodic instructions' last results; with --selector, every selected
     /// node's.
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Logs(Acting),
     /// Show the plan's state, progress and probe health; with --node a node's NodePlans; with
     /// --selector many nodes' plan Secrets.
+    #[command(after_help = super::PLAN_EXIT_CODES)]
     Status {
         #[command(flatten)]
         target: Target,

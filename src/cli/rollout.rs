@@ -130,15 +130,31 @@ fn lease_of_claim<'a>(claim: &'a str, object_namespace: &'a str) -> (&'a str, &'
 #[derive(clap::Subcommand, Debug)]
 pub enum Control {
     /// Start no new node, and pause the nodes in flight at their next instruction boundary.
+    #[command(after_help = CONTROL_EXIT_CODES)]
     Pause(ControlArgs),
     /// Undo a pause: the nodes in flight go on, and the rollout starts nodes again.
+    #[command(after_help = CONTROL_EXIT_CODES)]
     Resume(ControlArgs),
     /// Start no new node and cancel the nodes in flight; the rollout ends (exit 4) once they have.
+    #[command(after_help = CONTROL_EXIT_CODES)]
     Cancel(ControlArgs),
     /// Where the rollout over the selection stands: running, paused, canceled or none (its Lease),
     /// its plan, and every selected node's row as `plan status --selector` shows it.
+    #[command(after_help = STATUS_EXIT_CODES)]
     Status(StatusArgs),
 }
+
+/// `rollout pause|resume|cancel --help`'s exit codes.
+const CONTROL_EXIT_CODES: &str = "Exit codes:
+  0  done (the rollout's Lease says so; the running rollout acts on it)
+  1  the API server could not be read or written
+  2  bad arguments, or no rollout over the selection";
+
+/// `rollout status --help`'s exit codes.
+const STATUS_EXIT_CODES: &str = "Exit codes:
+  0  shown (a selection without a rollout says so)
+  1  the API server could not be read
+  2  bad arguments";
 
 #[derive(Args, Debug)]
 pub struct ControlArgs {
