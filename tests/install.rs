@@ -458,6 +458,7 @@ async fn without_a_checksum_only_the_system_roots_are_trusted() {
     let (out, err) = text(&o);
     assert_eq!(code(&o), 1, "{out}\n{err}");
     assert!(err.contains("gave up after 2 attempts"), "{err}");
+    assert!(err.contains("not signed by a CA this machine trusts; set CATTLE_CA_CHECKSUM"), "the fix is named: {err}");
     // The test CA is in no system store: no request ever got through the handshake.
     assert_eq!(server.requests().len(), 0);
 }

@@ -136,7 +136,14 @@ pub async fn connection_info(
     };
     let url = format!("{}/v3/connect/agent", r.server);
     let headers = connect_headers(r, id, node_name);
-    let body = get(&client, &url, &headers, b).await?;
+    let body = get(&client, &url, &headers, b).await.map_err(|e| match &r.ca_checksum {
+        // Rancher's own CA is in no system store: its registration command passes its checksum.
+        None if e.contains("UnknownIssuer") || e.contains("invalid peer certificate") => format!(
+            "{e}: the server's certificate is not signed by a CA this machine trusts; set CATTLE_CA_CHECKSUM \
+             to the SHA-256 of the server's /cacerts (Rancher's registration command has it)"
+        ),
+        _ => e,
+    })?;
     let shown = shown_url(&url);
     let c = parse_connection(&body).map_err(|e| format!("GET {shown}: {e}"))?;
     check_client(&c, Plugins::Refuse).await.map_err(|e| format!("GET {shown}: {e}"))?;
