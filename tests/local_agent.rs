@@ -652,6 +652,32 @@ fn a_misspelt_plan_key_is_said_once_by_the_agent() {
     assert!(said[0].contains(" WARN ") && said[0].contains("(a typo?)"), "{log}");
 }
 
+/// Issue 43: `plan status` of a plan the agent cannot run says it is invalid and why, and exits
+/// 2 (it said `pending (not started)` and exited 0); a plan with a misspelt key is shown with a
+/// warning naming the key, and exits 0.
+#[test]
+fn plan_status_says_an_invalid_plan_is_invalid_and_warns_of_a_misspelt_key() {
+    let s = Setup::new();
+    std::fs::write(s.plan_path("broken"), br#"{"instructions": [{"name": "a", "command": 7}]}"#).unwrap();
+    s.plan("typo", serde_json::json!({"instruction": [sh("one", "true")]}));
+    let status = |name: &str| {
+        let out = Command::new(NODEPLAN).args(["plan", "status"]).arg(s.plan_path(name)).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = status("broken");
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(out.contains("state:      invalid (the agent does not run it until it is fixed)"), "{out}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains("broken.plan: invalid plan: malformed JSON"), "{err}");
+    let (code, out, err) = status("typo");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("warning:    unknown plan key(s) \"plan.instruction\""), "{out}");
+}
+
 /// A fleet's logs stay small: each one-time instruction's start and end at info, periodic
 /// instructions only at debug.
 #[test]

@@ -477,7 +477,7 @@ fn agent_view(plan: &Path) -> AgentView {
     view
 }
 
-fn status(f: &PlanFiles) -> Result<(), String> {
+fn status(f: &PlanFiles) -> Result<(), Failure> {
     let raw = read_plan(&f.plan)?;
     let checksum = plan::checksum(&raw);
     let parsed = plan::parse(&raw);
@@ -490,9 +490,13 @@ fn status(f: &PlanFiles) -> Result<(), String> {
     if let Err(e) = &parsed {
         crate::cli::out!("            {e}");
     }
+    if let Some(w) = crate::plan::fields::unknown_keys_warning(&raw) {
+        crate::cli::out!("warning:    {}", crate::plan::failure::shown(&w, 300));
+    }
     let total = parsed.as_ref().map(|v| v.plan.instructions.len()).unwrap_or(0);
     let agent = agent_view(&f.plan);
     let state = match (&p.plan_state, &agent.unwatched) {
+        _ if parsed.is_err() => "invalid (the agent does not run it until it is fixed)".to_string(),
         (Some(s), _) if current => s.as_str().to_string(),
         (_, Some(why)) => format!("pending (not started: {why})"),
         _ => "pending (not started)".to_string(),
@@ -567,7 +571,10 @@ fn status(f: &PlanFiles) -> Result<(), String> {
         let h = if s.healthy { "healthy" } else { "unhealthy" };
         crate::cli::out!("probe:      {name}: {h} (successes {}, failures {})", s.success_count, s.failure_count);
     }
-    Ok(())
+    match parsed {
+        Ok(_) => Ok(()),
+        Err(e) => Err(bad_input(format!("{}: {e}", f.plan.display()))),
+    }
 }
 
 mod remote {
