@@ -2610,3 +2610,37 @@ async fn a_plan_secret_that_does_not_exist_is_said_until_it_is_created() {
     agent_status_until(&r.config, "no problem", |t| t.contains("source:") && !t.contains("does not exist"));
     agent.stop_cleanly();
 }
+
+/// Issue 43: an invalid `plan.cattle.io/paused` written while a plan runs is shown by `plan status
+/// --secret` at once (the run goes on, R3; the agent's Event came only after the run).
+#[tokio::test]
+async fn plan_status_shows_an_invalid_control_value_while_the_plan_runs() {
+    let cp = control_plane!();
+    let r = Remote::new(cp, "invalid-running").await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let kubeconfig = r.p("kubeconfig");
+    std::fs::write(&kubeconfig, cp.kubeconfig_yaml()).unwrap();
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    r.create(
+        &json!({"instructions": [sh("waits", &format!("echo > {ready}; cat {go} > /dev/null"))]}),
+        Some("pending"),
+        &[],
+    )
+    .await;
+    let _agent = r.agent();
+    read_fifo(&ready);
+    r.annotate(plan::ANNOTATION_PAUSED, Some("yes")).await;
+    let out = std::process::Command::new(NODEPLAN)
+        .args(["plan", "status", "--secret", &format!("{ns}/machine-plan"), "--kubeconfig", &kubeconfig])
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(status.contains("state:      in-progress"), "{status}");
+    assert!(
+        status.contains("invalid: ") && status.contains("\"yes\"") && status.contains("neither pauses nor cancels"),
+        "{status}"
+    );
+    release_fifo(&go);
+    r.wait("succeeded: the run went on", |s| state(s) == "succeeded").await;
+}

@@ -696,6 +696,13 @@ mod remote {
                     ann(plan::ANNOTATION_PAUSED),
                     ann(plan::ANNOTATION_CANCELED)
                 );
+                // As the agent reads them (R3): shown while a run goes on too, which it does not stop.
+                if let Err(e) = plan::resolve_annotations(&wire::annotations(&s)) {
+                    crate::cli::out!(
+                        "            invalid: {} (neither pauses nor cancels a run; the plan is held, nothing written, until it is fixed)",
+                        crate::plan::failure::shown(&e.to_string(), 300)
+                    );
+                }
                 let last = text(wire::LAST_APPLY_TIME);
                 // An agent that has not counted yet has written no count: none so far.
                 let count = |k: &str| Some(text(k)).filter(|c| !c.is_empty()).unwrap_or_else(|| "0".into());
