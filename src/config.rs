@@ -28,7 +28,7 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 pub const MIN_OUTPUT_CAP: usize = 1024;
 
 /// Every key the config file understands, in the order of [`defaults_table`].
-pub const KEYS: [&str; 28] = [
+pub const KEYS: [&str; 29] = [
     "workDirectory",
     "localEnabled",
     "localPlanDirectory",
@@ -39,6 +39,7 @@ pub const KEYS: [&str; 28] = [
     "nodeName",
     "nodePlanStateDirectory",
     "leaseDuration",
+    "rivalCheck",
     "preserveWorkDirectory",
     "imagesDirectory",
     "agentRegistriesFile",
@@ -90,6 +91,8 @@ pub struct AgentConfig {
     /// long, renewed every quarter of it (while idle, 24 times less often), so two agents never
     /// act on one source; 0 turns it off.
     pub lease_duration: Duration,
+    /// `rivalCheck`: remote mode waits (and stops) while Rancher's `rancher-system-agent` runs.
+    pub rival_check: bool,
     /// `preserveWorkDirectory`: do not wipe `work_directory` before an apply.
     pub preserve_work_directory: bool,
     /// `imagesDirectory`: image tarballs (an empty value means the default, as in system-agent).
@@ -160,6 +163,7 @@ impl Default for AgentConfig {
             node_plan_state_directory: "/var/lib/rancher/agent/nodeplans".into(),
             node_name: String::new(),
             lease_duration: Duration::from_secs(40),
+            rival_check: true,
             preserve_work_directory: false,
             images_directory: DEFAULT_IMAGES_DIRECTORY.into(),
             agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
@@ -275,6 +279,11 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
             "leaseDuration",
             crate::duration::show(d.lease_duration),
             "remote and NodePlan modes: the Lease that keeps a second agent off the same plan source (renewed every quarter of it while a plan runs, 24 times less often while idle; 0 = no Lease)",
+        ),
+        (
+            "rivalCheck",
+            d.rival_check.to_string(),
+            "remote mode: wait while Rancher's `rancher-system-agent` runs on this node (and stop if it starts), since it may act on the same plan Secret; `false` where it serves another Secret",
         ),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (
@@ -459,6 +468,7 @@ pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
         c.node_name = n;
     }
     doc.duration_into("leaseDuration", &mut c.lease_duration)?;
+    doc.bool_into("rivalCheck", &mut c.rival_check)?;
     doc.bool_into("preserveWorkDirectory", &mut c.preserve_work_directory)?;
     doc.path_into("imagesDirectory", &mut c.images_directory, true)?;
     doc.path_into("agentRegistriesFile", &mut c.agent_registries_file, true)?;

@@ -1516,7 +1516,7 @@ pub fn guard(
         {
             if !told {
                 tracing::warn!(
-                    "waiting: {p} (pid {pid}) runs on this node and acts on the same plan Secret; stop and disable it (systemctl disable --now {p}) to let nodeplan act",
+                    "waiting: {p} (pid {pid}) runs on this node and may act on this plan Secret (which Secret it serves cannot be told from here); stop and disable it (systemctl disable --now {p}) to let nodeplan act, or set rivalCheck: false in the config if it serves another Secret",
                     p = r.program
                 );
                 if let Some(w) = &what {
@@ -1549,7 +1549,9 @@ pub fn guard(
             let Some(r) = &rival else { return std::future::pending().await };
             let pid = (r.started)().await;
             let what = format!("{} (pid {pid}) started on this node", r.program);
-            tracing::error!("{what}: stopping, so two agents never act on one plan Secret");
+            tracing::error!(
+                "{what}: stopping, since it may act on this plan Secret (rivalCheck: false in the config if it serves another)"
+            );
             what
         };
         let ended = fence_until_ended(acting, lost, rival_started, &mut stopped, &fence_tx).await;

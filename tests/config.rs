@@ -42,6 +42,7 @@ nodePlanEnabled: true
 nodeName: worker-7
 nodePlanStateDirectory: /w/nodeplans
 leaseDuration: 1m
+rivalCheck: false
 preserveWorkDirectory: true
 imagesDirectory: /w/images
 agentRegistriesFile: /w/registries.yaml
@@ -73,6 +74,7 @@ const FULL_JSON: &str = r#"{
   "nodeName": "worker-7",
   "nodePlanStateDirectory": "/w/nodeplans",
   "leaseDuration": "1m",
+  "rivalCheck": false,
   "preserveWorkDirectory": true,
   "imagesDirectory": "/w/images",
   "agentRegistriesFile": "/w/registries.yaml",
@@ -105,6 +107,7 @@ fn full() -> AgentConfig {
         node_name: "worker-7".into(),
         node_plan_state_directory: "/w/nodeplans".into(),
         lease_duration: Duration::from_secs(60),
+        rival_check: false,
         preserve_work_directory: true,
         images_directory: "/w/images".into(),
         agent_registries_file: "/w/registries.yaml".into(),

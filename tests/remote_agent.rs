@@ -1809,8 +1809,8 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
     let rival = start_rival();
     r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
     let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
-    let line = agent.wait_log("acts on the same plan Secret");
-    assert!(line.contains(&format!("pid {}", rival.0.id())), "{line}");
+    let line = agent.wait_log("may act on this plan Secret");
+    assert!(line.contains(&format!("pid {}", rival.0.id())) && line.contains("rivalCheck: false"), "{line}");
     assert_eq!(state(&r.get().await), "pending", "nothing is done while it runs");
     drop(rival);
     r.wait("succeeded", |s| state(s) == "succeeded").await;
@@ -1820,6 +1820,19 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
     let line = agent.wait_log("started on this node");
     assert!(line.contains(&format!("pid {}", rival.0.id())), "{line}");
     assert_eq!(agent.child.wait().unwrap().code(), Some(1));
+    // An operator who knows it serves another Secret turns the check off: the agent acts beside it.
+    let ns = r.client.secret_ref().namespace.clone();
+    let unchecked = ClusterNode::new("remoteEnabled: true\nrivalCheck: false\n", &cp.kubeconfig_yaml(), &ns);
+    let mut agent = AgentProc::start_with(&unchecked.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
+    agent.wait_log("not looking for rancher-system-agent on this node (rivalCheck: false)");
+    r.new_plan(&json!({"instructions": [sh("two", "echo two")]})).await;
+    r.wait("the second plan succeeded beside it", |s| state(s) == "succeeded").await;
+    assert!(
+        rival.0.id() > 0 && agent.seen.iter().all(|l| !l.contains("may act on this plan Secret")),
+        "{:?}",
+        agent.seen
+    );
+    agent.stop_cleanly();
     drop(rival);
     drop(unit);
     let impostor_ran = impostor.0.try_wait().unwrap().is_none();

@@ -310,7 +310,10 @@ async fn secret_source(
     let source = crate::remote::agent::SecretSource::new(SecretClient::new(client, secret), Duration::from_secs(5))
         .with_kept_outcomes(non_empty(&cfg.applied_plan_directory).as_deref())
         .with_events(&node_name(cfg));
-    Ok(Gated::new(source, crate::lease::guard(lease, Some(rancher_agent()), shutdown.clone())))
+    if !cfg.rival_check {
+        tracing::info!("not looking for rancher-system-agent on this node (rivalCheck: false)");
+    }
+    Ok(Gated::new(source, crate::lease::guard(lease, cfg.rival_check.then(rancher_agent), shutdown.clone())))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.
