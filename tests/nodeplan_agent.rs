@@ -193,7 +193,7 @@ async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_field
     }
     // A field this agent does not know (a newer producer's) is refused in status, never ignored.
     let marker = n.p("marker");
-    let spec = json!({"plan": {"instructions": [sh("a", &format!("touch {marker}"))]}, "rollout": {"batch": 2}});
+    let spec = json!({"plan": {"instructions": [sh("a", &format!("echo ran >> {marker}"))]}, "rollout": {"batch": 2}});
     n.create("newer", "node-a", spec).await;
     let mut agent = n.agent();
     let s = n.wait("newer", "Failed", phase("Failed")).await;
@@ -202,6 +202,17 @@ async fn the_schema_rejects_a_malformed_plan_and_the_agent_refuses_unknown_field
     assert!(c.message.contains("spec.rollout"), "{c:?}");
     agent.wait_log("spec.rollout");
     assert!(!std::path::Path::new(&marker).exists(), "nothing ran");
+    // Issue 43: fixed, it runs and shows its real phase; refused again and fixed again, it goes
+    // back to that phase (it stayed Failed/Unsupported) without running again.
+    n.patch_spec("newer", json!({"rollout": null})).await;
+    n.wait("newer", "Applied once fixed", phase("Applied")).await;
+    n.patch_spec("newer", json!({"rollout": {"batch": 3}})).await;
+    n.wait("newer", "Failed again", phase("Failed")).await;
+    n.patch_spec("newer", json!({"rollout": null})).await;
+    let s = n.wait("newer", "Applied again", phase("Applied")).await;
+    let c = s.conditions.iter().find(|c| c.type_ == "Applied").expect("a condition");
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "Applied"), "{c:?}");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\n", "it ran once");
     assert_eq!(agent.stop(), 0);
 }
 

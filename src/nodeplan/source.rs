@@ -484,6 +484,19 @@ impl PlanSource for NodePlanSource {
                 return bad(e);
             }
         };
+        // A refusal of an earlier spec is undone once this one is taken (the run may have nothing
+        // left to write: a fixed spec of a plan that had succeeded).
+        let status = match wire::unrefused(&status, generation, chrono::Utc::now()) {
+            Some(next) => match self.write(name, &checksum, &next, false).await {
+                Written::Done => next,
+                Written::Failed { error, .. } => {
+                    tracing::warn!("{label}: cannot write that its spec is taken again: {error}");
+                    status
+                }
+                Written::Abandoned => status,
+            },
+            None => status,
+        };
         let total = vp.plan.instructions.len();
         let (snap, retry_in) = wire::snapshot(&spec, &status, &checksum, total, &policy, chrono::Utc::now());
         let attempt = wire::attempt(&status, &checksum);

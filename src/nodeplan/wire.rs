@@ -384,15 +384,7 @@ fn with_state(prev: &NodePlanStatus, t: Target<'_>, state: PlanState, now: DateT
         PlanState::Succeeded => format!("{total}/{total}"),
         _ => format!("{completed}/{total}"),
     };
-    let (status, reason) = match state {
-        PlanState::Succeeded => ("True", "Applied"),
-        PlanState::Pending => ("False", "Pending"),
-        PlanState::InProgress => ("False", "Executing"),
-        PlanState::Paused => ("False", "Paused"),
-        PlanState::Failed => ("False", "Failed"),
-        PlanState::Canceled => ("False", "Cancelled"),
-        PlanState::Other(_) => ("Unknown", "Unknown"),
-    };
+    let (status, reason) = applied_of(&state);
     set_condition(&mut s.conditions, "Applied", status, reason, &format!("plan {}", state), generation, now);
     s.state = Some(state);
     s
@@ -633,6 +625,44 @@ pub fn refused(
     s
 }
 
+/// The `Applied` condition reasons of [`refused`] (the spec, not its run, was refused).
+const REFUSALS: [&str; 4] = ["Unsupported", "NoPlan", "InvalidSpec", "InvalidPlan"];
+
+/// A status that still shows a refusal ([`refused`]) of an earlier generation, once the spec of
+/// `generation` is taken again: phase and `Applied` condition put back to what its run's state
+/// says (`Pending` for a plan that never ran). `None` when it shows no refusal to undo.
+pub fn unrefused(prev: &NodePlanStatus, generation: i64, now: DateTime<Utc>) -> Option<NodePlanStatus> {
+    let applied = prev.conditions.iter().find(|c| c.type_ == "Applied")?;
+    if prev.phase != "Failed" || !REFUSALS.contains(&applied.reason.as_str()) || prev.observed_generation >= generation {
+        return None;
+    }
+    let state = prev.state.clone().unwrap_or(PlanState::Pending);
+    let mut s = NodePlanStatus { observed_generation: generation, ..prev.clone() };
+    s.phase = phase(&state).to_string();
+    let (status, reason, message) = match &prev.failure {
+        Some(f) if state == PlanState::Failed => ("False", "Failed", format!("plan failed: {}", f.note())),
+        _ => {
+            let (status, reason) = applied_of(&state);
+            (status, reason, format!("plan {state}"))
+        }
+    };
+    set_condition(&mut s.conditions, "Applied", status, reason, &message, generation, now);
+    Some(s)
+}
+
+/// The `Applied` condition's status and reason for a state.
+fn applied_of(state: &PlanState) -> (&'static str, &'static str) {
+    match state {
+        PlanState::Succeeded => ("True", "Applied"),
+        PlanState::Pending => ("False", "Pending"),
+        PlanState::InProgress => ("False", "Executing"),
+        PlanState::Paused => ("False", "Paused"),
+        PlanState::Failed => ("False", "Failed"),
+        PlanState::Canceled => ("False", "Cancelled"),
+        PlanState::Other(_) => ("Unknown", "Unknown"),
+    }
+}
+
 /// The plan JSON of a spec, validated as any plan is, and the run's identity ([`plan_checksum`]).
 pub fn valid_plan(spec: &NodePlanSpec) -> Result<(plan::ValidPlan, String), String> {
     let raw = plan_bytes(spec).ok_or("spec.plan is missing")?;
@@ -648,6 +678,26 @@ mod tests {
 
     fn now() -> DateTime<Utc> {
         DateTime::parse_from_rfc3339("2026-11-30T12:00:00Z").unwrap().with_timezone(&Utc)
+    }
+
+    /// A refusal of generation 2 (an unknown field) over a run that had succeeded, undone when
+    /// generation 3 is taken again; never for a real failure, nor for the refused generation.
+    #[test]
+    fn a_refusal_is_undone_when_a_later_spec_is_taken() {
+        let t = Target { generation: 1, checksum: "c", total: 2 };
+        let done = with_state(&NodePlanStatus::default(), t, PlanState::Succeeded, now());
+        let held = refused(&done, 2, "Unsupported", "unknown field spec.foo", now());
+        assert_eq!(held.phase, "Failed");
+        assert_eq!(unrefused(&held, 2, now()), None, "the refused generation stays refused");
+        let back = unrefused(&held, 3, now()).expect("undone");
+        assert_eq!((back.phase.as_str(), back.observed_generation), ("Applied", 3));
+        let applied = back.conditions.iter().find(|c| c.type_ == "Applied").unwrap();
+        assert_eq!((applied.status.as_str(), applied.reason.as_str()), ("True", "Applied"));
+        assert_eq!(unrefused(&back, 4, now()), None, "nothing left to undo");
+        let never_ran = refused(&NodePlanStatus::default(), 1, "InvalidPlan", "bad", now());
+        assert_eq!(unrefused(&never_ran, 2, now()).map(|s| s.phase), Some("Pending".into()));
+        let failed = with_state(&done, Target { generation: 2, ..t }, PlanState::Failed, now());
+        assert_eq!(unrefused(&failed, 3, now()), None, "a failed run is no refusal");
     }
 
     fn spec(paused: bool, canceled: bool) -> NodePlanSpec {
