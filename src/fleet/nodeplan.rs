@@ -47,7 +47,10 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
     let failure = status.failure.clone().filter(|f| f.checksum == run).map(|f| f.bounded());
     let why = super::failure_text(status.failures, failure.as_ref());
     let failed = || Outcome::Failed(format!("failed ({why})"));
+    // A refusal of the current spec is what the node shows, whatever its earlier run did.
+    let refusal = refused(&status, o.metadata.generation.unwrap_or_default());
     let (state, outcome) = match status.state.clone().filter(|_| ours) {
+        _ if refusal.is_some() => ("refused".into(), Outcome::Failed(refusal.clone().unwrap_or_default())),
         Some(PlanState::Succeeded) => ("succeeded".to_string(), Outcome::Succeeded),
         // Retried by the spec's strategy: not over.
         Some(PlanState::Failed) if !status.execution_state.next_retry.is_empty() && !spec.canceled => {
@@ -64,10 +67,7 @@ pub fn standing(key: &str, o: &DynamicObject) -> Standing {
             ("paused".into(), Outcome::Succeeded)
         }
         Some(other) => (other.as_str().to_string(), Outcome::Running),
-        None => match refused(&status, o.metadata.generation.unwrap_or_default()) {
-            Some(why) => ("refused".into(), Outcome::Failed(why)),
-            None => ("pending".into(), Outcome::Running),
-        },
+        None => ("pending".into(), Outcome::Running),
     };
     st.completed = match state.as_str() {
         "succeeded" => Some(st.total),
@@ -199,6 +199,14 @@ mod tests {
                 "refused",
                 spec.clone(),
                 refusal.clone(),
+                "refused",
+                Outcome::Failed("refused: Unsupported: spec.locking is not supported".into()),
+                None,
+            ),
+            (
+                "refused after its run had succeeded (issue 43: it showed succeeded)",
+                spec.clone(),
+                st("succeeded", json!({"phase": "Failed", "conditions": refusal["conditions"].clone()})),
                 "refused",
                 Outcome::Failed("refused: Unsupported: spec.locking is not supported".into()),
                 None,
