@@ -222,14 +222,28 @@ pub fn table(rows: &[Row], wide: bool) -> String {
     crate::columns(&cells).join("\n")
 }
 
-/// A one-line summary: how many nodes in each state.
+/// A one-line summary: how many nodes in each state; when the nodes hold different plans, per
+/// plan (a node that succeeded on an older plan has not succeeded on the new one).
 pub fn summary(rows: &[Row]) -> String {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    let plans: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.plan.as_str()).collect();
+    let mut counts: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     for r in rows {
-        *counts.entry(r.state.as_str()).or_default() += 1;
+        let plan = if plans.len() > 1 { r.plan.as_str() } else { "" };
+        *counts.entry((plan, r.state.as_str())).or_default() += 1;
     }
-    let parts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
-    format!("{}: {}", crate::count(rows.len(), "node"), parts.join(", "))
+    let parts: Vec<String> = counts
+        .iter()
+        .map(|((plan, s), n)| match *plan {
+            _ if plans.len() == 1 => format!("{n} {s}"),
+            "" => format!("{n} {s} (no plan)"),
+            p => format!("{n} {s} on plan {p}"),
+        })
+        .collect();
+    let nodes = crate::count(rows.len(), "node");
+    match plans.len() {
+        0 | 1 => format!("{nodes}: {}", parts.join(", ")),
+        n => format!("{nodes}, {n} plans: {}", parts.join(", ")),
+    }
 }
 
 /// The latest row of every node, for a watch.
@@ -295,6 +309,13 @@ mod tests {
         assert!(lines[1].starts_with("b      failed        abc    1/2"), "{t}");
         assert_eq!(summary(&rows), "4 nodes: 2 failed, 1 in-progress, 1 succeeded");
         assert_eq!(summary(&rows[..1]), "1 node: 1 failed", "one node is not \"1 nodes\"");
+        // Issue 43: nodes still on an older plan are not counted as succeeded on the new one.
+        let older = |node: &str, state: &str| Row { plan: "def".into(), ..row(node, state) };
+        let mixed = vec![row("a", "succeeded"), older("b", "succeeded"), older("c", "succeeded"), row("d", "failed")];
+        assert_eq!(
+            summary(&mixed),
+            "4 nodes, 2 plans: 1 failed on plan abc, 1 succeeded on plan abc, 2 succeeded on plan def"
+        );
     }
 
     #[test]
