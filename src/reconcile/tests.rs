@@ -1111,7 +1111,17 @@ async fn a_passed_apply_gate_does_not_keep_the_loop_awake() {
     std::fs::write(fx.dir.path().join("work"), b"in the way").unwrap();
     let (stop, agent) = fx.start();
     let mut looks = fx.store.looks.subscribe();
-    tokio::time::timeout(GUARD, looks.wait_for(|n| *n >= 3)).await.expect("tried again").unwrap();
+    // A guard of real time: on the paused clock a tokio timeout is the next timer the clock jumps
+    // to while the apply waits on a thread the runtime does not track (seen under load).
+    let (tx, guard) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        std::thread::sleep(GUARD);
+        let _ = tx.send(());
+    });
+    tokio::select! {
+        r = looks.wait_for(|n| *n >= 3) => { r.unwrap(); }
+        _ = guard => panic!("never tried again"),
+    }
     std::fs::remove_file(fx.dir.path().join("work")).unwrap();
     fx.until("a", "succeeded", |p| p.state == PlanState::Succeeded).await;
     let start = *looks.borrow_and_update();
