@@ -419,7 +419,22 @@ impl Fixture {
         let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
         (tx, tokio::spawn(r.run()))
     }
+
+    /// Start the loop behind an open gate whose fence the test moves: the fence, the stop switch
+    /// and the loop's task.
+    fn start_fenced(&self) -> (watch::Sender<bool>, watch::Sender<bool>, FencedLoop) {
+        let (fence_tx, fence) = watch::channel(true);
+        let (stop, rx) = watch::channel(false);
+        let (_state_tx, gate) = watch::channel(GateState::Open);
+        let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
+        let source = MemSource(self.store.clone(), Duration::from_secs(3600));
+        let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
+        let r = Reconciler::new(source, self.app.clone(), Arc::new(Prober::new()), rx);
+        (fence_tx, stop, tokio::spawn(r.run()))
+    }
 }
+
+type FencedLoop = tokio::task::JoinHandle<(AgentExit, Gated<MemSource>)>;
 
 /// Stop the loop and wait for its end: how it ended, and its source.
 async fn stopped<S>(stop: watch::Sender<bool>, agent: tokio::task::JoinHandle<(AgentExit, S)>) -> (AgentExit, S) {
@@ -518,14 +533,7 @@ async fn a_closed_fence_stops_at_a_recorded_boundary_and_nothing_starts_until_it
             &format!("echo a3 >> {log}"),
         ],
     );
-    let (fence_tx, fence) = watch::channel(true);
-    let (stop, rx) = watch::channel(false);
-    let (_state_tx, gate) = watch::channel(GateState::Open);
-    let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
-    let source = MemSource(fx.store.clone(), Duration::from_secs(3600));
-    let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
-    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx);
-    let agent = tokio::spawn(r.run());
+    let (fence_tx, stop, agent) = fx.start_fenced();
     running(&ready).await;
     let long: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
 
@@ -572,14 +580,7 @@ async fn a_fence_that_opens_again_during_the_stop_leaves_a_recorded_boundary() {
             &format!("echo a3 >> {log}"),
         ],
     );
-    let (fence_tx, fence) = watch::channel(true);
-    let (stop, rx) = watch::channel(false);
-    let (_state_tx, gate) = watch::channel(GateState::Open);
-    let (task_stop, task) = (tokio::sync::oneshot::channel().0, tokio::spawn(async {}));
-    let source = MemSource(fx.store.clone(), Duration::from_secs(3600));
-    let source = Gated::new(source, Gate::new(gate, fence, task_stop, task));
-    let r = Reconciler::new(source, fx.app.clone(), Arc::new(Prober::new()), rx);
-    let agent = tokio::spawn(r.run());
+    let (fence_tx, stop, agent) = fx.start_fenced();
     running(&ready).await;
     fence_tx.send(false).unwrap();
     running(&stopping).await;
