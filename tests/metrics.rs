@@ -148,6 +148,13 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
         "{before}"
     );
     assert_eq!(value(&before, "nodeplan_api_refusals{status=\"401\"}"), Some(0.0), "{before}");
+    for series in [
+        "nodeplan_stop_ladder_total{outcome=\"survivors\"}",
+        "nodeplan_pid_record_recoveries_total{result=\"not_stopped\"}",
+        "nodeplan_write_retries_total{target=\"secret\",reason=\"conflict\"}",
+    ] {
+        assert_eq!(value(&before, series), Some(0.0), "{series} before anything ran:\n{before}");
+    }
 
     read_fifo(&ready);
     let out =
@@ -169,7 +176,7 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
     assert!(value(&t, "nodeplan_plans_total{result=\"failed\"}").is_some_and(|n| n >= 1.0), "{t}");
     // The sleep died of SIGTERM: one ladder run, no SIGKILL, nothing left.
     assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"exited_on_term\"}"), Some(1.0), "{t}");
-    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"killed\"}"), None, "{t}");
+    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"killed\"}"), Some(0.0), "{t}");
     assert_eq!(value(&t, "nodeplan_stop_survivors_total"), Some(0.0), "{t}");
     let count = |kind: &str, result: &str| {
         value(&t, &format!("nodeplan_instruction_duration_seconds_count{{kind=\"{kind}\",result=\"{result}\"}}"))
@@ -234,7 +241,7 @@ fn a_leftover_stopped_at_restart_is_counted() {
         value(t, "nodeplan_pid_record_recoveries_total{result=\"stopped\"}") == Some(1.0)
     });
     assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"killed\"}"), Some(1.0), "{t}");
-    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"exited_on_term\"}"), None, "{t}");
+    assert_eq!(value(&t, "nodeplan_stop_ladder_total{outcome=\"exited_on_term\"}"), Some(0.0), "{t}");
     assert_eq!(second.stop(), 0);
 }
 

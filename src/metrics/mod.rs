@@ -224,8 +224,29 @@ impl Metrics {
         for status in ["401", "403"] {
             api_refusals.get_or_create(&StatusLabel { status }).set(0);
         }
+        // Every labelled counter is there from the start, at 0: a rate over a series that appears
+        // only with its first event misses that event.
         for result in [PlanResult::Succeeded, PlanResult::Failed, PlanResult::Paused, PlanResult::Canceled] {
             plans.get_or_create(&ResultLabel { result: result.label() }).inc_by(0);
+        }
+        for outcome in [Ladder::ExitedOnTerm, Ladder::Killed, Ladder::Survivors(0), Ladder::Error] {
+            stop_ladder.get_or_create(&OutcomeLabel { outcome: outcome.label() }).inc_by(0);
+        }
+        for result in [
+            Recovery::Invalid,
+            Recovery::Gone,
+            Recovery::Mismatch,
+            Recovery::Stopped,
+            Recovery::NotStopped,
+            Recovery::Refused,
+            Recovery::OwnerAlive,
+        ] {
+            pid_recoveries.get_or_create(&ResultLabel { result: result.label() }).inc_by(0);
+        }
+        for target in [WriteTarget::Secret, WriteTarget::NodePlan] {
+            for reason in [RetryReason::Conflict, RetryReason::Error] {
+                write_retries.get_or_create(&WriteLabels { target: target.label(), reason: reason.label() }).inc_by(0);
+            }
         }
         let plans_failed = Gauge::default();
         registry.register(
