@@ -44,10 +44,12 @@ macro_rules! unix_only {
 }
 
 unix_only!(
-    apply, backoff, board, cli, config, disk, events, fleet, flow, formats, image, install, k8s, lease, local, logging,
-    metrics, nodeplan, plan, probe, reconcile, remote, safefs,
+    apply, backoff, board, cli, config, disk, events, fleet, formats, image, install, k8s, lease, local, logging,
+    metrics, nodeplan, probe, reconcile, remote, safefs,
 );
 pub mod duration;
+pub mod flow;
+pub mod plan;
 #[cfg(unix)]
 pub mod process;
 /// On Windows, the process layer alone so far (issue 42): each run in a Job Object, the stop

@@ -442,7 +442,7 @@ fn validate(plan: &Plan) -> Result<Vec<FileOp>, PlanError> {
         if url.is_empty() {
             return Err(field("is empty".into()));
         }
-        let parsed = reqwest::Url::parse(url).map_err(|e| field(format!("{url:?} is not a URL: {e}")))?;
+        let parsed = url::Url::parse(url).map_err(|e| field(format!("{url:?} is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(field(format!("{url:?}: the scheme must be http or https, not {:?}", parsed.scheme())));
         }
