@@ -1987,7 +1987,7 @@ fn rollout_cmd(cp: &ControlPlane, ns: &str, plan: &str, extra: &[&str]) -> std::
 /// Issue 43: a rollout against an API server that does not answer ends with exit 1 once its
 /// first list has waited --request-timeout, saying why and writing nothing (it retried for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rollout_against_an_api_server_that_cannot_be_read_ends_with_exit_1() {
+async fn a_rollout_or_a_watch_against_an_api_server_that_cannot_be_read_ends_with_exit_1() {
     let cp = control_plane!();
     let dir = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -2011,6 +2011,22 @@ async fn a_rollout_against_an_api_server_that_cannot_be_read_ends_with_exit_1() 
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("nodeplan: cannot read the API server: "), "{err}");
     assert!(err.contains("could not be listed within 2s (--request-timeout); nothing was written"), "{err}");
+    // `plan status -l --watch` too (it relisted for ever).
+    let mut child = std::process::Command::new(NODEPLAN)
+        .args(["plan", "status", "-l", "fleet=none", "-n", "default", "--watch", "--request-timeout", "2s"])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let code = exit_code(&mut child, "nodeplan plan status --watch against a closed port");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nodeplan: cannot read the API server: "), "{err}");
+    assert!(err.contains("could not be listed within 2s (--request-timeout)"), "{err}");
 }
 
 /// Issue 14: 20 agents, `--max-concurrent 5`. Each node's instruction waits on a gate of its own

@@ -8,6 +8,7 @@ use super::{Acting, Failure, NodeList, Output, PlanAction, RemoteTarget};
 use crate::fleet::objects::{self, Change, Kind, Scope, Tracker, Write};
 use crate::fleet::{self, Rows};
 use futures::StreamExt as _;
+use std::time::Duration;
 
 /// The selection: `kind`'s objects in `-n` (else the context's namespace), or in every namespace.
 pub fn scope(kube: &kube::Client, kind: Kind, selector: &str, namespace: Option<&String>, all: bool) -> Scope {
@@ -35,7 +36,7 @@ pub(super) async fn status(selector: &str, l: &NodeList, t: &RemoteTarget) -> Re
         print_rows(&rows, l.output);
         return Ok(());
     }
-    watch(kube, &scope, l.output).await
+    watch(kube, &scope, l.output, t.request_timeout).await
 }
 
 /// `logs --selector S [--nodeplans]`: each selected node's logs after a `== node ==` line.
@@ -72,7 +73,7 @@ fn print_rows(rows: &[fleet::Row], output: Output) {
 /// Follow the selected objects until Ctrl-C (or SIGTERM): JSON, YAML and names show each node's
 /// row when it changes (every transition once); the table is printed again after each change (in
 /// a terminal, in place of the last one).
-async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), Failure> {
+async fn watch(kube: kube::Client, scope: &Scope, output: Output, request_timeout: Duration) -> Result<(), Failure> {
     let each = !output.text();
     let show = |row: &fleet::Row| match output {
         Output::Name => row.kube_name(),
@@ -85,9 +86,21 @@ async fn watch(kube: kube::Client, scope: &Scope, output: Output) -> Result<(), 
     let mut stream = objects::watch(kube, scope);
     let stop = crate::cli::interrupted();
     let mut stop = std::pin::pin!(stop);
+    // The first list is one request's work: an API server that cannot be read ends the watch
+    // (exit 1) after --request-timeout rather than being retried for ever. Later outages are
+    // ridden out (the watch lists again).
+    let first_list = tokio::time::sleep(request_timeout);
+    let mut first_list = std::pin::pin!(first_list);
     loop {
         let event = tokio::select! {
             () = &mut stop => return Ok(()),
+            () = &mut first_list, if !tracker.listed => {
+                return Err(Failure::Failed(format!(
+                    "cannot read the API server: {} could not be listed within {} (--request-timeout)",
+                    scope.describe(),
+                    crate::duration::show(request_timeout)
+                )));
+            }
             e = stream.next() => e,
         };
         let Some(event) = event else { return Err(Failure::Failed("the watch ended".into())) };
