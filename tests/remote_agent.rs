@@ -1984,8 +1984,9 @@ fn rollout_cmd(cp: &ControlPlane, ns: &str, plan: &str, extra: &[&str]) -> std::
     c
 }
 
-/// Issue 43: a rollout against an API server that does not answer ends with exit 1 once its
-/// first list has waited --request-timeout, saying why and writing nothing (it retried for ever).
+/// Issue 43: a rollout (and `plan status -l --watch`) against an API server that does not answer
+/// ends with exit 1 once its first list has waited --request-timeout, saying why and writing
+/// nothing (each retried for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_or_a_watch_against_an_api_server_that_cannot_be_read_ends_with_exit_1() {
     let cp = control_plane!();
@@ -1996,34 +1997,28 @@ async fn a_rollout_or_a_watch_against_an_api_server_that_cannot_be_read_ends_wit
         .unwrap();
     let plan = dir.path().join("p.plan");
     std::fs::write(&plan, r#"{"instructions":[{"name":"a","command":"true"}]}"#).unwrap();
-    let mut child = std::process::Command::new(NODEPLAN)
-        .args(["rollout", &plan.to_string_lossy(), "-n", "default", "-l", "fleet=none", "--request-timeout", "2s"])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let code = exit_code(&mut child, "nodeplan rollout against a closed port");
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    // Each command's exit code and stderr.
+    let run = |args: &[&str]| {
+        let mut child = std::process::Command::new(NODEPLAN)
+            .args(args)
+            .args(["-n", "default", "--request-timeout", "2s", "--kubeconfig"])
+            .arg(&kubeconfig)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let code = exit_code(&mut child, &format!("nodeplan {args:?} against a closed port"));
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        (code, err)
+    };
+    let (code, err) = run(&["rollout", &plan.to_string_lossy(), "-l", "fleet=none"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("nodeplan: cannot read the API server: "), "{err}");
     assert!(err.contains("could not be listed within 2s (--request-timeout); nothing was written"), "{err}");
     // `plan status -l --watch` too (it relisted for ever).
-    let mut child = std::process::Command::new(NODEPLAN)
-        .args(["plan", "status", "-l", "fleet=none", "-n", "default", "--watch", "--request-timeout", "2s"])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let code = exit_code(&mut child, "nodeplan plan status --watch against a closed port");
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let (code, err) = run(&["plan", "status", "-l", "fleet=none", "--watch"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("nodeplan: cannot read the API server: "), "{err}");
     assert!(err.contains("could not be listed within 2s (--request-timeout)"), "{err}");
