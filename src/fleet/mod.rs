@@ -222,28 +222,28 @@ pub fn table(rows: &[Row], wide: bool) -> String {
     crate::columns(&cells).join("\n")
 }
 
-/// A one-line summary: how many nodes in each state; when the nodes hold different plans, per
-/// plan (a node that succeeded on an older plan has not succeeded on the new one).
+/// A one-line summary: how many nodes in each state. When the nodes hold two or three plans (a
+/// rollout under way, or stopped by its failure budget), per plan: a node that succeeded on the
+/// older plan has not succeeded on the new one. More plans than that (each node its own) are only
+/// counted.
 pub fn summary(rows: &[Row]) -> String {
     let plans: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.plan.as_str()).collect();
+    let split = (2..=3).contains(&plans.len());
     let mut counts: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     for r in rows {
-        let plan = if plans.len() > 1 { r.plan.as_str() } else { "" };
+        let plan = if split { r.plan.as_str() } else { "" };
         *counts.entry((plan, r.state.as_str())).or_default() += 1;
     }
     let parts: Vec<String> = counts
         .iter()
         .map(|((plan, s), n)| match *plan {
-            _ if plans.len() == 1 => format!("{n} {s}"),
+            _ if !split => format!("{n} {s}"),
             "" => format!("{n} {s} (no plan)"),
             p => format!("{n} {s} on plan {p}"),
         })
         .collect();
-    let nodes = crate::count(rows.len(), "node");
-    match plans.len() {
-        0 | 1 => format!("{nodes}: {}", parts.join(", ")),
-        n => format!("{nodes}, {n} plans: {}", parts.join(", ")),
-    }
+    let more = if plans.len() > 3 { format!(" ({} plans)", plans.len()) } else { String::new() };
+    format!("{}: {}{more}", crate::count(rows.len(), "node"), parts.join(", "))
 }
 
 /// The latest row of every node, for a watch.
@@ -312,10 +312,10 @@ mod tests {
         // Issue 43: nodes still on an older plan are not counted as succeeded on the new one.
         let older = |node: &str, state: &str| Row { plan: "def".into(), ..row(node, state) };
         let mixed = vec![row("a", "succeeded"), older("b", "succeeded"), older("c", "succeeded"), row("d", "failed")];
-        assert_eq!(
-            summary(&mixed),
-            "4 nodes, 2 plans: 1 failed on plan abc, 1 succeeded on plan abc, 2 succeeded on plan def"
-        );
+        assert_eq!(summary(&mixed), "4 nodes: 1 failed on plan abc, 1 succeeded on plan abc, 2 succeeded on plan def");
+        let own = |node: &str| Row { plan: format!("p-{node}"), ..row(node, "canceled") };
+        let each = vec![own("a"), own("b"), own("c"), own("d")];
+        assert_eq!(summary(&each), "4 nodes: 4 canceled (4 plans)", "each node its own plan: counted, not listed");
     }
 
     #[test]
