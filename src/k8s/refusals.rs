@@ -1,5 +1,5 @@
 //! Refusals no retry can cure: the API server answered, but with 401 (the agent's token) or 403
-//! (what the agent's account may do). A connection that carries such answers is alive
+//! (what the agent's account may do with its plan objects). A connection that carries such answers is alive
 //! ([`super::liveness`]), yet the agent achieves nothing, so these are kept apart: one entry per
 //! kind of refusal (the token; a verb on a resource), since when, said in the log when it starts,
 //! once a minute while it lasts and when it ends, shown by `nodeplan status` and in the metrics.
@@ -14,11 +14,18 @@ use std::time::{Duration, Instant};
 /// How often a refusal that lasts is said again in the log.
 pub const RETELL: Duration = Duration::from_secs(60);
 
-/// One kind of refusal: `401`, or `403 <verb> <resource>`.
+/// The resources whose 403 keeps the agent from its work: its plan objects. Leases and Events
+/// have fallbacks of their own, each said once where it happens (a source without a Lease,
+/// Events off): Rancher's per-machine role grants the plan Secret alone.
+const NEEDED: [&str; 2] = ["secrets", "nodeplans"];
+
+/// One kind of refusal: `401`, or `403 <verb> <resource>` for a resource the agent needs.
 fn key(status: u16, what: &str) -> Option<String> {
+    let resource = what.split_once(' ').map_or(what, |(_, r)| r);
+    let needed = NEEDED.iter().any(|n| resource == *n || resource.starts_with(&format!("{n}/")));
     match status {
         401 => Some("401".into()),
-        403 => Some(format!("403 {what}")),
+        403 if needed => Some(format!("403 {what}")),
         _ => None,
     }
 }
@@ -195,6 +202,10 @@ mod tests {
         let told = r.account(403, "patch secrets", &a, i);
         assert!(matches!(&told[..], [Tell::Refused { line, .. }] if line.contains("forbids the agent to patch secrets (403 Forbidden)")));
         assert_eq!(r.account(500, "patch secrets", &a, i), []);
+        // Leases and Events have their own fallbacks (Rancher's role grants the Secret alone).
+        assert_eq!(r.account(403, "create events", &a, i), []);
+        assert_eq!(r.account(403, "get leases", &a, i), []);
+
         assert_eq!(r.account(409, "patch secrets", &a, i), []);
         let now = r.in_force();
         assert_eq!((now.lines.len(), now.counts), (2, [(401, 1), (403, 1)]));
@@ -205,5 +216,8 @@ mod tests {
         assert_eq!(r.account(201, "create events", &a, i), []);
         assert!(matches!(&r.account(200, "patch secrets", &a, i)[..], [Tell::Ended { .. }]));
         assert_eq!(r.in_force(), InForce { lines: vec![], counts: [(401, 0), (403, 0)] });
+        // A NodePlan's status subresource is a plan object too.
+        assert!(matches!(&r.account(403, "patch nodeplans/status", &a, i)[..], [Tell::Refused { .. }]));
+        assert!(matches!(&r.account(200, "patch nodeplans/status", &a, i)[..], [Tell::Ended { .. }]));
     }
 }
