@@ -27,6 +27,8 @@ pub enum Progress {
     Stopped { completed: usize, state: String },
     /// Nothing recorded of this plan yet (pending, or its first run still going).
     NotYet(String),
+    /// Pending or in progress again after a failed run of the same plan, shown as it failed.
+    Again { state: String, failure: Option<Failure> },
 }
 
 /// What an agent kept of one plan.
@@ -49,23 +51,32 @@ pub fn lines(plan: &ValidPlan, kept: &Kept) -> Vec<String> {
 fn one_time_lines(plan: &ValidPlan, kept: &Kept) -> Vec<String> {
     let n = plan.plan.instructions.len();
     let mut out = Vec::new();
-    if let Progress::NotYet(state) = &kept.progress {
-        out.push(format!("no output kept for this plan yet ({state})"));
-    }
+    let failed = match &kept.progress {
+        Progress::NotYet(state) => {
+            out.push(format!("no output kept for this plan yet ({state})"));
+            None
+        }
+        Progress::Again { state, failure } => {
+            out.push(format!("{state} again; its last finished run failed:"));
+            Some(failure)
+        }
+        Progress::Failed(failure) => Some(failure),
+        _ => None,
+    };
     for (i, ins) in plan.plan.instructions.iter().enumerate() {
         let name = shown_name(&ins.common.name);
-        let (outcome, ran) = match &kept.progress {
-            Progress::Succeeded => ("ok".to_string(), true),
-            Progress::Failed(Some(f)) => match f.instruction {
+        let (outcome, ran) = match (&kept.progress, failed) {
+            (Progress::Succeeded, _) => ("ok".to_string(), true),
+            (_, Some(Some(f))) => match f.instruction {
                 None => ("not run (the files failed)".into(), false),
                 Some(k) if i + 1 < k => ("ok".into(), true),
                 Some(k) if i + 1 == k => (format!("FAILED ({})", failure::shown_line(&f.outcome)), true),
                 Some(_) => ("not run".into(), false),
             },
-            Progress::Failed(None) => ("failed run".into(), kept.outputs.contains_key(&ins.common.name)),
-            Progress::Stopped { completed, .. } if i < *completed => ("ok".into(), true),
-            Progress::Stopped { state, .. } => (format!("not run ({state})"), false),
-            Progress::NotYet(_) => continue,
+            (_, Some(None)) => ("failed run".into(), kept.outputs.contains_key(&ins.common.name)),
+            (Progress::Stopped { completed, .. }, _) if i < *completed => ("ok".into(), true),
+            (Progress::Stopped { state, .. }, _) => (format!("not run ({state})"), false),
+            _ => continue,
         };
         out.push(format!("instruction {}/{n} {name}: {outcome}", i + 1));
         if !ran {
@@ -74,9 +85,9 @@ fn one_time_lines(plan: &ValidPlan, kept: &Kept) -> Vec<String> {
         let mask = Mask::of_env(&ins.common.env);
         match kept.outputs.get(&ins.common.name) {
             Some(o) => out.extend(output_lines(o, "| ", &mask)),
-            None => match &kept.progress {
+            None => match failed {
                 // The failure keeps the last lines of an instruction whose output is not saved.
-                Progress::Failed(Some(f)) if f.instruction == Some(i + 1) && !f.last_lines.is_empty() => {
+                Some(Some(f)) if f.instruction == Some(i + 1) && !f.last_lines.is_empty() => {
                     out.push("  (its last lines, kept with the failure; saveOutput is false)".into());
                     out.extend(f.last_lines.iter().map(|l| format!("  | {}", failure::shown_line(l))));
                 }
@@ -172,6 +183,10 @@ fn progress(
         (Some(s @ (PlanState::Paused | PlanState::Canceled)), _, _) if stopped.is_some() => {
             let completed = stopped.map_or(0, |c| c.completed_instructions);
             (Progress::Stopped { completed, state: s.as_str().to_string() }, at_checkpoint)
+        }
+        // A retry of a failed run keeps the failure's output until it ends.
+        (Some(s @ (PlanState::InProgress | PlanState::Pending)), _, Some(o)) => {
+            (Progress::Again { state: s.as_str().to_string(), failure }, o)
         }
         (Some(s), _, _) => (Progress::NotYet(s.as_str().to_string()), BTreeMap::new()),
         (None, _, _) => (Progress::NotYet("pending".into()), BTreeMap::new()),
@@ -368,5 +383,33 @@ mod tests {
                 "  | last words"
             ]
         );
+    }
+
+    #[test]
+    fn a_retry_keeps_showing_the_failed_run_until_it_ends() {
+        let p = plan();
+        let f = Failure::instruction(&p.checksum, 1, 3, "boom", "exit status 3".into(), b"", &[]);
+        let retrying = Pos {
+            plan_checksum: p.checksum.clone(),
+            plan_state: Some(PlanState::InProgress),
+            failed_checksum: p.checksum.clone(),
+            failed_output: encode_one_time_output(&outputs(&[("prepare", "ready\n"), ("boom", "disk full\n")])),
+            last_failure: Some(f),
+            ..Pos::default()
+        };
+        let logs = lines(&p, &of_pos(&retrying, &p.checksum));
+        assert_eq!(
+            logs[..5],
+            [
+                "in-progress again; its last finished run failed:",
+                "instruction 1/3 prepare: ok",
+                "  | ready",
+                "instruction 2/3 boom: FAILED (exit status 3)",
+                "  | disk full",
+            ]
+        );
+        // A failed run of an earlier plan is not this one's.
+        let other = Pos { failed_checksum: "an-earlier-plan".into(), ..retrying };
+        assert_eq!(lines(&p, &of_pos(&other, &p.checksum))[0], "no output kept for this plan yet (in-progress)");
     }
 }
