@@ -127,9 +127,7 @@ struct Board {
 
 static BOARD: OnceLock<Arc<Board>> = OnceLock::new();
 
-fn now() -> String {
-    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-}
+use crate::now_rfc3339 as now;
 
 /// Start the board with the agent's identity and sources: its record is written to
 /// `dir/agent-status` after every change until `shutdown`, then removed (a stopped agent leaves

@@ -2,8 +2,8 @@
 //! health probes) with safe pause and cancel, and a process supervisor that never hangs and never
 //! loses track of what it started. Wire-compatible with Rancher's system-agent.
 //!
-//! The pause and cancel rules that the code and tests cite as R1–R17 are stated in the
-//! repository's `docs/rules.md`.
+//! The rules that the code and tests cite as R1, R2, … are stated in the repository's
+//! `docs/rules.md`.
 //!
 //! Module boundaries (each module's own doc says what it owns and must not touch). The modules form
 //! layers that point one way (`docs/architecture.md`, checked by `tests/architecture.rs`):
@@ -73,6 +73,11 @@ pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out.replace(['\n', '\r'], " ")
+}
+
+/// Now in RFC 3339 to the second, UTC (`2026-12-07T15:04:15Z`): the form status records show.
+pub fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
 
 /// `1 instruction`, `2 instructions`: a count and its noun (a regular plural).

@@ -6,12 +6,10 @@
 use super::{Outcome, Standing};
 use crate::nodeplan::cli_wire;
 use crate::nodeplan::resource::NodePlanStatus;
-use crate::nodeplan::wire;
+use crate::nodeplan::wire::{self, REFUSALS};
 use crate::plan::{self, PlanState};
 use kube::api::DynamicObject;
 
-/// The reasons of an `Applied` condition that refuse a spec (it never ran).
-const REFUSALS: &[&str] = &["Unsupported", "NoPlan", "InvalidPlan", "InvalidSpec"];
 
 /// Why the agent refused the spec of `generation`, if it did.
 fn refused(status: &NodePlanStatus, generation: i64) -> Option<String> {

@@ -107,7 +107,7 @@ impl Liveness {
             return;
         }
         let what = super::refusals::what(method, uri.path_and_query().map_or(uri.path(), |p| p.as_str()));
-        let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let at = crate::now_rfc3339();
         let tells = self.refusals.account(status, &what, &at, std::time::Instant::now());
         if tells.is_empty() || tells == [Tell::Nothing] {
             return;

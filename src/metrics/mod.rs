@@ -218,7 +218,7 @@ impl Metrics {
         let api_refusals = Family::<StatusLabel, Gauge>::default();
         registry.register(
             "nodeplan_api_refusals",
-            "Kinds of request the API server refuses now, by status (401: the agent's token; 403: its account's rights)",
+            "Kinds of request the API server refuses now, by status (401: the agent's token; 403: a verb on its plan objects)",
             api_refusals.clone(),
         );
         for status in ["401", "403"] {

@@ -626,7 +626,7 @@ pub fn refused(
 }
 
 /// The `Applied` condition reasons of [`refused`] (the spec, not its run, was refused).
-const REFUSALS: [&str; 4] = ["Unsupported", "NoPlan", "InvalidSpec", "InvalidPlan"];
+pub const REFUSALS: [&str; 4] = ["Unsupported", "NoPlan", "InvalidSpec", "InvalidPlan"];
 
 /// A status that still shows a refusal ([`refused`]) of an earlier generation, once the spec of
 /// `generation` is taken again: phase and `Applied` condition put back to what its run's state

@@ -119,7 +119,7 @@ impl SecretSource {
     /// Secret appears; `nodeplan status` shows it meanwhile.
     fn note_presence(&mut self) {
         let absent = self.latest.as_ref().is_some_and(|l| matches!(&*l.borrow(), (seq, None) if *seq > 0));
-        let what = format!("secret {}", self.client.describe());
+        let what = || format!("secret {}", self.client.describe());
         let now = std::time::Instant::now();
         match (absent, &mut self.absent) {
             (true, None) => {
@@ -127,8 +127,8 @@ impl SecretSource {
                     "the plan Secret {} does not exist: nothing to apply until it is created (Rancher creates it when the machine registers; check namespace and secretName in the connection info)",
                     self.client.describe()
                 );
-                crate::board::source_problem(&what, "the Secret does not exist");
-                self.absent = Some((chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true), now));
+                crate::board::source_problem(&what(), "the Secret does not exist");
+                self.absent = Some((crate::now_rfc3339(), now));
             }
             (true, Some((since, told))) if now.duration_since(*told) >= crate::k8s::refusals::RETELL => {
                 tracing::warn!("the plan Secret {} still does not exist (since {since})", self.client.describe());
@@ -136,7 +136,7 @@ impl SecretSource {
             }
             (false, Some((since, _))) => {
                 tracing::info!("the plan Secret {} exists now (it did not since {since})", self.client.describe());
-                crate::board::source_problem(&what, "");
+                crate::board::source_problem(&what(), "");
                 self.absent = None;
             }
             _ => {}
