@@ -91,7 +91,8 @@ pub struct AgentConfig {
     /// long, renewed every quarter of it (while idle, 24 times less often), so two agents never
     /// act on one source; 0 turns it off.
     pub lease_duration: Duration,
-    /// `rivalCheck`: remote mode waits (and stops) while Rancher's `rancher-system-agent` runs.
+    /// `rivalCheck`: remote mode waits (and stops) while Rancher's `rancher-system-agent` runs
+    /// (unless its own files say it serves another Secret).
     pub rival_check: bool,
     /// `preserveWorkDirectory`: do not wipe `work_directory` before an apply.
     pub preserve_work_directory: bool,

@@ -499,8 +499,7 @@ pub async fn hold(
                         Some(h) => format!("held by {}", shown_holder(h)),
                         None => "no holder, but the last one may still be stopping".to_string(),
                     };
-                    crate::board::lease(&r.what, &format!("waiting ({why})"));
-                    crate::metrics::lease_held(&r.what, false);
+                    shown(&r.what, &format!("waiting ({why})"), false);
                 }
                 if let Some(tx) = tx.take() {
                     let lw = crate::k8s::watch::KubeListWatch::named(api.clone(), &r.name);
@@ -524,8 +523,7 @@ pub async fn hold(
         match attempt {
             Ok(l) => {
                 tracing::info!("holding the Lease {}/{} on {} as {}", r.namespace, r.name, r.what, r.identity);
-                crate::board::lease(&r.what, &format!("held as {}", r.identity));
-                crate::metrics::lease_held(&r.what, true);
+                shown(&r.what, &format!("held as {}", r.identity), true);
                 return Some(renewing(api, r, l, sent, activity));
             }
             Err(Refusal::Forbidden(e)) => return Some(without_lease(&r, &e)),
@@ -619,6 +617,12 @@ fn renewing(api: Api<Lease>, r: LeaseRef, l: Lease, sent: Instant, activity: Act
         task.await
     });
     Held { renewer: Some(renewer), lost, acting, release: Some((api, r)), quiet: false }
+}
+
+/// The Lease's state on `nodeplan status` and whether it is held in the metrics, together.
+fn shown(what: &str, state: &str, held: bool) {
+    crate::board::lease(what, state);
+    crate::metrics::lease_held(what, held);
 }
 
 fn without_lease(r: &LeaseRef, e: &str) -> Held {
@@ -1516,11 +1520,11 @@ pub fn guard(
         {
             if !told {
                 tracing::warn!(
-                    "waiting: {p} (pid {pid}) runs on this node and may act on this plan Secret (which Secret it serves cannot be told from here); stop and disable it (systemctl disable --now {p}) to let nodeplan act, or set rivalCheck: false in the config if it serves another Secret",
+                    "waiting: {p} (pid {pid}) runs on this node and may act on this plan Secret; stop and disable it (systemctl disable --now {p}) to let nodeplan act, or set rivalCheck: false in the config if it serves another Secret",
                     p = r.program
                 );
                 if let Some(w) = &what {
-                    crate::board::lease(w, &format!("waiting: {} (pid {pid}) runs on this node", r.program));
+                    shown(w, &format!("waiting: {} (pid {pid}) runs on this node", r.program), false);
                 }
                 told = true;
             }
@@ -1557,8 +1561,7 @@ pub fn guard(
         let ended = fence_until_ended(acting, lost, rival_started, &mut stopped, &fence_tx).await;
         if let Some(why) = ended {
             if let Some(w) = &what {
-                crate::board::lease(w, &format!("ended: {why}"));
-                crate::metrics::lease_held(w, false);
+                shown(w, &format!("ended: {why}"), false);
             }
             state_tx.send_replace(GateState::Ended(why));
             let _ = stopped.await;

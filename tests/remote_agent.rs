@@ -1775,6 +1775,7 @@ impl Drop for UnitCgroup {
 /// and stops (exit 1) when it starts again as its systemd unit, so the two never act on one
 /// Secret. The program looked for is given a name of this test's own, so that no other test's
 /// agent sees the stand-in; it starts in a cgroup named as its unit, as systemd starts it.
+/// One whose own config and connection info name another Secret holds nothing.
 /// Meanwhile an impostor runs: another user's process of that name with an effective uid of 0 (a
 /// setuid-root program run through a link of that name); it makes nothing wait (it used to hold
 /// remote mode for as long as it ran).
@@ -1805,7 +1806,20 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
         }
     }
     let mut impostor = Reaped(std::process::Command::new(&link).arg("300").uid(65534).gid(65534).spawn().unwrap());
-    let start_rival = || Reaped(std::process::Command::new(&stand_in).arg("300").spawn().unwrap());
+    // Its config names this Secret (or another) through its connection info, as Rancher's does.
+    let secret = r.client.secret_ref().clone();
+    let config_for = |name: &str, secret_name: &str| {
+        let info = r.p(&format!("{name}.json"));
+        std::fs::write(&info, json!({"namespace": secret.namespace, "secretName": secret_name}).to_string()).unwrap();
+        let config = r.p(&format!("{name}.yaml"));
+        std::fs::write(&config, format!("remoteEnabled: true\nconnectionInfoFile: {info}\n")).unwrap();
+        config
+    };
+    let (ours, others) = (config_for("ours", &secret.name), config_for("others", "another-machine-plan"));
+    let start_as = |config: &str| {
+        Reaped(std::process::Command::new(&stand_in).arg("300").env("CATTLE_AGENT_CONFIG", config).spawn().unwrap())
+    };
+    let start_rival = || start_as(&ours);
     let rival = start_rival();
     r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
     let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
@@ -1833,7 +1847,18 @@ async fn remote_mode_never_acts_beside_rancher_system_agent() {
         agent.seen
     );
     agent.stop_cleanly();
+    // One that serves another Secret (its files say so) holds nothing, checked or not.
     drop(rival);
+    let beside = start_as(&others);
+    unit.join(beside.0.id());
+    let mut agent = AgentProc::start_with(&r.config, &[("NODEPLAN_RIVAL_PROGRAM", &name)]);
+    let line = agent.wait_log("not this one: acting beside it");
+    assert!(line.contains(&format!("pid {}", beside.0.id())) && line.contains("another-machine-plan"), "{line}");
+    r.new_plan(&json!({"instructions": [sh("three", "echo three")]})).await;
+    r.wait("the third plan succeeded beside it", |s| state(s) == "succeeded").await;
+    assert!(agent.seen.iter().all(|l| !l.contains("may act on this plan Secret")), "{:?}", agent.seen);
+    agent.stop_cleanly();
+    drop(beside);
     drop(unit);
     let impostor_ran = impostor.0.try_wait().unwrap().is_none();
     assert!(impostor_ran, "the impostor ran all along");

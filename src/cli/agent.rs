@@ -248,22 +248,51 @@ fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, sourc
 
 /// Rancher's own agent, which acts on the plan Secret when it runs on the node: looked for among
 /// every process before acting, and in its systemd unit's cgroup while acting.
-fn rancher_agent() -> crate::lease::Rival {
-    use crate::remote::rival;
+fn rancher_agent(ours: &crate::remote::client::SecretRef) -> crate::lease::Rival {
+    use crate::remote::rival::{self, Serves};
     let program = rival::program();
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let unit = Arc::new(rival::unit_cgroups(&mountinfo, &program));
-    let p = program.clone();
+    // Whether the one of `pid` may act on this Secret: judged (and said) once per process, by its
+    // pid and start time, so a poll of its unit reads no file again.
+    let judged = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let (ns, name, p) = (ours.namespace.clone(), ours.name.clone(), program.clone());
+    let acts = Arc::new(move |pid: i32| {
+        let id = (pid, crate::process::start_time_of(pid));
+        if let Some(acts) = judged.lock().ok().and_then(|j| j.get(&id).copied()) {
+            return acts;
+        }
+        let serves = rival::serves(Path::new("/proc"), pid);
+        let acts = match &serves {
+            Serves::Secret(n, s) => (n, s) == (&ns, &name),
+            Serves::NoSecret => false,
+            Serves::Unknown(_) => true,
+        };
+        match serves {
+            Serves::Secret(n, s) if !acts => {
+                tracing::info!("{p} (pid {pid}) runs on this node for the plan Secret {n}/{s}, not this one: acting beside it")
+            }
+            Serves::NoSecret => tracing::info!("{p} (pid {pid}) runs on this node with remote mode off: acting beside it"),
+            Serves::Unknown(why) => tracing::info!("{p} (pid {pid}): which plan Secret it serves cannot be told ({why})"),
+            Serves::Secret(..) => {}
+        }
+        if let Ok(mut j) = judged.lock() {
+            j.insert(id, acts);
+        }
+        acts
+    });
+    let (p, a) = (program.clone(), acts.clone());
     let running: crate::lease::RivalCheck = Arc::new(move || {
-        let p = p.clone();
+        let (p, a) = (p.clone(), a.clone());
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p)).await.ok().flatten()
+            tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p, |pid| a(pid))).await.ok().flatten()
         })
     });
     let started: crate::lease::RivalStarted = Arc::new(move || {
         // A few reads of in-memory files (cgroupfs, procfs), when inotify says the unit's cgroup may
         // have changed: on the loop's thread, not the blocking pool.
-        Box::pin(rival::started(std::path::PathBuf::from("/proc"), unit.to_vec()))
+        let a = acts.clone();
+        Box::pin(rival::started(std::path::PathBuf::from("/proc"), unit.to_vec(), move |pid| a(pid)))
     });
     crate::lease::Rival { program, running, started }
 }
@@ -303,6 +332,7 @@ async fn secret_source(
         .await
         .map_err(|e| format!("connection info {}: {e}", cfg.connection_info_file.display()))?;
     let secret = SecretRef { namespace: conn.namespace.clone(), name: conn.secret_name.clone() };
+    let secret_ref = secret.clone();
     let what = format!("secret {}/{}", secret.namespace, secret.name);
     crate::board::source("secret", &what, if cfg.lease_duration.is_zero() { "" } else { "waiting" });
     tracing::info!("remote mode: watching secret {}/{}", secret.namespace, secret.name);
@@ -313,7 +343,7 @@ async fn secret_source(
     if !cfg.rival_check {
         tracing::info!("not looking for rancher-system-agent on this node (rivalCheck: false)");
     }
-    Ok(Gated::new(source, crate::lease::guard(lease, cfg.rival_check.then(rancher_agent), shutdown.clone())))
+    Ok(Gated::new(source, crate::lease::guard(lease, cfg.rival_check.then(|| rancher_agent(&secret_ref)), shutdown.clone())))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.

@@ -16,6 +16,7 @@
 use futures::StreamExt;
 use inotify::{EventMask, WatchMask};
 use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -37,7 +38,7 @@ pub fn program() -> String {
 /// an effective uid of 0) it must show what only root can arrange ([`root_arranged`]): it runs in
 /// the cgroup of the systemd unit `<program>.service` under `system.slice`, or its executable is
 /// root's in directories only root can change and its real uid is 0.
-pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
+pub fn running(proc_root: &Path, program: &str, acts: impl Fn(i32) -> bool) -> Option<i32> {
     let comm_prefix = program.get(..15).unwrap_or(program);
     let entries = std::fs::read_dir(proc_root).ok()?;
     for e in entries.flatten() {
@@ -57,6 +58,7 @@ pub fn running(proc_root: &Path, program: &str) -> Option<i32> {
         if Path::new(argv0).file_name().and_then(|n| n.to_str()) == Some(program)
             && !is_zombie(&dir)
             && root_arranged(&dir, program)
+            && acts(pid)
         {
             return Some(pid);
         }
@@ -83,14 +85,14 @@ pub fn unit_cgroups(mountinfo: &str, program: &str) -> Vec<PathBuf> {
 /// as root, makes the unit's cgroup under `system.slice`; a directory there that root does not own
 /// does not count). One read per hierarchy, however many processes the node runs: it is what the
 /// agent checks every few seconds while it acts.
-pub fn in_unit(proc_root: &Path, cgroups: &[PathBuf]) -> Option<i32> {
+pub fn in_unit(proc_root: &Path, cgroups: &[PathBuf], acts: impl Fn(i32) -> bool) -> Option<i32> {
     cgroups
         .iter()
         .filter(|d| {
             std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir() && std::os::unix::fs::MetadataExt::uid(&m) == 0)
         })
         .flat_map(|d| crate::process::cgroup::procs(d))
-        .find(|pid| !is_zombie(&proc_root.join(pid.to_string())))
+        .find(|pid| !is_zombie(&proc_root.join(pid.to_string())) && acts(*pid))
 }
 
 /// How often the unit's cgroup is looked at when no notification can say that it changed: while
@@ -106,8 +108,8 @@ pub const LOOK_PERIOD: Duration = Duration::from_secs(5);
 /// directory went away; and every [`LOOK_PERIOD`] while a unit's cgroup is there but empty, or where
 /// inotify cannot be had. (A timer every few seconds was most of what an idle agent cost: each
 /// wake-up of a process is dear in a virtual machine.)
-pub async fn started(proc_root: PathBuf, cgroups: Vec<PathBuf>) -> i32 {
-    started_with(&cgroups, || in_unit(&proc_root, &cgroups)).await
+pub async fn started(proc_root: PathBuf, cgroups: Vec<PathBuf>, acts: impl Fn(i32) -> bool) -> i32 {
+    started_with(&cgroups, || in_unit(&proc_root, &cgroups, &acts)).await
 }
 
 async fn started_with(cgroups: &[PathBuf], mut look: impl FnMut() -> Option<i32>) -> i32 {
@@ -250,6 +252,66 @@ fn is_zombie(dir: &Path) -> bool {
         .unwrap_or(true)
 }
 
+/// Which plan Secret a running system-agent acts on, as far as the node can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Serves {
+    /// The Secret its connection info names (namespace, name).
+    Secret(String, String),
+    /// Its config turns remote mode off: it acts on no Secret.
+    NoSecret,
+    /// Its files cannot be read or trusted (the reason): it may act on any.
+    Unknown(String),
+}
+
+/// What the system-agent of `pid` acts on, from its config (`CATTLE_AGENT_CONFIG` in its
+/// environment, else `/etc/rancher/agent/config.yaml`, as system-agent reads it) and the
+/// connection info that names. Both must be root's and writable by no one else: a file another
+/// user could write would let that user make this agent act beside system-agent.
+pub fn serves(proc_root: &Path, pid: i32) -> Serves {
+    use serde_yaml_ng::Value;
+    const CAP: u64 = 1 << 20;
+    let environ = {
+        use std::io::Read as _;
+        let mut buf = Vec::new();
+        let read = std::fs::File::open(proc_root.join(pid.to_string()).join("environ"))
+            .and_then(|f| f.take(CAP).read_to_end(&mut buf));
+        if let Err(e) = read {
+            return Serves::Unknown(format!("its environment cannot be read: {e}"));
+        }
+        buf
+    };
+    let config = environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"CATTLE_AGENT_CONFIG="))
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from(crate::config::DEFAULT_CONFIG_PATH), |v| PathBuf::from(OsString::from_vec(v.to_vec())));
+    let read = |path: &Path| -> Result<Value, String> {
+        let shown = path.display();
+        match crate::safefs::read_small_checked(path, CAP, crate::safefs::own_only) {
+            Ok(Some(Ok(b))) => serde_yaml_ng::from_slice(&b).map_err(|_| format!("{shown} does not parse")),
+            Ok(Some(Err(why))) => Err(format!("{shown} {why}")),
+            Ok(None) => Err(format!("{shown} does not exist")),
+            Err(e) => Err(format!("{shown}: {e}")),
+        }
+    };
+    let text = |v: &Value, key: &str| v.get(key).and_then(Value::as_str).unwrap_or_default().to_string();
+    let config = match read(&config) {
+        Ok(c) => c,
+        Err(why) => return Serves::Unknown(why),
+    };
+    if config.get("remoteEnabled").and_then(Value::as_bool) != Some(true) {
+        return Serves::NoSecret;
+    }
+    let info = match read(Path::new(&text(&config, "connectionInfoFile"))) {
+        Ok(i) => i,
+        Err(why) => return Serves::Unknown(why),
+    };
+    match (text(&info, "namespace"), text(&info, "secretName")) {
+        (ns, name) if !ns.is_empty() && !name.is_empty() => Serves::Secret(ns, name),
+        _ => Serves::Unknown("its connection info names no namespace and secretName".into()),
+    }
+}
+
 /// The first 4 KiB of a /proc file (names and command lines; lossy).
 fn read_small(path: &Path) -> std::io::Result<String> {
     use std::io::Read as _;
@@ -301,6 +363,51 @@ mod tests {
         d
     }
 
+    /// Which Secret a system-agent serves comes from its own config and connection info, read
+    /// only when root's and writable by no one else; anything else cannot be told.
+    #[test]
+    fn a_system_agent_serves_the_secret_its_files_name() {
+        let d = tempfile::tempdir().unwrap();
+        let at = |n: &str| d.path().join(n);
+        std::fs::write(at("info.json"), r#"{"kubeConfig": "x", "namespace": "fleet", "secretName": "m-1"}"#).unwrap();
+        std::fs::write(at("nameless.json"), r#"{"kubeConfig": "x"}"#).unwrap();
+        let config = |name: &str, body: String| {
+            std::fs::write(at(name), body).unwrap();
+            at(name)
+        };
+        let remote = |info: &str| format!("remoteEnabled: true\nconnectionInfoFile: {}\n", at(info).display());
+        let good = config("good.yaml", remote("info.json"));
+        let off = config("off.yaml", format!("remoteEnabled: false\nconnectionInfoFile: {}\n", at("info.json").display()));
+        let nameless = config("nameless.yaml", remote("nameless.json"));
+        let missing = config("missing.yaml", remote("absent.json"));
+        let theirs = config("theirs.yaml", remote("info.json"));
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o664)).unwrap();
+        let bad = config("bad.yaml", "remoteEnabled: [".into());
+        let serving = |config: Option<&Path>| {
+            let proc_root = tempfile::tempdir().unwrap();
+            std::fs::create_dir(proc_root.path().join("9")).unwrap();
+            let env = config.map_or(String::new(), |c| format!("PATH=/bin\0CATTLE_AGENT_CONFIG={}\0", c.display()));
+            std::fs::write(proc_root.path().join("9/environ"), env).unwrap();
+            serves(proc_root.path(), 9)
+        };
+        assert_eq!(serving(Some(&good)), Serves::Secret("fleet".into(), "m-1".into()));
+        assert_eq!(serving(Some(&off)), Serves::NoSecret);
+        let unknown = |s: Serves| match s {
+            Serves::Unknown(why) => why,
+            other => panic!("{other:?}"),
+        };
+        assert!(unknown(serving(Some(&nameless))).contains("names no namespace"));
+        assert!(unknown(serving(Some(&missing))).contains("absent.json does not exist"));
+        assert!(unknown(serving(Some(&theirs))).contains("writable by group or others"));
+        assert!(unknown(serving(Some(&bad))).contains("bad.yaml does not parse"));
+        assert!(unknown(serves(Path::new("/nonexistent/proc"), 9)).contains("its environment cannot be read"));
+        // Without CATTLE_AGENT_CONFIG, system-agent's default path (whatever this host has there).
+        let default = serving(None);
+        if !Path::new(crate::config::DEFAULT_CONFIG_PATH).exists() {
+            assert!(unknown(default).contains(crate::config::DEFAULT_CONFIG_PATH));
+        }
+    }
+
     /// The unit's cgroup in each hierarchy systemd tracks units in; a live process listed there
     /// is the unit's (zombies, and a directory root does not own, are not).
     #[test]
@@ -328,13 +435,13 @@ mod tests {
         std::fs::create_dir(&b).unwrap();
         std::fs::write(a.join("cgroup.procs"), "").unwrap();
         let dirs = [a.clone(), b.clone(), cg.path().join("missing")];
-        assert_eq!(in_unit(proc_root.path(), &dirs), None, "an empty unit");
+        assert_eq!(in_unit(proc_root.path(), &dirs, |_| true), None, "an empty unit");
         std::fs::write(b.join("cgroup.procs"), "8\n").unwrap();
-        assert_eq!(in_unit(proc_root.path(), &dirs), None, "a zombie");
+        assert_eq!(in_unit(proc_root.path(), &dirs, |_| true), None, "a zombie");
         std::fs::write(b.join("cgroup.procs"), "8\n7\n").unwrap();
-        assert_eq!(in_unit(proc_root.path(), &dirs), Some(7));
+        assert_eq!(in_unit(proc_root.path(), &dirs, |_| true), Some(7));
         std::os::unix::fs::chown(&b, Some(1000), Some(1000)).unwrap();
-        assert_eq!(in_unit(proc_root.path(), &dirs), None, "a directory another user made");
+        assert_eq!(in_unit(proc_root.path(), &dirs, |_| true), None, "a directory another user made");
     }
 
     /// While the agent acts it looks at the unit's cgroup once, then only when inotify says a
@@ -356,7 +463,7 @@ mod tests {
             let cgroups = [u];
             started_with(&cgroups, || {
                 l.fetch_add(1, Ordering::SeqCst);
-                in_unit(&p, &cgroups)
+                in_unit(&p, &cgroups, |_| true)
             })
             .await
         });
@@ -462,18 +569,18 @@ mod tests {
             ),
         ];
         for (what, entries, want) in cases {
-            assert_eq!(running(fake_proc(&entries).path(), PROGRAM), want, "{what}");
+            assert_eq!(running(fake_proc(&entries).path(), PROGRAM, |_| true), want, "{what}");
         }
-        assert_eq!(running(Path::new("/nonexistent/proc"), PROGRAM), None);
+        assert_eq!(running(Path::new("/nonexistent/proc"), PROGRAM, |_| true), None);
         let short = fake_proc(&[Fake {
             comm: "rsa",
             cmdline: "/x/rsa\0",
             ..fake("11", "0::/system.slice/rsa.service\n", 0, &gone)
         }]);
-        assert_eq!(running(short.path(), "rsa"), Some(11), "a name shorter than 15 bytes");
+        assert_eq!(running(short.path(), "rsa", |_| true), Some(11), "a name shorter than 15 bytes");
         // A process whose effective user is another is no agent of the node's.
         let theirs = fake_proc(&[fake("12", V2_UNIT, 0, &roots)]);
         std::os::unix::fs::chown(theirs.path().join("12"), Some(1000), Some(1000)).unwrap();
-        assert_eq!(running(theirs.path(), PROGRAM), None);
+        assert_eq!(running(theirs.path(), PROGRAM, |_| true), None);
     }
 }
