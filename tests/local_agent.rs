@@ -284,7 +284,7 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
     s.plan(
         "c",
         serde_json::json!({"instructions": [
-            {"name": "escape", "command": HELPER, "args": ["setsid-wait"]},
+            {"name": "escape", "command": HELPER, "args": ["setsid-wait"], "saveOutput": true},
             sh("after", &format!("touch {after}")),
         ]}),
     );
@@ -304,6 +304,13 @@ fn cancel_kills_the_whole_tree_including_a_setsid_grandchild() {
     assert_eq!((cp.completed_instructions, cp.total_instructions), (0, 2));
     assert!(!Path::new(&after).exists());
     agent.wait_log("the node may be left partly changed");
+    // `plan logs` tells the instruction stopped while it ran from the one never run.
+    let logs = Command::new(NODEPLAN).args(["plan", "logs", plan.to_str().unwrap()]).output().unwrap();
+    let logs = String::from_utf8_lossy(&logs.stdout);
+    let lines: Vec<&str> = logs.lines().collect();
+    assert_eq!(lines.first(), Some(&"instruction 1/2 escape: stopped while running (canceled)"), "{logs}");
+    assert!(lines.iter().any(|l| l.starts_with("  | ready ")), "its output: {logs}");
+    assert_eq!(lines.last(), Some(&"instruction 2/2 after: not run (canceled)"), "{logs}");
     // Terminal: removing the control file does not resume (R8); reset runs it again.
     std::fs::remove_file(s.dir.path().join("plans/c.canceled")).unwrap();
     // A plan created after the removal is applied in a cycle that also looked at `c` again.

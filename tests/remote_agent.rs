@@ -720,7 +720,10 @@ async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
     let status = Arc::new(AtomicU16::new(200));
     let port = http_server(status.clone());
     let plan = json!({
-        "instructions": [{"name": "escape", "command": HELPER, "args": ["setsid-wait"]}, sh("after", &format!("touch {after}"))],
+        "instructions": [
+            {"name": "escape", "command": HELPER, "args": ["setsid-wait"], "saveOutput": true},
+            sh("after", &format!("touch {after}"))
+        ],
         "probes": {"web": {"httpGet": {"url": format!("http://127.0.0.1:{port}/")}, "successThreshold": 1, "failureThreshold": 1}}
     });
     let checksum = r.create(&plan, Some("pending"), &[]).await;
@@ -738,6 +741,20 @@ async fn cancel_in_flight_kills_the_whole_tree_including_a_setsid_grandchild() {
     assert!(val(&s, "applied-checksum").is_empty());
     assert!(!Path::new(&after).exists(), "later instructions never run");
     agent.wait_log("the node may be left partly changed");
+    // `plan logs --secret` tells the instruction stopped while it ran from the one never run.
+    let kubeconfig = r.p("kubeconfig");
+    std::fs::write(&kubeconfig, cp.kubeconfig_yaml()).unwrap();
+    let secret = r.client.secret_ref();
+    let logs = std::process::Command::new(NODEPLAN)
+        .args(["plan", "logs", "--secret", &format!("{}/{}", secret.namespace, secret.name)])
+        .args(["--kubeconfig", kubeconfig.as_str()])
+        .output()
+        .unwrap();
+    let logs = String::from_utf8_lossy(&logs.stdout);
+    let lines: Vec<&str> = logs.lines().collect();
+    assert_eq!(lines.first(), Some(&"instruction 1/2 escape: stopped while running (canceled)"), "{logs}");
+    assert!(lines.iter().any(|l| l.starts_with("  | ready ")), "its output: {logs}");
+    assert_eq!(lines.last(), Some(&"instruction 2/2 after: not run (canceled)"), "{logs}");
     // Terminal: removing the annotation does not resume (R8)...
     r.annotate(plan::ANNOTATION_CANCELED, None).await;
     status.store(500, Ordering::SeqCst);

@@ -75,6 +75,16 @@ fn one_time_lines(plan: &ValidPlan, kept: &Kept) -> Vec<String> {
             },
             (_, Some(None)) => ("failed run".into(), kept.outputs.contains_key(&ins.common.name)),
             (Progress::Stopped { completed, .. }, _) if i < *completed => ("ok".into(), true),
+            // The instruction the stop interrupted: its output was saved as it stopped.
+            (Progress::Stopped { completed, state }, _)
+                if i == *completed && kept.outputs.contains_key(&ins.common.name) =>
+            {
+                (format!("stopped while running ({state})"), true)
+            }
+            // Without saveOutput, whether it had started cannot be told.
+            (Progress::Stopped { completed, state }, _) if i == *completed && !ins.save_output => {
+                (format!("not completed ({state})"), false)
+            }
             (Progress::Stopped { state, .. }, _) => (format!("not run ({state})"), false),
             _ => continue,
         };
@@ -367,6 +377,23 @@ mod tests {
         };
         let logs = lines(&p, &of_pos(&paused, &p.checksum));
         assert_eq!(logs[..3], ["instruction 1/3 prepare: ok", "  | so far", "instruction 2/3 boom: not run (paused)"]);
+        // Canceled while the second ran: its output was saved as it stopped.
+        let cp = Checkpoint { resume_state: None, paused: false, ..paused.checkpoint.clone().unwrap() };
+        let canceled = Pos {
+            plan_state: Some(PlanState::Canceled),
+            checkpoint: Some(cp.clone()),
+            output: encode_one_time_output(&outputs(&[("prepare", "so far\n"), ("boom", "half\n")])),
+            ..paused.clone()
+        };
+        let logs = lines(&p, &of_pos(&canceled, &p.checksum));
+        assert_eq!(
+            logs[2..5],
+            ["instruction 2/3 boom: stopped while running (canceled)", "  | half", "instruction 3/3 quiet: not run (canceled)"]
+        );
+        // Canceled at the third, which keeps no output: whether it had started cannot be told.
+        let at_quiet = Pos { checkpoint: Some(Checkpoint { completed_instructions: 2, ..cp }), ..canceled };
+        let logs = lines(&p, &of_pos(&at_quiet, &p.checksum));
+        assert_eq!(logs[4], "instruction 3/3 quiet: not completed (canceled)");
     }
 
     #[test]
