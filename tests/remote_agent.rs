@@ -2452,7 +2452,9 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
          "env": ["TOKEN=hunter2-secret"], "saveOutput": true}
     ]});
     r.create(&plan, Some("pending"), &[]).await;
-    r.patch(json!({"metadata": {"labels": {"failure-detail": "yes"}}})).await;
+    // Rancher names the machine in a label: the fleet views show it as the node.
+    r.patch(json!({"metadata": {"labels": {"failure-detail": "yes", "rke.cattle.io/machine-name": "pool-a-m1"}}}))
+        .await;
     let mut agent = r.agent();
     let s = r.wait("failed", |s| state(s) == "failed").await;
     let key = val(&s, "failed-instruction");
@@ -2474,8 +2476,9 @@ async fn a_failure_names_its_instruction_exit_status_and_last_lines_where_the_op
     let want = "instruction 1/2 prepare: ok\n  | ready\ninstruction 2/2 boom: FAILED (exit status 3)\n  | disk full\n  | token ***\n";
     assert_eq!(logs, want);
     let fleet_logs = cli(&["plan", "logs", "-l", "failure-detail=yes", "-n", &ns]);
-    assert_eq!(fleet_logs, format!("== machine-plan ==\n{want}"));
+    assert_eq!(fleet_logs, format!("== pool-a-m1 ==\n{want}"));
     let table = cli(&["plan", "status", "-l", "failure-detail=yes", "-n", &ns]);
+    assert!(table.lines().nth(1).is_some_and(|l| l.starts_with("pool-a-m1 ")), "{table}");
     assert!(
         table.contains("1 failure: instruction 2/2 boom: exit status 3; last output: disk full | token ***"),
         "{table}"

@@ -6,11 +6,16 @@ use crate::plan::{self, Checkpoint, PlanState};
 use crate::remote::client::SecretSnapshot;
 use crate::remote::wire;
 
-/// Where the node of the plan Secret `name` stands.
+/// The label Rancher gives a machine's plan Secret: the machine's name.
+pub const MACHINE_NAME: &str = "rke.cattle.io/machine-name";
+
+/// Where the node of the plan Secret `name` stands. The node is the machine Rancher names in
+/// the Secret's labels, else the Secret's name.
 pub fn standing(name: &str, s: &SecretSnapshot) -> Standing {
     let text = |k: &str| wire::text(s, k).unwrap_or_default();
+    let node = s.labels.get(MACHINE_NAME).filter(|m| !m.is_empty()).map_or(name, String::as_str);
     let mut st = Standing {
-        node: name.to_string(),
+        node: node.to_string(),
         state: "no plan".into(),
         last_change: text(wire::LAST_APPLY_TIME),
         annotations: s.annotations.clone(),
@@ -81,6 +86,14 @@ mod tests {
 
     fn row_of_secret(name: &str, s: &SecretSnapshot) -> crate::fleet::Row {
         row_of(&standing(name, s))
+    }
+
+    #[test]
+    fn the_node_is_the_machine_rancher_names_else_the_secret() {
+        let mut s = snap(&serde_json::json!({"instructions": []}), &[], &[]);
+        assert_eq!(standing("m-plan", &s).node, "m-plan");
+        s.labels.insert(MACHINE_NAME.into(), "pool-a-m1".into());
+        assert_eq!(standing("m-plan", &s).node, "pool-a-m1");
     }
 
     #[test]

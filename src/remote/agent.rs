@@ -590,7 +590,7 @@ mod tests {
                     ("plan".to_string(), PLAN.to_vec()),
                     ("plan-state".to_string(), b"paused".to_vec()),
                 ]),
-                annotations: BTreeMap::new(),
+                ..SecretSnapshot::default()
             };
             let mut keys = Keys::new();
             keys.insert("plan-state".into(), Some(b"in-progress".to_vec()));
@@ -655,7 +655,7 @@ mod tests {
                 ("plan".to_string(), PLAN.to_vec()),
                 ("plan-state".to_string(), state.as_bytes().to_vec()),
             ]),
-            annotations: BTreeMap::new(),
+            ..SecretSnapshot::default()
         }
     }
 

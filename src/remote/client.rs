@@ -47,6 +47,8 @@ pub struct SecretSnapshot {
     /// Raw bytes of `Secret.data` (already base64-decoded).
     pub data: BTreeMap<String, Vec<u8>>,
     pub annotations: BTreeMap<String, String>,
+    /// Its labels (Rancher names the machine in `rke.cattle.io/machine-name`).
+    pub labels: BTreeMap<String, String>,
 }
 
 impl SecretSnapshot {
@@ -59,7 +61,8 @@ impl SecretSnapshot {
             meta.resource_version.filter(|rv| !rv.is_empty()).ok_or("secret has no metadata.resourceVersion")?;
         let data = secret.data.unwrap_or_default().into_iter().map(|(k, ByteString(v))| (k, v)).collect();
         let annotations = meta.annotations.unwrap_or_default();
-        Ok(SecretSnapshot { uid, resource_version, data, annotations })
+        let labels = meta.labels.unwrap_or_default();
+        Ok(SecretSnapshot { uid, resource_version, data, annotations, labels })
     }
 }
 
@@ -97,6 +100,7 @@ pub(crate) fn test_snapshot(
         resource_version: "1".into(),
         data,
         annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        labels: BTreeMap::new(),
     }
 }
 

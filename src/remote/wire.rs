@@ -433,7 +433,7 @@ mod tests {
             uid: "u".into(),
             resource_version: "1".into(),
             data: pairs.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect(),
-            annotations: BTreeMap::new(),
+            ..SecretSnapshot::default()
         }
     }
 
