@@ -45,6 +45,9 @@ pub enum Reason {
     /// An apply could not start (the interlock, the work directory: a full or read-only disk);
     /// it is tried again with back-off.
     NotStarted,
+    /// The API server forbids the agent a verb on its plan objects (a 403): nothing it records
+    /// lands until that is granted.
+    Refused,
 }
 
 impl Reason {
@@ -61,6 +64,7 @@ impl Reason {
             Reason::LeftoversStopped => "LeftoversStopped",
             Reason::Blocked => "Blocked",
             Reason::NotStarted => "NotStarted",
+            Reason::Refused => "Refused",
         }
     }
 
@@ -72,6 +76,7 @@ impl Reason {
                 | Reason::InvalidValue
                 | Reason::Blocked
                 | Reason::NotStarted
+                | Reason::Refused
         )
     }
 }

@@ -1045,14 +1045,21 @@ async fn a_run_with_a_probe_writes_its_statuses_with_the_outcome() {
     a_run_costs_exactly_its_state_writes(true).await;
 }
 
-/// Patch the Secret as the agent's user until the authorizer's answer is `allowed` (it picks a
-/// role change up asynchronously).
-async fn until_allowed(as_agent: &SecretClient, patch: serde_json::Value, allowed: bool) {
+/// Update the Secret as the agent's user (as the agent writes it) until the authorizer's answer
+/// is `allowed` (it picks a role change up asynchronously); `touch` also changes a data key of
+/// the test's own.
+async fn until_allowed(as_agent: &SecretClient, touch: bool, allowed: bool) {
     let deadline = Instant::now() + GUARD;
+    let updates: BTreeMap<String, Option<Vec<u8>>> = if touch {
+        BTreeMap::from([("nodeplan-test-touch".to_string(), Some(b"1".to_vec()))])
+    } else {
+        BTreeMap::new()
+    };
     loop {
-        match as_agent.orchestrator_patch(patch.clone()).await {
+        let base = as_agent.get().await.ok().flatten().unwrap_or_default();
+        match as_agent.update_data(&base, &updates).await {
             Ok(_) if allowed => return,
-            Err(e) if !allowed && e.contains("403") => return,
+            Err(e) if !allowed && format!("{e:?}").contains("403") => return,
             Ok(_) | Err(_) => assert!(Instant::now() < deadline, "the role change never took effect"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1061,8 +1068,8 @@ async fn until_allowed(as_agent: &SecretClient, patch: serde_json::Value, allowe
 
 /// R17: a run that finished while its outcome could not be written is recorded on the node, and an
 /// agent started after a crash writes that outcome instead of running the plan a second time.
-/// The agent's writes are refused (its role loses `patch`, its watch goes on) while the
-/// instruction finishes; once the refusal is logged, the agent is SIGKILLed, `patch` comes back
+/// The agent's writes are refused (its role loses `update`, its watch goes on) while the
+/// instruction finishes; once the refusal is logged, the agent is SIGKILLed, `update` comes back
 /// and a new agent starts. Then, the same again, but the orchestrator reassigns the plan
 /// (`pending`) while no agent runs: the kept outcome is dropped and the plan runs again.
 #[tokio::test]
@@ -1071,7 +1078,16 @@ async fn a_finished_run_is_written_after_a_crash_not_run_again() {
     let r = Remote::new_with(cp, "kept", &cp.kubeconfig_yaml_as_agent()).await;
     let ns = r.client.secret_ref().namespace.clone();
     let as_agent = SecretClient::new(cp.agent_client().await, r.client.secret_ref().clone());
-    cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    cp.grant_agent(&ns, &["get", "list", "watch", "update"]).await;
+    // It may publish Events: the refusal is told on the Secret too.
+    let events: k8s_openapi::api::rbac::v1::Role = serde_json::from_value(json!({
+        "metadata": {"name": "events", "namespace": ns},
+        "rules": [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "get", "patch"]}],
+    }))
+    .unwrap();
+    kube::Api::namespaced(cp.client().await, &ns).create(&Default::default(), &events).await.unwrap();
+    cp.bind_agent(&ns, "events").await;
+    let admin = cp.client().await;
     let (ready, go, marker) = (r.fifo("ready"), r.fifo("go"), r.p("marker"));
     let plan = json!({"instructions": [
         sh("a", &format!("echo ran >> {marker}; echo > {ready}; cat {go} > /dev/null; echo done")),
@@ -1082,12 +1098,16 @@ async fn a_finished_run_is_written_after_a_crash_not_run_again() {
     let finish_unwritten = async |mut agent: AgentProc| {
         read_fifo(&ready);
         cp.grant_agent(&ns, &["get", "list", "watch"]).await;
-        until_allowed(&as_agent, json!({}), false).await;
+        until_allowed(&as_agent, false, false).await;
         release_fifo(&go);
         next_failure(&mut agent);
+        wait_events(&admin, &ns, "machine-plan", "Refused", |ev| {
+            ev.iter().any(|e| e.0 == "Refused" && e.1.contains("forbids the agent to update secrets (403"))
+        })
+        .await;
         agent.crash();
-        cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
-        until_allowed(&as_agent, json!({}), true).await;
+        cp.grant_agent(&ns, &["get", "list", "watch", "update"]).await;
+        until_allowed(&as_agent, false, true).await;
     };
     finish_unwritten(r.agent()).await;
     assert_eq!(state(&r.get().await), "in-progress", "the outcome did not land before the crash");
@@ -1116,13 +1136,13 @@ async fn a_finished_run_is_written_after_a_crash_not_run_again() {
 
 /// An outcome kept through an outage is written as soon as the agent's watch is back, not at its
 /// back-off's next step. Deterministic handshakes on the agent's log, not timing:
-/// - the agent's own writes are refused first (its role loses `patch`; its watch goes on), so the
+/// - the agent's own writes are refused first (its role loses `update`; its watch goes on), so the
 ///   outcome's back-off grows (1, 2, 4 s...) while the watch is healthy;
 /// - then the API server restarts: the watch breaks and lists again ("is back"), and the kept
 ///   outcome is tried at once: its failure announces the remaining time to the deadline already
 ///   set (no more than the previous step), where an attempt of the back-off's own would announce
 ///   a doubled one;
-/// - then `patch` is given back and the Secret changes: the outcome lands at once, seconds before
+/// - then `update` is given back and the Secret changes: the outcome lands at once, seconds before
 ///   the back-off's next step.
 #[tokio::test]
 async fn the_outcome_is_written_once_the_apiserver_is_back() {
@@ -1130,14 +1150,14 @@ async fn the_outcome_is_written_once_the_apiserver_is_back() {
     let r = Remote::new_with(&own, "outage", &own.kubeconfig_yaml_as_agent()).await;
     let ns = r.client.secret_ref().namespace.clone();
     let as_agent = SecretClient::new(own.agent_client().await, r.client.secret_ref().clone());
-    own.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    own.grant_agent(&ns, &["get", "list", "watch", "update"]).await;
     let (ready, go) = (r.fifo("ready"), r.fifo("go"));
     let plan = json!({"instructions": [sh("a", &format!("echo > {ready}; cat {go} > /dev/null; echo done"))]});
     let checksum = r.create(&plan, Some("pending"), &[]).await;
     let mut agent = r.agent();
     read_fifo(&ready);
     own.grant_agent(&ns, &["get", "list", "watch"]).await;
-    until_allowed(&as_agent, json!({}), false).await;
+    until_allowed(&as_agent, false, false).await;
     release_fifo(&go);
     let (mut at, mut step) = next_failure(&mut agent);
     while step < Duration::from_secs(4) {
@@ -1173,8 +1193,8 @@ async fn the_outcome_is_written_once_the_apiserver_is_back() {
         (at, remaining) = next_failure(&mut agent);
     }
 
-    own.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
-    until_allowed(&as_agent, json!({"metadata": {"annotations": {"nodeplan.test/touch": "1"}}}), true).await;
+    own.grant_agent(&ns, &["get", "list", "watch", "update"]).await;
+    until_allowed(&as_agent, true, true).await;
     let s = r.wait("succeeded after the outage", |s| state(s) == "succeeded").await;
     assert!(
         Instant::now() + Duration::from_millis(500) < at + remaining,
@@ -1303,7 +1323,7 @@ async fn events_regarding_the_secret_and_an_agent_forbidden_to_publish_them() {
 
     let r = Remote::new_with(cp, "events-forbidden", &cp.kubeconfig_yaml_as_agent()).await;
     let ns = r.client.secret_ref().namespace.clone();
-    cp.grant_agent(&ns, &["get", "list", "watch", "patch"]).await;
+    cp.grant_agent(&ns, &["get", "list", "watch", "update"]).await;
     r.create(&plan, Some("pending"), &[]).await;
     let mut agent = r.agent();
     r.wait("succeeded", |s| state(s) == "succeeded").await;
@@ -2712,4 +2732,47 @@ async fn plan_status_shows_an_invalid_control_value_while_the_plan_runs() {
     );
     release_fifo(&go);
     r.wait("succeeded: the run went on", |s| state(s) == "succeeded").await;
+}
+
+/// Rancher's per-machine Role, as rancher/rancher creates it with each machine's plan Secret,
+/// grants `get`, `list`, `watch` and `update` on that one Secret and nothing else: no `patch`, no
+/// Leases, no Events (system-agent writes with an update). The agent does all of its work under
+/// it: a plan applied and recorded, a cancel of a running one recorded, no refusal said.
+#[tokio::test]
+async fn the_agent_works_under_ranchers_per_machine_role() {
+    use k8s_openapi::api::core::v1::Secret;
+    use k8s_openapi::api::rbac::v1::Role;
+    use kube::api::{Api, PostParams};
+    let cp = control_plane!();
+    let r = Remote::new_with(cp, "machine-role", &cp.kubeconfig_yaml_as_agent()).await;
+    let ns = r.client.secret_ref().namespace.clone();
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "machine-plan", "namespace": ns},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["machine-plan"],
+                   "verbs": ["watch", "get", "update", "list"]}],
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(cp.client().await, &ns).create(&PostParams::default(), &role).await.unwrap();
+    cp.bind_agent(&ns, "machine-plan").await;
+    r.create(&json!({"instructions": [sh("one", "echo one")]}), Some("pending"), &[]).await;
+    // The authorizer picks the binding up asynchronously: wait until the agent may read it.
+    let as_agent: Api<Secret> = Api::namespaced(cp.agent_client().await, &ns);
+    let deadline = std::time::Instant::now() + GUARD;
+    while as_agent.get("machine-plan").await.is_err() {
+        assert!(std::time::Instant::now() < deadline, "the binding never took effect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut agent = r.agent();
+    r.wait("succeeded under the role", |s| state(s) == "succeeded").await;
+    agent.wait_log("running without the Lease");
+    let (ready, go) = (r.fifo("ready"), r.fifo("go"));
+    // Held on a FIFO nobody writes: only the cancel ends it.
+    r.new_plan(&json!({"instructions": [sh("wait", &format!("echo > {ready}; cat {go} > /dev/null"))]})).await;
+    read_fifo(&ready);
+    r.annotate(plan::ANNOTATION_CANCELED, Some("true")).await;
+    r.wait("canceled under the role", |s| state(s) == "canceled").await;
+    agent.drain();
+    let refused: Vec<&String> = agent.seen.iter().filter(|l| l.contains("forbids the agent")).collect();
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(agent.stop(), 0);
 }

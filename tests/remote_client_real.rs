@@ -83,12 +83,12 @@ async fn create_then_get_returns_the_same_snapshot() {
 }
 
 #[tokio::test]
-async fn patch_data_with_current_rv_succeeds_and_bumps_rv() {
+async fn update_data_with_current_rv_succeeds_and_bumps_rv() {
     let Some(cp) = ControlPlane::shared().await else { return };
     let sc = secret_client(cp, "patch-current").await;
     let created = sc.create(bytes_map(&[("plan", "{}")]), BTreeMap::new()).await.expect("create");
     let updates = map(&[("plan-state", Some(b"in-progress".to_vec())), ("plan-checkpoint", Some(Vec::new()))]);
-    let patched = sc.patch_data(&created.resource_version, &updates).await.expect("patch with current rv");
+    let patched = sc.update_data(&created, &updates).await.expect("patch with current rv");
     assert_ne!(patched.resource_version, created.resource_version);
     assert_eq!(patched.uid, created.uid);
     assert_eq!(patched.data.get("plan-state").map(Vec::as_slice), Some(&b"in-progress"[..]));
@@ -102,7 +102,7 @@ async fn patch_data_with_current_rv_succeeds_and_bumps_rv() {
 }
 
 #[tokio::test]
-async fn patch_data_with_stale_rv_conflicts_and_changes_nothing() {
+async fn update_data_with_stale_rv_conflicts_and_changes_nothing() {
     let Some(cp) = ControlPlane::shared().await else { return };
     let sc = secret_client(cp, "patch-stale").await;
     let created = sc.create(bytes_map(&[("plan-state", "pending")]), BTreeMap::new()).await.expect("create");
@@ -111,30 +111,32 @@ async fn patch_data_with_stale_rv_conflicts_and_changes_nothing() {
         sc.orchestrator_patch(serde_json::json!({"metadata": {"annotations": {"a": "b"}}})).await.expect("patch");
     assert_ne!(current.resource_version, created.resource_version);
     let updates = map(&[("plan-state", Some(b"in-progress".to_vec()))]);
-    let err = sc.patch_data(&created.resource_version, &updates).await.expect_err("stale rv must not apply");
+    let err = sc.update_data(&created, &updates).await.expect_err("stale rv must not apply");
     assert_eq!(err, WriteError::Conflict);
-    assert_eq!(sc.get().await.expect("get"), Some(current), "a rejected patch changes nothing");
+    assert_eq!(sc.get().await.expect("get"), Some(current), "a rejected update changes nothing");
 }
 
 #[tokio::test]
-async fn patch_data_none_deletes_the_key() {
+async fn update_data_none_deletes_the_key() {
     let Some(cp) = ControlPlane::shared().await else { return };
     let sc = secret_client(cp, "patch-delete").await;
     let created =
         sc.create(bytes_map(&[("plan", "{}"), ("probe-statuses", "{}")]), BTreeMap::new()).await.expect("create");
     let updates = map(&[("probe-statuses", None), ("never-existed", None)]);
-    let patched = sc.patch_data(&created.resource_version, &updates).await.expect("patch");
+    let patched = sc.update_data(&created, &updates).await.expect("patch");
     assert!(!patched.data.contains_key("probe-statuses"));
     assert!(!patched.data.contains_key("never-existed"));
     assert_eq!(patched.data.get("plan").map(Vec::as_slice), Some(&b"{}"[..]));
 }
 
 #[tokio::test]
-async fn patch_data_on_a_missing_secret_is_not_found() {
+async fn update_data_on_a_missing_secret_is_refused() {
     let Some(cp) = ControlPlane::shared().await else { return };
     let sc = secret_client(cp, "patch-missing").await;
-    let err = sc.patch_data("1", &map(&[("k", Some(b"v".to_vec()))])).await.expect_err("no secret");
-    assert_eq!(err, WriteError::NotFound);
+    let gone = SecretSnapshot { uid: "u".into(), resource_version: "1".into(), ..SecretSnapshot::default() };
+    let err = sc.update_data(&gone, &map(&[("k", Some(b"v".to_vec()))])).await.expect_err("no secret");
+    // Its uid precondition fails first (409); either answer makes the writer read and give up.
+    assert!(matches!(err, WriteError::Conflict | WriteError::NotFound), "{err:?}");
 }
 
 #[tokio::test]

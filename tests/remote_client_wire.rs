@@ -178,8 +178,18 @@ async fn watch_lists_again_after_an_error_and_yields_the_unchanged_secret() {
     tokio::join!(server, client_side);
 }
 
+/// The Secret as read, for an update's base.
+fn read_base(rv: &str) -> SecretSnapshot {
+    SecretSnapshot {
+        uid: "u".into(),
+        resource_version: rv.into(),
+        data: BTreeMap::from([("plan".to_string(), b"{}".to_vec()), ("probe-statuses".to_string(), b"x".to_vec())]),
+        ..SecretSnapshot::default()
+    }
+}
+
 #[tokio::test]
-async fn patch_data_sends_a_merge_patch_with_the_rv_precondition_and_base64_values() {
+async fn update_data_sends_the_secret_with_the_rv_precondition_and_base64_values() {
     let (sc, handle) = client();
     let mut handle = pin!(handle);
     let mut updates = BTreeMap::new();
@@ -189,58 +199,55 @@ async fn patch_data_sends_a_merge_patch_with_the_rv_precondition_and_base64_valu
 
     let server = async {
         let (req, send) = next_request(&mut handle).await;
-        assert_eq!(req.method(), Method::PATCH);
+        assert_eq!(req.method(), Method::PUT);
         assert_eq!(req.uri().path(), format!("/api/v1/namespaces/{NS}/secrets/{NAME}"));
-        assert_eq!(
-            req.headers().get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()),
-            Some("application/merge-patch+json")
-        );
         let body = body_json(req).await;
+        assert_eq!(body["metadata"]["resourceVersion"], "41");
+        assert_eq!((&body["metadata"]["name"], &body["metadata"]["uid"]), (&NAME.into(), &"u".into()));
         assert_eq!(
-            body,
-            serde_json::json!({
-                "metadata": {"resourceVersion": "41"},
-                "data": {"plan-state": "aW4tcHJvZ3Jlc3M=", "plan-checkpoint": "", "probe-statuses": null}
-            })
+            body["data"],
+            serde_json::json!({"plan": "e30=", "plan-state": "aW4tcHJvZ3Jlc3M=", "plan-checkpoint": ""})
         );
         send.send_response(json_response(
             200,
             &secret_json("42", serde_json::json!({"plan-state": "aW4tcHJvZ3Jlc3M=", "plan-checkpoint": ""})),
         ));
     };
-    let (_, result) = tokio::join!(server, sc.patch_data("41", &updates));
-    let snap = result.expect("patched");
+    let base = read_base("41");
+    let (_, result) = tokio::join!(server, sc.update_data(&base, &updates));
+    let snap = result.expect("updated");
     assert_eq!(snap.resource_version, "42");
     assert_eq!(snap.data.get("plan-state").map(Vec::as_slice), Some(&b"in-progress"[..]));
     assert_eq!(snap.data.get("plan-checkpoint").map(Vec::as_slice), Some(&b""[..]));
 }
 
-async fn patch_answered_with(code: u16, reason: &str) -> Result<SecretSnapshot, WriteError> {
+async fn update_answered_with(code: u16, reason: &str) -> Result<SecretSnapshot, WriteError> {
     let (sc, handle) = client();
     let mut handle = pin!(handle);
     let server = async {
         let (req, send) = next_request(&mut handle).await;
-        assert_eq!(req.method(), Method::PATCH);
+        assert_eq!(req.method(), Method::PUT);
         send.send_response(json_response(code, &status(code, reason)));
     };
     let updates = BTreeMap::from([("k".to_string(), Some(b"v".to_vec()))]);
-    let (_, result) = tokio::join!(server, sc.patch_data("41", &updates));
+    let base = read_base("41");
+    let (_, result) = tokio::join!(server, sc.update_data(&base, &updates));
     result
 }
 
 #[tokio::test]
-async fn patch_data_maps_409_to_conflict() {
-    assert_eq!(patch_answered_with(409, "Conflict").await, Err(WriteError::Conflict));
+async fn update_data_maps_409_to_conflict() {
+    assert_eq!(update_answered_with(409, "Conflict").await, Err(WriteError::Conflict));
 }
 
 #[tokio::test]
-async fn patch_data_maps_404_to_not_found() {
-    assert_eq!(patch_answered_with(404, "NotFound").await, Err(WriteError::NotFound));
+async fn update_data_maps_404_to_not_found() {
+    assert_eq!(update_answered_with(404, "NotFound").await, Err(WriteError::NotFound));
 }
 
 #[tokio::test]
-async fn patch_data_maps_other_failures_to_a_one_line_other() {
-    match patch_answered_with(500, "InternalError").await {
+async fn update_data_maps_other_failures_to_a_one_line_other() {
+    match update_answered_with(500, "InternalError").await {
         Err(WriteError::Other(msg)) => {
             assert!(msg.contains("500") && !msg.contains('\n'), "{msg}");
         }

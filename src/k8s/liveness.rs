@@ -151,6 +151,15 @@ fn shown_server() -> String {
     super::server().unwrap_or("the API server").to_string()
 }
 
+/// The 403s on the plan objects in force ([`super::refusals::Refusals::forbidden`]); nothing to
+/// read while none is (one atomic load).
+pub fn forbidden() -> Vec<(String, String)> {
+    if !LIVENESS.refused.load(Ordering::Relaxed) {
+        return Vec::new();
+    }
+    LIVENESS.refusals.forbidden()
+}
+
 /// The process-wide account's [`Liveness::on_http2`].
 pub fn on_http2() -> bool {
     LIVENESS.on_http2()

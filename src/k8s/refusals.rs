@@ -148,6 +148,27 @@ impl Refusals {
     }
 }
 
+/// The 403s on the plan objects in force, by kind (`403 patch secrets`), each with its line.
+impl Refusals {
+    pub fn forbidden(&self) -> Vec<(String, String)> {
+        let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        now.iter().filter(|(_, e)| e.status == 403).map(|(k, e)| (k.clone(), e.line.clone())).collect()
+    }
+}
+
+/// Which 403s a plan object was told of (by an Event), so each is told once while it lasts.
+#[derive(Debug, Default)]
+pub struct Told(std::collections::BTreeSet<String>);
+
+impl Told {
+    /// The lines of the refusals in `now` ([`Refusals::forbidden`]) not told yet; ended ones are
+    /// forgotten, so a refusal that comes back is told again.
+    pub fn news(&mut self, now: &[(String, String)]) -> Vec<String> {
+        self.0.retain(|k| now.iter().any(|(n, _)| n == k));
+        now.iter().filter(|(k, _)| self.0.insert(k.clone())).map(|(_, line)| line.clone()).collect()
+    }
+}
+
 /// The refusals in force: each one's line and since when, and how many there are per status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InForce {
@@ -179,6 +200,28 @@ mod tests {
         for (m, p, want) in table {
             assert_eq!(what(&m, p), want, "{m} {p}");
         }
+    }
+
+    /// A 403 is told once by an Event while it lasts, again if it comes back after it ended.
+    #[test]
+    fn each_refusal_is_told_once_while_it_lasts() {
+        let mut told = Told::default();
+        let update = ("403 update secrets".to_string(), "forbids update".to_string());
+        let patch = ("403 patch nodeplans/status".to_string(), "forbids patch".to_string());
+        assert_eq!(told.news(std::slice::from_ref(&update)), ["forbids update"]);
+        assert!(told.news(std::slice::from_ref(&update)).is_empty(), "told already");
+        assert_eq!(told.news(&[update.clone(), patch.clone()]), ["forbids patch"]);
+        assert!(told.news(&[]).is_empty(), "both ended");
+        assert_eq!(told.news(&[update]), ["forbids update"], "back again");
+        // Only 403s on the plan objects are kept; 401s have no Event (the token writes none).
+        let r = Refusals::default();
+        let now = Instant::now();
+        r.account(401, "list secrets", "t", now);
+        r.account(403, "update leases", "t", now);
+        r.account(403, "update secrets", "t", now);
+        let forbidden = r.forbidden();
+        assert_eq!(forbidden.len(), 1, "{forbidden:?}");
+        assert!(forbidden[0].1.contains("forbids the agent to update secrets"), "{forbidden:?}");
     }
 
     #[test]

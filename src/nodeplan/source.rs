@@ -55,6 +55,7 @@ impl NodePlanSource {
             store: RunStore::new(state_dir, namespace),
             runs: HashMap::new(),
             refusals: HashMap::new(),
+            forbidden_told: HashMap::new(),
             events: None,
             pump: None,
             restored: Default::default(),
@@ -92,6 +93,8 @@ pub struct NodePlanSource {
     refusals: HashMap<String, Refusal>,
     /// Kubernetes Events about the NodePlans (started when the agent runs).
     events: Option<EventSink>,
+    /// Per NodePlan, the 403s on the NodePlans told in a `Refused` Event.
+    forbidden_told: HashMap<String, crate::k8s::refusals::Told>,
     /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
     pump: Option<crate::AbortOnDrop>,
     /// The NodePlans whose kept outcome was looked for since the agent started.
@@ -189,7 +192,20 @@ impl NodePlanSource {
             latest: self.latest.as_ref(),
             own: self.own.entry(name.to_string()).or_default(),
         };
-        write::write(&mut target, base, reapply).await.into()
+        let written = write::write(&mut target, base, reapply).await.into();
+        if matches!(written, Written::Failed { .. }) {
+            self.tell_forbidden(name);
+        }
+        written
+    }
+
+    /// A 403 on the NodePlans that began since it was last told: told once on `name` in a
+    /// `Refused` Event.
+    fn tell_forbidden(&mut self, name: &str) {
+        let news = self.forbidden_told.entry(name.to_string()).or_default().news(&crate::k8s::liveness::forbidden());
+        for line in news {
+            self.event(&name.to_string(), Reason::Refused, &line);
+        }
     }
 
     /// Send an outcome that must not be lost: handed to the loop to keep when the write fails
@@ -456,7 +472,11 @@ impl PlanSource for NodePlanSource {
     }
 
     async fn look(&mut self, name: &String) -> Seen {
-        let Some(o) = self.current(name) else { return Seen::Nothing };
+        let Some(o) = self.current(name) else {
+            self.forbidden_told.remove(name);
+            return Seen::Nothing;
+        };
+        self.tell_forbidden(name);
         let generation = o.metadata.generation.unwrap_or_default();
         let label = self.label(name);
         let bad =

@@ -2,7 +2,7 @@
 //! `watch` of the latest snapshot, from which the source shows the plan (through the plan-state
 //! flow, or the legacy checksum flow of a Secret without `plan-state`) and the pause/cancel values
 //! of the running plan (R15); transitions and outcomes are written with resourceVersion-conditional
-//! merge patches (R13). The source owns the Secret and nothing else; the loop owns the rest.
+//! updates (R13). The source owns the Secret and nothing else; the loop owns the rest.
 //!
 //! The base of a write is the object the agent's own last write returned, unless the watch has
 //! delivered a newer event since that write was sent: its own writes never conflict with each
@@ -76,6 +76,8 @@ pub struct SecretSource {
     last_interrupt: Interrupt,
     /// Kubernetes Events regarding the Secret (off in tests that do not ask for them).
     events: Option<EventSink>,
+    /// The 403s on the Secret told in a `Refused` Event.
+    forbidden_told: crate::k8s::refusals::Told,
     /// The task that feeds `latest` from the watch (from [`PlanSource::start`]).
     pump: Option<crate::AbortOnDrop>,
 }
@@ -109,6 +111,7 @@ impl SecretSource {
             kept,
             last_interrupt: Interrupt::default(),
             events: None,
+            forbidden_told: Default::default(),
             pump: None,
             absent: None,
         }
@@ -197,7 +200,18 @@ impl SecretSource {
             uid: &mut self.uid,
             last_written_rv: &mut self.last_written_rv,
         };
-        write::write(&mut target, base, reapply).await.into()
+        let written = write::write(&mut target, base, reapply).await.into();
+        if matches!(written, Written::Failed { .. }) {
+            self.tell_forbidden();
+        }
+        written
+    }
+
+    /// A 403 on the Secret that began since the last look: told once in a `Refused` Event.
+    fn tell_forbidden(&mut self) {
+        for line in self.forbidden_told.news(&crate::k8s::liveness::forbidden()) {
+            self.event(&(), Reason::Refused, &line);
+        }
     }
 
     /// Write a run's outcome, which must not be lost: recorded on the node (R17) while it is sent,
@@ -258,7 +272,7 @@ impl write::Target for SecretWrite<'_> {
     }
 
     async fn send(&self, base: &SecretSnapshot, keys: Keys) -> Result<SecretSnapshot, WriteError> {
-        self.client.patch_data(&base.resource_version, &keys).await
+        self.client.update_data(base, &keys).await
     }
 
     async fn read(&self) -> Result<Option<SecretSnapshot>, String> {
@@ -328,6 +342,7 @@ impl PlanSource for SecretSource {
             }
             self.uid = Some(snap.uid.clone());
         }
+        self.tell_forbidden();
         if let Some(p) = wire::probe_period(&snap) {
             self.probe_period = p;
         }
@@ -597,23 +612,23 @@ mod tests {
             let checksum = plan::checksum(PLAN);
             let server = async move {
                 let mut handle = std::pin::pin!(handle);
-                let mut patches = Vec::new();
-                let (req, send) = handle.as_mut().next_request().await.expect("a first PATCH");
-                assert_eq!(req.method(), http::Method::PATCH);
-                patches.push(req);
+                let mut writes = Vec::new();
+                let (req, send) = handle.as_mut().next_request().await.expect("a first update");
+                assert_eq!(req.method(), http::Method::PUT);
+                writes.push(req);
                 send.send_response(respond(409, &conflict()));
                 let (req, send) = handle.as_mut().next_request().await.expect("a GET after the conflict");
                 assert_eq!(req.method(), http::Method::GET);
                 // The orchestrator reset the (same) plan to pending meanwhile.
                 send.send_response(respond(200, &secret_json("7", "pending")));
                 if reapply {
-                    let (req, send) = handle.as_mut().next_request().await.expect("the re-applied PATCH");
+                    let (req, send) = handle.as_mut().next_request().await.expect("the re-applied update");
                     let body = http_body_util::BodyExt::collect(req.into_body()).await.unwrap().to_bytes();
                     let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
                     assert_eq!(body["metadata"]["resourceVersion"], "7", "re-applied on the fresh version");
                     send.send_response(respond(200, &secret_json("8", "in-progress")));
                 }
-                patches.len()
+                writes.len()
             };
             source.remember(base, 0, "4");
             let conflicts = "nodeplan_write_retries_total{target=\"secret\",reason=\"conflict\"}";
@@ -663,12 +678,13 @@ mod tests {
         Keys::from([("plan-state".to_string(), Some(state.as_bytes().to_vec()))])
     }
 
-    /// The next request, which must be a PATCH: its resourceVersion precondition, and the responder.
-    async fn next_patch(
+    /// The next request, which must be an update (PUT): its resourceVersion precondition, and the
+    /// responder.
+    async fn next_write(
         handle: &mut std::pin::Pin<&mut Handle>,
     ) -> (String, tower_test::mock::SendResponse<Response<Body>>) {
-        let (req, send) = handle.as_mut().next_request().await.expect("a PATCH");
-        assert_eq!(req.method(), http::Method::PATCH);
+        let (req, send) = handle.as_mut().next_request().await.expect("an update");
+        assert_eq!(req.method(), http::Method::PUT);
         let body = http_body_util::BodyExt::collect(req.into_body()).await.unwrap().to_bytes();
         let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
         (body["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_string(), send)
@@ -691,9 +707,9 @@ mod tests {
         let checksum = plan::checksum(PLAN);
         let server = async move {
             let mut handle = std::pin::pin!(handle);
-            let (first, send) = next_patch(&mut handle).await;
+            let (first, send) = next_write(&mut handle).await;
             send.send_response(respond(200, &secret_json("6", "in-progress")));
-            let (second, send) = next_patch(&mut handle).await;
+            let (second, send) = next_write(&mut handle).await;
             send.send_response(respond(200, &secret_json("7", "succeeded")));
             (first, second)
         };
@@ -730,7 +746,7 @@ mod tests {
         let checksum = plan::checksum(PLAN);
         let server = async move {
             let mut handle = std::pin::pin!(handle);
-            let (base, send) = next_patch(&mut handle).await;
+            let (base, send) = next_write(&mut handle).await;
             let mut canceled = snap("8", "in-progress");
             canceled.annotations.insert(plan::ANNOTATION_CANCELED.into(), "true".into());
             tx.send((2, Some(canceled))).unwrap();
@@ -752,7 +768,7 @@ mod tests {
         source.remember(snap("5", "in-progress"), 0, "4");
         let server = async move {
             let mut handle = std::pin::pin!(handle);
-            let (base, send) = next_patch(&mut handle).await;
+            let (base, send) = next_write(&mut handle).await;
             let status = serde_json::json!({
                 "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                 "reason": "TooManyRequests", "code": 429, "message": "slow down",
@@ -780,9 +796,9 @@ mod tests {
         let before = crate::metrics::sample(errors);
         let server = async move {
             let mut handle = std::pin::pin!(handle);
-            let (_, send) = next_patch(&mut handle).await;
+            let (_, send) = next_write(&mut handle).await;
             send.send_response(respond(500, &serde_json::json!({"kind": "Status", "code": 500, "message": "down"})));
-            let (_, send) = next_patch(&mut handle).await;
+            let (_, send) = next_write(&mut handle).await;
             send.send_response(respond(200, &secret_json("6", "succeeded")));
         };
         let checksum = plan::checksum(PLAN);
@@ -807,7 +823,7 @@ mod tests {
         source.remember(snap("5", "in-progress"), 0, "4");
         let server = async move {
             let mut handle = std::pin::pin!(handle);
-            let (_, send) = next_patch(&mut handle).await;
+            let (_, send) = next_write(&mut handle).await;
             let r = Response::builder()
                 .status(429)
                 .header("Retry-After", "7")

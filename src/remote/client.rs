@@ -4,7 +4,9 @@
 //! (system-agent's `pkg/k8splan` informer and `updateSecret`): building a [`kube::Client`] from
 //! the connection-info kubeconfig (through [`crate::k8s::client`]: every request bounded), GET, a
 //! field-selected watch that never ends (an adapter over the shared [`crate::k8s::watch`]), and
-//! JSON merge patches of `data` keys guarded by a `metadata.resourceVersion` precondition.
+//! updates (PUT) of `data` keys guarded by a `metadata.resourceVersion` precondition: an update,
+//! as system-agent writes, since Rancher's per-machine Role grants `update` on the Secret and not
+//! `patch`.
 //!
 //! It must not decide anything: it does not parse the plan, compare checksums or resource
 //! versions, retry conflicts, debounce or back off (the shared watch does what it needs). It
@@ -21,8 +23,6 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use futures::Stream;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
@@ -49,20 +49,41 @@ pub struct SecretSnapshot {
     pub annotations: BTreeMap<String, String>,
     /// Its labels (Rancher names the machine in `rke.cattle.io/machine-name`).
     pub labels: BTreeMap<String, String>,
+    /// The rest of what an update must carry back so as to change nothing but `data` (shared:
+    /// snapshots are cloned often).
+    pub kept: std::sync::Arc<Kept>,
 }
+
+/// What an update of a Secret sends back unchanged besides its labels, annotations and data: the
+/// rest of its metadata (owners, finalizers; not `managedFields`, which the server keeps) and its
+/// type.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Kept {
+    meta: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    type_: Option<String>,
+    immutable: Option<bool>,
+}
+
+// Strings, maps and times: equality is total.
+impl Eq for Kept {}
 
 impl SecretSnapshot {
     /// Convert an API object. A Secret without `uid` or `resourceVersion` did not come from a
     /// real apiserver and cannot be reasoned about, so it is an error rather than a default.
     fn from_secret(secret: Secret) -> Result<Self, String> {
-        let meta = secret.metadata;
-        let uid = meta.uid.filter(|u| !u.is_empty()).ok_or("secret has no metadata.uid")?;
-        let resource_version =
-            meta.resource_version.filter(|rv| !rv.is_empty()).ok_or("secret has no metadata.resourceVersion")?;
+        let mut meta = secret.metadata;
+        let uid = meta.uid.take().filter(|u| !u.is_empty()).ok_or("secret has no metadata.uid")?;
+        let resource_version = meta
+            .resource_version
+            .take()
+            .filter(|rv| !rv.is_empty())
+            .ok_or("secret has no metadata.resourceVersion")?;
         let data = secret.data.unwrap_or_default().into_iter().map(|(k, ByteString(v))| (k, v)).collect();
-        let annotations = meta.annotations.unwrap_or_default();
-        let labels = meta.labels.unwrap_or_default();
-        Ok(SecretSnapshot { uid, resource_version, data, annotations, labels })
+        let annotations = meta.annotations.take().unwrap_or_default();
+        let labels = meta.labels.take().unwrap_or_default();
+        meta.managed_fields = None;
+        let kept = std::sync::Arc::new(Kept { meta, type_: secret.type_, immutable: secret.immutable });
+        Ok(SecretSnapshot { uid, resource_version, data, annotations, labels, kept })
     }
 }
 
@@ -100,7 +121,7 @@ pub(crate) fn test_snapshot(
         resource_version: "1".into(),
         data,
         annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        labels: BTreeMap::new(),
+        ..SecretSnapshot::default()
     }
 }
 
@@ -123,20 +144,31 @@ impl std::fmt::Debug for SecretClient {
 use crate::AbortOnDrop;
 use crate::k8s::error_line as kube_error_line;
 
-/// The JSON merge patch [`SecretClient::patch_data`] sends: `data` values base64, deletes as
-/// `null`, and `metadata.resourceVersion` as the precondition.
-fn data_patch(rv: &str, updates: &BTreeMap<String, Option<Vec<u8>>>) -> serde_json::Value {
-    let data: serde_json::Map<String, serde_json::Value> = updates
-        .iter()
-        .map(|(k, v)| {
-            let value = match v {
-                Some(bytes) => serde_json::Value::String(BASE64.encode(bytes)),
-                None => serde_json::Value::Null,
-            };
-            (k.clone(), value)
-        })
-        .collect();
-    serde_json::json!({ "metadata": { "resourceVersion": rv }, "data": data })
+/// The Secret [`SecretClient::update_data`] sends: `base` as it was read (its resourceVersion the
+/// precondition) with `updates` to `data` (`None` removes a key).
+fn put_body(secret: &SecretRef, base: &SecretSnapshot, updates: &BTreeMap<String, Option<Vec<u8>>>) -> Secret {
+    let mut meta = base.kept.meta.clone();
+    meta.name = Some(secret.name.clone());
+    meta.namespace = Some(secret.namespace.clone());
+    meta.uid = Some(base.uid.clone());
+    meta.resource_version = Some(base.resource_version.clone());
+    meta.annotations = (!base.annotations.is_empty()).then(|| base.annotations.clone());
+    meta.labels = (!base.labels.is_empty()).then(|| base.labels.clone());
+    let mut data: BTreeMap<String, ByteString> =
+        base.data.iter().map(|(k, v)| (k.clone(), ByteString(v.clone()))).collect();
+    for (k, v) in updates {
+        match v {
+            Some(bytes) => data.insert(k.clone(), ByteString(bytes.clone())),
+            None => data.remove(k),
+        };
+    }
+    Secret {
+        metadata: meta,
+        data: Some(data),
+        type_: base.kept.type_.clone(),
+        immutable: base.kept.immutable,
+        string_data: None,
+    }
 }
 
 impl SecretClient {
@@ -179,21 +211,17 @@ impl SecretClient {
         }
     }
 
-    /// JSON merge patch of `data` keys (Some(bytes) = set, None = delete key; remember
-    /// Secret.data values are base64 in JSON) carrying metadata.resourceVersion = `rv` as the
-    /// precondition. Content-Type application/merge-patch+json. Returns the new snapshot.
-    /// 409 → WriteError::Conflict, 404 → NotFound.
-    pub async fn patch_data(
+    /// Update (PUT) `base` with `updates` to its `data` keys (Some(bytes) = set, None = delete),
+    /// its resourceVersion the precondition: nothing else of the Secret changes. Returns the new
+    /// snapshot. 409 → WriteError::Conflict, 404 → NotFound.
+    pub async fn update_data(
         &self,
-        rv: &str,
+        base: &SecretSnapshot,
         updates: &BTreeMap<String, Option<Vec<u8>>>,
     ) -> Result<SecretSnapshot, WriteError> {
-        let patch = data_patch(rv, updates);
-        let secret = self
-            .api
-            .patch(&self.secret.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(WriteError::from)?;
+        let body = put_body(&self.secret, base, updates);
+        let secret =
+            self.api.replace(&self.secret.name, &PostParams::default(), &body).await.map_err(WriteError::from)?;
         SecretSnapshot::from_secret(secret).map_err(WriteError::Other)
     }
 
@@ -353,19 +381,39 @@ mod tests {
     }
 
     #[test]
-    fn data_patch_encodes_values_and_deletes() {
+    fn an_update_changes_the_named_data_keys_and_carries_everything_else_back() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, OwnerReference};
+        let mut read = Secret::default();
+        read.metadata.uid = Some("u".into());
+        read.metadata.resource_version = Some("42".into());
+        read.metadata.labels = Some([("rke.cattle.io/machine-name".to_string(), "m1".to_string())].into());
+        read.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
+        read.metadata.finalizers = Some(vec!["keep".into()]);
+        read.metadata.owner_references = Some(vec![OwnerReference { name: "machine".into(), ..Default::default() }]);
+        read.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+        read.type_ = Some(MACHINE_PLAN_SECRET_TYPE.into());
+        read.data = Some(
+            [("plan", "p"), ("plan-state", "pending"), ("probe-statuses", "x")]
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .into(),
+        );
+        let base = SecretSnapshot::from_secret(read.clone()).unwrap();
         let mut updates = BTreeMap::new();
         updates.insert("plan-state".to_string(), Some(b"in-progress".to_vec()));
         updates.insert("plan-checkpoint".to_string(), Some(Vec::new()));
         updates.insert("probe-statuses".to_string(), None);
-        let patch = data_patch("42", &updates);
-        assert_eq!(
-            patch,
-            serde_json::json!({
-                "metadata": {"resourceVersion": "42"},
-                "data": {"plan-state": "aW4tcHJvZ3Jlc3M=", "plan-checkpoint": "", "probe-statuses": null}
-            })
+        let r = SecretRef { namespace: "ns".into(), name: "machine-plan".into() };
+        let sent = put_body(&r, &base, &updates);
+        let mut want = read;
+        want.metadata.name = Some("machine-plan".into());
+        want.metadata.namespace = Some("ns".into());
+        want.metadata.managed_fields = None;
+        want.data = Some(
+            [("plan", "p"), ("plan-state", "in-progress"), ("plan-checkpoint", "")]
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .into(),
         );
+        assert_eq!(sent, want);
     }
 
     #[test]
