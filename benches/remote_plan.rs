@@ -26,6 +26,7 @@ mod k8s_support;
 
 use base64::Engine as _;
 use futures::StreamExt as _;
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use std::collections::BTreeMap;
@@ -143,16 +144,18 @@ async fn floor(client: kube::Client, ns: String) {
             if state(&s).as_deref() != Some("pending") {
                 continue;
             }
-            let write = |state: &str, rv: &str| serde_json::json!({"metadata": {"resourceVersion": rv}, "data": {"plan-state": b64(state.as_bytes())}});
-            let Ok(s) = api.patch(SECRET, &PatchParams::default(), &Patch::Merge(write("in-progress", &rv))).await
-            else {
+            // Updates, as Rancher's per-machine Role allows (and as the agent writes).
+            let write = |mut s: Secret, state: &str| {
+                s.data.get_or_insert_default().insert("plan-state".into(), ByteString(state.as_bytes().to_vec()));
+                s
+            };
+            let Ok(s) = api.replace(SECRET, &PostParams::default(), &write(s, "in-progress")).await else {
                 continue;
             };
             for _ in 0..3 {
                 let _ = tokio::process::Command::new("/bin/true").status().await;
             }
-            let at = s.metadata.resource_version.unwrap_or_default();
-            let _ = api.patch(SECRET, &PatchParams::default(), &Patch::Merge(write("succeeded", &at))).await;
+            let _ = api.replace(SECRET, &PostParams::default(), &write(s, "succeeded")).await;
         }
     }
 }
