@@ -144,7 +144,7 @@ fn counts_follow_what_the_agent_does_and_promtool_accepts_them() {
         assert_eq!(value(&before, &series), Some(0.0), "{series} before anything ran:\n{before}");
     }
     assert!(
-        before.contains(&format!("nodeplan_build{{version=\"{}\",commit=\"", env!("CARGO_PKG_VERSION"))),
+        before.contains(&format!("nodeplan_build_info{{version=\"{}\",commit=\"", env!("CARGO_PKG_VERSION"))),
         "{before}"
     );
     assert_eq!(value(&before, "nodeplan_api_refusals{status=\"401\"}"), Some(0.0), "{before}");

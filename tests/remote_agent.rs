@@ -2660,7 +2660,7 @@ async fn a_refused_token_is_said_in_the_log_the_status_and_the_metrics() {
     );
     let body = scrape_metrics(port);
     for line in
-        ["nodeplan_api_refusals{status=\"401\"} 1", "nodeplan_api_refusals{status=\"403\"} 0", "nodeplan_build{"]
+        ["nodeplan_api_refusals{status=\"401\"} 1", "nodeplan_api_refusals{status=\"403\"} 0", "nodeplan_build_info{"]
     {
         assert!(body.contains(line), "{line} in:\n{body}");
     }
@@ -2693,10 +2693,26 @@ async fn a_plan_secret_that_does_not_exist_is_said_until_it_is_created() {
     let said = agent.wait_log("does not exist: nothing to apply until it is created");
     assert!(said.contains("/machine-plan") && said.contains("secretName"), "{said}");
     agent_status_until(&r.config, "the absent Secret", |t| t.contains("; the Secret does not exist, since"));
+    let missing = format!("nodeplan_source_problem{{source=\"secret {namespace}/machine-plan\",reason=\"missing\"}}");
+    // The exposition is rendered at most once a second: scraped until it shows the change.
+    let scraped = |want: &str| {
+        let deadline = std::time::Instant::now() + GUARD;
+        loop {
+            let metrics = scrape_metrics(port);
+            if metrics.contains(want) {
+                return metrics;
+            }
+            assert!(std::time::Instant::now() < deadline, "{want} in:\n{metrics}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let metrics = scraped(&format!("{missing} 1"));
+    assert!(metrics.contains("nodeplan_api_failing 0"), "the API server answers:\n{metrics}");
     r.create(&json!({"instructions": [sh("one", "true")]}), Some("pending"), &[]).await;
     agent.wait_log("exists now");
     r.wait("succeeded", |s| state(s) == "succeeded").await;
     agent_status_until(&r.config, "no problem", |t| t.contains("source:") && !t.contains("does not exist"));
+    scraped(&format!("{missing} 0"));
     agent.stop_cleanly();
 }
 

@@ -64,6 +64,7 @@ impl Liveness {
     pub fn failed(&self) {
         if !self.failing.swap(true, Ordering::SeqCst) {
             crate::board::api_failing(&shown_server());
+            crate::metrics::api_failing(true);
         }
     }
 
@@ -72,6 +73,7 @@ impl Liveness {
         if self.failing.swap(false, Ordering::SeqCst) {
             self.epoch.send_modify(|e| *e += 1);
             self.tell_board();
+            crate::metrics::api_failing(false);
         }
     }
 

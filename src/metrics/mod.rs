@@ -87,6 +87,12 @@ struct SourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProblemLabels {
+    source: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
@@ -155,6 +161,8 @@ pub struct Metrics {
     api_refusals: Family<StatusLabel, Gauge>,
     plans_failed: Gauge,
     lease_held: Family<SourceLabel, Gauge>,
+    api_failing: Gauge,
+    source_problem: Family<ProblemLabels, Gauge>,
     disk: disk::DiskGauges,
 }
 
@@ -224,6 +232,18 @@ impl Metrics {
         for status in ["401", "403"] {
             api_refusals.get_or_create(&StatusLabel { status }).set(0);
         }
+        let api_failing = Gauge::default();
+        registry.register(
+            "nodeplan_api_failing",
+            "1 while requests to the API server get no answer (unreachable, timing out), else 0",
+            api_failing.clone(),
+        );
+        let source_problem = Family::<ProblemLabels, Gauge>::default();
+        registry.register(
+            "nodeplan_source_problem",
+            "1 while a plan source has the problem its reason names (missing: its plan Secret does not exist)",
+            source_problem.clone(),
+        );
         // Every labelled counter is there from the start, at 0: a rate over a series that appears
         // only with its first event misses that event.
         for result in [PlanResult::Succeeded, PlanResult::Failed, PlanResult::Paused, PlanResult::Canceled] {
@@ -261,7 +281,7 @@ impl Metrics {
             lease_held.clone(),
         );
         let build = Family::<BuildLabels, Gauge>::default();
-        registry.register("nodeplan_build", "1, labelled with the agent's version and commit", build.clone());
+        registry.register("nodeplan_build_info", "1, labelled with the agent's version and commit", build.clone());
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), commit: env!("NODEPLAN_COMMIT") }).set(1);
         let disk = disk::DiskGauges::new(dirs);
         disk.register(&mut registry);
@@ -281,6 +301,8 @@ impl Metrics {
             api_refusals,
             plans_failed,
             lease_held,
+            api_failing,
+            source_problem,
             disk,
         }
     }
@@ -540,6 +562,20 @@ pub fn api_refusals(counts: [(u16, i64); 2]) {
             let status = if status == 401 { "401" } else { "403" };
             m.api_refusals.get_or_create(&StatusLabel { status }).set(n);
         }
+    }
+}
+
+/// Whether requests to the API server get no answer now ([`crate::k8s::liveness`]).
+pub fn api_failing(failing: bool) {
+    if let Some(m) = get() {
+        m.api_failing.set(i64::from(failing));
+    }
+}
+
+/// Whether the source `what` (`secret NS/NAME`) has the problem `reason` now (`missing`).
+pub fn source_problem(what: &str, reason: &'static str, now: bool) {
+    if let Some(m) = get() {
+        m.source_problem.get_or_create(&ProblemLabels { source: label_text(what), reason }).set(i64::from(now));
     }
 }
 

@@ -131,6 +131,7 @@ impl SecretSource {
                     self.client.describe()
                 );
                 crate::board::source_problem(&what(), "the Secret does not exist");
+                crate::metrics::source_problem(&what(), "missing", true);
                 self.absent = Some((crate::now_rfc3339(), now));
             }
             (true, Some((since, told))) if now.duration_since(*told) >= crate::k8s::refusals::RETELL => {
@@ -140,6 +141,7 @@ impl SecretSource {
             (false, Some((since, _))) => {
                 tracing::info!("the plan Secret {} exists now (it did not since {since})", self.client.describe());
                 crate::board::source_problem(&what(), "");
+                crate::metrics::source_problem(&what(), "missing", false);
                 self.absent = None;
             }
             _ => {}
