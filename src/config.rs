@@ -128,7 +128,7 @@ pub struct AgentConfig {
     /// `rescanSeconds`: local mode rescan period.
     pub rescan_seconds: u64,
     /// `localRetrySeconds`: local mode retries a failed plan after this, doubling per failure up
-    /// to 5 minutes.
+    /// to 5 minutes (or to this, when it is longer).
     pub local_retry_seconds: u64,
     /// `metricsAddress`: where `GET /metrics` is served (`IP:PORT`, or `:PORT` for every
     /// interface); empty = no metrics endpoint. See [`AgentConfig::metrics_address`].
