@@ -1,8 +1,9 @@
 //! The agent's configuration: this module owns reading the config file (`/etc/rancher/agent/config.yaml`
 //! or the file named by `--config`, `NODEPLAN_CONFIG`, `CATTLE_AGENT_CONFIG`) and the remote-mode
 //! connection-info file, with system-agent's rules for both (the file must exist, be mode exactly 0600
-//! and belong to the agent's effective uid and gid; the format is chosen by the file name *containing*
-//! `.json` or `.yaml`; unknown keys are ignored; key names match case-insensitively as in Go's JSON
+//! and belong to the agent's effective uid and gid, on Unix; the format is chosen by the file name
+//! *containing* `.json` or `.yaml`, and a name without an extension is YAML: rancher-wins' `config`,
+//! whose `systemagent:` section holds the keys on Windows nodes; unknown keys are ignored; key names match case-insensitively as in Go's JSON
 //! decoder), nodeplan's documented defaults for every key ([`defaults_table`]), and semantic
 //! validation with warnings ([`validate`]). It only reads: it must not start anything, create or
 //! touch the work, plan or PID directories, or talk to Kubernetes; [`validate`] merely looks at
@@ -19,7 +20,18 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Used when neither `--config`, `NODEPLAN_CONFIG` nor `CATTLE_AGENT_CONFIG` names a file.
+#[cfg(not(windows))]
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/rancher/agent/config.yaml";
+/// On Windows, the file rancher-wins' `install.ps1` writes (`CATTLE_AGENT_CONFIG_DIR`, default
+/// `C:/etc/rancher/wins`, then `/config`): YAML with system-agent's keys under `systemagent:`.
+#[cfg(windows)]
+pub const DEFAULT_CONFIG_PATH: &str = "C:/etc/rancher/wins/config";
+
+/// A default path of the node: as on Linux, on the system drive on Windows (where rancher-wins
+/// keeps system-agent's: `CATTLE_AGENT_VAR_DIR` defaults to `C:/var/lib/rancher/agent`).
+fn node_path(p: &str) -> PathBuf {
+    if cfg!(windows) { PathBuf::from(format!("C:{p}")) } else { PathBuf::from(p) }
+}
 
 /// Config and connection-info files larger than this are refused (a kubeconfig is a few KiB).
 pub const MAX_FILE_BYTES: u64 = 4 << 20;
@@ -147,6 +159,8 @@ pub const LEASE_MIN_DURATION: Duration = Duration::from_secs(4);
 /// The longest `leaseDuration`.
 pub const LEASE_MAX_DURATION: Duration = Duration::from_secs(3600);
 const DEFAULT_IMAGES_DIRECTORY: &str = "/var/lib/rancher/agent/images";
+/// No `/run` on Windows: the PID records sit beside the agent's other state there.
+const DEFAULT_PID_DIRECTORY: &str = if cfg!(windows) { "/var/lib/rancher/agent/pids" } else { "/run/nodeplan/pids" };
 const DEFAULT_AGENT_REGISTRIES_FILE: &str = "/etc/rancher/agent/registries.yaml";
 const DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG: &str = "/var/lib/rancher/credentialprovider/config.yaml";
 const DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY: &str = "/var/lib/rancher/credentialprovider/bin";
@@ -154,31 +168,31 @@ const DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY: &str = "/var/lib/rancher/
 impl Default for AgentConfig {
     fn default() -> AgentConfig {
         AgentConfig {
-            work_directory: "/var/lib/rancher/agent/work".into(),
+            work_directory: node_path("/var/lib/rancher/agent/work"),
             local_enabled: false,
-            local_plan_directory: "/var/lib/rancher/agent/plans".into(),
-            applied_plan_directory: "/var/lib/rancher/agent/applied".into(),
+            local_plan_directory: node_path("/var/lib/rancher/agent/plans"),
+            applied_plan_directory: node_path("/var/lib/rancher/agent/applied"),
             remote_enabled: false,
-            connection_info_file: "/var/lib/rancher/agent/rancher2_connection_info.json".into(),
+            connection_info_file: node_path("/var/lib/rancher/agent/rancher2_connection_info.json"),
             node_plan_enabled: false,
-            node_plan_state_directory: "/var/lib/rancher/agent/nodeplans".into(),
+            node_plan_state_directory: node_path("/var/lib/rancher/agent/nodeplans"),
             node_name: String::new(),
             lease_duration: Duration::from_secs(40),
             rival_check: true,
             preserve_work_directory: false,
-            images_directory: DEFAULT_IMAGES_DIRECTORY.into(),
-            agent_registries_file: DEFAULT_AGENT_REGISTRIES_FILE.into(),
-            image_credential_provider_config: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG.into(),
-            image_credential_provider_bin_directory: DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY.into(),
+            images_directory: node_path(DEFAULT_IMAGES_DIRECTORY),
+            agent_registries_file: node_path(DEFAULT_AGENT_REGISTRIES_FILE),
+            image_credential_provider_config: node_path(DEFAULT_IMAGE_CREDENTIAL_PROVIDER_CONFIG),
+            image_credential_provider_bin_directory: node_path(DEFAULT_IMAGE_CREDENTIAL_PROVIDER_BIN_DIRECTORY),
             image_max_bytes: DEFAULT_IMAGE_MAX_BYTES,
             image_max_entries: DEFAULT_IMAGE_MAX_ENTRIES,
-            interlock_directory: "/var/lib/rancher/agent/interlock".into(),
+            interlock_directory: node_path("/var/lib/rancher/agent/interlock"),
             stop_timeout: Duration::from_secs(10),
             kill_timeout: Duration::from_secs(5),
             no_kill: false,
             output_cap: 65536,
             cgroup_root: "auto".into(),
-            pid_directory: "/run/nodeplan/pids".into(),
+            pid_directory: node_path(DEFAULT_PID_DIRECTORY),
             probe_period_seconds: 5,
             rescan_seconds: 5,
             local_retry_seconds: 30,
@@ -550,7 +564,9 @@ pub fn validate(cfg: &AgentConfig) -> Result<Vec<String>, ConfigError> {
         let misspelt: Vec<String> = cfg
             .unknown_keys
             .iter()
-            .filter_map(|k| nearest_key(k).filter(|n| n.ends_with("Enabled")).map(|n| format!("{} is not {n}", quoted(k))))
+            .filter_map(|k| {
+                nearest_key(k).filter(|n| n.ends_with("Enabled")).map(|n| format!("{} is not {n}", quoted(k)))
+            })
             .collect();
         let hint = if misspelt.is_empty() { String::new() } else { format!(" ({})", misspelt.join(", ")) };
         problems.push(format!(
@@ -737,7 +753,8 @@ impl<'a> Doc<'a> {
         let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
         let format = if name.contains(".json") {
             Format::Json
-        } else if name.contains(".yaml") {
+        } else if name.contains(".yaml") || !name.contains('.') {
+            // A name without any extension: rancher-wins' `config`, YAML.
             Format::Yaml
         } else {
             return Err(ConfigError::Format { what, path: path.to_path_buf() });
@@ -770,6 +787,13 @@ impl<'a> Doc<'a> {
             }
         };
         let map = match value {
+            // rancher-wins' config: system-agent's keys under `systemagent:`, beside wins' own.
+            Value::Object(mut m) if what == WHAT_CONFIG && matches!(m.get("systemagent"), Some(Value::Object(_))) => {
+                match m.remove("systemagent") {
+                    Some(Value::Object(s)) => s,
+                    _ => Map::new(),
+                }
+            }
             Value::Object(m) => m,
             // An empty YAML document (or a JSON `null`) sets nothing, as in system-agent.
             Value::Null => Map::new(),
@@ -979,6 +1003,38 @@ fn open_nonblocking(path: &Path) -> io::Result<File> {
 mod tests {
     use super::*;
 
+    /// rancher-wins' config (`install.ps1`'s `Set-WinsConfig`): a file named `config`, YAML, with
+    /// system-agent's keys under `systemagent:` beside wins' own.
+    #[test]
+    fn a_rancher_wins_config_is_read_from_its_systemagent_section() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config");
+        let text = "white_list:\n  processPaths: []\nsystemagent:\n  workDirectory: C:/var/lib/rancher/agent/work\n  \
+                    appliedPlanDirectory: C:/var/lib/rancher/agent/applied\n  remoteEnabled: true\n  \
+                    preserveWorkDirectory: false\n  connectionInfoFile: C:/var/lib/rancher/agent/rancher2_connection_info.json\n";
+        std::fs::write(&path, text).unwrap();
+        #[cfg(unix)]
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        let c = load(&path).unwrap();
+        assert_eq!(c.work_directory, Path::new("C:/var/lib/rancher/agent/work"));
+        assert_eq!(c.applied_plan_directory, Path::new("C:/var/lib/rancher/agent/applied"));
+        assert!(c.remote_enabled && !c.preserve_work_directory);
+        assert_eq!(c.connection_info_file, Path::new("C:/var/lib/rancher/agent/rancher2_connection_info.json"));
+        assert!(c.unknown_keys.is_empty(), "wins' own keys are not the agent's: {:?}", c.unknown_keys);
+    }
+
+    /// On Windows the defaults are where rancher-wins puts system-agent's files.
+    #[cfg(windows)]
+    #[test]
+    fn windows_defaults_are_rancher_wins_paths() {
+        let d = AgentConfig::default();
+        assert_eq!(DEFAULT_CONFIG_PATH, "C:/etc/rancher/wins/config");
+        assert_eq!(d.work_directory, Path::new("C:/var/lib/rancher/agent/work"));
+        assert_eq!(d.applied_plan_directory, Path::new("C:/var/lib/rancher/agent/applied"));
+        assert_eq!(d.connection_info_file, Path::new("C:/var/lib/rancher/agent/rancher2_connection_info.json"));
+        assert_eq!(d.pid_directory, Path::new("C:/var/lib/rancher/agent/pids"));
+    }
+
     #[test]
     fn an_unknown_key_is_named_with_the_key_it_misspells() {
         for (unknown, nearest) in [
@@ -1017,8 +1073,10 @@ mod tests {
         assert_eq!(get("killTimeout"), "5s");
         assert_eq!(get("outputCap"), "65536");
         assert_eq!(get("cgroupRoot"), "auto");
-        assert_eq!(get("pidDirectory"), "/run/nodeplan/pids");
-        assert_eq!(get("workDirectory"), "/var/lib/rancher/agent/work");
+        if cfg!(unix) {
+            assert_eq!(get("pidDirectory"), "/run/nodeplan/pids");
+            assert_eq!(get("workDirectory"), "/var/lib/rancher/agent/work");
+        }
     }
 
     #[test]

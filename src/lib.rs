@@ -44,9 +44,10 @@ macro_rules! unix_only {
 }
 
 unix_only!(
-    apply, backoff, board, cli, config, disk, events, fleet, formats, image, install, k8s, lease, local, logging,
-    metrics, nodeplan, probe, reconcile, remote, safefs,
+    apply, backoff, board, cli, disk, events, fleet, formats, image, install, k8s, lease, local, logging, metrics,
+    nodeplan, probe, reconcile, remote, safefs,
 );
+pub mod config;
 pub mod duration;
 pub mod flow;
 pub mod plan;
