@@ -2,8 +2,8 @@
 //! or the file named by `--config`, `NODEPLAN_CONFIG`, `CATTLE_AGENT_CONFIG`) and the remote-mode
 //! connection-info file, with system-agent's rules for both (the file must exist, be mode exactly 0600
 //! and belong to the agent's effective uid and gid, on Unix; the format is chosen by the file name
-//! *containing* `.json` or `.yaml`, and a name without an extension is YAML: rancher-wins' `config`,
-//! whose `systemagent:` section holds the keys on Windows nodes; unknown keys are ignored; key names match case-insensitively as in Go's JSON
+//! *containing* `.json` or `.yaml`, and on Windows a name without an extension is YAML: rancher-wins'
+//! `config`, whose `systemagent:` section holds the keys; unknown keys are ignored; key names match case-insensitively as in Go's JSON
 //! decoder), nodeplan's documented defaults for every key ([`defaults_table`]), and semantic
 //! validation with warnings ([`validate`]). It only reads: it must not start anything, create or
 //! touch the work, plan or PID directories, or talk to Kubernetes; [`validate`] merely looks at
@@ -298,7 +298,7 @@ pub fn defaults_table() -> Vec<(&'static str, String, &'static str)> {
         (
             "rivalCheck",
             d.rival_check.to_string(),
-            "remote mode: wait while Rancher's `rancher-system-agent` runs on this node (and stop if it starts), since it may act on the same plan Secret; `false` where it serves another Secret",
+            "remote mode: wait while Rancher's `rancher-system-agent` runs on this node (and stop if it starts) unless its own config and connection info, root's and writable by no one else, say it serves another Secret or has remote mode off; `false` turns the check off where the node's operator knows better",
         ),
         ("preserveWorkDirectory", d.preserve_work_directory.to_string(), "never wipe `workDirectory`"),
         (
@@ -753,8 +753,8 @@ impl<'a> Doc<'a> {
         let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
         let format = if name.contains(".json") {
             Format::Json
-        } else if name.contains(".yaml") || !name.contains('.') {
-            // A name without any extension: rancher-wins' `config`, YAML.
+        } else if name.contains(".yaml") || (cfg!(windows) && !name.contains('.')) {
+            // On Windows, a name without any extension: rancher-wins' `config`, YAML.
             Format::Yaml
         } else {
             return Err(ConfigError::Format { what, path: path.to_path_buf() });
@@ -1003,12 +1003,13 @@ fn open_nonblocking(path: &Path) -> io::Result<File> {
 mod tests {
     use super::*;
 
-    /// rancher-wins' config (`install.ps1`'s `Set-WinsConfig`): a file named `config`, YAML, with
-    /// system-agent's keys under `systemagent:` beside wins' own.
+    /// rancher-wins' config (`install.ps1`'s `Set-WinsConfig`): a file named `config` (on Windows;
+    /// elsewhere `.yaml` is needed), YAML, with system-agent's keys under `systemagent:` beside
+    /// wins' own.
     #[test]
     fn a_rancher_wins_config_is_read_from_its_systemagent_section() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("config");
+        let path = dir.path().join(if cfg!(windows) { "config" } else { "config.yaml" });
         let text = "white_list:\n  processPaths: []\nsystemagent:\n  workDirectory: C:/var/lib/rancher/agent/work\n  \
                     appliedPlanDirectory: C:/var/lib/rancher/agent/applied\n  remoteEnabled: true\n  \
                     preserveWorkDirectory: false\n  connectionInfoFile: C:/var/lib/rancher/agent/rancher2_connection_info.json\n";
