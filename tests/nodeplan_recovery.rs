@@ -238,6 +238,14 @@ async fn a_finished_run_is_written_after_a_crash_not_run_again() {
     let n = Node::new(cp, "np-kept", &cp.kubeconfig_yaml_as_agent(), "").await;
     let as_agent: Api<DynamicObject> = Api::namespaced_with(cp.agent_client().await, &n.namespace, &api_resource());
     grant(cp, &n.namespace, &["get", "update", "patch"]).await;
+    // It may publish Events: the refusal is told on the NodePlan too.
+    let events: k8s_openapi::api::rbac::v1::Role = serde_json::from_value(json!({
+        "metadata": {"name": "events", "namespace": n.namespace},
+        "rules": [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "get", "patch"]}],
+    }))
+    .unwrap();
+    Api::namespaced(cp.client().await, &n.namespace).create(&PostParams::default(), &events).await.unwrap();
+    cp.bind_agent(&n.namespace, "events").await;
     let (ready, go, marker) = (n.fifo("ready"), n.fifo("go"), n.p("marker"));
     n.create(
         "k",
@@ -254,6 +262,10 @@ async fn a_finished_run_is_written_after_a_crash_not_run_again() {
     until_status_writable(&as_agent, "k", false).await;
     release_fifo(&go);
     next_failure(&mut agent);
+    k8s_support::wait_events(&cp.client().await, &n.namespace, "k", "Refused", |ev| {
+        ev.iter().any(|e| e.0 == "Refused" && e.1.contains("forbids the agent to") && e.1.contains("nodeplans/status"))
+    })
+    .await;
     agent.crash();
     grant(cp, &n.namespace, &["get", "update", "patch"]).await;
     until_status_writable(&as_agent, "k", true).await;
