@@ -290,7 +290,8 @@ fn rancher_agent(ours: &crate::remote::client::SecretRef) -> crate::lease::Rival
     });
     let started: crate::lease::RivalStarted = Arc::new(move || {
         // A few reads of in-memory files (cgroupfs, procfs), when inotify says the unit's cgroup may
-        // have changed: on the loop's thread, not the blocking pool.
+        // have changed, and two small files once per process found: on the loop's thread, not the
+        // blocking pool.
         let a = acts.clone();
         Box::pin(rival::started(std::path::PathBuf::from("/proc"), unit.to_vec(), move |pid| a(pid)))
     });
