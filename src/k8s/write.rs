@@ -66,18 +66,20 @@ impl From<kube::Error> for WriteError {
 
 /// How a write ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Wrote {
+pub enum Written {
     /// It landed, or there was nothing left to write.
     Done,
-    /// It must not land: the object is gone, or changed in a way that calls for a fresh decision.
+    /// It must not land: the object is gone, or changed in a way that calls for a fresh decision
+    /// (another plan, a concurrent update): look again now.
     Abandoned,
     /// It did not land (an outage, a refusal, throttling); an outcome is kept and written again.
+    /// `retry_after` is the server's own hint, if it gave one (HTTP 429).
     Failed { error: String, retry_after: Option<Duration> },
 }
 
-impl Wrote {
-    fn failed(error: impl Into<String>) -> Wrote {
-        Wrote::Failed { error: error.into(), retry_after: None }
+impl Written {
+    pub fn failed(error: impl Into<String>) -> Written {
+        Written::Failed { error: error.into(), retry_after: None }
     }
 }
 
@@ -127,21 +129,21 @@ pub trait Target {
 /// Write conditionally on `base`, reading again after a conflict: `reapply` says whether the
 /// write is an outcome (written again on the fresh object while it belongs to the run) or a
 /// transition (abandoned after a conflict).
-pub async fn write<T: Target>(target: &mut T, mut base: T::Object, reapply: bool) -> Wrote {
+pub async fn write<T: Target>(target: &mut T, mut base: T::Object, reapply: bool) -> Written {
     for _ in 0..MAX_CONFLICTS {
         if !target.belongs(&base) {
-            return Wrote::Abandoned;
+            return Written::Abandoned;
         }
         let payload = match target.prepare(&base) {
-            Prepared::Nothing => return Wrote::Done,
+            Prepared::Nothing => return Written::Done,
             Prepared::Send(p) => p,
-            Prepared::Fail(e) => return Wrote::failed(format!("{}: {e}", target.what())),
+            Prepared::Fail(e) => return Written::failed(format!("{}: {e}", target.what())),
         };
         let sent = target.seq();
         match tokio::time::timeout(API_TIMEOUT, target.send(&base, payload)).await {
             Ok(Ok(new)) => {
                 target.remember(new, sent, &base, true);
-                return Wrote::Done;
+                return Written::Done;
             }
             Ok(Err(WriteError::Conflict)) => {
                 tracing::info!("{}: write conflicted (409); reading it again", target.what());
@@ -151,25 +153,25 @@ pub async fn write<T: Target>(target: &mut T, mut base: T::Object, reapply: bool
                         // Never act on anything older than what was just read.
                         target.remember(fresh.clone(), sent, &base, false);
                         if !reapply {
-                            return Wrote::Abandoned;
+                            return Written::Abandoned;
                         }
                         base = fresh;
                         metrics::write_retried(T::METRIC, RetryReason::Conflict);
                     }
-                    Ok(Ok(None)) => return Wrote::Abandoned,
-                    Ok(Err(e)) => return Wrote::failed(e),
-                    Err(_) => return Wrote::failed(format!("{}: timed out reading it", target.what())),
+                    Ok(Ok(None)) => return Written::Abandoned,
+                    Ok(Err(e)) => return Written::failed(e),
+                    Err(_) => return Written::failed(format!("{}: timed out reading it", target.what())),
                 }
             }
-            Ok(Err(WriteError::NotFound)) => return Wrote::Abandoned,
+            Ok(Err(WriteError::NotFound)) => return Written::Abandoned,
             Ok(Err(WriteError::TooManyRequests { retry_after })) => {
-                return Wrote::Failed { error: "the API server asked to slow down (429)".into(), retry_after };
+                return Written::Failed { error: "the API server asked to slow down (429)".into(), retry_after };
             }
-            Ok(Err(WriteError::Other(e))) => return Wrote::failed(format!("{}: {e}", target.what())),
-            Err(_) => return Wrote::failed(format!("{}: timed out writing it", target.what())),
+            Ok(Err(WriteError::Other(e))) => return Written::failed(format!("{}: {e}", target.what())),
+            Err(_) => return Written::failed(format!("{}: timed out writing it", target.what())),
         }
     }
-    Wrote::failed(format!("{}: it kept changing under every write", target.what()))
+    Written::failed(format!("{}: it kept changing under every write", target.what()))
 }
 
 #[cfg(test)]
@@ -253,7 +255,7 @@ mod tests {
             base: Obj,
             answers: Vec<Result<Obj, WriteError>>,
             reads: Vec<Result<Option<Obj>, String>>,
-            want: Wrote,
+            want: Written,
             sent: Vec<(u32, u32)>,
             remembered: Vec<(u32, u32, bool)>,
         }
@@ -264,7 +266,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![Ok(obj(2, "p", 7))],
                 reads: vec![],
-                want: Wrote::Done,
+                want: Written::Done,
                 sent: vec![(1, 7)],
                 remembered: vec![(1, 2, true)],
             },
@@ -274,7 +276,7 @@ mod tests {
                 base: obj(1, "p", 7),
                 answers: vec![],
                 reads: vec![],
-                want: Wrote::Done,
+                want: Written::Done,
                 sent: vec![],
                 remembered: vec![],
             },
@@ -284,7 +286,7 @@ mod tests {
                 base: obj(1, "q", 0),
                 answers: vec![],
                 reads: vec![],
-                want: Wrote::Abandoned,
+                want: Written::Abandoned,
                 sent: vec![],
                 remembered: vec![],
             },
@@ -294,7 +296,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict(), Ok(obj(4, "p", 7))],
                 reads: vec![Ok(Some(obj(3, "p", 0)))],
-                want: Wrote::Done,
+                want: Written::Done,
                 sent: vec![(1, 7), (3, 7)],
                 remembered: vec![(1, 3, false), (3, 4, true)],
             },
@@ -304,7 +306,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict()],
                 reads: vec![Ok(Some(obj(3, "p", 0)))],
-                want: Wrote::Abandoned,
+                want: Written::Abandoned,
                 sent: vec![(1, 7)],
                 remembered: vec![(1, 3, false)],
             },
@@ -314,7 +316,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict()],
                 reads: vec![Ok(Some(obj(3, "q", 0)))],
-                want: Wrote::Abandoned,
+                want: Written::Abandoned,
                 sent: vec![(1, 7)],
                 remembered: vec![(1, 3, false)],
             },
@@ -324,7 +326,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict()],
                 reads: vec![Ok(Some(obj(3, "p", 7)))],
-                want: Wrote::Done,
+                want: Written::Done,
                 sent: vec![(1, 7)],
                 remembered: vec![(1, 3, false)],
             },
@@ -334,7 +336,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict()],
                 reads: vec![Ok(None)],
-                want: Wrote::Abandoned,
+                want: Written::Abandoned,
                 sent: vec![(1, 7)],
                 remembered: vec![],
             },
@@ -344,7 +346,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![conflict()],
                 reads: vec![Err("get thing t: refused".into())],
-                want: Wrote::Failed { error: "get thing t: refused".into(), retry_after: None },
+                want: Written::Failed { error: "get thing t: refused".into(), retry_after: None },
                 sent: vec![(1, 7)],
                 remembered: vec![],
             },
@@ -354,7 +356,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![Err(WriteError::NotFound)],
                 reads: vec![],
-                want: Wrote::Abandoned,
+                want: Written::Abandoned,
                 sent: vec![(1, 7)],
                 remembered: vec![],
             },
@@ -364,7 +366,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![Err(slow)],
                 reads: vec![],
-                want: Wrote::Failed {
+                want: Written::Failed {
                     error: "the API server asked to slow down (429)".into(),
                     retry_after: Some(Duration::from_secs(7)),
                 },
@@ -377,7 +379,7 @@ mod tests {
                 base: obj(1, "p", 0),
                 answers: vec![Err(WriteError::Other("the API server answered 403 Forbidden: no".into()))],
                 reads: vec![],
-                want: Wrote::Failed {
+                want: Written::Failed {
                     error: "thing t: the API server answered 403 Forbidden: no".into(),
                     retry_after: None,
                 },
@@ -402,7 +404,7 @@ mod tests {
         let reads = (0..n).map(|i| Ok(Some(obj(10 + i as u32, "p", 0)))).collect();
         let mut t = Scripted::new(answers, reads);
         let got = write(&mut t, obj(1, "p", 0), true).await;
-        assert_eq!(got, Wrote::failed("thing t: it kept changing under every write"));
+        assert_eq!(got, Written::failed("thing t: it kept changing under every write"));
         assert_eq!(t.sent.lock().unwrap().len(), n);
     }
 
@@ -436,7 +438,7 @@ mod tests {
         }
         let started = tokio::time::Instant::now();
         let got = write(&mut Silent, obj(1, "p", 0), true).await;
-        assert_eq!(got, Wrote::failed("thing s: timed out writing it"));
+        assert_eq!(got, Written::failed("thing s: timed out writing it"));
         assert_eq!(started.elapsed(), API_TIMEOUT);
     }
 

@@ -192,7 +192,7 @@ impl NodePlanSource {
             latest: self.latest.as_ref(),
             own: self.own.entry(name.to_string()).or_default(),
         };
-        let written = write::write(&mut target, base, reapply).await.into();
+        let written = write::write(&mut target, base, reapply).await;
         if matches!(written, Written::Failed { .. }) {
             self.tell_forbidden(name);
         }

@@ -146,36 +146,8 @@ pub enum Seen {
     },
 }
 
-/// How a write went.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Written {
-    Done,
-    /// The plan changed before the write could land (another plan, a concurrent update): the
-    /// write no longer applies; look again now.
-    Abandoned,
-    /// Not written (yet): `retry_after` is the server's own hint, if it gave one (HTTP 429).
-    Failed {
-        error: String,
-        retry_after: Option<Duration>,
-    },
-}
-
-impl Written {
-    pub fn failed(error: impl Into<String>) -> Written {
-        Written::Failed { error: error.into(), retry_after: None }
-    }
-}
-
-impl From<crate::k8s::write::Wrote> for Written {
-    fn from(w: crate::k8s::write::Wrote) -> Written {
-        use crate::k8s::write::Wrote;
-        match w {
-            Wrote::Done => Written::Done,
-            Wrote::Abandoned => Written::Abandoned,
-            Wrote::Failed { error, retry_after } => Written::Failed { error, retry_after },
-        }
-    }
-}
+/// How a write went (the one writer's answer, [`crate::k8s::write`]).
+pub use crate::k8s::write::Written;
 
 /// How a write that must not be lost went, and what to keep of it (`Some` when it did not land):
 /// the loop keeps that in its outbox and hands it back to [`PlanSource::resend`].

@@ -202,7 +202,7 @@ impl SecretSource {
             uid: &mut self.uid,
             last_written_rv: &mut self.last_written_rv,
         };
-        let written = write::write(&mut target, base, reapply).await.into();
+        let written = write::write(&mut target, base, reapply).await;
         if matches!(written, Written::Failed { .. }) {
             self.tell_forbidden();
         }
