@@ -39,10 +39,20 @@ impl Backoff {
     }
 }
 
+/// A random number for jitter: the standard library's random hash keys (drawn from the system once
+/// per thread, so each agent of a fleet draws its own) over a counter. No system call per draw, and
+/// the same on every platform.
+fn random_u64() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    std::collections::hash_map::RandomState::new().hash_one(DRAWS.fetch_add(1, Ordering::Relaxed))
+}
+
 /// Up to a tenth more (at most one second), so a fleet that failed together does not retry in the
 /// same millisecond.
 pub fn jittered(d: Duration) -> Duration {
-    let r = crate::safefs::random_u64().unwrap_or(0);
+    let r = random_u64();
     d + (d / 10).min(Duration::from_secs(1)).mul_f64(r as f64 / u64::MAX as f64)
 }
 
@@ -50,7 +60,7 @@ pub fn jittered(d: Duration) -> Duration {
 /// of an outage) spreads its periodic requests out instead of sending them in the same second.
 /// Never more than `d`, so a period that must not be exceeded (a Lease's renewal) stays safe.
 pub fn earlier(d: Duration, share: f64) -> Duration {
-    let r = crate::safefs::random_u64().unwrap_or(0);
+    let r = random_u64();
     d.saturating_sub(d.mul_f64(share.clamp(0.0, 1.0) * (r as f64 / u64::MAX as f64)))
 }
 

@@ -44,12 +44,15 @@ macro_rules! unix_only {
 }
 
 unix_only!(
-    apply, backoff, board, cli, disk, events, fleet, formats, image, install, k8s, lease, local, logging, metrics,
-    nodeplan, probe, reconcile, remote, safefs,
+    apply, board, cli, disk, events, fleet, image, install, k8s, lease, local, metrics, nodeplan, probe, reconcile,
+    remote, safefs,
 );
+pub mod backoff;
 pub mod config;
 pub mod duration;
 pub mod flow;
+pub mod formats;
+pub mod logging;
 pub mod plan;
 #[cfg(unix)]
 pub mod process;

@@ -36,7 +36,6 @@ const LAYERS: &[(&str, &[&str])] = &[
 
 /// Arrows allowed inside one layer (the graph stays acyclic: the test checks that too).
 const SIDEWAYS: &[(&str, &str)] = &[
-    ("backoff", "safefs"),
     ("flow", "plan"),
     ("formats", "plan"),
     ("events", "k8s"),
