@@ -137,6 +137,12 @@ impl Refusals {
             .collect()
     }
 
+    /// The 403s on the plan objects in force, by kind (`403 update secrets`), each with its line.
+    pub fn forbidden(&self) -> Vec<(String, String)> {
+        let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        now.iter().filter(|(_, e)| e.status == 403).map(|(k, e)| (k.clone(), e.line.clone())).collect()
+    }
+
     /// The refusals in force.
     pub fn in_force(&self) -> InForce {
         let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
@@ -145,14 +151,6 @@ impl Refusals {
             lines: now.values().map(|e| (e.line.clone(), e.since.clone())).collect(),
             counts: [(401, count(401)), (403, count(403))],
         }
-    }
-}
-
-/// The 403s on the plan objects in force, by kind (`403 patch secrets`), each with its line.
-impl Refusals {
-    pub fn forbidden(&self) -> Vec<(String, String)> {
-        let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
-        now.iter().filter(|(_, e)| e.status == 403).map(|(k, e)| (k.clone(), e.line.clone())).collect()
     }
 }
 

@@ -130,8 +130,9 @@ impl SecretSource {
                     "the plan Secret {} does not exist: nothing to apply until it is created (Rancher creates it when the machine registers; check namespace and secretName in the connection info)",
                     self.client.describe()
                 );
-                crate::board::source_problem(&what(), "the Secret does not exist");
-                crate::metrics::source_problem(&what(), "missing", true);
+                let what = what();
+                crate::board::source_problem(&what, "the Secret does not exist");
+                crate::metrics::source_problem(&what, "missing", true);
                 self.absent = Some((crate::now_rfc3339(), now));
             }
             (true, Some((since, told))) if now.duration_since(*told) >= crate::k8s::refusals::RETELL => {
@@ -140,8 +141,9 @@ impl SecretSource {
             }
             (false, Some((since, _))) => {
                 tracing::info!("the plan Secret {} exists now (it did not since {since})", self.client.describe());
-                crate::board::source_problem(&what(), "");
-                crate::metrics::source_problem(&what(), "missing", false);
+                let what = what();
+                crate::board::source_problem(&what, "");
+                crate::metrics::source_problem(&what, "missing", false);
                 self.absent = None;
             }
             _ => {}
