@@ -28,7 +28,7 @@
 //! - **Cost.** One small write per quarter of the duration while a plan executes (with the
 //!   default 40 s, one every 10 s or up to a second sooner, as the kubelet's own node Lease;
 //!   spread out, so a fleet's agents do not renew in the same second). An idle holder states 24
-//!   times the duration and writes a 24th as often (every 4 min by default); a plan that starts
+//!   times the duration and renews at half of that (every 8 min by default); a plan that starts
 //!   has the Lease renewed at once with the configured duration. A waiting agent watches the Lease
 //!   (the one list/watch, `k8s::watch`, of the one object) and writes nothing.
 //! - **The holder watches its own Lease.** A write that is not its own (emptied, another duration,
@@ -53,7 +53,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the holder's stop ladder is given beyond its stop and kill timeouts (R26).
 const FENCE_GRACE: Duration = Duration::from_secs(2);
 /// While no plan executes the Lease states this many times the configured duration, and so is
-/// renewed this many times less often (R24): a 40 s Lease states 16 min and is written every 4 min.
+/// renewed at half of that (R24): a 40 s Lease states 16 min and is written every 8 min.
 /// A waiting agent on another machine waits that long for a dead idle holder; a restart on the
 /// same machine takes over at once.
 const IDLE_FACTOR: u32 = 24;
@@ -115,6 +115,12 @@ impl LeaseRef {
     /// The renewal period: a quarter of the duration.
     fn period(&self) -> Duration {
         self.duration / 4
+    }
+
+    /// How often a Lease stating `stated` is renewed: a quarter of it, as the kubelet's node Lease,
+    /// or half of the idle duration (R24), when nothing the holder does depends on it.
+    fn pace(&self, stated: Duration) -> Duration {
+        if stated > self.duration { stated / 2 } else { stated / 4 }
     }
 }
 
@@ -703,7 +709,7 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
     }
 }
 
-/// Renew every quarter of the duration in force (up to a tenth early; the first renewal, the first
+/// Renew every [`LeaseRef::pace`] of the duration in force (up to a tenth early; the first renewal, the first
 /// after failures and the first after the duration in force changed, at a random point of the
 /// quarter's second half, so that a fleet whose agents took their Leases together, after a rollout
 /// or an outage, or went idle together, does not renew them all in the same second) until another
@@ -711,7 +717,7 @@ async fn renew_once(api: &Api<Lease>, r: &LeaseRef, mine: &Lease, duration: Dura
 ///
 /// The duration in force is the configured one while a plan executes (`busy`) and for one
 /// duration after; otherwise the idle one ([`LeaseRef::idle_duration`]), so an idle agent writes
-/// its Lease a 24th as often. A plan that starts while the Lease states the idle duration has it
+/// its Lease a 48th as often. A plan that starts while the Lease states the idle duration has it
 /// renewed at once with the configured one.
 ///
 /// `acting` (the fence, R26) is true only until `valid_until`: the send time of the last renewal
@@ -752,7 +758,7 @@ async fn renew(
     // Askers waiting for a renewal sent after they asked.
     let mut asking: Vec<FreshRequest> = Vec::new();
     let margin = r.period().min(r.valid_for() / 2);
-    let mut next = Instant::now() + crate::backoff::earlier(stated / 4, 0.5);
+    let mut next = Instant::now() + crate::backoff::earlier(r.pace(stated), 0.5);
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
@@ -874,7 +880,7 @@ async fn renew(
                 for ask in answers {
                     let _ = ask.send(Ok(()));
                 }
-                next = sent + crate::backoff::earlier(stated / 4, if first { 0.5 } else { 0.1 });
+                next = sent + crate::backoff::earlier(r.pace(stated), if first { 0.5 } else { 0.1 });
             }
             Renewal::Lost(holder) => {
                 let _ = acting.send(false);
@@ -1191,7 +1197,7 @@ mod tests {
         (acting, busy_tx, ask_tx, crate::AbortOnDrop(task))
     }
 
-    /// R24: an idle holder states the idle duration and renews a 24th as often; a plan that starts
+    /// R24: an idle holder states the idle duration and renews a 48th as often; a plan that starts
     /// has the Lease renewed at once with the configured duration, kept while it executes and for
     /// one duration after. A plan that starts pulls the fence in to the configured duration from
     /// the last renewal that landed, and a shortening renewal whose answer never comes does not
@@ -1214,38 +1220,38 @@ mod tests {
             got
         };
         // Idle from the start: the configured duration for one duration, then the idle one.
-        tokio::time::sleep(s(1000)).await;
-        let got = drain(s(1000));
+        tokio::time::sleep(s(2000)).await;
+        let got = drain(s(2000));
         let (busy_part, idle_part): (Vec<_>, Vec<_>) = got.iter().partition(|(at, _)| *at < D);
         assert!(busy_part.len() >= 4 && busy_part.iter().all(|(_, d)| *d == D), "{got:?}");
         assert!(idle_part.len() >= 4 && idle_part.iter().all(|(_, d)| *d == idle), "{got:?}");
         assert!(idle_part[0].0 <= D + s(10), "idle at the first renewal after a quiet duration: {got:?}");
-        // The first idle renewal spread over the second half of the idle quarter, as a first one.
+        // The first idle renewal spread over the second half of its pace (half the idle duration).
         let first_gap = idle_part[1].0 - idle_part[0].0;
-        assert!(first_gap >= s(120) && first_gap <= s(240), "{got:?}");
+        assert!(first_gap >= s(240) && first_gap <= s(480), "{got:?}");
         for w in idle_part[1..].windows(2) {
             let gap = w[1].0 - w[0].0;
-            assert!(gap >= s(216) && gap <= s(240), "a 24th as often: {got:?}");
+            assert!(gap >= s(432) && gap <= s(480), "a 48th as often: {got:?}");
         }
         // A plan starts: renewed at once with the configured duration, then every quarter of it.
         busy_tx.send_replace(true);
         tokio::time::sleep(s(30)).await;
         busy_tx.send_replace(false);
         tokio::time::sleep(s(45)).await;
-        let got = drain(s(1075));
-        assert_eq!(got[0], (s(1000), D), "renewed as the plan starts: {got:?}");
+        let got = drain(s(2075));
+        assert_eq!(got[0], (s(2000), D), "renewed as the plan starts: {got:?}");
         let normal: Vec<_> = got.iter().take_while(|(_, d)| *d == D).collect();
         assert!(normal.len() >= 7, "while it runs and a duration after: {got:?}");
         for w in normal.windows(2) {
             assert!(w[1].0 - w[0].0 <= s(10), "{got:?}");
         }
-        assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(1070)), "then idle again: {got:?}");
+        assert!(got.iter().skip(normal.len()).all(|(at, d)| *d == idle && *at >= s(2070)), "then idle again: {got:?}");
         // Idle again; a plan starts 5 s after an idle renewal and the shortening renewal is never
         // answered: the fence closes by the configured duration from the idle renewal, the last
         // that landed (a waiting agent may count that much from a rewrite by someone else), not by
         // the idle duration it stated.
         tokio::time::sleep(s(100)).await;
-        drain(s(1175));
+        drain(s(2175));
         let (last, stated) = seen.recv().await.unwrap();
         assert_eq!(stated, idle);
         tokio::time::sleep(s(5)).await;

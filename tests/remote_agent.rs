@@ -1584,7 +1584,7 @@ async fn a_lease_writer_cannot_make_agents_of_different_durations_overlap() {
     assert_eq!(holder.stop(), 0);
 }
 
-/// R24: an idle agent states its Lease's idle duration (24 times its own) and renews it a 24th
+/// R24: an idle agent states its Lease's idle duration (24 times its own) and renews it a 48th
 /// as often; a plan that starts has it renewed with the agent's own duration at once, kept while
 /// the plan runs; a clean stop releases it stating the agent's own duration, so a waiting agent
 /// is not made to wait out the idle one.
@@ -1636,7 +1636,7 @@ async fn an_idle_agent_states_a_longer_lease_until_a_plan_runs() {
             .unwrap();
     r.patch(nodeplan::remote::wire::push_patch(&raw)).await;
     read_fifo(&ready);
-    // At once (the idle renewals come every 65 to 72 s).
+    // At once (the idle renewals come every 130 to 144 s).
     stated(Duration::from_secs(2), 12, "renewed as the plan starts").await;
     release_fifo(&go);
     r.wait("the second plan succeeded", |s| state(s) == "succeeded" && val(s, "plan-revision") == "2").await;

@@ -8,8 +8,8 @@
 //! RST (a NAT timeout, a load balancer's failover): it would wait for events that never come.
 //! Watches therefore subscribe to [`reconnected`] and list again from scratch when the epoch moves
 //! (`k8s::watch`). Any request counts: while a plan executes, the Lease renewal every few seconds
-//! is what notices a healed network first (an idle agent renews every 4 min: its watch's own
-//! bound usually notices first).
+//! is what notices a healed network first (an idle agent renews every 8 min: its connection's PINGs
+//! usually notice first).
 //!
 //! The account is one per process (the agent talks to one API server). A second client in the same
 //! process (tests, the CLI) shares it; the worst it can cause is one relist more than needed.
