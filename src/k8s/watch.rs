@@ -25,7 +25,7 @@
 //!   the Lease renewal notices first), a watch opened before those failures is given up at once and
 //!   the pump lists again on a fresh request.
 //!
-//! Cost: one watch request per object kind every 7.5–10 min ([`PINGED_WATCH_TIMEOUT_SECS`]) on HTTP/2, every
+//! Cost: one watch request per object kind every 15–30 min ([`PINGED_WATCH_TIMEOUT_SECS`]) on HTTP/2, every
 //! [`WATCH_TIMEOUT_SECS`] on HTTP/1.1 (resumed from the last
 //! resourceVersion it delivered, bookmarks included, served from the API server's watch cache;
 //! nothing is published and the reconcile loop is not woken); a list only after an error, an
@@ -181,9 +181,10 @@ pub const WATCH_TIMEOUT_SECS: u32 = 20;
 pub const WATCH_GAP: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 5);
 /// The longest server-side timeout of a watch on an HTTP/2 connection, which PINGs itself
 /// (`k8s::connection`): a dead one is closed within 20 s, and the watch on it ends with it. Each
-/// watch asks for 75–100 % of this (client-go's reflector asks for 5–10 min), so a fleet's watches
-/// do not all end in the same second.
-pub const PINGED_WATCH_TIMEOUT_SECS: u32 = 600;
+/// watch asks for 50–100 % of this, drawn, so a fleet's watches do not end together. An agent
+/// holds two watches (its plan object and its Lease) where system-agent holds one for 5–10 min
+/// (client-go's reflector), and each renewal of a watch is a request to the API server.
+pub const PINGED_WATCH_TIMEOUT_SECS: u32 = 1800;
 
 /// How long the API server is asked to keep a watch, and how long it may be quiet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,14 +199,14 @@ impl Bounds {
     pub const UNPINGED: Bounds = Bounds { timeout_secs: WATCH_TIMEOUT_SECS, gap: WATCH_GAP };
 
     /// The bounds of the next watch on a connection that is PINGed (`true`: a timeout drawn from
-    /// the last quarter of [`PINGED_WATCH_TIMEOUT_SECS`], and a gap bound that only catches a
+    /// the last half of [`PINGED_WATCH_TIMEOUT_SECS`], and a gap bound that only catches a
     /// server that forgot to end it) or is not.
     pub fn for_connection(pinged: bool) -> Bounds {
         if !pinged {
             return Bounds::UNPINGED;
         }
         let longest = Duration::from_secs(PINGED_WATCH_TIMEOUT_SECS as u64);
-        let timeout = crate::backoff::earlier(longest, 0.25).as_secs().max(1);
+        let timeout = crate::backoff::earlier(longest, 0.5).as_secs().max(1);
         Bounds { timeout_secs: timeout as u32, gap: Duration::from_secs(timeout + 30) }
     }
 }
@@ -894,20 +895,20 @@ mod tests {
         let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
         assert_eq!((names[0], names[2]), ("list", "list"), "{names:?}");
         let secs: u64 = names[1].strip_prefix("watch 1 for ").and_then(|n| n.strip_suffix('s')).unwrap().parse().unwrap();
-        assert!((450..=600).contains(&secs), "{names:?}");
+        assert!((900..=1800).contains(&secs), "{names:?}");
         let gap = Duration::from_secs(secs + 30);
         assert!(within(gaps(&calls)[1], (quiet + gap).as_millis() as u64 + 800), "{:?}", gaps(&calls));
     }
 
-    /// Watches on a PINGed connection ask for 7.5–10 min, spread, so a fleet that started
+    /// Watches on a PINGed connection ask for 15–30 min, spread, so a fleet that started
     /// together does not end its watches together; without PINGs they stay short.
     #[test]
     fn pinged_watches_ask_for_spread_timeouts() {
         let drawn: Vec<Bounds> = (0..200).map(|_| Bounds::for_connection(true)).collect();
-        assert!(drawn.iter().all(|b| (450..=600).contains(&b.timeout_secs)), "{drawn:?}");
+        assert!(drawn.iter().all(|b| (900..=1800).contains(&b.timeout_secs)), "{drawn:?}");
         assert!(drawn.iter().all(|b| b.gap == Duration::from_secs(b.timeout_secs as u64 + 30)), "{drawn:?}");
         let (lo, hi) = (drawn.iter().map(|b| b.timeout_secs).min(), drawn.iter().map(|b| b.timeout_secs).max());
-        assert!(hi.zip(lo).is_some_and(|(h, l)| h - l >= 60), "spread: {lo:?}..{hi:?}");
+        assert!(hi.zip(lo).is_some_and(|(h, l)| h - l >= 300), "spread: {lo:?}..{hi:?}");
         assert_eq!(Bounds::for_connection(false), Bounds::UNPINGED);
     }
 
