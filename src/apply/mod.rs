@@ -682,9 +682,8 @@ impl Applyinator {
                 break;
             }
             let dir = dir_of(index);
-            next_dir.ready(&dir);
-            // This instruction's directory first on the lane, then the next one's.
-            let made = make_exec_dir(&dir);
+            // Made while the previous instruction ran, or now; then the next one's, on the lane.
+            let made = next_dir.take(&dir).unwrap_or_else(|| make_exec_dir(&dir));
             if index + 1 < total {
                 next_dir.prepare(dir_of(index + 1));
             }
@@ -1054,32 +1053,33 @@ fn make_exec_dir(dir: &Path) -> crate::disk::Pending<()> {
 
 /// The next one-time instruction's execution directory, made on the disk lane while the current
 /// instruction runs: on a busy filesystem a mkdir can cost as much as a short instruction (ext4
-/// without a journal walks its recently freed inodes on every allocation). `run_one` still makes
-/// the directory itself (when this one's turn comes), so an error here is reported there.
+/// without a journal walks its recently freed inodes on every allocation), and waiting for the
+/// lane when its turn comes would cost two thread hand-offs. Its result is that instruction's.
 #[derive(Default)]
-struct NextDir(Option<PathBuf>);
+struct NextDir(Option<(PathBuf, crate::disk::Pending<()>)>);
 
 impl NextDir {
     fn prepare(&mut self, dir: PathBuf) {
-        let target = dir.clone();
-        crate::disk::queue(move || {
-            let _ = make_dir(&target);
-        });
-        self.0 = Some(dir);
+        self.discard();
+        self.0 = Some((dir.clone(), make_exec_dir(&dir)));
     }
 
-    /// `dir` is about to run: a directory prepared for another one goes.
-    fn ready(&mut self, dir: &Path) {
-        if self.0.as_deref().is_some_and(|p| p != dir) {
-            self.discard();
+    /// The directory prepared for `dir`, if it was; one prepared for another goes.
+    fn take(&mut self, dir: &Path) -> Option<crate::disk::Pending<()>> {
+        match self.0.take() {
+            Some((prepared, made)) if prepared == dir => Some(made),
+            other => {
+                self.0 = other;
+                self.discard();
+                None
+            }
         }
-        self.0 = None;
     }
 
     /// Remove a directory prepared for an instruction that did not run (empty, so nothing is
     /// lost), in its turn on the disk lane.
     fn discard(&mut self) {
-        if let Some(prepared) = self.0.take() {
+        if let Some((prepared, _)) = self.0.take() {
             crate::disk::queue(move || {
                 let _ = std::fs::remove_dir(&prepared);
             });

@@ -339,11 +339,11 @@ impl Supervisor {
         }
     }
 
-    /// Start the process: born in its cgroup with a pidfd (clone3) where the kernel allows it;
-    /// otherwise joining the cgroup before exec. Either way the spawn runs on the blocking pool:
-    /// until the child has exec'd, the spawning thread waits for it, and a child stuck in chdir or
-    /// execve (a hung network or FUSE mount) must not hold the runtime's only thread. A stop or the
-    /// timeout meanwhile kills the child where it stands. `Err` with the run's outcome when no
+    /// Start the process: born in its cgroup with a pidfd (clone3) where the kernel allows it,
+    /// its exec awaited on this thread (nothing waits on the child); otherwise tokio's spawn,
+    /// joining the cgroup before exec, on the blocking pool, since its spawning thread waits until
+    /// the child has exec'd. A child stuck in chdir or execve (a hung network or FUSE mount) never
+    /// holds the runtime's thread, and a stop or the timeout meanwhile kills it where it stands. `Err` with the run's outcome when no
     /// process runs (the set-up undone, or kept for a child stuck before its exec).
     async fn spawn_child(
         &self,
@@ -560,7 +560,7 @@ impl Supervisor {
         self.inner.cgroups.as_ref().map_or(cgroup::Backend::V2, |r| r.backend)
     }
 
-    /// `clone3` on the blocking pool (see [`spawn::spawn`] and [`await_spawn`]).
+    /// `clone3` (see [`spawn::spawn`] and [`await_spawn`]).
     async fn spawn_raw(
         &self,
         spec: &Arc<SpawnSpec>,
@@ -573,7 +573,7 @@ impl Supervisor {
         let job = {
             let (spec, marker, dir, early) =
                 (spec.clone(), marker.to_string(), dir.map(Path::to_path_buf), early.clone());
-            tokio::task::spawn_blocking(move || spawn::spawn(&spec, &marker, dir.as_deref(), &early))
+            tokio::spawn(async move { spawn::spawn(&spec, &marker, dir.as_deref(), &early).await })
         };
         let leaf = self.leaf_killer(dir.map(Path::to_path_buf), marker);
         let kill = move || {
@@ -860,14 +860,14 @@ struct Interrupted<R> {
     result: Option<R>,
 }
 
-/// What a spawn on the blocking pool came to.
+/// What a spawn (a task awaiting its child's exec) came to.
 type Spawned<R> = Result<R, Interrupted<R>>;
 
 /// How long a spawn still running when a stop comes gets to return before its child is killed
 /// where it stands.
 const SPAWN_SETTLE: Duration = Duration::from_secs(1);
 
-/// Await a spawn running on the blocking pool, or, on a stop or at `deadline`, give it a moment
+/// Await a spawn (its task), or, on a stop or at `deadline`, give it a moment
 /// to return (then the caller stops the child through the ladder like any other), else `kill` the
 /// child where it stands and give the spawn `kill_wait` more to return.
 async fn await_spawn<R>(
@@ -886,8 +886,8 @@ async fn await_spawn<R>(
         r = stop.wait() => r,
         _ = sleep_until_opt(deadline) => StopReason::Timeout(timeout.unwrap_or_default()),
     };
-    // On a loaded machine the child may have exec'd (and be running) while the blocking thread
-    // that spawned it has not been scheduled yet: that child deserves the ladder (SIGTERM first,
+    // On a loaded machine the child may have exec'd (and be running) while its spawn has not
+    // heard so yet: that child deserves the ladder (SIGTERM first,
     // a chance to clean up), which the caller gives it since the stop stays requested. Only a
     // spawn that is still not back, a child stuck before its exec, is killed where it stands.
     if let Ok(r) = tokio::time::timeout(SPAWN_SETTLE.min(kill_wait), &mut job).await {

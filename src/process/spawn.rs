@@ -1,13 +1,20 @@
 //! Spawning with `clone3`: straight into a cgroup (`CLONE_INTO_CGROUP`, so the child is born in its
 //! leaf: no migration, which costs far more than the spawn itself) and with a pidfd
-//! (`CLONE_PIDFD`). On x86_64 the clone also has vfork semantics (`CLONE_VM | CLONE_VFORK` on a
-//! stack of its own, entered through a few lines of assembly): no page tables are copied and no
+//! (`CLONE_PIDFD`). On x86_64 the child shares the agent's address space (`CLONE_VM` on a stack of
+//! its own, entered through a few lines of assembly): no page tables are copied and no
 //! copy-on-write faults follow in the agent, which is most of what a fork of a multi-threaded
 //! process costs. Elsewhere it has fork semantics. Either way, between the clone and `execve` the
-//! child only makes async-signal-safe system calls on memory prepared before the clone (dup2,
-//! fcntl, setpgid, write, chdir, sigaction, sigprocmask, execve, _exit), with every signal blocked
-//! until its handlers are back to the defaults, as glibc's posix_spawn does. [`RawChild`] owns the
-//! child: it waits through the pidfd (readable when the process ends) and reaps with
+//! child only makes raw system calls (no errno, no allocation, no locks) on memory prepared before
+//! the clone (dup3, fcntl, setpgid, write, chdir, rt_sigaction, rt_sigprocmask, execve,
+//! exit_group), with every signal blocked until its handlers are back to the defaults, as glibc's
+//! posix_spawn does.
+//!
+//! The clone is not a vfork: the agent's thread goes on at once while the child runs elsewhere,
+//! and learns through a close-on-exec pipe that the child has exec'd (end of file) or failed (its
+//! errno), awaited like any other descriptor. So a child stuck before its exec (in `chdir` or
+//! `execve` on an unresponsive network or FUSE mount) holds no thread, and the spawn needs no hand-
+//! off to another one. The memory the child uses is kept until that pipe has spoken. [`RawChild`]
+//! owns the child: it waits through the pidfd (readable when the process ends) and reaps with
 //! `waitid(P_PIDFD)`.
 
 use super::SpawnSpec;
@@ -22,8 +29,7 @@ const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
 
 /// The child's pid from the moment it exists (the kernel stores it before the child first runs,
 /// `CLONE_PARENT_SETTID`), so that a child stuck before `execve` (in `chdir` or `execve` on an
-/// unresponsive network or FUSE mount), which also holds the spawning thread under vfork, can be
-/// killed from another thread.
+/// unresponsive network or FUSE mount) can be killed while its spawn is awaited.
 #[derive(Default)]
 pub(crate) struct EarlyPid {
     pid: std::sync::atomic::AtomicI32,
@@ -91,11 +97,7 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?)
 }
 
-/// Whether [`clone_child`] shares the address space (vfork) on this architecture.
-const VFORK: bool = cfg!(target_arch = "x86_64");
-
-/// Everything the child reads between the clone and `execve`, prepared by the parent. Under vfork
-/// the child writes `errno` here before `_exit` (the parent is suspended until then).
+/// Everything the child reads between the clone and `execve`, prepared by the parent.
 #[repr(C)]
 struct ChildCtx {
     program: *const libc::c_char,
@@ -105,68 +107,113 @@ struct ChildCtx {
     fd_null: libc::c_int,
     fd_out: libc::c_int,
     fd_err: libc::c_int,
+    /// The write end of the report pipe (close-on-exec, above 2): the errno of a failure.
     fd_report: libc::c_int,
     /// A cgroup v1 leaf's `cgroup.procs` (open for writing) that the child joins before anything
     /// else it runs can fork, or -1. cgroup v2 leaves are entered by the clone itself.
     fd_join: libc::c_int,
-    errno: libc::c_int,
 }
 
-/// The child side: async-signal-safe calls only, no allocation, no locks, never returns.
+/// A raw system call: the negated errno on failure, and nothing written to `errno`, which is the
+/// agent thread's own (the child shares its memory and its thread pointer).
+///
+/// # Safety
+/// The arguments must be valid for system call `n`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sys(n: libc::c_long, a: usize, b: usize, c: usize, d: usize) -> isize {
+    let ret: isize;
+    // SAFETY: see the function's contract; `syscall` clobbers rcx and r11 only.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") n as isize => ret,
+            in("rdi") a,
+            in("rsi") b,
+            in("rdx") c,
+            in("r10") d,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret
+}
+
+/// The same through libc where the child has a memory of its own (fork semantics).
+///
+/// # Safety
+/// The arguments must be valid for system call `n`.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn sys(n: libc::c_long, a: usize, b: usize, c: usize, d: usize) -> isize {
+    // SAFETY: see the function's contract.
+    let r = unsafe { libc::syscall(n, a, b, c, d) };
+    if r < 0 { -(unsafe { *libc::__errno_location() } as isize) } else { r as isize }
+}
+
+/// The child side: raw system calls only, no allocation, no locks, never returns.
 ///
 /// # Safety
 /// `ctx` points to a live [`ChildCtx`] whose pointers are valid C strings and arrays.
 unsafe extern "C" fn child_main(ctx: *mut libc::c_void) -> ! {
-    // SAFETY: see the function's contract; every call below is async-signal-safe.
+    // SAFETY: see the function's contract; every call below is a raw system call.
     unsafe {
-        let ctx = ctx.cast::<ChildCtx>();
-        let fail = |ctx: *mut ChildCtx| -> ! {
-            let e = match *libc::__errno_location() {
-                0 => libc::EINVAL,
-                e => e,
-            };
-            if VFORK {
-                std::ptr::write_volatile(&mut (*ctx).errno, e);
-            } else {
-                libc::write((*ctx).fd_report, (&e as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>());
+        let ctx = &*ctx.cast::<ChildCtx>();
+        let fail = |r: isize| -> ! {
+            let e: libc::c_int = if r < 0 { -r as libc::c_int } else { libc::EINVAL };
+            sys(libc::SYS_write, ctx.fd_report as usize, (&e as *const libc::c_int) as usize, 4, 0);
+            loop {
+                sys(libc::SYS_exit_group, 127, 0, 0, 0);
             }
-            libc::_exit(127)
         };
-        // dup2 onto itself is a no-op that would leave close-on-exec set (when the agent started
+        // dup3 onto itself is refused, and would leave close-on-exec set (when the agent started
         // without an fd 0, 1 or 2): clear the flag instead.
         let onto = |from: libc::c_int, to: libc::c_int| {
-            if from == to { libc::fcntl(to, libc::F_SETFD, 0) } else { libc::dup2(from, to) }
+            if from == to {
+                sys(libc::SYS_fcntl, to as usize, libc::F_SETFD as usize, 0, 0)
+            } else {
+                sys(libc::SYS_dup3, from as usize, to as usize, 0, 0)
+            }
         };
-        if onto((*ctx).fd_null, 0) < 0 || onto((*ctx).fd_out, 1) < 0 || onto((*ctx).fd_err, 2) < 0 {
-            fail(ctx);
+        for (from, to) in [(ctx.fd_null, 0), (ctx.fd_out, 1), (ctx.fd_err, 2)] {
+            let r = onto(from, to);
+            if r < 0 {
+                fail(r);
+            }
         }
-        if libc::setpgid(0, 0) < 0 {
-            fail(ctx);
+        let r = sys(libc::SYS_setpgid, 0, 0, 0, 0);
+        if r < 0 {
+            fail(r);
         }
         // "0" is the writer itself: the child moves into its v1 leaf before exec.
-        if (*ctx).fd_join >= 0 && libc::write((*ctx).fd_join, b"0".as_ptr().cast(), 1) != 1 {
-            fail(ctx);
+        if ctx.fd_join >= 0 {
+            let r = sys(libc::SYS_write, ctx.fd_join as usize, b"0".as_ptr() as usize, 1, 0);
+            if r != 1 {
+                fail(r);
+            }
         }
-        if !(*ctx).cwd.is_null() && libc::chdir((*ctx).cwd) < 0 {
-            fail(ctx);
+        if !ctx.cwd.is_null() {
+            let r = sys(libc::SYS_chdir, ctx.cwd as usize, 0, 0, 0);
+            if r < 0 {
+                fail(r);
+            }
         }
         reset_signal_dispositions();
-        let mut empty: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut empty);
-        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-        libc::execve((*ctx).program, (*ctx).argv, (*ctx).envp);
-        fail(ctx)
+        let empty: u64 = 0;
+        sys(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK as usize, (&empty as *const u64) as usize, 0, 8);
+        let r = sys(libc::SYS_execve, ctx.program as usize, ctx.argv as usize, ctx.envp as usize, 0);
+        fail(r)
     }
 }
 
 /// Every signal disposition back to the default, as a service manager starts its services:
-/// handlers the agent installed (a handler run in a vfork child would act on the agent's
-/// memory), SIGPIPE, which Rust ignores, and any signal ignored by whoever started the agent
+/// handlers the agent installed (a handler run in a child that shares the agent's memory would
+/// act on it), SIGPIPE, which Rust ignores, and any signal ignored by whoever started the agent
 /// (`nohup`, a shell's background job): an instruction must not silently ignore SIGHUP or SIGINT
 /// because of how the agent was launched.
 ///
 /// # Safety
-/// Async-signal-safe (sigaction only); for a child between fork or clone and exec.
+/// Raw system calls only; for a child between fork or clone and exec.
 pub(crate) unsafe fn reset_signal_dispositions() {
     /// The kernel's `struct sigaction` (x86_64 and the generic layout): the raw system call
     /// reaches signals 32 and 33 too, which glibc's sigaction refuses as its own.
@@ -179,27 +226,39 @@ pub(crate) unsafe fn reset_signal_dispositions() {
     }
     // SAFETY: rt_sigaction on local structs of the kernel's layout; see the function's contract.
     unsafe {
-        for sig in 1..=64 {
-            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+        for sig in 1..=64usize {
+            if sig == libc::SIGKILL as usize || sig == libc::SIGSTOP as usize {
                 continue;
             }
             let mut old: KernelSigaction = std::mem::zeroed();
-            let none = std::ptr::null::<KernelSigaction>();
-            if libc::syscall(libc::SYS_rt_sigaction, sig, none, &mut old as *mut KernelSigaction, 8usize) != 0 {
+            if sys(libc::SYS_rt_sigaction, sig, 0, (&mut old as *mut KernelSigaction) as usize, 8) != 0 {
                 continue;
             }
             if old.handler != libc::SIG_DFL {
                 let dfl: KernelSigaction = std::mem::zeroed();
-                let none = std::ptr::null_mut::<KernelSigaction>();
-                libc::syscall(libc::SYS_rt_sigaction, sig, &dfl as *const KernelSigaction, none, 8usize);
+                sys(libc::SYS_rt_sigaction, sig, (&dfl as *const KernelSigaction) as usize, 0, 8);
             }
         }
     }
 }
 
-/// Clone a child that runs [`child_main`] with `ctx`, every signal blocked around the clone.
+/// What the child reads and runs on until it has exec'd or failed: boxed, so its address never
+/// changes, and kept until the report pipe has spoken ([`InFlight`]).
+struct Prepared {
+    ctx: ChildCtx,
+    _strings: Vec<CString>,
+    _pointers: [Vec<*const libc::c_char>; 2],
+    /// The child's stack where it shares the agent's memory: 2 × 32 KiB, 16-byte aligned
+    /// (child_main needs a few hundred bytes; glibc's posix_spawn uses 32 KiB plus the arguments).
+    stack: Vec<u128>,
+}
+
+// SAFETY: the raw pointers point into the value's own heap buffers, which do not move with it.
+unsafe impl Send for Prepared {}
+
+/// Clone a child that runs [`child_main`] with `prepared`, every signal blocked around the clone.
 /// Returns the pid, or the negated errno.
-fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
+fn clone_child(args: &mut CloneArgs, prepared: &mut Prepared) -> i64 {
     // The raw system call, as glibc's posix_spawn does: pthread_sigmask would leave glibc's two
     // internal signals (cancellation, setxid) deliverable, and their handlers must not run in a
     // child that shares the agent's memory.
@@ -209,7 +268,7 @@ fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
     unsafe {
         libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &all as *const u64, &mut old as *mut u64, 8usize);
     }
-    let ret = clone_raw(args, ctx);
+    let ret = clone_raw(args, prepared);
     // SAFETY: restoring this thread's mask saved above.
     unsafe {
         libc::syscall(
@@ -223,27 +282,22 @@ fn clone_child(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
     ret
 }
 
-/// vfork flavour: the child runs on a stack of its own in the agent's address space, entered
-/// straight from the `syscall` instruction (it cannot return through any Rust frame), while the
-/// parent thread sleeps until the child has exec'd or exited.
+/// The child shares the agent's address space and runs on a stack of its own, entered straight
+/// from the `syscall` instruction (it cannot return through any Rust frame); the parent goes on.
 #[cfg(target_arch = "x86_64")]
-fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
-    // 2 × 32 KiB, 16-byte aligned: child_main needs a few hundred bytes (glibc's posix_spawn
-    // uses 32 KiB plus the arguments). The kernel starts the child at `stack + stack_size`; the
-    // first clone3 kernels (5.3, 5.4) used `stack` itself, so it points at the middle: either
-    // way there are 32 KiB below.
-    let mut stack = vec![0u128; 4096];
-    let half = (stack.len() / 2 * std::mem::size_of::<u128>()) as u64;
-    args.flags |= (libc::CLONE_VM | libc::CLONE_VFORK) as u64;
-    args.stack = stack.as_mut_ptr() as u64 + half;
+fn clone_raw(args: &mut CloneArgs, prepared: &mut Prepared) -> i64 {
+    // The kernel starts the child at `stack + stack_size`; the first clone3 kernels (5.3, 5.4)
+    // used `stack` itself, so it points at the middle: either way there are 32 KiB below.
+    let half = (prepared.stack.capacity() / 2 * std::mem::size_of::<u128>()) as u64;
+    args.flags |= libc::CLONE_VM as u64;
+    args.stack = prepared.stack.as_mut_ptr() as u64 + half;
     args.stack_size = half;
     let f: unsafe extern "C" fn(*mut libc::c_void) -> ! = child_main;
     let ret: i64;
     // SAFETY: clone3 returns twice. The parent gets the pid (or -errno) in rax and continues
     // normally. The child gets 0, runs on the new stack (the kernel set rsp to its top, 16-byte
     // aligned) and calls child_main, which never returns; r12/r13 survive the syscall. The
-    // parent is suspended until the child execs or exits, so `ctx` and `stack` outlive the child's
-    // use of them.
+    // caller keeps `prepared` (the context and the stack) until the child has exec'd or exited.
     unsafe {
         std::arch::asm!(
             "syscall",
@@ -257,26 +311,98 @@ fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
             inlateout("rax") libc::SYS_clone3 => ret,
             in("rdi") args as *mut CloneArgs,
             in("rsi") std::mem::size_of::<CloneArgs>(),
-            in("r12") ctx as *mut ChildCtx as *mut libc::c_void,
+            in("r12") &mut prepared.ctx as *mut ChildCtx as *mut libc::c_void,
             in("r13") f,
             lateout("rcx") _,
             lateout("r11") _,
         );
     }
-    drop(stack);
     ret
 }
 
 /// fork flavour for other architectures: the child has its own copy of the address space.
 #[cfg(not(target_arch = "x86_64"))]
-fn clone_raw(args: &mut CloneArgs, ctx: &mut ChildCtx) -> i64 {
+fn clone_raw(args: &mut CloneArgs, prepared: &mut Prepared) -> i64 {
     // SAFETY: clone3 with fork semantics (no CLONE_VM, no new stack); the child only runs
     // child_main, which never returns.
     let ret = unsafe { libc::syscall(libc::SYS_clone3, args as *const CloneArgs, std::mem::size_of::<CloneArgs>()) };
     if ret == 0 {
-        unsafe { child_main(ctx as *mut ChildCtx as *mut libc::c_void) }
+        unsafe { child_main(&mut prepared.ctx as *mut ChildCtx as *mut libc::c_void) }
     }
     if ret < 0 { -(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EINVAL) as i64) } else { ret }
+}
+
+/// The read end of a child's report pipe, registered with the runtime once it is awaited.
+enum Report {
+    Plain(OwnedFd),
+    Registered(AsyncFd<OwnedFd>),
+}
+
+/// A child between its clone and its exec: the memory it runs on, kept until its report pipe
+/// ends (close-on-exec: it has exec'd; or it has exited). Dropped before that (the spawn given
+/// up), both go to a thread that waits for the pipe's end first.
+struct InFlight {
+    prepared: Option<Box<Prepared>>,
+    report: Option<Report>,
+}
+
+impl InFlight {
+    /// `None` once the child has exec'd (or died), its errno when it failed before.
+    async fn heard(&mut self) -> io::Result<Option<i32>> {
+        if let Some(Report::Plain(fd)) = self.report.take() {
+            rustix::io::ioctl_fionbio(&fd, true)?;
+            // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it
+            // is dropped or taken back with into_inner.
+            match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+                Ok(afd) => self.report = Some(Report::Registered(afd)),
+                Err(e) => {
+                    let (fd, e) = e.into_parts();
+                    self.report = Some(Report::Plain(fd));
+                    return Err(e);
+                }
+            }
+        }
+        let Some(Report::Registered(afd)) = &self.report else {
+            return Err(io::Error::other("the report pipe is gone"));
+        };
+        let (mut buf, mut got) = ([0u8; 4], 0);
+        loop {
+            let mut guard = afd.readable().await?;
+            match guard.try_io(|fd| rustix::io::read(fd.get_ref(), &mut buf[got.min(3)..]).map_err(io::Error::from)) {
+                // The end: the child no longer runs on this memory.
+                Ok(Ok(0)) => break,
+                Ok(Ok(n)) => got += n,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => {}
+            }
+        }
+        self.prepared = None;
+        Ok((got >= 4).then(|| i32::from_ne_bytes(buf)))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(prepared) = self.prepared.take() else { return };
+        let fd = match self.report.take() {
+            Some(Report::Plain(fd)) => fd,
+            Some(Report::Registered(afd)) => afd.into_inner(),
+            None => {
+                Box::leak(prepared);
+                return;
+            }
+        };
+        // Freed only by the thread, after the pipe's end; leaked if no thread can be started.
+        let raw = Box::into_raw(prepared) as usize;
+        let _ = std::thread::Builder::new().name("nodeplan-spawn".into()).spawn(move || {
+            let _ = rustix::io::ioctl_fionbio(&fd, false);
+            let mut buf = [0u8; 4];
+            while !matches!(rustix::io::read(&fd, &mut buf), Ok(0) | Err(rustix::io::Errno::BADF)) {}
+            // SAFETY: `raw` came from Box::into_raw above and the child is done with it.
+            drop(unsafe { Box::from_raw(raw as *mut Prepared) });
+        });
+    }
 }
 
 /// A child started by [`spawn`].
@@ -300,40 +426,65 @@ pub(crate) enum SpawnError {
 
 /// Start `spec` (with the run marker in its environment) in its own process group, inside the
 /// cgroup `cgroup_dir` when given: born in it when it is a cgroup2 directory, joining it before
-/// exec otherwise (a cgroup v1 leaf, which `CLONE_INTO_CGROUP` does not accept).
-///
-/// Under vfork this blocks the calling thread until the child has exec'd or exited, which may be
-/// never (a hung mount): call it off the runtime thread. `early` learns the pid before the child
-/// runs.
-pub(crate) fn spawn(
+/// exec otherwise (a cgroup v1 leaf, which `CLONE_INTO_CGROUP` does not accept). Resolves once
+/// the child has exec'd (or failed to); `early` learns the pid as soon as the child exists.
+pub(crate) async fn spawn(
     spec: &SpawnSpec,
     marker: &str,
     cgroup_dir: Option<&Path>,
     early: &EarlyPid,
 ) -> Result<RawChild, SpawnError> {
+    let (mut child, mut in_flight) = start(spec, marker, cgroup_dir, early)?;
+    match in_flight.heard().await {
+        Ok(None) => Ok(child),
+        Ok(Some(errno)) => {
+            early.reaping();
+            let _ = child.wait().await;
+            Err(SpawnError::Failed(io::Error::from_raw_os_error(errno)))
+        }
+        Err(e) => {
+            // Nothing tells when it execs: it does not run unwatched.
+            let _ = child.start_kill();
+            Err(SpawnError::Failed(e))
+        }
+    }
+}
+
+/// The clone: the child and what it runs on until its exec ([`spawn`]).
+fn start(
+    spec: &SpawnSpec,
+    marker: &str,
+    cgroup_dir: Option<&Path>,
+    early: &EarlyPid,
+) -> Result<(RawChild, InFlight), SpawnError> {
     use SpawnError::{Failed, LeafGone, Unsupported};
     let mut env: Vec<(OsString, OsString)> = spec.env.iter().filter(|(k, _)| k != super::MARKER_ENV).cloned().collect();
     env.push((super::MARKER_ENV.into(), marker.into()));
     // Everything the child touches is prepared here, before the clone.
     let program = resolve(&spec.program, &env).map_err(Failed)?;
-    let program_c = cstring(program.as_os_str()).map_err(Failed)?;
-    let mut argv_c = vec![cstring(&spec.program).map_err(Failed)?];
+    let mut strings = vec![cstring(program.as_os_str()).map_err(Failed)?, cstring(&spec.program).map_err(Failed)?];
     for a in &spec.args {
-        argv_c.push(cstring(a).map_err(Failed)?);
+        strings.push(cstring(a).map_err(Failed)?);
     }
-    let mut envp_c = Vec::with_capacity(env.len());
+    let env_from = strings.len();
     for (k, v) in &env {
         let mut kv = k.clone();
         kv.push("=");
         kv.push(v);
-        envp_c.push(cstring(&kv).map_err(Failed)?);
+        strings.push(cstring(&kv).map_err(Failed)?);
     }
-    let argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).chain([std::ptr::null()]).collect();
-    let envp: Vec<*const libc::c_char> = envp_c.iter().map(|c| c.as_ptr()).chain([std::ptr::null()]).collect();
-    let cwd_c = match &spec.cwd {
-        Some(d) => Some(cstring(d.as_os_str()).map_err(Failed)?),
+    let cwd_at = match &spec.cwd {
+        Some(d) => {
+            strings.push(cstring(d.as_os_str()).map_err(Failed)?);
+            Some(strings.len() - 1)
+        }
         None => None,
     };
+    let end = cwd_at.unwrap_or(strings.len());
+    let argv: Vec<*const libc::c_char> =
+        strings[1..env_from].iter().map(|c| c.as_ptr()).chain([std::ptr::null()]).collect();
+    let envp: Vec<*const libc::c_char> =
+        strings[env_from..end].iter().map(|c| c.as_ptr()).chain([std::ptr::null()]).collect();
     let leaf = match cgroup_dir {
         Some(dir) => Some(
             rustix::fs::open(
@@ -372,20 +523,26 @@ pub(crate) fn spawn(
     .map_err(|e| Failed(e.into()))?;
     let (out_r, out_w) = pipe().map_err(Failed)?;
     let (err_r, err_w) = pipe().map_err(Failed)?;
-    // Fork semantics need a pipe for the child's errno; under vfork it writes `ctx.errno`.
-    let report = if VFORK { None } else { Some(pipe().map_err(Failed)?) };
-    let mut ctx = ChildCtx {
-        program: program_c.as_ptr(),
+    let (report_r, report_w) = pipe().map_err(Failed)?;
+    // Above 2, so that the child's dup3 onto 0, 1 and 2 never replaces it.
+    let report_w = if report_w.as_raw_fd() < 3 {
+        rustix::io::fcntl_dupfd_cloexec(&report_w, 3).map_err(|e| Failed(e.into()))?
+    } else {
+        report_w
+    };
+    let ctx = ChildCtx {
+        program: strings[0].as_ptr(),
         argv: argv.as_ptr(),
         envp: envp.as_ptr(),
-        cwd: cwd_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+        cwd: cwd_at.map_or(std::ptr::null(), |i| strings[i].as_ptr()),
         fd_null: devnull.as_raw_fd(),
         fd_out: out_w.as_raw_fd(),
         fd_err: err_w.as_raw_fd(),
-        fd_report: report.as_ref().map_or(-1, |(_, w)| w.as_raw_fd()),
+        fd_report: report_w.as_raw_fd(),
         fd_join: join.as_ref().map_or(-1, |j| j.as_raw_fd()),
-        errno: 0,
     };
+    let mut prepared =
+        Box::new(Prepared { ctx, _strings: strings, _pointers: [argv, envp], stack: Vec::with_capacity(4096) });
 
     let mut pidfd: libc::c_int = -1;
     let mut flags = (libc::CLONE_PIDFD | libc::CLONE_PARENT_SETTID) as u64;
@@ -400,54 +557,38 @@ pub(crate) fn spawn(
         cgroup: cgroup.as_ref().map_or(0, |c| c.as_raw_fd() as u64),
         ..Default::default()
     };
-    let ret = clone_child(&mut args, &mut ctx);
+    let ret = clone_child(&mut args, &mut prepared);
+    // The child has its own descriptor table: the agent's copies go at once.
+    drop((devnull, out_w, err_w, cgroup, join, report_w));
     if ret < 0 {
         let e = io::Error::from_raw_os_error(-ret as i32);
         return Err(match e.raw_os_error() {
-            Some(libc::ENOENT | libc::ENODEV) if cgroup.is_some() => LeafGone(e),
+            Some(libc::ENOENT | libc::ENODEV) if args.cgroup != 0 => LeafGone(e),
             Some(libc::ENOSYS | libc::EPERM | libc::EINVAL | libc::E2BIG | libc::EOPNOTSUPP | libc::EBADF) => {
                 Unsupported(e)
             }
             _ => Failed(e),
         });
     }
-    let pid = ret as i32;
+    let in_flight = InFlight { prepared: Some(prepared), report: Some(Report::Plain(report_r)) };
     // SAFETY: the kernel returned a new pidfd in `pidfd`.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    drop((devnull, out_w, err_w, cgroup, join));
-    // Under vfork the child has exec'd or exited by now and left its errno in `ctx`. With fork
-    // semantics the report pipe ends at EOF once execve succeeded (CLOEXEC), or carries the errno.
-    // SAFETY: the child no longer runs on this memory (vfork returned), or never shared it.
-    let mut errno = unsafe { std::ptr::read_volatile(&ctx.errno) };
-    if let Some((report_r, report_w)) = report {
-        drop(report_w);
-        let mut buf = [0u8; 4];
-        let n = loop {
-            match rustix::io::read(&report_r, &mut buf) {
-                Err(e) if e == rustix::io::Errno::INTR => continue,
-                r => break r.unwrap_or(0),
-            }
-        };
-        if n == 4 {
-            errno = i32::from_ne_bytes(buf);
+    let mut child = RawChild { pid: ret as i32, pidfd: None, stdout: Some(out_r), stderr: Some(err_r), reaped: false };
+    if let Err(e) = rustix::io::ioctl_fionbio(&pidfd, true) {
+        let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+        return Err(Failed(e.into()));
+    }
+    // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it is dropped
+    // or taken back with into_inner.
+    match unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) } {
+        Ok(afd) => child.pidfd = Some(afd),
+        Err(e) => {
+            let (pidfd, e) = e.into_parts();
+            let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+            return Err(Failed(e));
         }
     }
-    let mut child = RawChild { pid, pidfd: None, stdout: Some(out_r), stderr: Some(err_r), reaped: false };
-    if errno != 0 {
-        early.reaping();
-        let _ = rustix::process::waitid(
-            rustix::process::WaitId::PidFd(pidfd.as_fd()),
-            rustix::process::WaitIdOptions::EXITED,
-        );
-        child.reaped = true;
-        return Err(Failed(io::Error::from_raw_os_error(errno)));
-    }
-    rustix::io::ioctl_fionbio(&pidfd, true).map_err(|e| Failed(e.into()))?;
-    // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it is
-    // dropped or taken back with into_inner.
-    let afd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) };
-    child.pidfd = Some(afd.map_err(|e| Failed(e.into()))?);
-    Ok(child)
+    Ok((child, in_flight))
 }
 
 impl RawChild {
@@ -521,6 +662,7 @@ impl Drop for RawChild {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn a_vanished_cgroup_leaf_is_reported_as_such_and_nothing_runs() {
@@ -529,11 +671,56 @@ mod tests {
         let spec = SpawnSpec::new("/bin/touch", [marker_file.as_os_str()]);
         let gone = d.path().join("no-such-leaf");
         let early = EarlyPid::default();
-        assert!(matches!(spawn(&spec, "np-test", Some(&gone), &early), Err(SpawnError::LeafGone(_))));
+        assert!(matches!(spawn(&spec, "np-test", Some(&gone), &early).await, Err(SpawnError::LeafGone(_))));
         assert!(!marker_file.exists());
-        let mut child = spawn(&spec, "np-test", None, &early).unwrap();
+        let mut child = spawn(&spec, "np-test", None, &early).await.unwrap();
         assert_eq!(early.pid.load(std::sync::atomic::Ordering::SeqCst), child.pid, "known before the spawn returned");
         assert!(child.wait().await.unwrap().success());
         assert!(marker_file.exists());
+    }
+
+    /// A failure between the clone and the exec comes back as that errno (the child reaped); the
+    /// agent's own errno is not the child's to write.
+    #[tokio::test]
+    async fn a_failure_before_the_exec_is_its_errno() {
+        let d = tempfile::tempdir().unwrap();
+        let mut spec = SpawnSpec::new("/bin/true", Vec::<String>::new());
+        spec.cwd = Some(d.path().join("no-such-dir"));
+        let early = EarlyPid::default();
+        // SAFETY: this thread's errno, set to a value no failure below produces.
+        unsafe { *libc::__errno_location() = 12345 };
+        match spawn(&spec, "np-test", None, &early).await {
+            Err(SpawnError::Failed(e)) => assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}"),
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("started in a directory that does not exist"),
+        }
+        // SAFETY: as above.
+        assert_eq!(unsafe { *libc::__errno_location() }, 12345, "the child wrote the agent's errno");
+        spec.cwd = None;
+        spec.program = d.path().join("not-a-program").into_os_string();
+        std::fs::write(d.path().join("not-a-program"), "").unwrap();
+        match spawn(&spec, "np-test", None, &early).await {
+            Err(SpawnError::Failed(e)) => assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}"),
+            other => panic!("{:?}", other.map(|c| c.pid)),
+        }
+    }
+
+    /// A spawn given up between the clone and the exec (its future dropped) still lets the child
+    /// run: the memory it runs on goes only once it has exec'd.
+    #[tokio::test]
+    async fn a_spawn_given_up_before_the_exec_is_heard_lets_the_child_run() {
+        let d = tempfile::tempdir().unwrap();
+        for i in 0..20 {
+            let fifo = d.path().join(format!("fifo{i}"));
+            rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, rustix::fs::Mode::from_raw_mode(0o600)).unwrap();
+            let script = format!("echo ran > {}", fifo.display());
+            let spec = SpawnSpec::new("/bin/sh", ["-c", script.as_str()]);
+            let early = EarlyPid::default();
+            // Polled once (the clone happens), then dropped while the report is awaited.
+            let _ = tokio::time::timeout(Duration::ZERO, spawn(&spec, "np-test", None, &early)).await;
+            let read = tokio::task::spawn_blocking(move || std::fs::read_to_string(fifo));
+            let got = tokio::time::timeout(Duration::from_secs(10), read).await.expect("the child never ran");
+            assert_eq!(got.unwrap().unwrap(), "ran\n");
+        }
     }
 }
