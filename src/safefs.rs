@@ -345,10 +345,8 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
 
 /// [`write_atomic`] of a record that only shows state (the agent's status board): a reader sees
 /// the old content or the new, but nothing is synced to disk, so a crash may leave the old one or
-/// none. It saves two fsyncs (disk flushes) per write; in a perf profile of 30 agents they were
-/// most of the board's samples. It does not make the filesystem write the data out either
-/// ([`replace_unsynced`]; `cargo bench --bench shown`: 14 us of CPU and no disk write per
-/// replacement, against 37 us and 4 KiB for a rename over the old record).
+/// none. No fsync, and no data written out by the filesystem either ([`replace_unsynced`]; `cargo
+/// bench --bench shown` measures it).
 pub fn write_shown(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     write_path(path, data, mode, None, false).map(drop)
 }

@@ -25,13 +25,11 @@
 //!   the Lease renewal notices first), a watch opened before those failures is given up at once and
 //!   the pump lists again on a fresh request.
 //!
-//! Cost: one watch request per object kind every 15–30 min ([`PINGED_WATCH_TIMEOUT_SECS`]) on HTTP/2, every
-//! [`WATCH_TIMEOUT_SECS`] on HTTP/1.1 (resumed from the last
-//! resourceVersion it delivered, bookmarks included, served from the API server's watch cache;
-//! nothing is published and the reconcile loop is not woken); a list only after an error, an
-//! expired resourceVersion (410), a watch that ended at once, or a comeback. (Listing after every
-//! watch's end, as this did before, cost a fleet of idle agents a list and a reconcile pass each
-//! every 20 s.)
+//! Cost: one watch request per object kind every 15–30 min ([`PINGED_WATCH_TIMEOUT_SECS`]) on
+//! HTTP/2, every [`WATCH_TIMEOUT_SECS`] on HTTP/1.1 (resumed from the last resourceVersion it
+//! delivered, bookmarks included, served from the API server's watch cache; nothing is published
+//! and the reconcile loop is not woken); a list only after an error, an expired resourceVersion
+//! (410), a watch that ended at once, or a comeback.
 //!
 //! Owns: the list/watch cycle, its liveness bounds, its back-off (jittered, reset after a watch
 //! that ran a while) and the map of objects by name it publishes. It decides nothing about what
