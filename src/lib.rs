@@ -44,8 +44,8 @@ macro_rules! unix_only {
 }
 
 unix_only!(
-    apply, board, cli, disk, events, fleet, image, install, k8s, lease, local, metrics, nodeplan, probe, reconcile,
-    remote, safefs,
+    apply, board, cli, disk, events, fleet, image, install, k8s, lease, local, nodeplan, probe, reconcile, remote,
+    safefs,
 );
 pub mod backoff;
 pub mod config;
@@ -53,13 +53,8 @@ pub mod duration;
 pub mod flow;
 pub mod formats;
 pub mod logging;
+pub mod metrics;
 pub mod plan;
-#[cfg(unix)]
-pub mod process;
-/// On Windows, the process layer alone so far (issue 42): each run in a Job Object, the stop
-/// ladder through Ctrl-C on the run's console and `TerminateJobObject`.
-#[cfg(windows)]
-#[path = "process/windows.rs"]
 pub mod process;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not

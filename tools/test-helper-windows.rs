@@ -1,7 +1,8 @@
 //! The test helper on Windows. Every mode that stays up prints `ready <pid> [<pid>…]` (its own pid,
 //! then those of the processes it started, deepest last) once it is set up, then waits for ever.
 //!
-//! Modes: `exit N`; `tree N` (a chain of N more copies of itself below it: `tree 2` is a
+//! Modes: `exit N`; `print N` (a line on stdout, one on stderr, exit N); `daemon` (starts `tree 0`
+//! without waiting for it, prints `ready <its pid>`, exits 0); `tree N` (a chain of N more copies of itself below it: `tree 2` is a
 //! three-level tree; each level ends on its console's Ctrl-C, the default); `tree-ignore N` (the
 //! same, each level ignoring Ctrl-C and Ctrl-Break); `agent N` (starts `tree N` through nodeplan's
 //! process layer, in a job, and stays up: killing it must end the tree).
@@ -62,14 +63,41 @@ pub fn main() {
     let num = |i: usize| arg(i).parse::<u64>().unwrap_or(0);
     match arg(0).as_str() {
         "exit" => std::process::exit(num(1) as i32),
+        "print" => {
+            say("to stdout");
+            eprintln!("to stderr");
+            std::process::exit(num(1) as i32)
+        }
+        "daemon" => {
+            let Ok(exe) = std::env::current_exe() else { std::process::exit(90) };
+            let Ok(mut child) = Command::new(exe).args(["tree", "0"]).stdout(Stdio::piped()).spawn() else {
+                std::process::exit(90)
+            };
+            let below = ready_pids(&mut child);
+            say(&format!("ready {below}"));
+            std::process::exit(0)
+        }
         "tree" => tree(num(1), false),
         "tree-ignore" => tree(num(1), true),
         "agent" => {
             let Ok(exe) = std::env::current_exe() else { std::process::exit(90) };
-            let mut cmd = Command::new(exe);
-            cmd.args(["tree", &num(1).to_string()]).stdout(Stdio::piped());
-            let Ok(mut run) = nodeplan::process::spawn(&mut cmd) else { std::process::exit(93) };
-            let below = ready_pids(run.child_mut());
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                std::process::exit(94)
+            };
+            let below = rt.block_on(async {
+                use tokio::io::AsyncBufReadExt;
+                let mut cmd = tokio::process::Command::new(exe);
+                cmd.args(["tree", &num(1).to_string()]).stdout(Stdio::piped());
+                let Ok(mut run) = nodeplan::process::spawn(&mut cmd) else { std::process::exit(93) };
+                let Some(out) = run.child_mut().stdout.take() else { std::process::exit(91) };
+                let mut line = String::new();
+                if tokio::io::BufReader::new(out).read_line(&mut line).await.is_err() || !line.starts_with("ready ") {
+                    std::process::exit(92);
+                }
+                // The run (and its job) must outlive this block: the agent holds it until killed.
+                std::mem::forget(run);
+                line["ready ".len()..].trim().to_string()
+            });
             say(&format!("ready {} {below}", std::process::id()));
             forever()
         }

@@ -34,6 +34,8 @@
 //! | `nodeplan_directory_size_bytes` | gauge | `directory`: `applied`, `images`, `work` | disk space used under the applied-plan archive, the images directory and the work directory (measured at scrape time, at most every 10 s) |
 //! | `nodeplan_directory_size_complete` | gauge | `directory` | 1 when the last measurement saw the whole directory, 0 when it stopped at its bound (the size is then a lower bound) |
 
+/// Unix only so far: Windows has no directory-size gauge yet (docs/windows.md).
+#[cfg(unix)]
 pub mod disk;
 pub mod server;
 
@@ -119,6 +121,7 @@ pub struct PlanLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[cfg_attr(windows, allow(dead_code))]
 struct DirLabel {
     directory: &'static str,
 }
@@ -163,10 +166,12 @@ pub struct Metrics {
     lease_held: Family<SourceLabel, Gauge>,
     api_failing: Gauge,
     source_problem: Family<ProblemLabels, Gauge>,
+    #[cfg(unix)]
     disk: disk::DiskGauges,
 }
 
 impl Metrics {
+    #[cfg_attr(windows, allow(unused_variables))]
     pub fn new(dirs: Directories) -> Metrics {
         let mut registry = Registry::default();
         let plans = Family::<ResultLabel, Counter>::default();
@@ -282,8 +287,12 @@ impl Metrics {
         );
         let build = Family::<BuildLabels, Gauge>::default();
         registry.register("nodeplan_build_info", "1, labelled with the agent's version and commit", build.clone());
-        build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), commit: env!("NODEPLAN_COMMIT") }).set(1);
+        build
+            .get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION"), commit: env!("NODEPLAN_COMMIT") })
+            .set(1);
+        #[cfg(unix)]
         let disk = disk::DiskGauges::new(dirs);
+        #[cfg(unix)]
         disk.register(&mut registry);
         Metrics {
             registry,
@@ -303,6 +312,7 @@ impl Metrics {
             lease_held,
             api_failing,
             source_problem,
+            #[cfg(unix)]
             disk,
         }
     }
@@ -310,6 +320,7 @@ impl Metrics {
     /// The registry encoded in `format`, the directory sizes measured first when they are stale.
     /// Blocking (it may walk directories): call it off the runtime's threads.
     pub fn encode(&self, format: server::Format) -> String {
+        #[cfg(unix)]
         self.disk.refresh();
         let mut out = String::new();
         let r = match format {
@@ -720,7 +731,7 @@ impl Drop for PlanInfo {
 /// For tests of the modules that report: the process's metrics (installed on first use), and the
 /// value of one series (`name{labels}` as exposed; 0 when absent). Counts only grow, so tests
 /// compare before and after.
-#[cfg(test)]
+#[cfg(all(test, unix))]
 pub(crate) fn sample(series: &str) -> f64 {
     let m = install(Metrics::new(Directories::default()));
     let text = m.encode(server::Format::Text);

@@ -96,7 +96,13 @@ pub fn route(method: &Method, path: &str) -> Route {
 
 /// Bind the endpoint's socket. An address in use (or not ours to bind) is an error naming it.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
-    TcpListener::bind(addr).await.map_err(|e| format!("metricsAddress {addr}: cannot listen: {e}"))
+    TcpListener::bind(addr).await.map_err(|e| match e.kind() {
+        // Said in words everywhere (Windows's own text is long, and Wine has none).
+        std::io::ErrorKind::AddrInUse => {
+            format!("metricsAddress {addr}: cannot listen: the address is in use (another process listens there)")
+        }
+        _ => format!("metricsAddress {addr}: cannot listen: {e}"),
+    })
 }
 
 /// One open connection, as the accept loop sees it.

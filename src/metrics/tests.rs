@@ -110,6 +110,7 @@ fn long_probe_names_are_cut_and_stay_distinct() {
     h.clear_in(&m);
 }
 
+#[cfg(unix)]
 #[test]
 fn directory_sizes_are_measured_at_scrape_time() {
     let t = tempfile::tempdir().unwrap();

@@ -8,24 +8,10 @@
 //! nothing escapes there either. Leaves live under `<hierarchy><own cgroup>/nodeplan` (or the
 //! configured directory) and are named by the run's marker.
 
+use super::CgroupMode;
 use rustix::fd::OwnedFd;
 use std::io;
 use std::path::{Path, PathBuf};
-
-/// Where runs' cgroups go.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum CgroupMode {
-    /// `<cgroup2 mount><own cgroup>/nodeplan`, discovered from /proc/self/{mountinfo,cgroup}; where
-    /// cgroup v2 is unusable, as [`CgroupMode::V1`].
-    #[default]
-    Auto,
-    /// `<v1 freezer mount><own freezer cgroup>/nodeplan`, discovered the same way.
-    V1,
-    /// This directory, which must be inside a cgroup2 mount or a v1 freezer hierarchy.
-    Root(PathBuf),
-    /// Process groups only.
-    Off,
-}
 
 /// The cgroup2 mount point from `/proc/self/mountinfo` content.
 pub fn find_cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {

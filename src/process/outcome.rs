@@ -214,7 +214,6 @@ impl fmt::Display for Outcome {
     }
 }
 
-#[cfg(unix)]
 impl Outcome {
     /// What the stop ladder's metric says of this outcome; `None` for outcomes the ladder does not
     /// produce.

@@ -11,9 +11,9 @@
 //! never happened (the record is written before it), and a torn update leaves pid 0, which
 //! recovery handles by the run's cgroup and marker, never by number.
 
+use super::MARKER_ENV;
 use super::Owner;
 use super::procfs::{self, ProcHandle};
-use super::tree::MARKER_ENV;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;

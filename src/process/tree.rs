@@ -4,31 +4,17 @@
 //! dropped both its session and its environment). Members are always opened through
 //! `/proc/<pid>` dirfds and signalled through them.
 
+use super::MARKER_ENV;
 use super::cgroup::{self, Backend, Leaf};
+use super::ladder::TreeOps;
 use super::procfs::{self, ProcHandle};
 use rustix::process::Signal;
 use std::collections::HashSet;
 use std::io;
 
-/// The environment variable that marks every process of a run.
-pub const MARKER_ENV: &str = "NODEPLAN_RUN";
-
-/// What the stop ladder needs from a process tree (a seam, so the ladder's rungs can be tested
-/// with trees that misbehave in ways real processes cannot be made to on demand).
-pub(crate) trait TreeOps: Clone + Send + Sync + 'static {
-    /// SIGTERM then SIGCONT to every member.
-    fn request_stop(&self) -> io::Result<()>;
-    /// SIGKILL every member.
-    fn kill(&self) -> io::Result<()>;
-    fn is_empty(&self) -> bool;
-    fn survivors(&self) -> usize;
-    /// The leader has been reaped: its pid (the group id) may be recycled from now on.
-    fn leader_reaped(&self) {}
-}
-
 impl TreeOps for Tree {
-    fn request_stop(&self) -> io::Result<()> {
-        Tree::request_stop(self)
+    fn request_stop(&self) -> io::Result<bool> {
+        Tree::request_stop(self).map(|()| true)
     }
     fn kill(&self) -> io::Result<()> {
         Tree::kill(self)

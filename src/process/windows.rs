@@ -1,428 +1,168 @@
-//! The process layer on Windows: each run in a Job Object of its own, and the same stop ladder
-//! and typed outcomes as on Linux.
+//! The Windows backend of the process layer: the [`Supervisor`] over runs in Job Objects
+//! ([`super::job`]), with the Linux backend's methods, outcomes and output capture.
 //!
-//! A run is created suspended, assigned to a new job, and only then resumed, so nothing it starts
-//! can be born outside the job (a child spawned between the start and a late assignment would
-//! escape a cancel). The job kills every process in it when its last handle closes
-//! (`KILL_ON_JOB_CLOSE`): an agent that dies leaves no tree behind.
-//!
-//! The ladder: the graceful step, the grace period, `TerminateJobObject`, then the job's
-//! `ActiveProcesses` must reach 0 within the kill timeout, else the run is
-//! [`Outcome::Incomplete`]. The graceful step is a console Ctrl-C: each run gets a console of its
-//! own, without a window (`CREATE_NO_WINDOW`), so an event on that console reaches the run's tree
-//! and nothing else, and the agent needs no console at all. Only a process attached to
-//! a console can raise an event on it, so a short-lived copy of the agent does it
-//! ([`interrupt_console`], the binary's [`INTERRUPT_MODE`]): attach to the run's console, Ctrl-C
-//! to every process on it, exit. (CTRL_BREAK to a process group sharing the agent's console is the
-//! other way; Wine, where this is tested, implements only Ctrl-C.)
-//!
-//! A process that cannot join a job (no job could be made, or the assignment was refused) still
-//! runs, alone: the ladder then ends the direct child only, and [`Run::job_error`] says why.
-//!
-//! What the Linux layer has and this one does not yet (the async supervisor, output capture
-//! through the runtime, PID records on disk) is listed in `docs/windows.md`.
+//! A run's tree is its job, so there is nothing to find by marker or group. A process that exits
+//! by itself and leaves processes in its job started them on purpose (a daemon): as on Linux they
+//! are left alone, so its job stops killing them when its handle closes. Not yet: PID records on
+//! disk and the owner locks (`docs/windows.md`); a dead agent's runs end with it
+//! (`KILL_ON_JOB_CLOSE`), so there is no leftover for a recovery to find, except a run that could
+//! not join a job.
 
-#[path = "outcome.rs"]
-mod outcome;
-pub use outcome::{ExitKind, Outcome, Rung, StopPolicy, StopReason, signal_name};
-
-use std::ffi::c_void;
-use std::io;
-use std::os::windows::io::{AsRawHandle, FromRawHandle, OwnedHandle};
-use std::os::windows::process::CommandExt;
-use std::process::{Child, Command, ExitStatus};
+use super::capture::{self, Captures};
+use super::job::{self, Identity, Run};
+use super::{
+    ExitKind, LineSink, MARKER_ENV, Outcome, Output, RunResult, SpawnSpec, StopReason, StopSignal, Stream,
+    SupervisorConfig, drain, sleep_until_opt,
+};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use windows_sys::Win32::Foundation::{DuplicateHandle, FILETIME, HANDLE, INVALID_HANDLE_VALUE, STILL_ACTIVE};
-use windows_sys::Win32::System::Console::{
-    AttachConsole, CTRL_C_EVENT, FreeConsole, GenerateConsoleCtrlEvent, SetConsoleCtrlHandler,
-};
-use windows_sys::Win32::System::Diagnostics::ToolHelp::{
-    CreateToolhelp32Snapshot, TH32CS_SNAPTHREAD, THREADENTRY32, Thread32First, Thread32Next,
-};
-use windows_sys::Win32::System::JobObjects::{
-    AssignProcessToJobObject, CreateJobObjectW, IsProcessInJob, JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE,
-    JOBOBJECT_BASIC_ACCOUNTING_INFORMATION, JOBOBJECT_EXTENDED_LIMIT_INFORMATION, JobObjectBasicAccountingInformation,
-    JobObjectExtendedLimitInformation, QueryInformationJobObject, SetInformationJobObject, TerminateJobObject,
-};
-use windows_sys::Win32::System::SystemServices::JOB_OBJECT_QUERY;
-use windows_sys::Win32::System::Threading::{
-    CREATE_NO_WINDOW, CREATE_SUSPENDED, DETACHED_PROCESS, GetCurrentProcess, GetExitCodeProcess, GetProcessTimes,
-    OpenProcess, OpenThread, PROCESS_QUERY_INFORMATION, PROCESS_QUERY_LIMITED_INFORMATION, ResumeThread,
-    THREAD_SUSPEND_RESUME,
-};
 
-/// How often the ladder looks at the job while waiting for it to empty (as on Linux).
-const POLL: Duration = Duration::from_millis(5);
-
-/// The exit code `TerminateJobObject` gives every process of a stopped run.
-pub const TERMINATED: u32 = 1;
-
-fn owned(h: HANDLE) -> io::Result<OwnedHandle> {
-    if h.is_null() || h == INVALID_HANDLE_VALUE {
-        Err(io::Error::last_os_error())
-    } else {
-        // SAFETY: a valid handle just returned to us, owned by nothing else.
-        Ok(unsafe { OwnedHandle::from_raw_handle(h) })
-    }
+/// Spawns, supervises and stops processes. Cheap to clone.
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
 }
 
-fn check(ok: i32) -> io::Result<()> {
-    if ok == 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+struct Inner {
+    config: SupervisorConfig,
+    seq: AtomicU64,
 }
 
-/// A Job Object whose processes all end when its last handle closes.
-#[derive(Debug)]
-pub struct Job(OwnedHandle);
-
-impl Job {
-    /// A new, unnamed job with `KILL_ON_JOB_CLOSE`.
-    pub fn new() -> io::Result<Job> {
-        // SAFETY: no security attributes, no name.
-        let job = owned(unsafe { CreateJobObjectW(std::ptr::null(), std::ptr::null()) })?;
-        let mut limits = JOBOBJECT_EXTENDED_LIMIT_INFORMATION::default();
-        limits.BasicLimitInformation.LimitFlags = JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE;
-        // SAFETY: the structure and its size match the information class.
-        check(unsafe {
-            SetInformationJobObject(
-                job.as_raw_handle(),
-                JobObjectExtendedLimitInformation,
-                (&raw const limits).cast::<c_void>(),
-                size_of::<JOBOBJECT_EXTENDED_LIMIT_INFORMATION>() as u32,
-            )
-        })?;
-        Ok(Job(job))
+impl Supervisor {
+    pub fn new(config: SupervisorConfig) -> Supervisor {
+        Supervisor { inner: Arc::new(Inner { config, seq: AtomicU64::new(0) }) }
     }
 
-    /// Another handle to this job that may only query it (a job that refuses assignments, for
-    /// tests of the lone-process fallback).
-    pub fn query_only(&self) -> io::Result<Job> {
-        let mut dup: HANDLE = std::ptr::null_mut();
-        // SAFETY: duplicating our own valid handle within our own process.
-        check(unsafe {
-            DuplicateHandle(
-                GetCurrentProcess(),
-                self.0.as_raw_handle(),
-                GetCurrentProcess(),
-                &mut dup,
-                JOB_OBJECT_QUERY,
-                0,
-                0,
-            )
-        })?;
-        Ok(Job(owned(dup)?))
+    pub fn config(&self) -> &SupervisorConfig {
+        &self.inner.config
     }
 
-    fn assign(&self, child: &Child) -> io::Result<()> {
-        // SAFETY: both handles are valid for the call.
-        check(unsafe { AssignProcessToJobObject(self.0.as_raw_handle(), child.as_raw_handle()) })
+    /// Runs have no cgroups on Windows.
+    pub fn cgroup_root(&self) -> Option<&Path> {
+        None
     }
 
-    /// Whether the running process `pid` is in this job.
-    pub fn contains(&self, pid: u32) -> io::Result<bool> {
-        // SAFETY: the handle is owned below. (Wine wants the full query right here.)
-        let h = owned(unsafe { OpenProcess(PROCESS_QUERY_INFORMATION, 0, pid) })?;
-        let mut inside = 0;
-        // SAFETY: valid process and job handles.
-        check(unsafe { IsProcessInJob(h.as_raw_handle(), self.0.as_raw_handle(), &mut inside) })?;
-        Ok(inside != 0)
+    /// The agent's pid and creation time, then a sequence number: unique across agents and runs.
+    fn new_marker(&self) -> String {
+        let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let me = std::process::id();
+        let created = Identity::of(me).map_or(0, |i| i.created);
+        format!("np{me}.{created:x}-{n}")
     }
 
-    /// How many processes of the job are still running (a run's console host among them, where
-    /// the system puts it in the job).
-    pub fn active_processes(&self) -> io::Result<u32> {
-        let mut info = JOBOBJECT_BASIC_ACCOUNTING_INFORMATION::default();
-        // SAFETY: the structure and its size match the information class.
-        check(unsafe {
-            QueryInformationJobObject(
-                self.0.as_raw_handle(),
-                JobObjectBasicAccountingInformation,
-                (&raw mut info).cast::<c_void>(),
-                size_of::<JOBOBJECT_BASIC_ACCOUNTING_INFORMATION>() as u32,
-                std::ptr::null_mut(),
-            )
-        })?;
-        Ok(info.ActiveProcesses)
-    }
-
-    /// End every process in the job.
-    pub fn terminate(&self) -> io::Result<()> {
-        // SAFETY: a valid job handle.
-        check(unsafe { TerminateJobObject(self.0.as_raw_handle(), TERMINATED) })
-    }
-}
-
-/// Resume every thread of the suspended process `pid` (a new process has one).
-fn resume(pid: u32) -> io::Result<()> {
-    // SAFETY: a snapshot of all threads; the handle is owned below.
-    let snap = owned(unsafe { CreateToolhelp32Snapshot(TH32CS_SNAPTHREAD, 0) })?;
-    let mut entry = THREADENTRY32 { dwSize: size_of::<THREADENTRY32>() as u32, ..Default::default() };
-    let mut resumed = 0;
-    // SAFETY: `entry` is a THREADENTRY32 with its size set, as both calls require.
-    let mut more = unsafe { Thread32First(snap.as_raw_handle(), &mut entry) } != 0;
-    while more {
-        if entry.th32OwnerProcessID == pid {
-            // SAFETY: a thread id from the snapshot; the handle is owned below.
-            let thread = owned(unsafe { OpenThread(THREAD_SUSPEND_RESUME, 0, entry.th32ThreadID) })?;
-            // SAFETY: a valid thread handle with THREAD_SUSPEND_RESUME.
-            match unsafe { ResumeThread(thread.as_raw_handle()) } {
-                u32::MAX => return Err(io::Error::last_os_error()),
-                // It was running already: something started it before its job was in place.
-                0 => return Err(io::Error::other(format!("process {pid} was not created suspended"))),
-                _ => {}
-            }
-            resumed += 1;
-        }
-        // SAFETY: as above.
-        more = unsafe { Thread32Next(snap.as_raw_handle(), &mut entry) } != 0;
-    }
-    if resumed == 0 {
-        return Err(io::Error::other(format!("process {pid} has no thread to resume")));
-    }
-    Ok(())
-}
-
-/// A process's identity that survives the reuse of its id: the id and its creation time (100 ns
-/// units since 1601, as `GetProcessTimes` gives it). What a PID record keeps on Windows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Identity {
-    pub pid: u32,
-    pub created: u64,
-}
-
-impl Identity {
-    /// The identity of the running process `pid`; `None` when there is none (or it cannot be read).
-    pub fn of(pid: u32) -> Option<Identity> {
-        // SAFETY: the handle is owned below.
-        let h = owned(unsafe { OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, 0, pid) }).ok()?;
-        created(&h).ok().map(|created| Identity { pid, created })
-    }
-
-    /// Whether this very process still runs: its id names a process created at the same time that
-    /// has not exited. A reused id names another process, and is not this one.
-    pub fn alive(&self) -> bool {
-        // SAFETY: the handle is owned below.
-        let Ok(h) = owned(unsafe { OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, 0, self.pid) }) else {
-            return false;
+    /// Run `spec` to completion: until it exits by itself, or until `stop` or its timeout runs the
+    /// stop ladder on its job. Never hangs: every wait is bounded once a stop is requested.
+    pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
+        let started = Instant::now();
+        let marker = self.new_marker();
+        let finish = |outcome, output, pid| RunResult {
+            outcome,
+            output,
+            pid,
+            marker: marker.clone(),
+            elapsed: started.elapsed(),
         };
-        let mut code = 0u32;
-        // SAFETY: a valid process handle with query rights.
-        let running = unsafe { GetExitCodeProcess(h.as_raw_handle(), &mut code) } != 0 && code == STILL_ACTIVE as u32;
-        running && created(&h).is_ok_and(|c| c == self.created)
-    }
-}
-
-fn created(h: &impl AsRawHandle) -> io::Result<u64> {
-    let (mut c, mut e, mut k, mut u) =
-        (FILETIME::default(), FILETIME::default(), FILETIME::default(), FILETIME::default());
-    // SAFETY: a valid process handle and four FILETIMEs to fill.
-    check(unsafe { GetProcessTimes(h.as_raw_handle(), &mut c, &mut e, &mut k, &mut u) })?;
-    Ok((u64::from(c.dwHighDateTime) << 32) | u64::from(c.dwLowDateTime))
-}
-
-/// A started process and the job that holds it and everything it starts.
-#[derive(Debug)]
-pub struct Run {
-    child: Child,
-    job: Option<Job>,
-    job_error: Option<String>,
-    identity: Identity,
-    status: Option<ExitStatus>,
-}
-
-/// Start `cmd` in a new job of its own (see the module doc). `Err` when no process runs.
-pub fn spawn(cmd: &mut Command) -> io::Result<Run> {
-    spawn_in(cmd, Job::new())
-}
-
-/// [`spawn`] with the job given (or the error making one gave).
-pub fn spawn_in(cmd: &mut Command, job: io::Result<Job>) -> io::Result<Run> {
-    cmd.creation_flags(CREATE_SUSPENDED | CREATE_NO_WINDOW);
-    let mut child = cmd.spawn()?;
-    let (job, job_error) = match job.and_then(|j| j.assign(&child).map(|()| j)) {
-        Ok(j) => (Some(j), None),
-        Err(e) => (None, Some(e.to_string())),
-    };
-    if let Err(e) = resume(child.id()) {
-        // It never ran a single instruction: nothing else can exist.
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-    let pid = child.id();
-    let identity = Identity { pid, created: created(&child).unwrap_or(0) };
-    Ok(Run { child, job, job_error, identity, status: None })
-}
-
-impl Run {
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The process's identity, for its PID record.
-    pub fn identity(&self) -> Identity {
-        self.identity
-    }
-
-    /// Why the process runs without a job (its tree cannot be stopped or counted), if it does.
-    pub fn job_error(&self) -> Option<&str> {
-        self.job_error.as_deref()
-    }
-
-    /// The process's stdout and stderr, when `cmd` asked for pipes.
-    pub fn child_mut(&mut self) -> &mut Child {
-        &mut self.child
-    }
-
-    /// The process's exit status, once it has exited (without waiting).
-    pub fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
-        if self.status.is_none() {
-            self.status = self.child.try_wait()?;
+        if let Some(r) = stop.requested() {
+            return finish(Outcome::NotStarted(r), Output::default(), None);
         }
-        Ok(self.status)
-    }
-
-    /// Wait for the process to exit by itself.
-    pub fn wait(&mut self) -> io::Result<ExitStatus> {
-        if let Some(s) = self.status {
-            return Ok(s);
-        }
-        let s = self.child.wait()?;
-        self.status = Some(s);
-        Ok(s)
-    }
-
-    /// The run's job, when it has one.
-    pub fn job(&self) -> Option<&Job> {
-        self.job.as_ref()
-    }
-
-    /// How many processes of the run still run: the job's count, or the direct child alone when
-    /// it has no job.
-    pub fn active(&mut self) -> io::Result<u32> {
-        match &self.job {
-            Some(j) => j.active_processes(),
-            None => Ok(u32::from(self.try_wait()?.is_none())),
-        }
-    }
-
-    /// Stop the run's whole tree (see the module doc) and say how it ended.
-    pub fn stop(&mut self, reason: StopReason, policy: &StopPolicy) -> Outcome {
-        let sent = match send_interrupt(self.pid()) {
-            Ok(()) => true,
+        let mut run = match job::spawn(&mut command(&spec, &marker)) {
+            Ok(r) => r,
             Err(e) => {
-                warn(&format!("cannot interrupt the console of process {} ({e}): no graceful step", self.pid()));
-                false
+                let what = format!("{}: {e}", spec.program.to_string_lossy());
+                return finish(Outcome::StartFailed(what), Output::default(), None);
             }
         };
-        let grace = if sent { policy.grace } else { Duration::ZERO };
-        match self.gone_within(grace) {
-            Ok(true) => {
-                let status = self.try_wait().ok().flatten().map_or(ExitKind::Unknown, ExitKind::from_status);
-                return Outcome::ExitedAfterStop { reason, status };
+        if let Some(why) = run.job_error() {
+            tracing::warn!(
+                "{} runs outside a Job Object ({why}): a stop ends it alone, not what it starts",
+                spec.program.to_string_lossy()
+            );
+        }
+        let pid = run.pid() as i32;
+        let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
+        let captures = Captures::new(self.inner.config.capture_limit);
+        let mut readers = read_output(&mut run, &captures, &spec.sink);
+        let reason = tokio::select! {
+            biased;
+            status = run.wait() => {
+                let outcome = match status {
+                    Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
+                    Err(e) => Outcome::WaitFailed(e.to_string()),
+                };
+                drain(&mut readers, self.inner.config.drain_timeout).await;
+                leave_daemons(&spec, &mut run, &outcome);
+                return finish(outcome, captures.take(), Some(pid));
             }
-            Ok(false) => {}
-            Err(e) => return Outcome::WaitFailed(e.to_string()),
-        }
-        if !policy.kill {
-            let survivors = self.active().unwrap_or(1) as usize;
-            return Outcome::GaveUp { reason, grace: policy.grace, survivors };
-        }
-        let killed = match &self.job {
-            Some(j) => j.terminate(),
-            None => self.child.kill(),
+            r = stop.wait() => r,
+            _ = sleep_until_opt(deadline) => StopReason::Timeout(spec.timeout.unwrap_or_default()),
         };
-        if let Err(e) = killed {
-            return Outcome::SignalFailed { reason, error: e.to_string() };
+        let outcome = run
+            .stop(reason, &self.inner.config.policy, || {
+                for r in &readers {
+                    r.abort();
+                }
+            })
+            .await;
+        if let Some(m) = outcome.ladder_metric() {
+            crate::metrics::stop_ladder(m);
         }
-        match self.gone_within(policy.kill_timeout) {
-            Ok(true) => {
-                let _ = self.wait();
-                Outcome::Killed { reason, grace: policy.grace }
-            }
-            Ok(false) => Outcome::Incomplete { reason, survivors: self.active().unwrap_or(1) as usize },
-            Err(e) => Outcome::WaitFailed(e.to_string()),
-        }
-    }
-
-    /// Whether every process of the run is gone within `limit` (looked at every [`POLL`]).
-    fn gone_within(&mut self, limit: Duration) -> io::Result<bool> {
-        let end = Instant::now() + limit;
-        loop {
-            if self.active()? == 0 {
-                return Ok(true);
-            }
-            let now = Instant::now();
-            if now >= end {
-                return Ok(false);
-            }
-            std::thread::sleep(POLL.min(end - now));
-        }
+        drain(&mut readers, Duration::from_millis(100)).await;
+        finish(outcome, captures.take(), Some(pid))
     }
 }
 
-/// The first argument that makes the `nodeplan` binary [`interrupt_console`] the pid after it.
-pub const INTERRUPT_MODE: &str = "__interrupt-console";
-
-/// How long the interrupting copy of the agent gets before it is killed and the step counts as
-/// not sent.
-const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(5);
-
-static INTERRUPTER: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-
-/// The program run as `<program> __interrupt-console <pid>` for the graceful step: the agent's own
-/// binary unless set (once) here, as tests do.
-pub fn set_interrupter(program: std::path::PathBuf) {
-    let _ = INTERRUPTER.set(program);
-}
-
-/// Run the interrupter for the console of `pid` and wait (bounded) for it to say it was sent.
-fn send_interrupt(pid: u32) -> io::Result<()> {
-    let program = match INTERRUPTER.get() {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?,
-    };
-    let mut child = Command::new(program)
-        .args([INTERRUPT_MODE, &pid.to_string()])
-        .creation_flags(DETACHED_PROCESS)
+/// The command for `spec`: its own environment plus the run marker, stdin from NUL, piped output.
+fn command(spec: &SpawnSpec, marker: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env(MARKER_ENV, marker)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let end = Instant::now() + INTERRUPT_TIMEOUT;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return if status.success() {
-                Ok(())
-            } else {
-                Err(io::Error::other(format!("the interrupter exited with {status}")))
-            };
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(io::Error::other("the interrupter did not finish"));
-        }
-        std::thread::sleep(POLL);
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    if let Some(cwd) = &spec.cwd {
+        cmd.current_dir(cwd);
     }
+    cmd
 }
 
-/// Raise Ctrl-C on the console of process `pid`, for every process attached to it. This detaches
-/// the calling process from its own console and ignores Ctrl-C in it: call it only from a process
-/// that exists for this (the binary's [`INTERRUPT_MODE`]).
-pub fn interrupt_console(pid: u32) -> io::Result<()> {
-    // SAFETY: console calls on this process alone.
-    unsafe {
-        FreeConsole();
-        check(AttachConsole(pid))?;
-        check(SetConsoleCtrlHandler(None, 1))?;
-        check(GenerateConsoleCtrlEvent(CTRL_C_EVENT, 0))?;
-        FreeConsole();
-    }
-    Ok(())
+/// Read the run's stdout and stderr, each on a task of its own, into `captures` and `sink`.
+fn read_output(run: &mut Run, captures: &Arc<Captures>, sink: &Arc<dyn LineSink>) -> Vec<tokio::task::JoinHandle<()>> {
+    let child = run.child_mut();
+    let pipes: [(Stream, Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>); 2] = [
+        (Stream::Stdout, child.stdout.take().map(|p| Box::new(p) as _)),
+        (Stream::Stderr, child.stderr.take().map(|p| Box::new(p) as _)),
+    ];
+    pipes
+        .into_iter()
+        .filter_map(|(stream, pipe)| {
+            let read = capture::read_lines(pipe?, stream, captures.clone(), sink.clone());
+            Some(tokio::spawn(tracing::Instrument::in_current_span(read)))
+        })
+        .collect()
 }
 
-/// The Windows build has no log yet (the logging module is Unix-only so far): warnings go to
-/// standard error, one line each.
-fn warn(line: &str) {
-    eprintln!("nodeplan: warning: {}", line.replace(['\n', '\r'], " "));
+/// The run exited by itself (`outcome`); what it left running in its job started on purpose, and
+/// its job releases it rather than end it.
+fn leave_daemons(spec: &SpawnSpec, run: &mut Run, outcome: &Outcome) {
+    let Some(job) = run.job() else { return };
+    match job.active_processes() {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::warn!(
+                "{} exited ({outcome}) and left {n} process(es) running; they are left alone",
+                spec.program.to_string_lossy()
+            );
+            if let Err(e) = job.release() {
+                tracing::warn!(
+                    "cannot release the job of {}: {e}; its processes end with it",
+                    spec.program.to_string_lossy()
+                );
+            }
+        }
+        Err(e) => tracing::warn!("cannot count what {} left running: {e}", spec.program.to_string_lossy()),
+    }
 }
