@@ -45,7 +45,6 @@ macro_rules! unix_only {
 
 unix_only!(
     apply, board, cli, disk, events, fleet, image, install, k8s, lease, local, nodeplan, probe, reconcile, remote,
-    safefs,
 );
 pub mod backoff;
 pub mod config;
@@ -56,6 +55,7 @@ pub mod logging;
 pub mod metrics;
 pub mod plan;
 pub mod process;
+pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not
 /// repeated): the one-line form every user-facing message takes.
