@@ -183,7 +183,14 @@ fn update(f: impl FnOnce(&mut AgentStatus)) {
 /// A plan source the agent runs (`kind`: `local`, `secret`, `nodeplans`); `lease` as for
 /// [`lease`] (empty without one).
 pub fn source(kind: &str, target: &str, lease: &str) {
-    update(|s| s.sources.push(SourceStatus { kind: kind.into(), target: target.into(), lease: lease.into(), ..Default::default() }));
+    update(|s| {
+        s.sources.push(SourceStatus {
+            kind: kind.into(),
+            target: target.into(),
+            lease: lease.into(),
+            ..Default::default()
+        })
+    });
 }
 
 /// A source's problem began (`problem`, now) or ended (empty).
@@ -209,7 +216,12 @@ pub fn lease(target: &str, state: &str) {
 pub fn api_answered(server: &str, over: &str) {
     update(|s| {
         let refused = s.api.take().map(|a| a.refused).unwrap_or_default();
-        s.api = Some(ApiStatus { server: server.to_string(), over: over.to_string(), failing_since: String::new(), refused })
+        s.api = Some(ApiStatus {
+            server: server.to_string(),
+            over: over.to_string(),
+            failing_since: String::new(),
+            refused,
+        })
     });
 }
 
@@ -271,9 +283,10 @@ pub fn instruction(label: Option<&str>) {
     });
 }
 
-/// Read a record as `nodeplan status` does: root's (the reader's) file, not writable by others,
+/// Read a record as `nodeplan status` does (Unix: `nodeplan status` is not built for Windows yet): root's (the reader's) file, not writable by others,
 /// of a format this build knows. `Ok(None)`: there is none (no agent runs, or it runs without a
 /// PID directory).
+#[cfg(unix)]
 pub fn read(dir: &Path) -> Result<Option<AgentStatus>, String> {
     let path = dir.join(FILE);
     let shown = path.display();
@@ -291,7 +304,7 @@ pub fn read(dir: &Path) -> Result<Option<AgentStatus>, String> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt as _;

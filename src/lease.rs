@@ -927,7 +927,7 @@ fn expired(acting: &watch::Sender<bool>, r: &LeaseRef, stated: Duration) {
     );
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

@@ -43,23 +43,31 @@ macro_rules! unix_only {
     ($($module:ident),* $(,)?) => { $( #[cfg(unix)] pub mod $module; )* };
 }
 
-unix_only!(
-    apply, board, cli, disk, events, fleet, image, install, k8s, lease, local, nodeplan, probe, reconcile, remote,
-);
+unix_only!(cli, fleet, install, local);
+pub mod apply;
 pub mod backoff;
+pub mod board;
 pub mod config;
+pub mod disk;
 pub mod duration;
+pub mod events;
 pub mod flow;
 pub mod formats;
+pub mod image;
+pub mod k8s;
+pub mod lease;
 pub mod logging;
 pub mod metrics;
+pub mod nodeplan;
 pub mod plan;
+pub mod probe;
 pub mod process;
+pub mod reconcile;
+pub mod remote;
 pub mod safefs;
 
 /// An error and its sources on one line, joined with `: ` (a source already in the text is not
 /// repeated): the one-line form every user-facing message takes.
-#[cfg(unix)]
 pub(crate) fn error_line(err: &dyn std::error::Error) -> String {
     let mut out = err.to_string();
     let mut source = err.source();
@@ -124,10 +132,8 @@ pub fn redact_userinfo(s: &str) -> String {
 }
 
 /// Aborts the task when dropped (a background task that lives as long as its owner).
-#[cfg(unix)]
 pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
 
-#[cfg(unix)]
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();

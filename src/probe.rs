@@ -134,7 +134,7 @@ impl Waiting {
         }
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, unix))]
     fn count(&self) -> usize {
         self.lock().len()
     }
@@ -498,7 +498,7 @@ async fn request(client: &Client, url: Url) -> ProbeResult {
     ProbeResult::Failure(format!("HTTP {}", status.as_u16()))
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

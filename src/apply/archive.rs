@@ -127,7 +127,7 @@ impl Drop for Interlock {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod order_tests {
     use super::*;
 
@@ -180,7 +180,7 @@ mod order_tests {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod interlock_tests {
     use super::*;
 

@@ -11,6 +11,7 @@
 mod archive;
 pub mod files;
 pub mod periodic;
+#[cfg(unix)]
 pub mod preview;
 
 pub use archive::InterlockError;
@@ -979,6 +980,7 @@ fn full_timeout(o: Outcome, full: Duration) -> Outcome {
 /// owned by its effective user. The work directory above them is already private
 /// ([`private_dir`] in [`Prepare`]), so no other user can reach, plant or rewrite anything in
 /// them; one that exists already (a preserved work directory) is checked and fixed the same way.
+#[cfg(unix)]
 fn make_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
@@ -995,6 +997,13 @@ fn make_dir(dir: &Path) -> std::io::Result<()> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// On Windows the directory is made and not yet made private: its ACL is what its parent passes
+/// on (docs/windows.md).
+#[cfg(windows)]
+fn make_dir(dir: &Path) -> std::io::Result<()> {
+    crate::safefs::make_dir(dir, 0o700, None)
 }
 
 /// The work directory: its parents as usual, the directory itself as [`make_dir`] makes
@@ -1015,6 +1024,7 @@ fn private_dir(dir: &Path) -> Result<(), WorkDirError> {
 /// through a descriptor opened with O_NOFOLLOW before anything is put in the directory: once the
 /// mode is 0700 and the owner is the agent, no other user can create, open or rename anything
 /// in it. A symlink or a non-directory at the path is refused (one error line).
+#[cfg(unix)]
 fn make_private(dir: &Path) -> std::io::Result<()> {
     use rustix::fs::{Mode, OFlags};
     let fd =
@@ -1238,5 +1248,5 @@ fn check_work_dir(dir: &Path) -> Result<Vec<PathBuf>, WorkDirError> {
     Err(WorkDirError::Foreign { dir: dir.to_path_buf(), entries: foreign })
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests;

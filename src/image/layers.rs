@@ -190,7 +190,7 @@ pub(crate) fn extract(layer: &File, dest: &Path, cancel: &AtomicBool, budget: &m
     Ok(())
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

@@ -183,6 +183,7 @@ impl Drop for Abandon {
 /// (`O_TMPFILE`, mode 0600), so there is no path another user could pre-plant (a symlink to a
 /// file root would then overwrite) or open. Where the filesystem has no `O_TMPFILE`, a random
 /// name is created with `O_EXCL|O_NOFOLLOW`, mode 0600, and unlinked at once.
+#[cfg(unix)]
 pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let anon = OpenOptions::new().read(true).write(true).mode(0o600).custom_flags(libc::O_TMPFILE).open(dir);
@@ -212,7 +213,29 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
     Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
 }
 
-#[cfg(test)]
+/// On Windows: a new file of a random name, shared with no other handle and deleted when closed.
+#[cfg(windows)]
+pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
+    use std::os::windows::fs::OpenOptionsExt;
+    use windows_sys::Win32::Storage::FileSystem::FILE_FLAG_DELETE_ON_CLOSE;
+    for _ in 0..16 {
+        let path = dir.join(format!(".nodeplan-layer-{:016x}", crate::safefs::random_u64()?));
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .share_mode(0)
+            .custom_flags(FILE_FLAG_DELETE_ON_CLOSE)
+            .open(&path);
+        match f {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            r => return r,
+        }
+    }
+    Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
+}
+
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};

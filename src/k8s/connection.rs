@@ -96,7 +96,8 @@ where
     C::Error: Into<BoxError>,
 {
     use tower::ServiceBuilder;
-    let mut tls = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config.rustls_client_config()?).https_or_http();
+    let mut tls =
+        hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config.rustls_client_config()?).https_or_http();
     if let Some(name) = &config.tls_server_name {
         let name = name.clone().try_into().map_err(|e| {
             kube::Error::Service(format!("tls-server-name {name:?} is not a valid server name: {e}").into())
@@ -210,7 +211,7 @@ pub type Stack = tower::util::BoxService<
     tower::BoxError,
 >;
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};

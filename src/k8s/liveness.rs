@@ -289,7 +289,11 @@ mod tests {
 
     /// A request whose answer is scripted by `script` (see [`Scripted`]).
     fn req(script: &'static str) -> hyper::Request<&'static str> {
-        hyper::Request::builder().method("PUT").uri("/apis/coordination.k8s.io/v1/namespaces/n/leases/l").body(script).unwrap()
+        hyper::Request::builder()
+            .method("PUT")
+            .uri("/apis/coordination.k8s.io/v1/namespaces/n/leases/l")
+            .body(script)
+            .unwrap()
     }
 
     #[tokio::test(start_paused = true)]

@@ -92,9 +92,16 @@ struct Entry {
 pub enum Tell {
     Nothing,
     /// A refusal began (or lasts another [`RETELL`]): its line and since when.
-    Refused { line: String, since: String, again: bool },
+    Refused {
+        line: String,
+        since: String,
+        again: bool,
+    },
     /// Refusals of this kind ended: their line and since when they had lasted.
-    Ended { line: String, since: String },
+    Ended {
+        line: String,
+        since: String,
+    },
 }
 
 /// The refusals in force.
@@ -126,15 +133,9 @@ impl Refusals {
         if !(200..300).contains(&status) {
             return Vec::new();
         }
-        let ended: Vec<String> = ["401".to_string(), format!("403 {what}")]
-            .into_iter()
-            .filter(|k| now.contains_key(k))
-            .collect();
-        ended
-            .iter()
-            .filter_map(|k| now.remove(k))
-            .map(|e| Tell::Ended { line: e.line, since: e.since })
-            .collect()
+        let ended: Vec<String> =
+            ["401".to_string(), format!("403 {what}")].into_iter().filter(|k| now.contains_key(k)).collect();
+        ended.iter().filter_map(|k| now.remove(k)).map(|e| Tell::Ended { line: e.line, since: e.since }).collect()
     }
 
     /// The 403s on the plan objects in force, by kind (`403 update secrets`), each with its line.
@@ -237,11 +238,15 @@ mod tests {
         let (a, i) = at(59);
         assert_eq!(r.account(401, "update leases", &a, i), [Tell::Nothing]);
         let i = t0 + RETELL;
-        assert!(matches!(&r.account(401, "update leases", "later", i)[..], [Tell::Refused { again: true, since, .. }] if *since == a0));
+        assert!(
+            matches!(&r.account(401, "update leases", "later", i)[..], [Tell::Refused { again: true, since, .. }] if *since == a0)
+        );
         // A 403 is one entry per verb and resource; errors that are not refusals change nothing.
         let (a, i) = at(61);
         let told = r.account(403, "patch secrets", &a, i);
-        assert!(matches!(&told[..], [Tell::Refused { line, .. }] if line.contains("forbids the agent to patch secrets (403 Forbidden)")));
+        assert!(
+            matches!(&told[..], [Tell::Refused { line, .. }] if line.contains("forbids the agent to patch secrets (403 Forbidden)"))
+        );
         assert_eq!(r.account(500, "patch secrets", &a, i), []);
         // Leases and Events have their own fallbacks (Rancher's role grants the Secret alone).
         assert_eq!(r.account(403, "create events", &a, i), []);

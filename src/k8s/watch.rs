@@ -576,7 +576,7 @@ async fn watch_from<L: ListWatch>(
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use kube::api::{ApiResource, DynamicObject};
@@ -892,7 +892,8 @@ mod tests {
         let calls = fake.calls();
         let names: Vec<&str> = calls.iter().map(|c| c.1.as_str()).collect();
         assert_eq!((names[0], names[2]), ("list", "list"), "{names:?}");
-        let secs: u64 = names[1].strip_prefix("watch 1 for ").and_then(|n| n.strip_suffix('s')).unwrap().parse().unwrap();
+        let secs: u64 =
+            names[1].strip_prefix("watch 1 for ").and_then(|n| n.strip_suffix('s')).unwrap().parse().unwrap();
         assert!((900..=1800).contains(&secs), "{names:?}");
         let gap = Duration::from_secs(secs + 30);
         assert!(within(gaps(&calls)[1], (quiet + gap).as_millis() as u64 + 800), "{:?}", gaps(&calls));

@@ -731,7 +731,7 @@ impl PlanSource for NodePlanSource {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::resource::NODE_LABEL;
     use super::*;

@@ -633,7 +633,8 @@ pub const REFUSALS: [&str; 4] = ["Unsupported", "NoPlan", "InvalidSpec", "Invali
 /// says (`Pending` for a plan that never ran). `None` when it shows no refusal to undo.
 pub fn unrefused(prev: &NodePlanStatus, generation: i64, now: DateTime<Utc>) -> Option<NodePlanStatus> {
     let applied = prev.conditions.iter().find(|c| c.type_ == "Applied")?;
-    if prev.phase != "Failed" || !REFUSALS.contains(&applied.reason.as_str()) || prev.observed_generation >= generation {
+    if prev.phase != "Failed" || !REFUSALS.contains(&applied.reason.as_str()) || prev.observed_generation >= generation
+    {
         return None;
     }
     let state = prev.state.clone().unwrap_or(PlanState::Pending);

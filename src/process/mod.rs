@@ -25,11 +25,9 @@ mod owner;
 pub mod cgroup;
 #[cfg(unix)]
 mod linux;
-#[cfg(unix)]
 pub mod owner_lock;
 #[cfg(unix)]
 mod procfs;
-#[cfg(unix)]
 mod record;
 #[cfg(unix)]
 mod spawn;
@@ -49,17 +47,19 @@ pub use owner::{Owner, Slot, Source};
 
 #[cfg(unix)]
 pub use linux::{Supervisor, start_time_of};
-#[cfg(unix)]
 pub use owner_lock::{LockError, OwnerLock};
 #[cfg(unix)]
 pub(crate) use procfs::{boot_id, own_identity, running};
+pub use record::PidRecord;
 #[cfg(unix)]
-pub use record::{PidRecord, RecordFile};
+pub use record::RecordFile;
 
 #[cfg(windows)]
 pub use job::{INTERRUPT_MODE, Identity, Job, Run, TERMINATED, interrupt_console, set_interrupter, spawn, spawn_in};
 #[cfg(windows)]
 pub use windows::Supervisor;
+#[cfg(windows)]
+pub(crate) use windows::{boot_id, own_identity, running};
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -227,8 +227,7 @@ impl StopSignal {
     }
 }
 
-/// One PID record found by [`Supervisor::recover`] (Linux: Windows keeps no PID records yet).
-#[cfg(unix)]
+/// One PID record found by [`Supervisor::recover`] (none on Windows yet: docs/windows.md).
 #[derive(Debug)]
 pub struct Recovered {
     pub path: PathBuf,
@@ -236,7 +235,6 @@ pub struct Recovered {
     pub result: RecoveryResult,
 }
 
-#[cfg(unix)]
 impl Recovered {
     /// Why what this record belongs to must not run now (a leftover that could not be stopped, or
     /// a record that was refused); `None` when recovery is done with it.
@@ -256,7 +254,6 @@ impl Recovered {
     }
 }
 
-#[cfg(unix)]
 #[derive(Debug)]
 pub enum RecoveryResult {
     /// The record could not be parsed; it was renamed to `*.invalid` and nothing was signalled.
@@ -278,7 +275,6 @@ pub enum RecoveryResult {
     OwnerAlive(i32),
 }
 
-#[cfg(unix)]
 impl RecoveryResult {
     /// What the recovery metric says of this result.
     pub fn metric(&self) -> crate::metrics::Recovery {
@@ -325,7 +321,7 @@ async fn sleep_until_opt(d: Option<tokio::time::Instant>) {
     }
 }
 
-#[cfg(all(test, unix))]
+#[cfg(test)]
 mod recovery_metric_tests {
     use super::*;
     use crate::metrics::Recovery;

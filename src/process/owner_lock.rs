@@ -11,15 +11,30 @@
 //! the file just before it was removed sees that its name now leads elsewhere (or nowhere) and
 //! tries again, so two instances never hold two different files of one name.
 
+//!
+//! On Windows (`owner_lock_windows.rs`) the file is opened without sharing write or delete access
+//! and deleted when its last handle closes: the system closes it when its process dies, so there
+//! too a dead holder leaves no lock behind. A second instance cannot open it and learns no pid.
+
 use super::Owner;
+#[cfg(unix)]
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+#[cfg(unix)]
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use sha2::{Digest, Sha256};
+#[cfg(unix)]
 use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};
 
+#[cfg(windows)]
+#[path = "owner_lock_windows.rs"]
+mod windows;
+#[cfg(windows)]
+pub use windows::{OwnerLock, lock_file};
+
 /// A held owner lock; released (and its file removed) when dropped.
+#[cfg(unix)]
 #[derive(Debug)]
 pub struct OwnerLock {
     dir: OwnedFd,
@@ -49,6 +64,7 @@ pub enum LockError {
     Replaced { path: PathBuf },
 }
 
+#[cfg(unix)]
 impl Drop for OwnerLock {
     fn drop(&mut self) {
         // Only if the name still leads to this file (someone may have removed it by hand and
@@ -81,6 +97,7 @@ pub fn lock(dir: &Path, owner: &Owner) -> Result<OwnerLock, LockError> {
 
 /// Take the lock file `name` in `dir` (made if missing) without waiting. The file says the
 /// holder's pid and, on the next line, `note` (who holds it, for people and for [`note_of`]).
+#[cfg(unix)]
 pub fn lock_file(dir: &Path, name: &str, note: &str) -> Result<OwnerLock, LockError> {
     let path = dir.join(name);
     let io_err = |what: &'static str, source: io::Error| LockError::Io { path: path.clone(), what, source };
@@ -131,6 +148,7 @@ pub fn note_of(path: &Path) -> Option<String> {
     (!shown.is_empty()).then_some(shown)
 }
 
+#[cfg(unix)]
 fn whole_file(kind: libc::c_int) -> libc::flock {
     // SAFETY: flock is plain old data; zero is a valid value of every field.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
@@ -139,6 +157,7 @@ fn whole_file(kind: libc::c_int) -> libc::flock {
     fl
 }
 
+#[cfg(unix)]
 /// `F_SETLK` a write lock on the whole file: `Ok(false)` when another process holds one.
 fn set_lock(fd: BorrowedFd<'_>) -> io::Result<bool> {
     let fl = whole_file(libc::F_WRLCK);
@@ -153,6 +172,7 @@ fn set_lock(fd: BorrowedFd<'_>) -> io::Result<bool> {
     }
 }
 
+#[cfg(unix)]
 /// The pid holding a lock on the file, as the kernel reports it (`F_GETLK`).
 fn holder(fd: BorrowedFd<'_>) -> Option<i32> {
     let mut fl = whole_file(libc::F_WRLCK);
@@ -163,7 +183,7 @@ fn holder(fd: BorrowedFd<'_>) -> Option<i32> {
     (fl.l_type != libc::F_UNLCK as libc::c_short && fl.l_pid > 0).then_some(fl.l_pid)
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

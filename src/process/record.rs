@@ -11,13 +11,19 @@
 //! never happened (the record is written before it), and a torn update leaves pid 0, which
 //! recovery handles by the run's cgroup and marker, never by number.
 
+#[cfg(unix)]
 use super::MARKER_ENV;
 use super::Owner;
+#[cfg(unix)]
 use super::procfs::{self, ProcHandle};
 use serde::{Deserialize, Serialize};
+#[cfg(unix)]
 use std::io::{self, Write};
+#[cfg(unix)]
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+#[cfg(unix)]
+use std::path::Path;
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -46,6 +52,7 @@ struct PidUpdate {
     start_time: u64,
 }
 
+#[cfg(unix)]
 /// A record file being kept: its path and the open descriptor its update is appended to.
 #[derive(Debug)]
 pub struct RecordFile {
@@ -53,6 +60,7 @@ pub struct RecordFile {
     file: std::fs::File,
 }
 
+#[cfg(unix)]
 impl RecordFile {
     pub fn path(&self) -> &Path {
         &self.path
@@ -64,12 +72,14 @@ impl RecordFile {
     }
 }
 
+#[cfg(unix)]
 /// The record's first line: its JSON with the format (R25), and a newline.
 fn record_line(r: &PidRecord) -> io::Result<Vec<u8>> {
     let v = serde_json::to_value(r).map_err(io::Error::other)?;
     json_line(&crate::formats::stamp(v, crate::formats::PID_RECORD))
 }
 
+#[cfg(unix)]
 /// One line of the record file: compact JSON and a newline.
 fn json_line<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
     let mut line = serde_json::to_vec(v).map_err(io::Error::other)?;
@@ -77,6 +87,7 @@ fn json_line<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
     Ok(line)
 }
 
+#[cfg(unix)]
 /// Whether a record still describes a live process of ours.
 #[derive(Debug)]
 pub(crate) enum Identity {
@@ -101,6 +112,42 @@ impl PidRecord {
         }
     }
 
+    /// One record: a JSON object (the first line), then optional `{"pid","startTime"}` updates.
+    /// A torn last update (the agent died while appending it) is ignored.
+    pub fn parse(raw: &[u8]) -> Result<PidRecord, String> {
+        let mut values = serde_json::Deserializer::from_slice(raw).into_iter::<serde_json::Value>();
+        let first = match values.next() {
+            Some(Ok(v)) => v,
+            Some(Err(e)) => return Err(format!("malformed PID record: {e}")),
+            None => return Err("malformed PID record: the file is empty".into()),
+        };
+        crate::formats::check(&first, "PID record", crate::formats::PID_RECORD)?;
+        let mut r: PidRecord = serde_json::from_value(first).map_err(|e| format!("malformed PID record: {e}"))?;
+        for v in values {
+            let update: PidUpdate = match v {
+                Ok(v) => serde_json::from_value(v).map_err(|e| format!("malformed PID record update: {e}"))?,
+                Err(e) if e.is_eof() => break,
+                Err(e) => return Err(format!("malformed PID record update: {e}")),
+            };
+            r.pid = update.pid;
+            r.start_time = update.start_time;
+        }
+        if r.pid < 0 {
+            return Err(format!("malformed PID record: pid {} is negative", r.pid));
+        }
+        // The marker names the run's cgroup leaf under the agent's root: one plain path component.
+        if r.marker.is_empty()
+            || r.marker.starts_with('.')
+            || !r.marker.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+        {
+            return Err(format!("malformed PID record: bad marker {:?}", r.marker));
+        }
+        Ok(r)
+    }
+}
+
+#[cfg(unix)]
+impl PidRecord {
     /// Create the record file (it must not exist yet) and keep it open for [`RecordFile::set_pid`].
     /// Deliberately no fsync: a record only means something within the boot it was written in (its
     /// boot id is checked), and the page cache survives an agent crash, so an fsync would only
@@ -155,39 +202,6 @@ impl PidRecord {
                 Err(e)
             }
         }
-    }
-
-    /// One record: a JSON object (the first line), then optional `{"pid","startTime"}` updates.
-    /// A torn last update (the agent died while appending it) is ignored.
-    pub fn parse(raw: &[u8]) -> Result<PidRecord, String> {
-        let mut values = serde_json::Deserializer::from_slice(raw).into_iter::<serde_json::Value>();
-        let first = match values.next() {
-            Some(Ok(v)) => v,
-            Some(Err(e)) => return Err(format!("malformed PID record: {e}")),
-            None => return Err("malformed PID record: the file is empty".into()),
-        };
-        crate::formats::check(&first, "PID record", crate::formats::PID_RECORD)?;
-        let mut r: PidRecord = serde_json::from_value(first).map_err(|e| format!("malformed PID record: {e}"))?;
-        for v in values {
-            let update: PidUpdate = match v {
-                Ok(v) => serde_json::from_value(v).map_err(|e| format!("malformed PID record update: {e}"))?,
-                Err(e) if e.is_eof() => break,
-                Err(e) => return Err(format!("malformed PID record update: {e}")),
-            };
-            r.pid = update.pid;
-            r.start_time = update.start_time;
-        }
-        if r.pid < 0 {
-            return Err(format!("malformed PID record: pid {} is negative", r.pid));
-        }
-        // The marker names the run's cgroup leaf under the agent's root: one plain path component.
-        if r.marker.is_empty()
-            || r.marker.starts_with('.')
-            || !r.marker.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
-        {
-            return Err(format!("malformed PID record: bad marker {:?}", r.marker));
-        }
-        Ok(r)
     }
 
     /// Every `*.json` record in `dir` (see [`scan`]), parsed or with the reason it could not be
@@ -263,6 +277,7 @@ impl PidRecord {
     }
 }
 
+#[cfg(unix)]
 /// The pid and (when present) start time of the nodeplan process that made a run marker or
 /// cgroup leaf name: `np<pid>.<start time hex>-…`, or `np<pid>-…` from earlier versions.
 pub(crate) fn marker_owner(marker: &str) -> Option<(i32, Option<u64>)> {
@@ -273,6 +288,7 @@ pub(crate) fn marker_owner(marker: &str) -> Option<(i32, Option<u64>)> {
     }
 }
 
+#[cfg(unix)]
 /// One `*.json` entry of the PID directory.
 #[derive(Debug)]
 pub(crate) enum Entry {
@@ -284,12 +300,14 @@ pub(crate) enum Entry {
     Untrusted(String),
 }
 
+#[cfg(unix)]
 /// Whether a file or directory with this owner and mode can only have been written by the agent's
 /// own user: owned by the effective uid, not writable by group or others.
 fn trusted(st: &rustix::fs::Stat) -> Result<(), String> {
     crate::safefs::own_only(st.st_uid, st.st_mode)
 }
 
+#[cfg(unix)]
 /// Read the PID directory without trusting anything in it that the agent's user did not write:
 /// the directory must be owned by the effective uid and not writable by group or others (`Err`
 /// with one line otherwise; a missing directory holds no records). Each `*.json` entry is opened
@@ -360,7 +378,7 @@ pub(crate) fn scan(dir: &Path) -> Result<Vec<(PathBuf, Entry)>, String> {
     Ok(out)
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

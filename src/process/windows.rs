@@ -10,9 +10,10 @@
 
 use super::capture::{self, Captures};
 use super::job::{self, Identity, Run};
+use super::owner_lock::{self, LockError, OwnerLock};
 use super::{
-    ExitKind, LineSink, MARKER_ENV, Outcome, Output, RunResult, SpawnSpec, StopReason, StopSignal, Stream,
-    SupervisorConfig, drain, sleep_until_opt,
+    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, PidRecord, Recovered, RunResult, SpawnSpec, StopReason,
+    StopSignal, Stream, SupervisorConfig, drain, sleep_until_opt,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -37,6 +38,24 @@ impl Supervisor {
 
     pub fn config(&self) -> &SupervisorConfig {
         &self.inner.config
+    }
+
+    /// Take `owner`'s lock in the PID directory (see [`super::owner_lock`]) before running anything
+    /// of it. `None` without a PID directory.
+    pub fn lock_owner(&self, owner: &Owner) -> Result<Option<OwnerLock>, LockError> {
+        match &self.inner.config.pid_dir {
+            Some(dir) => owner_lock::lock(dir, owner).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// What an earlier agent left running, to stop before anything of it runs again: nothing on
+    /// Windows, which keeps no PID records yet. A dead agent's jobs ended every process in them
+    /// (`KILL_ON_JOB_CLOSE`); only a run that could not join a job can outlive it, and that one is
+    /// not found again (docs/windows.md).
+    pub async fn recover(&self, filter: impl Fn(&PidRecord) -> bool) -> Vec<Recovered> {
+        let _ = filter;
+        Vec::new()
     }
 
     /// Runs have no cgroups on Windows.
@@ -111,6 +130,25 @@ impl Supervisor {
         drain(&mut readers, Duration::from_millis(100)).await;
         finish(outcome, captures.take(), Some(pid))
     }
+}
+
+/// This process's identity as the Lease keeps it: no pid namespace (0), the pid, and its creation
+/// time (100 ns units since 1601).
+pub(crate) fn own_identity() -> std::io::Result<(u64, i32, u64)> {
+    let me = std::process::id();
+    let id = Identity::of(me).ok_or_else(|| std::io::Error::other("cannot read this process's creation time"))?;
+    Ok((0, me as i32, id.created))
+}
+
+/// Whether the process `pid` created at `created` still runs.
+pub(crate) fn running(pid: i32, created: u64) -> bool {
+    u32::try_from(pid).is_ok_and(|pid| Identity { pid, created }.alive())
+}
+
+/// No boot id on Windows: a process's identity is its creation time since 1601, which no process
+/// of another boot shares, so identities need no boot beside them.
+pub(crate) fn boot_id() -> std::io::Result<String> {
+    Ok(String::new())
 }
 
 /// The command for `spec`: its own environment plus the run marker, stdin from NUL, piped output.

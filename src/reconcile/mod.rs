@@ -65,7 +65,7 @@ use tokio::time::Instant;
 
 pub mod both;
 pub mod gate;
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests;
 
 /// What the loop does after reconciling one plan.

@@ -184,7 +184,7 @@ impl SecretSource {
     }
 
     /// `snap` is the newest object (tests: what a write sent at `sent` returned, replacing `older`).
-    #[cfg(test)]
+    #[cfg(all(test, unix))]
     fn remember(&mut self, snap: SecretSnapshot, sent: u64, older: &str) {
         self.uid = Some(snap.uid.clone());
         self.base.remember(snap, sent, older, |s| &s.resource_version);
@@ -563,7 +563,7 @@ impl PlanSource for SecretSource {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use base64::Engine as _;

@@ -73,11 +73,8 @@ impl SecretSnapshot {
     fn from_secret(secret: Secret) -> Result<Self, String> {
         let mut meta = secret.metadata;
         let uid = meta.uid.take().filter(|u| !u.is_empty()).ok_or("secret has no metadata.uid")?;
-        let resource_version = meta
-            .resource_version
-            .take()
-            .filter(|rv| !rv.is_empty())
-            .ok_or("secret has no metadata.resourceVersion")?;
+        let resource_version =
+            meta.resource_version.take().filter(|rv| !rv.is_empty()).ok_or("secret has no metadata.resourceVersion")?;
         let data = secret.data.unwrap_or_default().into_iter().map(|(k, ByteString(v))| (k, v)).collect();
         let annotations = meta.annotations.take().unwrap_or_default();
         let labels = meta.labels.take().unwrap_or_default();
@@ -107,7 +104,7 @@ pub(crate) fn named_snapshot(s: Secret) -> Option<(String, SecretSnapshot)> {
 }
 
 /// A Secret snapshot for tables in tests: the plan's JSON, other keys as text, annotations.
-#[cfg(test)]
+#[cfg(all(test, unix))]
 pub(crate) fn test_snapshot(
     plan: &serde_json::Value,
     keys: &[(&str, &str)],

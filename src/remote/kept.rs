@@ -138,7 +138,7 @@ fn parse(bytes: &[u8], secret: &SecretRef) -> Result<Kept, String> {
     Ok(Kept { uid: r.uid, checksum: r.checksum, keys })
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
 

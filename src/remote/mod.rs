@@ -8,5 +8,6 @@
 pub mod agent;
 pub mod client;
 pub mod kept;
+#[cfg(unix)]
 pub mod rival;
 pub mod wire;

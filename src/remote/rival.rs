@@ -284,7 +284,10 @@ pub fn serves(proc_root: &Path, pid: i32) -> Serves {
         .split(|b| *b == 0)
         .find_map(|v| v.strip_prefix(b"CATTLE_AGENT_CONFIG="))
         .filter(|v| !v.is_empty())
-        .map_or_else(|| PathBuf::from(crate::config::DEFAULT_CONFIG_PATH), |v| PathBuf::from(OsString::from_vec(v.to_vec())));
+        .map_or_else(
+            || PathBuf::from(crate::config::DEFAULT_CONFIG_PATH),
+            |v| PathBuf::from(OsString::from_vec(v.to_vec())),
+        );
     let read = |path: &Path| -> Result<Value, String> {
         let shown = path.display();
         match crate::safefs::read_small_checked(path, CAP, crate::safefs::own_only) {
@@ -377,7 +380,8 @@ mod tests {
         };
         let remote = |info: &str| format!("remoteEnabled: true\nconnectionInfoFile: {}\n", at(info).display());
         let good = config("good.yaml", remote("info.json"));
-        let off = config("off.yaml", format!("remoteEnabled: false\nconnectionInfoFile: {}\n", at("info.json").display()));
+        let off =
+            config("off.yaml", format!("remoteEnabled: false\nconnectionInfoFile: {}\n", at("info.json").display()));
         let nameless = config("nameless.yaml", remote("nameless.json"));
         let missing = config("missing.yaml", remote("absent.json"));
         let theirs = config("theirs.yaml", remote("info.json"));
