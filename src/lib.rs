@@ -43,10 +43,11 @@ macro_rules! unix_only {
     ($($module:ident),* $(,)?) => { $( #[cfg(unix)] pub mod $module; )* };
 }
 
-unix_only!(cli, fleet, install, local);
+unix_only!(fleet, install, local);
 pub mod apply;
 pub mod backoff;
 pub mod board;
+pub mod cli;
 pub mod config;
 pub mod disk;
 pub mod duration;

@@ -3,8 +3,8 @@ fn main() -> std::process::ExitCode {
     nodeplan::cli::main()
 }
 
-/// Only the process layer is built for Windows so far (issue 42; docs/windows.md). The one mode
-/// here is the process layer's own: raising Ctrl-C on a run's console.
+/// On Windows the binary has one more mode, the process layer's own: raising Ctrl-C on a run's
+/// console (the graceful step of the stop ladder; see `src/process/job.rs`).
 #[cfg(windows)]
 fn main() -> std::process::ExitCode {
     use nodeplan::process::{INTERRUPT_MODE, interrupt_console};
@@ -24,8 +24,5 @@ fn main() -> std::process::ExitCode {
             }
         };
     }
-    eprintln!(
-        "nodeplan: the agent does not run on Windows yet; only its process layer is built for it (see docs/windows.md)"
-    );
-    std::process::ExitCode::from(2)
+    nodeplan::cli::main()
 }

@@ -1,7 +1,9 @@
 //! The test helper on Windows. Every mode that stays up prints `ready <pid> [<pid>…]` (its own pid,
 //! then those of the processes it started, deepest last) once it is set up, then waits for ever.
 //!
-//! Modes: `exit N`; `print N` (a line on stdout, one on stderr, exit N); `daemon` (starts `tree 0`
+//! Modes: `exit N`; `print N` (a line on stdout, one on stderr, exit N); `touch PATH`;
+//! `wait-file PATH` (prints `waiting`, then waits until PATH exists); `alive PID…` (prints those
+//! still running); `daemon` (starts `tree 0`
 //! without waiting for it, prints `ready <its pid>`, exits 0); `tree N` (a chain of N more copies of itself below it: `tree 2` is a
 //! three-level tree; each level ends on its console's Ctrl-C, the default); `tree-ignore N` (the
 //! same, each level ignoring Ctrl-C and Ctrl-Break); `agent N` (starts `tree N` through nodeplan's
@@ -67,6 +69,26 @@ pub fn main() {
             say("to stdout");
             eprintln!("to stderr");
             std::process::exit(num(1) as i32)
+        }
+        "touch" => match std::fs::write(arg(1), b"") {
+            Ok(()) => std::process::exit(0),
+            Err(_) => std::process::exit(95),
+        },
+        "wait-file" => {
+            say("waiting");
+            while !std::path::Path::new(&arg(1)).exists() {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            std::process::exit(0)
+        }
+        "alive" => {
+            let alive: Vec<String> = args[1..]
+                .iter()
+                .filter(|p| p.parse().ok().and_then(nodeplan::process::Identity::of).is_some_and(|id| id.alive()))
+                .cloned()
+                .collect();
+            say(&alive.join(" "));
+            std::process::exit(0)
         }
         "daemon" => {
             let Ok(exe) = std::env::current_exe() else { std::process::exit(90) };

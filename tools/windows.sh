@@ -9,10 +9,12 @@
 #   - a Wine prefix outside the clone (NODEPLAN_WINE_PREFIX, default /var/tmp/nodeplan-wine) with a
 #     one-function bcryptprimitives.dll (tools/windows/): Wine 8 lacks ProcessPrng, which Rust's
 #     standard library imports.
-# Arguments go to `cargo test` (after the targets). The build goes to target/windows, apart from
-# the Linux build's caches.
+# Arguments go to the Windows `cargo test` (after the targets). The build goes to target/windows,
+# apart from the Linux build's caches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Linux toolchain (rustup's), for the end-to-end test at the end.
+linux_path=$PATH
 
 pkgs=()
 for p in rustc-web cargo-web rust-web-src gcc-mingw-w64-x86-64 wine64 wine; do
@@ -49,5 +51,15 @@ echo "=== the Windows tests under Wine ($(wine --version), $(rustc --version)) =
 # Bounded: a test stuck in Wine must not hold CI; whatever Wine still runs is ended after.
 status=0
 timeout 900 cargo test --locked -Zbuild-std --target x86_64-pc-windows-gnu --lib --bins --test windows_process "$@" || status=$?
+# The Windows agent end to end (tests/windows_agent.rs, a Linux test built by the Linux toolchain):
+# the nodeplan.exe just built, under Wine, in remote mode against the Linux kube-apiserver.
+win_bin="$CARGO_TARGET_DIR/x86_64-pc-windows-gnu/debug"
+echo "=== the Windows agent under Wine against kube-apiserver (tests/windows_agent.rs) ===" >&2
+(
+  export PATH="$linux_path"
+  unset RUSTC_BOOTSTRAP CARGO_TARGET_DIR CARGO_TARGET_X86_64_PC_WINDOWS_GNU_LINKER CARGO_TARGET_X86_64_PC_WINDOWS_GNU_RUNNER
+  export NODEPLAN_WINDOWS_EXE="$win_bin/nodeplan.exe" NODEPLAN_WINDOWS_HELPER="$win_bin/nodeplan-test-helper.exe"
+  timeout 900 cargo test --locked --test windows_agent
+) || status=$?
 wineserver -k 2>/dev/null || true
 exit "$status"

@@ -4,6 +4,7 @@ use super::exit;
 use crate::apply::AgentExit;
 use crate::apply::{ApplyConfig, Applyinator};
 use crate::config::{self, AgentConfig, CgroupRoot};
+#[cfg(unix)]
 use crate::local::{DirSource, LocalConfig};
 use crate::probe::Prober;
 use crate::process::{CgroupMode, StopPolicy, Supervisor, SupervisorConfig};
@@ -109,9 +110,19 @@ pub async fn run(args: AgentArgs) -> u8 {
     }
     tokio::spawn(async move {
         let sd_tx = signals;
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        #[cfg(unix)]
+        let (Ok(mut int), Ok(mut term)) = (
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()),
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()),
+        ) else {
             tracing::warn!("cannot install signal handlers");
+            return;
+        };
+        // Ctrl-C, Ctrl-Break, the console closed.
+        #[cfg(windows)]
+        let (Ok(mut int), Ok(mut term)) = (tokio::signal::windows::ctrl_c(), tokio::signal::windows::ctrl_break())
+        else {
+            tracing::warn!("cannot install console control handlers");
             return;
         };
         loop {
@@ -142,6 +153,11 @@ pub async fn run(args: AgentArgs) -> u8 {
     }
     // One loop for the node over every enabled source (one plan at a time by construction). A
     // new source is one more `Both` here.
+    #[cfg(windows)]
+    if cfg.local_enabled {
+        return refuse("localEnabled: local mode does not run on Windows yet (docs/windows.md); set it to false");
+    }
+    #[cfg(unix)]
     let local = cfg.local_enabled.then(|| {
         let mut lc = LocalConfig::new(&cfg.local_plan_directory);
         lc.rescan = cfg.rescan_period();
@@ -165,7 +181,10 @@ pub async fn run(args: AgentArgs) -> u8 {
         },
         false => None,
     };
+    #[cfg(unix)]
     let source = Both::new(local, Both::new(secret, node_plans));
+    #[cfg(windows)]
+    let source = Both::new(secret, node_plans);
     let (exit, _) = Reconciler::new(source, parts.app.clone(), parts.prober.clone(), sd_rx).run().await;
     let mut code = exit::OK;
     let mut restart = false;
@@ -210,11 +229,19 @@ pub(crate) fn note_program() {
 
 /// Execute the agent's program again with the same arguments and environment; returns only on
 /// failure (the error line, for the exit).
+#[cfg(unix)]
 pub(crate) fn exec_again() -> String {
     use std::os::unix::process::CommandExt as _;
     let Some(program) = PROGRAM.get() else { return "the agent's program is not known".into() };
     let e = std::process::Command::new(program).args(std::env::args_os().skip(1)).exec();
     format!("cannot start {} again: {e}", program.display())
+}
+
+/// On Windows a process cannot be replaced in place: the agent stops instead (its service manager
+/// starts it again).
+#[cfg(windows)]
+pub(crate) fn exec_again() -> String {
+    "an instruction asked for a restart, and the agent cannot start itself again in place on Windows; stopped".into()
 }
 
 /// The Lease of a remote or NodePlan source: where, and the client to take it with (`None`: no
@@ -247,7 +274,9 @@ fn source_lease(cfg: &AgentConfig, client: &kube::Client, namespace: &str, sourc
 }
 
 /// Rancher's own agent, which acts on the plan Secret when it runs on the node: looked for among
-/// every process before acting, and in its systemd unit's cgroup while acting.
+/// every process before acting, and in its systemd unit's cgroup while acting. (Linux: on Windows
+/// rancher-wins runs it inside its own service, and nodeplan does not look for it yet.)
+#[cfg(unix)]
 fn rancher_agent(ours: &crate::remote::client::SecretRef) -> crate::lease::Rival {
     use crate::remote::rival::{self, Serves};
     let program = rival::program();
@@ -270,10 +299,16 @@ fn rancher_agent(ours: &crate::remote::client::SecretRef) -> crate::lease::Rival
         };
         match serves {
             Serves::Secret(n, s) if !acts => {
-                tracing::info!("{p} (pid {pid}) runs on this node for the plan Secret {n}/{s}, not this one: acting beside it")
+                tracing::info!(
+                    "{p} (pid {pid}) runs on this node for the plan Secret {n}/{s}, not this one: acting beside it"
+                )
             }
-            Serves::NoSecret => tracing::info!("{p} (pid {pid}) runs on this node with remote mode off: acting beside it"),
-            Serves::Unknown(why) => tracing::info!("{p} (pid {pid}): which plan Secret it serves cannot be told ({why})"),
+            Serves::NoSecret => {
+                tracing::info!("{p} (pid {pid}) runs on this node with remote mode off: acting beside it")
+            }
+            Serves::Unknown(why) => {
+                tracing::info!("{p} (pid {pid}): which plan Secret it serves cannot be told ({why})")
+            }
             Serves::Secret(..) => {}
         }
         if let Ok(mut j) = judged.lock() {
@@ -285,7 +320,10 @@ fn rancher_agent(ours: &crate::remote::client::SecretRef) -> crate::lease::Rival
     let running: crate::lease::RivalCheck = Arc::new(move || {
         let (p, a) = (p.clone(), a.clone());
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p, |pid| a(pid))).await.ok().flatten()
+            tokio::task::spawn_blocking(move || rival::running(Path::new("/proc"), &p, |pid| a(pid)))
+                .await
+                .ok()
+                .flatten()
         })
     });
     let started: crate::lease::RivalStarted = Arc::new(move || {
@@ -344,7 +382,14 @@ async fn secret_source(
     if !cfg.rival_check {
         tracing::info!("not looking for rancher-system-agent on this node (rivalCheck: false)");
     }
-    Ok(Gated::new(source, crate::lease::guard(lease, cfg.rival_check.then(|| rancher_agent(&secret_ref)), shutdown.clone())))
+    #[cfg(unix)]
+    let rival = cfg.rival_check.then(|| rancher_agent(&secret_ref));
+    #[cfg(windows)]
+    let rival = {
+        let _ = secret_ref;
+        None
+    };
+    Ok(Gated::new(source, crate::lease::guard(lease, rival, shutdown.clone())))
 }
 
 /// The node NodePlans are selected for: `nodeName`, else `CATTLE_NODE_NAME`, else the hostname.

@@ -4,16 +4,27 @@
 //! Bad arguments are one line and exit 2 (clap's errors are folded to one line). Everything
 //! written to stderr after start-up goes through [`output`], which never blocks the runtime
 //! thread and never panics, whatever stderr is.
+//!
+//! On Windows the agent's commands are built (`agent`, `validate-*`, `crd`, completions, man);
+//! the others are Unix-only so far (docs/windows.md), which leaves some helpers unused there.
+#![cfg_attr(windows, allow(dead_code, unused_imports, unused_macros))]
 
 mod agent;
+#[cfg(unix)]
 mod apply;
+#[cfg(unix)]
 mod dry_run;
 mod format;
+#[cfg(unix)]
 mod install;
 mod output;
+#[cfg(unix)]
 mod plan_cmd;
+#[cfg(unix)]
 mod rollout;
+#[cfg(unix)]
 mod status;
+#[cfg(unix)]
 mod supervise;
 
 use crate::logging::parse_log_level;
@@ -48,6 +59,7 @@ pub mod exit {
 }
 
 /// The first SIGINT or SIGTERM (never, if the handlers cannot be installed).
+#[cfg(unix)]
 pub(crate) async fn interrupted() {
     use tokio::signal::unix::{SignalKind, signal};
     match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
@@ -55,6 +67,23 @@ pub(crate) async fn interrupted() {
             tokio::select! {
                 _ = i.recv() => {}
                 _ = t.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
+}
+
+/// The first Ctrl-C or Ctrl-Break, or the console being closed (never, if the handlers cannot be
+/// installed).
+#[cfg(windows)]
+pub(crate) async fn interrupted() {
+    use tokio::signal::windows::{ctrl_break, ctrl_c, ctrl_close};
+    match (ctrl_c(), ctrl_break(), ctrl_close()) {
+        (Ok(mut c), Ok(mut b), Ok(mut x)) => {
+            tokio::select! {
+                _ = c.recv() => {}
+                _ = b.recv() => {}
+                _ = x.recv() => {}
             }
         }
         _ => std::future::pending().await,
@@ -100,6 +129,7 @@ enum Command {
     /// node's plan Secret (remote mode) and its NodePlans (nodePlanEnabled), one plan at a time.
     #[command(alias = "sentinel", after_help = AGENT_EXIT_CODES)]
     Agent(agent::AgentArgs),
+    #[cfg(unix)]
     /// This node's agent at a glance: its sources and their Leases, the plan and instruction it
     /// runs, the last result and the next retry (from the running agent's record).
     #[command(after_help = status::EXIT_CODES)]
@@ -110,26 +140,32 @@ enum Command {
     /// Check a connection-info file (kubeConfig, namespace, secretName).
     #[command(after_help = VALIDATE_EXIT_CODES)]
     ValidateConnection(agent::ValidateArgs),
+    #[cfg(unix)]
     /// Apply one plan file in the foreground with live progress; exit 0 only if it succeeded.
     /// The first Ctrl-C pauses at the next instruction boundary, a second one cancels.
     #[command(after_help = APPLY_EXIT_CODES)]
     Apply(apply::ApplyArgs),
+    #[cfg(unix)]
     /// Run one long-lived command under the supervisor: respawn with backoff, the stop ladder on
     /// SIGTERM/SIGINT, a PID record with identity.
     #[command(after_help = SUPERVISE_EXIT_CODES)]
     Supervise(supervise::SuperviseArgs),
+    #[cfg(unix)]
     /// The orchestrator's side: push, pause, resume, cancel or reset a plan, show its status or
     /// what its instructions printed (local, in a Secret or a NodePlan), or list a node's NodePlans.
     #[command(after_help = PLAN_EXIT_CODES)]
     Plan(plan_cmd::PlanArgs),
+    #[cfg(unix)]
     /// Push one plan to many nodes' plan Secrets or NodePlans (a label selector), a few at a
     /// time, stopping by itself when too many fail; a rerun continues where it stopped.
     #[command(after_help = rollout::EXIT_CODES)]
     Rollout(rollout::RolloutArgs),
+    #[cfg(unix)]
     /// Install the agent on this machine (or into --root DIR) as system-agent's installer does:
     /// connection info from Rancher (or a kubeconfig given), config, binary, systemd unit, enabled.
     #[command(after_help = install::INSTALL_EXIT_CODES)]
     Install(install::InstallArgs),
+    #[cfg(unix)]
     /// Remove what `nodeplan install` wrote (files changed since are kept and named).
     #[command(after_help = install::UNINSTALL_EXIT_CODES)]
     Uninstall(install::UninstallArgs),
@@ -234,6 +270,7 @@ const PLAN_EXIT_CODES: &str = "Exit codes:
 /// Open /dev/null on any of fds 0, 1 and 2 that the agent was started without (a daemon started by
 /// a careless parent), so that no file the agent opens later lands there: a pipe end on fd 1
 /// would be mistaken for stdout by children and by logging.
+#[cfg(unix)]
 fn ensure_std_fds() {
     for fd in 0..3 {
         // SAFETY: F_GETFD only queries the descriptor.
@@ -249,6 +286,7 @@ fn ensure_std_fds() {
 /// Every descriptor above 2 that whoever started the agent left open becomes close-on-exec, so
 /// no instruction inherits it (a leaked fd to a root-only file or socket would be readable by
 /// whatever the plan runs, and by anyone who can attach to those processes).
+#[cfg(unix)]
 fn cloexec_inherited_fds() {
     const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
     // SAFETY: close_range with the CLOEXEC flag only sets a flag on descriptors.
@@ -267,7 +305,9 @@ fn cloexec_inherited_fds() {
 
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    #[cfg(unix)]
     ensure_std_fds();
+    #[cfg(unix)]
     cloexec_inherited_fds();
     agent::note_program();
     let cli = match Cli::try_parse() {
@@ -304,14 +344,21 @@ pub fn main() -> ExitCode {
     let code = rt.block_on(async move {
         let code = match cli.command {
             Command::Agent(a) => agent::run(a).await,
+            #[cfg(unix)]
             Command::Status(a) => status::run(a),
             Command::ValidateConfig(a) => agent::validate_config(a),
             Command::ValidateConnection(a) => agent::validate_connection(a).await,
+            #[cfg(unix)]
             Command::Apply(a) => apply::run(a).await,
+            #[cfg(unix)]
             Command::Supervise(s) => supervise::run(s).await,
+            #[cfg(unix)]
             Command::Plan(p) => plan_cmd::run(p).await,
+            #[cfg(unix)]
             Command::Rollout(r) => rollout::run(r).await,
+            #[cfg(unix)]
             Command::Install(a) => install::install(a).await,
+            #[cfg(unix)]
             Command::Uninstall(a) => install::uninstall(a),
             Command::Crd(a) => crd(&a),
             Command::Completions { shell } => generated(|w| {
@@ -463,7 +510,13 @@ pub(crate) fn check_cgroup_dir(mode: &crate::process::CgroupMode) -> Result<(), 
     if !dir.is_dir() {
         return Err(format!("{}: no such directory", dir.display()));
     }
-    crate::process::cgroup::CgroupRoot::discover(mode).map(|_| ())
+    #[cfg(unix)]
+    return crate::process::cgroup::CgroupRoot::discover(mode).map(|_| ());
+    #[cfg(windows)]
+    Err(format!(
+        "{}: there are no cgroups on Windows (a run's tree is its Job Object); leave cgroupRoot unset",
+        dir.display()
+    ))
 }
 
 /// A line of a command's result on stdout, made safe for a terminal ([`terminal_safe`]): what it

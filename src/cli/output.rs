@@ -55,6 +55,7 @@ fn queue() -> &'static Queue {
 
 /// Write all of `buf` to fd 2 (not through `std::io::stderr()`, whose lock a blocked write would
 /// hold against everyone else). False once stderr is closed or broken.
+#[cfg(unix)]
 fn write_fd2(mut buf: &[u8]) -> bool {
     while !buf.is_empty() {
         // SAFETY: writes from a valid buffer to fd 2, which ensure_std_fds keeps open.
@@ -68,6 +69,14 @@ fn write_fd2(mut buf: &[u8]) -> bool {
         buf = buf.get(n as usize..).unwrap_or_default();
     }
     true
+}
+
+/// On Windows: standard error's handle, written by this thread alone (see [`queue`]).
+#[cfg(windows)]
+fn write_fd2(buf: &[u8]) -> bool {
+    use std::io::Write as _;
+    let mut e = std::io::stderr();
+    e.write_all(buf).and_then(|()| e.flush()).is_ok()
 }
 
 fn writer(rx: Receiver<Vec<u8>>) {
@@ -234,6 +243,11 @@ fn cursor(n: usize, direction: char) -> std::io::Result<()> {
 }
 
 impl indicatif::TermLike for QueuedTerm {
+    #[cfg(windows)]
+    fn width(&self) -> u16 {
+        80
+    }
+    #[cfg(unix)]
     fn width(&self) -> u16 {
         let mut ws = libc::winsize { ws_row: 0, ws_col: 0, ws_xpixel: 0, ws_ypixel: 0 };
         // SAFETY: TIOCGWINSZ fills a winsize; fd 2 is open (ensure_std_fds).

@@ -57,7 +57,7 @@ pub use record::RecordFile;
 #[cfg(windows)]
 pub use job::{INTERRUPT_MODE, Identity, Job, Run, TERMINATED, interrupt_console, set_interrupter, spawn, spawn_in};
 #[cfg(windows)]
-pub use windows::Supervisor;
+pub use windows::{Supervisor, start_time_of};
 #[cfg(windows)]
 pub(crate) use windows::{boot_id, own_identity, running};
 

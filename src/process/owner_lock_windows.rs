@@ -22,7 +22,9 @@ pub fn lock_file(dir: &Path, name: &str, note: &str) -> Result<OwnerLock, LockEr
     let path = dir.join(name);
     let io_err = |what: &'static str, source: std::io::Error| LockError::Io { path: path.clone(), what, source };
     crate::safefs::open_dir(dir, Some(0o700)).map_err(|e| io_err("cannot make its directory", e))?;
+    // `write`: what the standard library asks before it creates; `access_mode` is what is asked for.
     let mut file = match OpenOptions::new()
+        .write(true)
         .access_mode(GENERIC_READ | GENERIC_WRITE | DELETE)
         .share_mode(FILE_SHARE_READ)
         .create(true)

@@ -140,6 +140,12 @@ pub(crate) fn own_identity() -> std::io::Result<(u64, i32, u64)> {
     Ok((0, me as i32, id.created))
 }
 
+/// When the process `pid` was created (100 ns units since 1601), if it runs: with its pid, what
+/// tells it from a later process given the same pid.
+pub fn start_time_of(pid: i32) -> Option<u64> {
+    Identity::of(u32::try_from(pid).ok()?).map(|i| i.created)
+}
+
 /// Whether the process `pid` created at `created` still runs.
 pub(crate) fn running(pid: i32, created: u64) -> bool {
     u32::try_from(pid).is_ok_and(|pid| Identity { pid, created }.alive())

@@ -244,8 +244,8 @@ impl AgentProc {
     }
 
     /// `command` (the binary, or a wrapper whose last arguments name it) with `agent --config
-    /// config` appended.
-    fn spawn(mut command: std::process::Command, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
+    /// config` appended (`config` as that program names it: a Windows path for one under Wine).
+    pub fn spawn(mut command: std::process::Command, config: &std::path::Path, env: &[(&str, &str)]) -> AgentProc {
         let mut child = command
             .args(["agent", "--config"])
             .arg(config)
