@@ -192,25 +192,9 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
         Err(e) if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR | libc::ENOENT)) => return Err(e),
         Err(_) => {}
     }
-    for _ in 0..16 {
-        let path = dir.join(format!(".nodeplan-layer-{:016x}", crate::safefs::random_u64()?));
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path);
-        match f {
-            Ok(f) => {
-                std::fs::remove_file(&path)?;
-                return Ok(f);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))
+    let (f, path) = new_random_file(dir, |o| o.mode(0o600).custom_flags(libc::O_NOFOLLOW))?;
+    std::fs::remove_file(&path)?;
+    Ok(f)
 }
 
 /// On Windows: a new file of a random name, shared with no other handle and deleted when closed.
@@ -218,18 +202,18 @@ pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
 pub(crate) fn scratch_file(dir: &Path) -> std::io::Result<File> {
     use std::os::windows::fs::OpenOptionsExt;
     use windows_sys::Win32::Storage::FileSystem::FILE_FLAG_DELETE_ON_CLOSE;
+    new_random_file(dir, |o| o.share_mode(0).custom_flags(FILE_FLAG_DELETE_ON_CLOSE)).map(|(f, _)| f)
+}
+
+/// A new file of an unguessable name in `dir`, opened for reading and writing with the options
+/// `how` adds, and its path.
+fn new_random_file(dir: &Path, how: impl Fn(&mut OpenOptions) -> &mut OpenOptions) -> std::io::Result<(File, PathBuf)> {
     for _ in 0..16 {
         let path = dir.join(format!(".nodeplan-layer-{:016x}", crate::safefs::random_u64()?));
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .share_mode(0)
-            .custom_flags(FILE_FLAG_DELETE_ON_CLOSE)
-            .open(&path);
-        match f {
+        match how(OpenOptions::new().read(true).write(true).create_new(true)).open(&path) {
+            Ok(f) => return Ok((f, path)),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            r => return r,
+            Err(e) => return Err(e),
         }
     }
     Err(std::io::Error::other(format!("no free scratch file name in {}", dir.display())))

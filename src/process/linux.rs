@@ -10,14 +10,14 @@ use super::record::{self, Identity, PidRecord, RecordFile};
 use super::spawn;
 use super::tree::Tree;
 use super::{
-    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, Recovered, RecoveryResult, RunResult, SpawnSpec,
+    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, Recovered, RecoveryResult, RunClock, RunResult, SpawnSpec,
     StopReason, StopSignal, Stream, SupervisorConfig, drain, remove_record, sleep_until_opt,
 };
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Spawns, supervises and stops processes. Cheap to clone.
 #[derive(Clone)]
@@ -94,19 +94,12 @@ impl Supervisor {
     /// stop ladder. Never hangs: every wait is bounded once a stop is requested.
     pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
         self.sweep_lingering();
-        let started = Instant::now();
-        let marker = self.new_marker();
-        let finish = |outcome, output, pid| RunResult {
-            outcome,
-            output,
-            pid,
-            marker: marker.clone(),
-            elapsed: started.elapsed(),
-        };
-        if let Some(r) = stop.requested() {
-            return finish(Outcome::NotStarted(r), Output::default(), None);
+        let clock = RunClock::start(self.new_marker());
+        if let Some(r) = clock.stopped_before(stop) {
+            return r;
         }
-        let mut setup = match self.set_up(&spec, &marker) {
+        let (marker, finish) = (&clock.marker, |o, out, pid| clock.finish(o, out, pid));
+        let mut setup = match self.set_up(&spec, marker) {
             Ok(s) => s,
             Err(outcome) => return finish(outcome, Output::default(), None),
         };
@@ -117,11 +110,11 @@ impl Supervisor {
         }
         let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
         let spec = Arc::new(spec);
-        let started_child = match self.spawn_child(&spec, &marker, &mut setup, stop, deadline).await {
+        let started_child = match self.spawn_child(&spec, marker, &mut setup, stop, deadline).await {
             Ok(s) => s,
             Err(outcome) => return finish(outcome, Output::default(), None),
         };
-        let (outcome, output, pid) = self.follow(&spec, &marker, setup, started_child, stop, deadline).await;
+        let (outcome, output, pid) = self.follow(&spec, marker, setup, started_child, stop, deadline).await;
         finish(outcome, output, Some(pid))
     }
 

@@ -152,6 +152,27 @@ pub struct RunResult {
     pub elapsed: Duration,
 }
 
+/// A run's clock and marker, from which its [`RunResult`] is made (both backends).
+struct RunClock {
+    started: std::time::Instant,
+    marker: String,
+}
+
+impl RunClock {
+    fn start(marker: String) -> RunClock {
+        RunClock { started: std::time::Instant::now(), marker }
+    }
+
+    fn finish(&self, outcome: Outcome, output: Output, pid: Option<i32>) -> RunResult {
+        RunResult { outcome, output, pid, marker: self.marker.clone(), elapsed: self.started.elapsed() }
+    }
+
+    /// The result of a run whose stop came before its spawn (R7), if it did.
+    fn stopped_before(&self, stop: &StopSignal) -> Option<RunResult> {
+        stop.requested().map(|r| self.finish(Outcome::NotStarted(r), Output::default(), None))
+    }
+}
+
 type Changed<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 
 trait StopSource: Send + Sync {

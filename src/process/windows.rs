@@ -12,13 +12,13 @@ use super::capture::{self, Captures};
 use super::job::{self, Identity, Run};
 use super::owner_lock::{self, LockError, OwnerLock};
 use super::{
-    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, PidRecord, Recovered, RunResult, SpawnSpec, StopReason,
-    StopSignal, Stream, SupervisorConfig, drain, sleep_until_opt,
+    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, PidRecord, Recovered, RunClock, RunResult, SpawnSpec,
+    StopReason, StopSignal, Stream, SupervisorConfig, drain, sleep_until_opt,
 };
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Spawns, supervises and stops processes. Cheap to clone.
 #[derive(Clone)]
@@ -74,19 +74,12 @@ impl Supervisor {
     /// Run `spec` to completion: until it exits by itself, or until `stop` or its timeout runs the
     /// stop ladder on its job. Never hangs: every wait is bounded once a stop is requested.
     pub async fn run(&self, spec: SpawnSpec, stop: &mut StopSignal) -> RunResult {
-        let started = Instant::now();
-        let marker = self.new_marker();
-        let finish = |outcome, output, pid| RunResult {
-            outcome,
-            output,
-            pid,
-            marker: marker.clone(),
-            elapsed: started.elapsed(),
-        };
-        if let Some(r) = stop.requested() {
-            return finish(Outcome::NotStarted(r), Output::default(), None);
+        let clock = RunClock::start(self.new_marker());
+        if let Some(r) = clock.stopped_before(stop) {
+            return r;
         }
-        let mut run = match job::spawn(&mut command(&spec, &marker)) {
+        let (marker, finish) = (&clock.marker, |o, out, pid| clock.finish(o, out, pid));
+        let mut run = match job::spawn(&mut command(&spec, marker)) {
             Ok(r) => r,
             Err(e) => {
                 let what = format!("{}: {e}", spec.program.to_string_lossy());
