@@ -3,8 +3,8 @@
 //! orchestrator's side is played by this test through its own client, as in
 //! `tests/remote_agent.rs`; the instructions are the Windows test helper
 //! (`tools/test-helper-windows.rs`). `tools/windows.sh` builds both programs and runs this file
-//! with `NODEPLAN_WINDOWS_EXE` and `NODEPLAN_WINDOWS_HELPER` naming them; without them (a plain
-//! `cargo test`) every test here says so and does nothing.
+//! with `NODEPLAN_WINDOWS_EXE` and `NODEPLAN_WINDOWS_HELPER` naming them; without them a plain
+//! `cargo test` says so and does nothing, and with `NODEPLAN_CI` set the test fails.
 
 mod common;
 mod k8s_support;
@@ -23,9 +23,9 @@ fn programs() -> Option<(PathBuf, PathBuf)> {
     match (std::env::var_os("NODEPLAN_WINDOWS_EXE"), std::env::var_os("NODEPLAN_WINDOWS_HELPER")) {
         (Some(exe), Some(helper)) => Some((exe.into(), helper.into())),
         _ => {
-            k8s_support::loud(
-                "*** tests/windows_agent.rs runs from tools/windows.sh (it needs the Windows build under Wine); not here ***",
-            );
+            let why = "tests/windows_agent.rs runs from tools/windows.sh (it needs the Windows build under Wine)";
+            assert!(std::env::var_os("NODEPLAN_CI").is_none(), "NODEPLAN_CI is set, so this must not skip: {why}");
+            k8s_support::loud(&format!("*** SKIPPED: {why} ***"));
             None
         }
     }
