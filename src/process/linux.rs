@@ -10,7 +10,7 @@ use super::record::{self, Identity, PidRecord, RecordFile};
 use super::spawn;
 use super::tree::Tree;
 use super::{
-    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, Recovered, RecoveryResult, RunClock, RunResult, SpawnSpec,
+    LineSink, MARKER_ENV, Outcome, Output, Owner, Recovered, RecoveryResult, RunClock, RunResult, SpawnSpec,
     StopReason, StopSignal, Stream, SupervisorConfig, drain, remove_record, sleep_until_opt,
 };
 use std::os::fd::AsRawFd;
@@ -298,10 +298,7 @@ impl Supervisor {
             // Stopped while it was being spawned: straight to the ladder.
             r = std::future::ready(interrupted), if interrupted.is_some() => r.unwrap_or(StopReason::Cancel),
             status = child.wait() => {
-                let outcome = match status {
-                    Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
-                    Err(e) => Outcome::WaitFailed(e.to_string()),
-                };
+                let outcome = Outcome::of_exit(status);
                 self.after_exit(spec, &tree, pid, cgroup_dir.as_ref(), &mut readers, &outcome).await;
                 if !outcome.termination_incomplete() {
                     remove_record(record_path.as_deref());

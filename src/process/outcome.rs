@@ -215,6 +215,14 @@ impl fmt::Display for Outcome {
 }
 
 impl Outcome {
+    /// The outcome of a process that exited by itself, from its wait.
+    pub fn of_exit(status: std::io::Result<std::process::ExitStatus>) -> Outcome {
+        match status {
+            Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
+            Err(e) => Outcome::WaitFailed(e.to_string()),
+        }
+    }
+
     /// What the stop ladder's metric says of this outcome; `None` for outcomes the ladder does not
     /// produce.
     pub fn ladder_metric(&self) -> Option<crate::metrics::Ladder> {

@@ -12,8 +12,8 @@ use super::capture::{self, Captures};
 use super::job::{self, Identity, Run};
 use super::owner_lock::{self, LockError, OwnerLock};
 use super::{
-    ExitKind, LineSink, MARKER_ENV, Outcome, Output, Owner, PidRecord, Recovered, RunClock, RunResult, SpawnSpec,
-    StopReason, StopSignal, Stream, SupervisorConfig, drain, sleep_until_opt,
+    LineSink, MARKER_ENV, Outcome, Output, Owner, PidRecord, Recovered, RunClock, RunResult, SpawnSpec, StopReason,
+    StopSignal, Stream, SupervisorConfig, drain, sleep_until_opt,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -99,10 +99,7 @@ impl Supervisor {
         let reason = tokio::select! {
             biased;
             status = run.wait() => {
-                let outcome = match status {
-                    Ok(s) => Outcome::Exited(ExitKind::from_status(s)),
-                    Err(e) => Outcome::WaitFailed(e.to_string()),
-                };
+                let outcome = Outcome::of_exit(status);
                 drain(&mut readers, self.inner.config.drain_timeout).await;
                 leave_daemons(&spec, &mut run, &outcome);
                 return finish(outcome, captures.take(), Some(pid));
