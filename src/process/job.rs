@@ -78,19 +78,24 @@ impl Job {
     /// A new, unnamed job with `KILL_ON_JOB_CLOSE`.
     pub fn new() -> io::Result<Job> {
         // SAFETY: no security attributes, no name.
-        let job = owned(unsafe { CreateJobObjectW(std::ptr::null(), std::ptr::null()) })?;
+        let job = Job(owned(unsafe { CreateJobObjectW(std::ptr::null(), std::ptr::null()) })?);
+        job.set_limits(JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE)?;
+        Ok(job)
+    }
+
+    /// Set the job's limit flags (and no other limit).
+    fn set_limits(&self, flags: u32) -> io::Result<()> {
         let mut limits = JOBOBJECT_EXTENDED_LIMIT_INFORMATION::default();
-        limits.BasicLimitInformation.LimitFlags = JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE;
+        limits.BasicLimitInformation.LimitFlags = flags;
         // SAFETY: the structure and its size match the information class.
         check(unsafe {
             SetInformationJobObject(
-                job.as_raw_handle(),
+                self.0.as_raw_handle(),
                 JobObjectExtendedLimitInformation,
                 (&raw const limits).cast::<c_void>(),
                 size_of::<JOBOBJECT_EXTENDED_LIMIT_INFORMATION>() as u32,
             )
-        })?;
-        Ok(Job(job))
+        })
     }
 
     /// Another handle to this job that may only query it (a job that refuses assignments, for
@@ -120,16 +125,7 @@ impl Job {
     /// Let the job's processes outlive its last handle (a daemon a run started on purpose, left
     /// alone as on Linux).
     pub fn release(&self) -> io::Result<()> {
-        let limits = JOBOBJECT_EXTENDED_LIMIT_INFORMATION::default();
-        // SAFETY: the structure and its size match the information class.
-        check(unsafe {
-            SetInformationJobObject(
-                self.0.as_raw_handle(),
-                JobObjectExtendedLimitInformation,
-                (&raw const limits).cast::<c_void>(),
-                size_of::<JOBOBJECT_EXTENDED_LIMIT_INFORMATION>() as u32,
-            )
-        })
+        self.set_limits(0)
     }
 
     /// Whether the running process `pid` is in this job.

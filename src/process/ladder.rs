@@ -125,8 +125,22 @@ async fn wait_gone<T: TreeOps, C: Leader>(
 
 /// The stop ladder: SIGTERM+SIGCONT to the tree, wait up to the grace period for it to empty,
 /// then (unless the policy forbids it) SIGKILL the tree, close the pipes (`close_pipes`) and wait
-/// up to the kill timeout.
+/// up to the kill timeout. Every run of it is counted in the stop-ladder metric.
 pub(crate) async fn ladder<T: TreeOps, C: Leader>(
+    tree: &T,
+    leader: Option<&mut C>,
+    policy: &StopPolicy,
+    reason: StopReason,
+    close_pipes: impl FnOnce(),
+) -> Outcome {
+    let outcome = rungs(tree, leader, policy, reason, close_pipes).await;
+    if let Some(m) = outcome.ladder_metric() {
+        crate::metrics::stop_ladder(m);
+    }
+    outcome
+}
+
+async fn rungs<T: TreeOps, C: Leader>(
     tree: &T,
     mut leader: Option<&mut C>,
     policy: &StopPolicy,

@@ -315,9 +315,6 @@ impl Supervisor {
             }
         })
         .await;
-        if let Some(m) = outcome.ladder_metric() {
-            crate::metrics::stop_ladder(m);
-        }
         // After a successful stop the pipes are at EOF or were closed; never wait long on them.
         drain(&mut readers, Duration::from_millis(100)).await;
         if !outcome.termination_incomplete() {
@@ -573,9 +570,6 @@ impl Supervisor {
         }
         let outcome =
             ladder(&tree, None::<&mut NoLeader>, &self.inner.config.policy, StopReason::Shutdown, || {}).await;
-        if let Some(m) = outcome.ladder_metric() {
-            crate::metrics::stop_ladder(m);
-        }
         if outcome.termination_incomplete() {
             RecoveryResult::NotStopped(outcome)
         } else {

@@ -114,9 +114,6 @@ impl Supervisor {
                 }
             })
             .await;
-        if let Some(m) = outcome.ladder_metric() {
-            crate::metrics::stop_ladder(m);
-        }
         drain(&mut readers, Duration::from_millis(100)).await;
         finish(outcome, captures.take(), Some(pid))
     }
